@@ -1,0 +1,40 @@
+# The two commands of the README: `make demo` and `make test`. Both create .venv when missing and
+# are no-ops for set-up when it is current (a stamp per extra set, remade when setup.py changes).
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip --disable-pip-version-check -q
+# torch first and pinned: this is the CPU wheel; an open range would pull a multi-GB CUDA build.
+TORCH  := torch==2.13.0
+
+.PHONY: demo test docs bench lint clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --upgrade pip
+	$(PIP) install $(TORCH)
+
+# One stamp per extras set; `pip install -e` runs again only when setup.py changes.
+$(VENV)/.stamp-%: setup.py | $(PY)
+	$(PIP) install $(TORCH) -e ".[$(subst +,$(comma),$*)]"
+	touch $@
+comma := ,
+
+demo: $(VENV)/.stamp-examples
+	$(PY) examples/cartpole_grpo.py
+
+test: $(VENV)/.stamp-test+examples
+	$(PY) -m pytest -q test torchrl_grpo --doctest-modules
+
+docs: $(VENV)/.stamp-docs+examples
+	$(PY) -m sphinx -W --keep-going -b html docs docs/_build/html
+
+bench: $(VENV)/.stamp-examples
+	$(PY) benchmarks/transform_throughput.py
+
+lint: $(VENV)/.stamp-dev
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+clean:
+	rm -rf $(VENV) docs/_build .pytest_cache
