@@ -1,0 +1,856 @@
+"""``MCAdvantage``: a replay-buffer transform that writes group-relative advantages on insertion.
+
+Plumbing only: this module splits the incoming steps into trajectories, matches them with the
+pending ones by group id, decides which groups are complete, and calls the math in
+:mod:`torchrl_grpo.advantages`. See ``ARCHITECTURE.md`` for the data path.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+from dataclasses import dataclass, field, replace
+
+import torch
+from tensordict import LazyStackedTensorDict, NestedKey, TensorDict, TensorDictBase, lazy_stack
+from tensordict.base import _is_leaf_nontensor
+from torch import Tensor
+from torchrl._utils import logger as torchrl_logger
+from torchrl.envs.transforms.transforms import Transform
+from torchrl.objectives.llm import MCAdvantageSelector
+
+from torchrl_grpo.advantages import (
+    BASELINES,
+    RETURN_REDUCTIONS,
+    SCALES,
+    group_mean,
+    group_relative_advantage,
+    group_std,
+    trajectory_returns,
+)
+
+__all__ = ["MCAdvantage", "MCAdvantageSelector"]
+
+STAT_NAMES = (
+    "completed_trajectories",
+    "completed_decisions",
+    "trajectory_return_sum",
+    "trajectory_return_max",
+    "successful_trajectories",
+    "completed_groups",
+    "written_groups",
+    "dropped_groups",
+    "rescued_groups",
+    "selected_trajectories",
+    "unselected_trajectories",
+)
+
+
+def _fresh_stats() -> dict:
+    stats = dict.fromkeys(STAT_NAMES, 0)
+    stats["trajectory_return_sum"] = 0.0
+    stats["trajectory_return_max"] = float("-inf")
+    return stats
+
+
+@dataclass
+class _State:
+    """Everything the transform holds between insertions; replaced whole, never mutated.
+
+    ``steps`` holds the pending trajectories' steps in arrival order: a flat TensorDict, or a list
+    of step TensorDicts once ragged data has been seen. ``keys`` holds one group id per pending
+    trajectory: a ``(Q, k)`` tensor for tensor ids, a list of strings for prompts.
+    """
+
+    steps: TensorDictBase | list | None = None
+    lengths: Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
+    keys: Tensor | list | None = None
+    returns: Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.float64))
+    stats: dict = field(default_factory=_fresh_stats)
+
+    @property
+    def num_pending(self) -> int:
+        return self.lengths.numel()
+
+
+@dataclass
+class _Batch:
+    """One insertion, flattened and split into trajectories (all tensors are 1-D)."""
+
+    data: TensorDictBase | list  # dense flat TensorDict, or list of step TensorDicts (ragged)
+    lengths: Tensor  # (n,) steps per trajectory
+    keys: Tensor | list  # (n, k) tensor ids or n strings
+    elements: Tensor  # (E,) every reward element, in order
+    element_step: Tensor  # (E,) step of each element
+    step_traj: Tensor  # (N,) trajectory of each step
+
+
+def _ranges(starts: Tensor, lengths: Tensor) -> Tensor:
+    """Concatenate ``arange(s, s + l)`` for each pair, without a Python loop."""
+    total = int(lengths.sum())
+    offsets = torch.cumsum(lengths, 0) - lengths  # (n,)
+    return torch.arange(total) - torch.repeat_interleave(offsets - starts, lengths)
+
+
+def _is_ragged(tensordict: TensorDictBase) -> bool:
+    if not isinstance(tensordict, LazyStackedTensorDict):
+        return False
+    try:
+        concrete = tensordict.contiguous()
+    except RuntimeError:
+        return True
+    # contiguous() may silently drop stacked non-tensor entries; keep the lazy form then.
+    lazy_keys = set(tensordict.keys(True, True, is_leaf=_is_leaf_nontensor))
+    return bool(lazy_keys - set(concrete.keys(True, True, is_leaf=_is_leaf_nontensor)))
+
+
+class MCAdvantage(Transform):
+    """Group-relative Monte-Carlo advantages, written when a replay buffer is extended.
+
+    A drop-in for :class:`torchrl.objectives.llm.MCAdvantage` (torchrl 0.14.1): the same
+    arguments, defaults, validation errors, statistics and numbers, computed in a few tensor passes
+    per insertion instead of a Python loop over trajectories. Append it to a
+    :class:`~torchrl.data.ReplayBuffer`; every ``extend``/``add`` then
+
+    1. flattens the input and splits it into trajectories at the done flags (each row of a
+       ``[B, T]`` input must end with done);
+    2. reads each trajectory's group id at its first step: a string (the prompt) or a tensor
+       (e.g. an environment seed), compared by value;
+    3. queues trajectories by group id; when a group holds ``grpo_size`` trajectories it writes
+       their ``advantage`` and releases them to storage, in the order the groups complete. Groups
+       still short of ``grpo_size`` stay pending (``None`` is returned if nothing completes).
+
+    Advantages follow :func:`~torchrl_grpo.advantages.group_relative_advantage`. With
+    ``trajectory_return=None`` (torchrl's default) every reward element of every step of the group
+    is one sample; otherwise each trajectory is reduced to one return and its advantage is
+    broadcast to all its steps.
+
+    Args:
+        grpo_size: trajectories per group.
+        prompt_key: key of the group id. Defaults to ``"query"``.
+        rewards_key: key of the rewards. Defaults to ``("next", "reward")``.
+        advantage_key: key written with the advantages. Defaults to ``"advantage"``.
+        done_key: key of the done flags. Defaults to ``("next", "done")``.
+        verbose: log each released group.
+
+    Keyword Args:
+        trajectory_return: ``None`` (per-step normalization), or how a trajectory's rewards become
+            its return: ``"sum"``, ``"max"``, ``"mean"`` (torchrl) or ``"last"`` (step-wise GRPO:
+            the final reward is broadcast to every step).
+        keep_return_bounds: exclusive ``(low, high)`` bounds on a group's mean return; a group
+            outside them is dropped (DAPO dynamic sampling). Requires ``trajectory_return``.
+        candidate_group_size: trajectories to collect before giving up on a group (oversampling).
+            Defaults to ``grpo_size``; larger values require ``trajectory_return``.
+        candidate_selection_min_size: candidates needed before the first selection attempt.
+        candidate_selector: an :class:`MCAdvantageSelector` choosing ``grpo_size`` candidates.
+        scale_rewards: ``"group"`` (default: per-group std), ``"batch"`` (std over every sample
+            released by the same insertion, mean still per group) or ``"none"`` (Dr. GRPO).
+        baseline: ``"mean"`` (default) or ``"leave_one_out"`` (RLOO).
+        std_threshold: groups whose sample std is at or below it are dropped and counted in
+            ``dropped_groups`` (Trinity-RFT). ``None`` (default) keeps every group.
+        step_norm: divide each trajectory's advantages by its number of steps.
+        epsilon: floor of the std (``clamp_min``). Defaults to ``1e-6``, as torchrl.
+
+    Raises:
+        ValueError: for inconsistent arguments (same conditions as torchrl).
+
+    Examples:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> from torchrl.data import LazyTensorStorage, ReplayBuffer
+        >>> from torchrl_grpo import MCAdvantage
+        >>> rb = ReplayBuffer(storage=LazyTensorStorage(100), batch_size=4)
+        >>> rb.append_transform(MCAdvantage(grpo_size=2, prompt_key="seed", trajectory_return="sum"))
+        >>> steps = TensorDict(  # two trajectories of seed 7, with returns 1 and 3
+        ...     seed=torch.tensor([7, 7, 7, 7]),
+        ...     next=TensorDict(
+        ...         reward=torch.tensor([[0.0], [1.0], [1.0], [2.0]]),
+        ...         done=torch.tensor([[False], [True], [False], [True]]),
+        ...         batch_size=[4],
+        ...     ),
+        ...     batch_size=[4],
+        ... )
+        >>> _ = rb.extend(steps)
+        >>> rb[:]["advantage"].squeeze(-1)
+        tensor([-0.7071, -0.7071,  0.7071,  0.7071])
+    """
+
+    requires_shared_write_state = True
+
+    def __init__(
+        self,
+        grpo_size: int,
+        prompt_key: NestedKey = "query",
+        rewards_key: NestedKey = ("next", "reward"),
+        advantage_key: NestedKey = "advantage",
+        done_key: NestedKey = ("next", "done"),
+        verbose: bool = False,
+        *,
+        trajectory_return: str | None = None,
+        keep_return_bounds: tuple[float, float] | None = None,
+        candidate_group_size: int | None = None,
+        candidate_selection_min_size: int | None = None,
+        candidate_selector: MCAdvantageSelector | None = None,
+        scale_rewards: str = "group",
+        baseline: str = "mean",
+        std_threshold: float | None = None,
+        step_norm: bool = False,
+        epsilon: float = 1e-6,
+    ):
+        super().__init__()
+        if int(grpo_size) < 1:
+            raise ValueError(f"grpo_size must be at least 1, got {grpo_size}.")
+        if trajectory_return is not None and trajectory_return not in RETURN_REDUCTIONS:
+            raise ValueError(
+                f"trajectory_return must be one of {sorted(RETURN_REDUCTIONS)} or None, "
+                f"got {trajectory_return!r}."
+            )
+        if trajectory_return is not None and grpo_size < 2:
+            raise ValueError(
+                "trajectory_return requires grpo_size >= 2: a group-relative return needs at "
+                f"least two trajectories, got grpo_size={grpo_size}."
+            )
+        candidate_group_size = (
+            grpo_size if candidate_group_size is None else int(candidate_group_size)
+        )
+        if candidate_group_size < grpo_size:
+            raise ValueError(
+                "candidate_group_size must be greater than or equal to grpo_size, got "
+                f"candidate_group_size={candidate_group_size} and grpo_size={grpo_size}."
+            )
+        if candidate_group_size > grpo_size and trajectory_return is None:
+            raise ValueError(
+                "candidate_group_size > grpo_size requires trajectory_return: candidates are "
+                "selected by their return."
+            )
+        min_size = (
+            grpo_size if candidate_selection_min_size is None else int(candidate_selection_min_size)
+        )
+        if min_size < grpo_size:
+            raise ValueError(
+                "candidate_selection_min_size must be greater than or equal to grpo_size, got "
+                f"candidate_selection_min_size={min_size} and grpo_size={grpo_size}."
+            )
+        if min_size > candidate_group_size:
+            raise ValueError(
+                "candidate_selection_min_size must be less than or equal to candidate_group_size, "
+                f"got candidate_selection_min_size={min_size} and "
+                f"candidate_group_size={candidate_group_size}."
+            )
+        if keep_return_bounds is not None:
+            if trajectory_return is None:
+                raise ValueError(
+                    "keep_return_bounds (dynamic sampling) filters on trajectory returns: set "
+                    "trajectory_return to 'sum', 'max', 'mean' or 'last'."
+                )
+            if len(keep_return_bounds) != 2 or not keep_return_bounds[0] < keep_return_bounds[1]:
+                raise ValueError(
+                    f"keep_return_bounds must be an increasing (low, high) pair, got {keep_return_bounds}."
+                )
+            keep_return_bounds = (float(keep_return_bounds[0]), float(keep_return_bounds[1]))
+        if scale_rewards not in SCALES:
+            raise ValueError(
+                f"scale_rewards must be one of {sorted(SCALES)}, got {scale_rewards!r}."
+            )
+        if baseline not in BASELINES:
+            raise ValueError(f"baseline must be one of {sorted(BASELINES)}, got {baseline!r}.")
+        if std_threshold is not None and std_threshold < 0:
+            raise ValueError(f"std_threshold must be non-negative, got {std_threshold}.")
+        if not epsilon > 0:
+            raise ValueError(f"epsilon must be positive, got {epsilon}.")
+
+        self.in_keys = [prompt_key, rewards_key, done_key]
+        self.out_keys = [advantage_key]
+        self.prompt_key = prompt_key
+        self.rewards_key = rewards_key
+        self.advantage_key = advantage_key
+        self.done_key = done_key
+        self.grpo_size = int(grpo_size)
+        self.verbose = verbose
+        self.trajectory_return = trajectory_return
+        self.keep_return_bounds = keep_return_bounds
+        self.candidate_group_size = candidate_group_size
+        self.candidate_selection_min_size = min_size
+        self.candidate_selector = (
+            MCAdvantageSelector() if candidate_selector is None else candidate_selector
+        )
+        self.scale_rewards = scale_rewards
+        self.baseline = baseline
+        self.std_threshold = std_threshold
+        self.step_norm = step_norm
+        self.epsilon = float(epsilon)
+        self._state = _State()
+        self._shared = None  # a manager Namespace holding the _State once share_memory_() ran
+        self._lock = _NoLock()
+        self._manager = None
+
+    # --- state: local, or behind a multiprocessing manager ------------------------------------
+
+    def _load(self) -> _State:
+        return self._shared.state if self._shared is not None else self._state
+
+    def _store(self, state: _State) -> None:
+        if self._shared is not None:
+            self._shared.state = state
+        else:
+            self._state = state
+
+    @property
+    def is_shared(self) -> bool:
+        """Whether the pending groups and statistics live in multiprocessing-shared state."""
+        return self._shared is not None
+
+    def share_memory_(self) -> MCAdvantage:
+        """Move the pending groups and statistics behind a multiprocessing manager.
+
+        Called by :meth:`torchrl.data.ReplayBuffer.share`, so that trajectories of one group
+        written by different processes complete one group. As in torchrl, setting
+        ``TORCHRL_MC_ADVANTAGE_LOCAL_QUEUES=1`` keeps the state process-local.
+
+        Returns:
+            ``self``.
+        """
+        if self.is_shared or os.environ.get("TORCHRL_MC_ADVANTAGE_LOCAL_QUEUES") == "1":
+            return self
+        self._manager = mp.Manager()
+        self._shared = self._manager.Namespace()
+        self._shared.state = self._state
+        self._lock = self._manager.RLock()
+        return self
+
+    def __getstate__(self):
+        state = super().__getstate__()
+        state["_manager"] = None
+        return state
+
+    # --- torchrl's statistics API --------------------------------------------------------------
+
+    def reset_stats(self) -> None:
+        """Reset the counters of write decisions (pending groups are kept)."""
+        with self._lock:
+            self._store(replace(self._load(), stats=_fresh_stats()))
+
+    def clear_queues(self) -> None:
+        """Forget every pending trajectory (statistics are kept)."""
+        with self._lock:
+            self._store(_State(stats=self._load().stats))
+
+    def get_stats(self) -> dict[str, float | int]:
+        """A snapshot of the counters and of the pending queues' sizes.
+
+        Returns:
+            A dict with every name of torchrl's ``MCAdvantage.get_stats()``.
+
+        Examples:
+            >>> from torchrl_grpo import MCAdvantage
+            >>> MCAdvantage(grpo_size=4).get_stats()["queued_trajectories"]
+            0
+        """
+        with self._lock:
+            state = self._load()
+            stats = dict(state.stats)
+            counts = self._group_counts(state)
+            stats.update(
+                queued_groups=len(counts),
+                queued_trajectories=state.num_pending,
+                max_queued_trajectories_per_group=max(counts, default=0),
+            )
+            return stats
+
+    @staticmethod
+    def _group_counts(state: _State) -> list[int]:
+        if state.num_pending == 0:
+            return []
+        if isinstance(state.keys, list):
+            counts: dict = {}
+            for key in state.keys:
+                counts[key] = counts.get(key, 0) + 1
+            return list(counts.values())
+        return torch.unique(state.keys, dim=0, return_counts=True)[1].tolist()
+
+    @property
+    def queued_groups(self) -> int:
+        """Number of incomplete groups held back."""
+        return len(self._group_counts(self._load()))
+
+    @property
+    def queued_trajectories(self) -> int:
+        """Number of trajectories held back in incomplete groups."""
+        return self._load().num_pending
+
+    @property
+    def max_queued_trajectories_per_group(self) -> int:
+        """Largest number of trajectories held back for one group."""
+        return max(self._group_counts(self._load()), default=0)
+
+    @property
+    def queues(self) -> dict:
+        """Snapshot of the pending groups: group id -> list of trajectory TensorDicts.
+
+        Group ids are as in torchrl: the prompt string, a Python number for a one-element tensor
+        id, or a tuple for a larger one. The dict is rebuilt at each access; mutate the pending
+        state with :meth:`clear_queues` only.
+        """
+        state = self._load()
+        out: dict = {}
+        if state.num_pending == 0:
+            return out
+        if isinstance(state.steps, list):
+            bounds = torch.cumsum(state.lengths, 0).tolist()
+            trajs = [
+                lazy_stack(state.steps[b - n : b]) for b, n in zip(bounds, state.lengths.tolist())
+            ]
+        else:
+            trajs = list(state.steps.split(state.lengths.tolist()))
+        for key, traj in zip(self._python_keys(state.keys), trajs):
+            out.setdefault(key, []).append(traj)
+        return out
+
+    @staticmethod
+    def _python_keys(keys: Tensor | list) -> list:
+        if isinstance(keys, list):
+            return list(keys)
+        return [row[0] if len(row) == 1 else tuple(row) for row in keys.tolist()]
+
+    # --- the transform ---------------------------------------------------------------------------
+
+    def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
+        """Identity: advantages are written on insertion (:meth:`inv`), not on sampling."""
+        return tensordict
+
+    def _inv_call(self, tensordict: TensorDictBase) -> TensorDictBase | None:
+        with self._lock:
+            state = self._load()
+            out, new_state = self._insert(tensordict, state)
+            self._store(new_state)
+        return out
+
+    def _insert(
+        self, tensordict: TensorDictBase, state: _State
+    ) -> tuple[TensorDictBase | None, _State]:
+        """Process one insertion against ``state``; returns the output and the next state.
+
+        Everything that can be wrong with the input raises here before a new state exists, so a
+        rejected call leaves the transform exactly as it was.
+        """
+        batch = self._read_batch(tensordict, state)
+        if batch is None:
+            return None, state
+        n = batch.lengths.numel()
+        num_pending = state.num_pending
+        codes = self._group_codes(state.keys, batch.keys)  # (Q + n,)
+        returns = torch.cat([state.returns, self._returns(batch)])  # (Q + n,)
+
+        if self._needs_selection():
+            members, member_event, consumed, extra = self._select_candidates(
+                codes, returns, num_pending, state, batch
+            )
+        else:
+            members, member_event, consumed = self._complete_rounds(codes)
+            extra = dict.fromkeys(("dropped_groups",), 0)
+        lengths = torch.cat([state.lengths, batch.lengths])  # (Q + n,)
+        num_events = int(member_event[-1]) + 1 if member_event.numel() else 0
+
+        out, keep_event, adv_written = None, torch.zeros(0, dtype=torch.bool), 0
+        if num_events:
+            out, keep_event = self._write_advantages(
+                state, batch, members, member_event, num_events, lengths, returns
+            )
+            adv_written = int(keep_event.sum())
+
+        # --- the next state: statistics, then the pending trajectories that were not consumed ---
+        stats = dict(state.stats)
+        stats["completed_trajectories"] += n
+        stats["completed_decisions"] += int(batch.lengths.sum())
+        if self.trajectory_return is not None:
+            sums = trajectory_returns(batch.elements, batch.step_traj[batch.element_step], n, "sum")
+            stats["trajectory_return_sum"] += float(sums.sum())
+            stats["trajectory_return_max"] = max(stats["trajectory_return_max"], float(sums.max()))
+            stats["successful_trajectories"] += int((sums > 0).sum())
+            stats["selected_trajectories"] += adv_written * self.grpo_size
+        stats["completed_groups"] += num_events + extra["dropped_groups"]
+        stats["written_groups"] += adv_written
+        stats["dropped_groups"] += num_events - adv_written + extra["dropped_groups"]
+        for name in ("rescued_groups", "unselected_trajectories"):
+            stats[name] += extra.get(name, 0)
+        new_state = self._remaining(state, batch, consumed, returns, stats)
+        if self.verbose:
+            torchrl_logger.info(
+                f"MCAdvantage: {n} trajectories in, {adv_written} groups written, "
+                f"{num_events - adv_written + extra['dropped_groups']} dropped, "
+                f"{new_state.num_pending} trajectories pending."
+            )
+        return out, new_state
+
+    # --- step 1-2: read and check the input -------------------------------------------------------
+
+    def _get(self, tensordict: TensorDictBase, key: NestedKey, role: str):
+        if key not in tensordict.keys(include_nested=True, leaves_only=False):
+            raise KeyError(
+                f"MCAdvantage: the {role} key {key!r} is missing from the input "
+                f"(keys: {sorted(map(str, tensordict.keys(True, True)))})."
+            )
+        return tensordict.get(key)
+
+    def _read_batch(self, tensordict: TensorDictBase, state: _State) -> _Batch | None:
+        if tensordict.ndim == 0:
+            tensordict = tensordict.unsqueeze(0)
+        if tensordict.numel() == 0:
+            return None
+        ragged = isinstance(state.steps, list) or _is_ragged(tensordict)
+        done = self._get(tensordict, self.done_key, "done")
+        self._get(tensordict, self.prompt_key, "group id")  # existence check before any work
+        if not isinstance(done, Tensor) or done[(0,) * tensordict.ndim].numel() != 1:
+            raise ValueError(
+                f"MCAdvantage: the done key {self.done_key!r} must hold one flag per step, got "
+                f"shape {tuple(done.shape)} for a batch of {tuple(tensordict.batch_size)}."
+            )
+        row_ends = done.reshape(*tensordict.batch_size)[..., -1].reshape(-1).bool()
+        if not row_ends.all():
+            row = int((~row_ends).nonzero()[0])
+            raise RuntimeError(
+                "MCAdvantage: expected complete trajectories, but the input's last step "
+                f"(row {row} of batch {tuple(tensordict.batch_size)}) has {self.done_key!r}=False."
+            )
+        done = done.reshape(-1).bool()  # (N,)
+        if tensordict.ndim > 1:
+            tensordict = (
+                lazy_stack(list(tensordict.reshape(-1).unbind(0)))
+                if ragged
+                else tensordict.reshape(-1)
+            )
+        data = list(tensordict.unbind(0)) if ragged else tensordict
+
+        ends = done.nonzero().squeeze(-1)  # (n,)
+        lengths = torch.diff(ends, prepend=ends.new_full((1,), -1))
+        starts = ends - lengths + 1
+        step_traj = torch.repeat_interleave(torch.arange(ends.numel()), lengths)  # (N,)
+
+        elements, element_step = self._reward_elements(tensordict, data, ragged)
+        bad = ~torch.isfinite(elements)
+        if bad.any():
+            step = int(element_step[bad.nonzero()[0]])
+            raise ValueError(
+                f"MCAdvantage: {int(bad.sum())} non-finite reward value(s) under "
+                f"{self.rewards_key!r}, the first at step {step} (value {float(elements[bad][0])})."
+            )
+        keys = self._read_keys(tensordict, data, starts, ragged, state)
+        return _Batch(data, lengths, keys, elements, element_step, step_traj)
+
+    def _reward_elements(self, tensordict, data, ragged: bool) -> tuple[Tensor, Tensor]:
+        """Every reward element, flat, with the step it belongs to."""
+        num_steps = tensordict.shape[0]
+        if ragged:
+            rewards = [self._get(step, self.rewards_key, "reward") for step in data]
+            counts = torch.tensor([r.numel() for r in rewards])
+            values = torch.cat([r.reshape(-1) for r in rewards]) if rewards else torch.zeros(0)
+        else:
+            reward = self._get(tensordict, self.rewards_key, "reward")
+            if not isinstance(reward, Tensor) or reward.shape[:1] != (num_steps,):
+                raise ValueError(
+                    f"MCAdvantage: the reward under {self.rewards_key!r} must be a tensor with one "
+                    f"entry per step ({num_steps}), got {type(reward).__name__} of shape "
+                    f"{tuple(getattr(reward, 'shape', ()))}."
+                )
+            per_step = reward[0].numel() if num_steps else 0
+            counts = torch.full((num_steps,), per_step)
+            values = reward.reshape(-1)
+        if (counts == 0).any():
+            step = int((counts == 0).nonzero()[0])
+            raise ValueError(
+                f"MCAdvantage: the reward under {self.rewards_key!r} is empty at step {step}."
+            )
+        return values, torch.repeat_interleave(torch.arange(num_steps), counts)
+
+    def _read_keys(self, tensordict, data, starts: Tensor, ragged: bool, state: _State):
+        if ragged:
+            raw = [data[i].get(self.prompt_key) for i in starts.tolist()]
+            keys = torch.stack(raw) if raw and isinstance(raw[0], Tensor) else raw
+        else:
+            value = tensordict.get(self.prompt_key)
+            if isinstance(value, Tensor):
+                keys = value[starts]
+            elif hasattr(value, "tolist"):  # NonTensorStack / NonTensorData: prompts
+                values = value.tolist()
+                values = values if isinstance(values, list) else [values] * tensordict.shape[0]
+                keys = [values[i] for i in starts.tolist()]
+            else:
+                keys = [value] * starts.numel()
+        if isinstance(keys, Tensor):
+            keys = keys.reshape(starts.numel(), -1)
+            if isinstance(state.keys, list):
+                raise TypeError(
+                    f"MCAdvantage: group ids under {self.prompt_key!r} are tensors, but the pending "
+                    "groups are keyed by strings; use one kind of group id per transform."
+                )
+            if (
+                isinstance(state.keys, Tensor)
+                and state.num_pending
+                and state.keys.shape[1] != keys.shape[1]
+            ):
+                raise ValueError(
+                    f"MCAdvantage: group ids under {self.prompt_key!r} have {keys.shape[1]} values "
+                    f"per trajectory, but the pending ones have {state.keys.shape[1]}."
+                )
+            return keys
+        for key in keys:
+            if not isinstance(key, str):
+                raise TypeError(
+                    f"MCAdvantage: the group id under {self.prompt_key!r} must be a string or a "
+                    f"tensor, got {type(key).__name__}: {key!r:.80}."
+                )
+        if isinstance(state.keys, Tensor) and state.num_pending:
+            raise TypeError(
+                f"MCAdvantage: group ids under {self.prompt_key!r} are strings, but the pending "
+                "groups are keyed by tensors; use one kind of group id per transform."
+            )
+        return keys
+
+    # --- step 3-4: group ids, and which groups are complete --------------------------------------
+
+    @staticmethod
+    def _group_codes(pending: Tensor | list | None, incoming: Tensor | list) -> Tensor:
+        """A dense integer code per trajectory (pending first), equal iff the group ids are."""
+        if isinstance(incoming, list):
+            table: dict = {}
+            return torch.tensor(
+                [table.setdefault(k, len(table)) for k in (pending or []) + incoming],
+                dtype=torch.long,
+            )
+        keys = (
+            incoming
+            if pending is None or pending.numel() == 0
+            else torch.cat(
+                [pending, incoming.to(torch.promote_types(pending.dtype, incoming.dtype))]
+            )
+        )
+        if keys.shape[1] == 1:
+            return torch.unique(keys.reshape(-1), return_inverse=True)[1]
+        return torch.unique(keys, dim=0, return_inverse=True)[1]
+
+    def _needs_selection(self) -> bool:
+        # With as many candidates as the group size, torchrl's selector keeps them all in order
+        # (or rejects them by keep_return_bounds, which the vectorized path applies as a filter).
+        return (
+            self.candidate_group_size > self.grpo_size
+            or type(self.candidate_selector) is not MCAdvantageSelector
+        )
+
+    def _complete_rounds(self, codes: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Every complete round of ``grpo_size`` trajectories of one group, in completion order.
+
+        Returns ``members`` (trajectory indices, grouped by event, each group in arrival order),
+        ``member_event`` (the event of each member, events numbered by completion) and the
+        ``consumed`` mask over all trajectories.
+        """
+        size = self.grpo_size
+        order = torch.argsort(codes, stable=True)  # by group, arrival order within a group
+        counts = torch.bincount(codes)
+        first = torch.cumsum(counts, 0) - counts
+        rank = torch.empty_like(codes)
+        rank[order] = torch.arange(codes.numel()) - first[codes[order]]
+        consumed = rank < (counts // size * size)[codes]
+        rows = order[consumed[order]].reshape(-1, size)  # (R, G): one row per complete round
+        rows = rows[torch.argsort(rows[:, -1])]  # a round completes when its last member arrives
+        events = torch.arange(rows.shape[0]).repeat_interleave(size)
+        return rows.reshape(-1), events, consumed
+
+    def _select_candidates(self, codes, returns, num_pending, state, batch):
+        """torchrl's oversampled candidate groups: try the selector at each arrival."""
+        size, selector = self.grpo_size, self.candidate_selector
+        queues: dict[int, list[int]] = {}
+        for j, code in enumerate(codes[:num_pending].tolist()):
+            queues.setdefault(code, []).append(j)
+        consumed = torch.zeros(codes.numel(), dtype=torch.bool)
+        events: list[tuple[int, list[int]]] = []
+        extra = dict.fromkeys(("dropped_groups", "rescued_groups", "unselected_trajectories"), 0)
+        ret = returns.tolist()
+        for j in range(num_pending, codes.numel()):
+            queue = queues.setdefault(int(codes[j]), [])
+            queue.append(j)
+            if len(queue) < self.candidate_selection_min_size:
+                continue
+            candidates = TensorDict({"return": returns[queue].float()}, [len(queue)])
+            if any(k != "return" for k in selector.in_keys):
+                candidates["trajectories"] = lazy_stack(
+                    [self._trajectory(state, batch, i) for i in queue]
+                )
+            picked = selector.select(
+                candidates.select(*selector.in_keys, strict=True),
+                group_size=size,
+                keep_return_bounds=self.keep_return_bounds,
+            )
+            if picked is not None and self._passes_filters([ret[queue[i]] for i in picked]):
+                if len(queue) > size:
+                    first = [ret[i] for i in queue[:size]]
+                    extra["rescued_groups"] += int(not self._passes_filters(first))
+                    extra["unselected_trajectories"] += len(queue) - size
+                events.append((j, [queue[i] for i in picked]))
+            elif len(queue) == self.candidate_group_size:
+                extra["dropped_groups"] += 1
+            else:
+                continue
+            consumed[queue] = True
+            queue.clear()
+        members = torch.tensor([m for _, group in events for m in group], dtype=torch.long)
+        member_event = torch.arange(len(events)).repeat_interleave(size)
+        return members, member_event, consumed, extra
+
+    def _passes_filters(self, group_returns: list[float]) -> bool:
+        x = torch.tensor(group_returns, dtype=torch.float64)
+        keep = self._keep_groups(x, torch.zeros(len(group_returns), dtype=torch.long), 1)
+        return bool(keep[0])
+
+    def _keep_groups(self, x: Tensor, group_index: Tensor, num_groups: int) -> Tensor:
+        """Dynamic sampling (``keep_return_bounds``) and ``std_threshold``, per group."""
+        keep = torch.ones(num_groups, dtype=torch.bool)
+        if self.keep_return_bounds is None and self.std_threshold is None:
+            return keep
+        mean, _ = group_mean(x, group_index, num_groups)
+        if self.keep_return_bounds is not None:
+            low, high = self.keep_return_bounds
+            keep &= (mean > low) & (mean < high)
+        if self.std_threshold is not None:
+            keep &= group_std(x, group_index, num_groups, mean=mean) > self.std_threshold
+        return keep
+
+    # --- step 5-6: advantages for the released groups ---------------------------------------------
+
+    def _returns(self, batch: _Batch) -> Tensor:
+        n = batch.lengths.numel()
+        if self.trajectory_return is None:
+            return torch.zeros(n, dtype=torch.float64)
+        element_traj = batch.step_traj[batch.element_step]
+        return trajectory_returns(batch.elements, element_traj, n, self.trajectory_return)
+
+    def _write_advantages(self, state, batch, members, member_event, num_events, lengths, returns):
+        """Gather the released trajectories' steps, write their advantages, drop filtered groups."""
+        starts = torch.cumsum(lengths, 0) - lengths  # (Q + n,) start of each trajectory
+        step_index = _ranges(starts[members], lengths[members])  # (S,) into pending ++ incoming
+        step_member = torch.repeat_interleave(torch.arange(members.numel()), lengths[members])
+        out = self._gather(state, batch, step_index)
+        reward = self._released_rewards(out)  # list of per-step tensors (ragged) or one tensor
+        if isinstance(reward, list):
+            counts = torch.tensor([r.numel() for r in reward])
+            values = torch.cat([r.reshape(-1) for r in reward])
+            dtype = reward[0].dtype
+        else:
+            counts = torch.full((reward.shape[0],), reward[0].numel())
+            values = reward.reshape(-1)
+            dtype = reward.dtype
+        element_member = torch.repeat_interleave(step_member, counts)  # (E,)
+
+        if self.trajectory_return is None:  # every reward element is a sample
+            x, group_index = values, member_event[element_member]
+        else:  # every trajectory's return is a sample
+            x, group_index = returns[members], member_event
+        keep_event = self._keep_groups(x, group_index, num_events)
+        adv = group_relative_advantage(
+            x,
+            group_index,
+            num_events,
+            baseline=self.baseline,
+            scale_rewards=self.scale_rewards,
+            epsilon=self.epsilon,
+        )
+        if self.trajectory_return is not None:
+            adv = adv[element_member]  # broadcast each trajectory's advantage to its elements
+        if self.step_norm:
+            adv = adv / lengths[members][element_member]
+        adv = adv.to(dtype if dtype.is_floating_point else torch.get_default_dtype())
+
+        keep_step = keep_event[member_event][step_member]  # (S,)
+        if isinstance(out, list):
+            for step, a in zip(out, adv.split(counts.tolist())):
+                step.set(self.advantage_key, a.reshape(step.get(self.rewards_key).shape))
+            out = [step for step, k in zip(out, keep_step.tolist()) if k]
+            out = lazy_stack(out) if out else None
+        else:
+            out.set(self.advantage_key, adv.reshape(reward.shape))
+            if not keep_step.all():
+                out = out[keep_step] if keep_step.any() else None
+        return out, keep_event
+
+    def _released_rewards(self, out):
+        if isinstance(out, list):
+            return [step.get(self.rewards_key) for step in out]
+        return out.get(self.rewards_key)
+
+    @staticmethod
+    def _gather(state: _State, batch: _Batch, step_index: Tensor):
+        """Steps ``step_index`` of (pending steps ++ incoming steps), as a new TensorDict/list."""
+        num_pending_steps = int(state.lengths.sum())
+        if isinstance(batch.data, list):
+            pending = (
+                state.steps
+                if isinstance(state.steps, list)
+                else (list(state.steps.unbind(0)) if state.steps is not None else [])
+            )
+            source = pending + batch.data
+            return [source[i].copy() for i in step_index.tolist()]
+        from_pending = step_index < num_pending_steps
+        if not from_pending.any():
+            return batch.data[step_index - num_pending_steps]
+        picked = step_index[from_pending]
+        source = torch.cat([state.steps[picked], batch.data])
+        local = torch.empty_like(step_index)
+        local[from_pending] = torch.arange(picked.numel())
+        local[~from_pending] = step_index[~from_pending] - num_pending_steps + picked.numel()
+        return source[local]
+
+    @staticmethod
+    def _trajectory(state: _State, batch: _Batch, j: int) -> TensorDictBase:
+        lengths = torch.cat([state.lengths, batch.lengths])
+        start = int(lengths[:j].sum())
+        out = MCAdvantage._gather(state, batch, torch.arange(start, start + int(lengths[j])))
+        return lazy_stack(out) if isinstance(out, list) else out
+
+    def _remaining(
+        self, state: _State, batch: _Batch, consumed: Tensor, returns: Tensor, stats
+    ) -> _State:
+        """The next state: pending trajectories that no released group consumed, in order."""
+        q = state.num_pending
+        keep = ~consumed  # (Q + n,)
+        lengths = torch.cat([state.lengths, batch.lengths])
+        keys = (
+            (state.keys or []) + batch.keys
+            if isinstance(batch.keys, list)
+            else (
+                batch.keys
+                if state.keys is None or state.keys.numel() == 0
+                else torch.cat([state.keys, batch.keys.to(state.keys.dtype)])
+            )
+        )
+        if not keep.any():
+            return _State(stats=stats)
+        kept_steps = _ranges((torch.cumsum(lengths, 0) - lengths)[keep], lengths[keep])
+        if isinstance(batch.data, list) or isinstance(state.steps, list):
+            pending = (
+                state.steps
+                if isinstance(state.steps, list)
+                else (list(state.steps.unbind(0)) if state.steps is not None else [])
+            )
+            source = pending + (
+                batch.data if isinstance(batch.data, list) else list(batch.data.unbind(0))
+            )
+            steps = [source[i] for i in kept_steps.tolist()]
+        elif bool(keep[:q].all()) and q:
+            new = kept_steps[kept_steps >= int(state.lengths.sum())] - int(state.lengths.sum())
+            steps = torch.cat([state.steps, batch.data[new]]) if new.numel() else state.steps
+        else:
+            steps = self._gather(state, batch, kept_steps)
+        if isinstance(keys, list):
+            keys = [k for k, kp in zip(keys, keep.tolist()) if kp]
+        else:
+            keys = keys[keep]
+        return _State(
+            steps=steps, lengths=lengths[keep], keys=keys, returns=returns[keep], stats=stats
+        )
+
+
+class _NoLock:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
