@@ -1,0 +1,580 @@
+"""Loss terms of GRPO and its published variants, as pure functions on tensors.
+
+Everything here takes plain tensors shaped ``(B, T)`` -- ``B`` sequences of ``T`` (padded)
+tokens -- and, where padding matters, a boolean ``mask`` of the same shape that is ``True`` on
+real tokens. No TensorDict, no keys, no modules: :class:`torchrl_grpo.loss.GRPOLoss` fetches the
+tensors and calls these functions.
+
+Conventions:
+
+* ``log_ratio`` is ``log pi_theta(a) - log pi_old(a)``; every ratio is handled in log space and
+  clamped there, as :class:`torchrl.objectives.ClipPPOLoss` does, so that the two agree to the
+  last bit.
+* Surrogates return a per-token *loss* (the negated objective), to be reduced by one of the
+  aggregations below.
+* The functions never read padded entries in a way that can leak: callers are expected to have
+  replaced padded values by finite numbers (``GRPOLoss`` writes zeros there), and every mean
+  divides by the number of real tokens or non-empty sequences only.
+
+References:
+
+* PPO: Schulman et al., 2017, "Proximal Policy Optimization Algorithms", arXiv:1707.06347.
+* GRPO: Shao et al., 2024, "DeepSeekMath", arXiv:2402.03300.
+* DAPO: Yu et al., 2025, "DAPO: An Open-Source LLM Reinforcement Learning System at Scale",
+  arXiv:2503.14476.
+* Dr. GRPO: Liu et al., 2025, "Understanding R1-Zero-Like Training: A Critical Perspective",
+  arXiv:2503.20783.
+* GSPO: Zheng et al., 2025, "Group Sequence Policy Optimization", arXiv:2507.18071.
+* CISPO: MiniMax, 2025, "MiniMax-M1: Scaling Test-Time Compute Efficiently with Lightning
+  Attention", arXiv:2506.13585.
+* Dual clip: Ye et al., 2020, "Mastering Complex Control in MOBA Games with Deep Reinforcement
+  Learning", arXiv:1912.09729.
+* KL estimators: Schulman, 2020, "Approximating KL Divergence", http://joschu.net/blog/kl-approx.html.
+* Truncated importance sampling: Yao et al., 2025, "Your Efficient RL Framework Secretly Brings
+  You Off-Policy RL Training", https://fengyao.notion.site/off-policy-rl.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+__all__ = [
+    "AGGREGATIONS",
+    "KL_ESTIMATORS",
+    "aggregate_seq_mean_token_mean",
+    "aggregate_seq_mean_token_sum",
+    "aggregate_seq_mean_token_sum_norm",
+    "aggregate_token_mean",
+    "cispo_loss",
+    "clip_fractions",
+    "dual_clip_loss",
+    "effective_sample_size",
+    "kl_k1",
+    "kl_k2",
+    "kl_k3",
+    "masked_mean",
+    "ppo_clip_loss",
+    "sequence_log_ratio",
+    "truncated_is_weight",
+]
+
+
+# ---------------------------------------------------------------------------------------------
+# Masked reductions and aggregations
+# ---------------------------------------------------------------------------------------------
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean of ``x`` over the entries where ``mask`` is ``True``.
+
+    .. math:: \\bar{x} = \\frac{\\sum_{b,t} m_{b,t}\\, x_{b,t}}{\\sum_{b,t} m_{b,t}}
+
+    Masked-out entries are selected away (``torch.where``), never multiplied by zero, so a ``nan``
+    or ``inf`` sitting in padding cannot leak into the result or its gradient.
+
+    Args:
+        x (torch.Tensor): values, any shape.
+        mask (torch.Tensor): boolean, same shape as ``x``; ``True`` on real entries.
+
+    Returns:
+        torch.Tensor: a scalar. ``nan`` if ``mask`` has no ``True`` entry (the mean of nothing);
+        :class:`~torchrl_grpo.loss.GRPOLoss` rejects such a batch before it gets here.
+
+    Examples:
+        >>> import torch
+        >>> x = torch.tensor([[1.0, 2.0], [3.0, float("nan")]])
+        >>> mask = torch.tensor([[True, True], [True, False]])
+        >>> masked_mean(x, mask)
+        tensor(2.)
+    """
+    return torch.where(mask, x, 0.0).sum() / mask.sum()
+
+
+def aggregate_token_mean(loss: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Global token mean: every real token of the batch weighs the same (DAPO, CISPO).
+
+    .. math:: L = \\frac{1}{\\sum_i |o_i|} \\sum_i \\sum_{t=1}^{|o_i|} \\ell_{i,t}
+
+    Long sequences get more weight than short ones. This is DAPO's "token-level policy gradient
+    loss" (Yu et al., 2025, Eq. 12) and the normalisation of CISPO (MiniMax, 2025, Eq. 4).
+
+    Args:
+        loss (torch.Tensor): per-token loss ``(B, T)``.
+        mask (torch.Tensor): boolean ``(B, T)``, ``True`` on real tokens.
+
+    Returns:
+        torch.Tensor: a scalar.
+
+    Examples:
+        >>> import torch
+        >>> loss = torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0]])
+        >>> mask = torch.tensor([[True, True, True], [True, False, False]])
+        >>> aggregate_token_mean(loss, mask)  # (1 + 2 + 3 + 4) / 4
+        tensor(2.5000)
+    """
+    return masked_mean(loss, mask)
+
+
+def _sequence_sums(loss: torch.Tensor, mask: torch.Tensor):
+    # per-sequence token sums and lengths, and which sequences hold any real token
+    seq_sum = torch.where(mask, loss, 0.0).sum(-1)  # (B,)
+    seq_len = mask.sum(-1)  # (B,)
+    return seq_sum, seq_len, seq_len > 0
+
+
+def aggregate_seq_mean_token_mean(loss: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Token mean within each sequence, then mean over sequences (GRPO, GSPO).
+
+    .. math:: L = \\frac{1}{G} \\sum_{i=1}^{G} \\frac{1}{|o_i|} \\sum_{t=1}^{|o_i|} \\ell_{i,t}
+
+    Every sequence weighs the same whatever its length: the original GRPO objective (Shao et al.,
+    2024, Eq. 3) and GSPO's sequence average (Zheng et al., 2025, Eq. 5). Sequences with no real
+    token are not sequences: they are left out of ``G``.
+
+    Args:
+        loss (torch.Tensor): per-token loss ``(B, T)``.
+        mask (torch.Tensor): boolean ``(B, T)``, ``True`` on real tokens.
+
+    Returns:
+        torch.Tensor: a scalar.
+
+    Examples:
+        >>> import torch
+        >>> loss = torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0]])
+        >>> mask = torch.tensor([[True, True, True], [True, False, False]])
+        >>> aggregate_seq_mean_token_mean(loss, mask)  # (2 + 4) / 2
+        tensor(3.)
+    """
+    seq_sum, seq_len, nonempty = _sequence_sums(loss, mask)
+    seq_mean = seq_sum / seq_len.clamp_min(1)
+    return torch.where(nonempty, seq_mean, 0.0).sum() / nonempty.sum()
+
+
+def aggregate_seq_mean_token_sum(loss: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Token sum within each sequence, then mean over sequences.
+
+    .. math:: L = \\frac{1}{G} \\sum_{i=1}^{G} \\sum_{t=1}^{|o_i|} \\ell_{i,t}
+
+    The sequence-level REINFORCE estimate: a sequence's loss is the sum of its token losses
+    (as in Dr. GRPO, Liu et al., 2025, Eq. 2, before its constant normalisation). Sequences with no
+    real token are left out of ``G``.
+
+    Args:
+        loss (torch.Tensor): per-token loss ``(B, T)``.
+        mask (torch.Tensor): boolean ``(B, T)``, ``True`` on real tokens.
+
+    Returns:
+        torch.Tensor: a scalar.
+
+    Examples:
+        >>> import torch
+        >>> loss = torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0]])
+        >>> mask = torch.tensor([[True, True, True], [True, False, False]])
+        >>> aggregate_seq_mean_token_sum(loss, mask)  # (6 + 4) / 2
+        tensor(5.)
+    """
+    seq_sum, _, nonempty = _sequence_sums(loss, mask)
+    return seq_sum.sum() / nonempty.sum()
+
+
+def aggregate_seq_mean_token_sum_norm(
+    loss: torch.Tensor, mask: torch.Tensor, *, max_length: int
+) -> torch.Tensor:
+    """Dr. GRPO: token sum per sequence divided by a constant length, then mean over sequences.
+
+    .. math:: L = \\frac{1}{G} \\sum_{i=1}^{G} \\frac{1}{L_{\\max}} \\sum_{t=1}^{|o_i|} \\ell_{i,t}
+
+    Liu et al. (2025, Sec. 3.2) show that dividing by the response length ``|o_i|`` biases GRPO
+    towards long wrong answers; Dr. GRPO divides by a constant instead -- the generation budget
+    ``L_max`` -- so every token's gradient has the same scale. ``L_max`` must be the same for
+    every batch (the maximum number of new tokens), not the padded width of this batch.
+
+    Args:
+        loss (torch.Tensor): per-token loss ``(B, T)``.
+        mask (torch.Tensor): boolean ``(B, T)``, ``True`` on real tokens.
+        max_length (int): the constant ``L_max``, strictly positive.
+
+    Returns:
+        torch.Tensor: a scalar.
+
+    Raises:
+        ValueError: if ``max_length`` is not strictly positive.
+
+    Examples:
+        >>> import torch
+        >>> loss = torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0]])
+        >>> mask = torch.tensor([[True, True, True], [True, False, False]])
+        >>> aggregate_seq_mean_token_sum_norm(loss, mask, max_length=5)  # (6 + 4) / 2 / 5
+        tensor(1.)
+    """
+    if max_length <= 0:
+        raise ValueError(f"max_length must be strictly positive, got {max_length}.")
+    return aggregate_seq_mean_token_sum(loss, mask) / max_length
+
+
+#: Aggregations by name, for ``GRPOLoss(aggregation=...)``. Each maps a per-token loss and its
+#: mask, both ``(B, T)``, to a scalar; ``"seq_mean_token_sum_norm"`` also needs ``max_length``.
+AGGREGATIONS: dict[str, Callable[..., torch.Tensor]] = {
+    "token_mean": aggregate_token_mean,
+    "seq_mean_token_mean": aggregate_seq_mean_token_mean,
+    "seq_mean_token_sum": aggregate_seq_mean_token_sum,
+    "seq_mean_token_sum_norm": aggregate_seq_mean_token_sum_norm,
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# Importance ratios
+# ---------------------------------------------------------------------------------------------
+
+
+def sequence_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """GSPO's length-normalised sequence log-ratio, broadcast back over the tokens.
+
+    .. math::
+
+        \\log s_i(\\theta) = \\frac{1}{|o_i|} \\sum_{t=1}^{|o_i|}
+            \\log \\frac{\\pi_\\theta(o_{i,t} \\mid q, o_{i,<t})}{\\pi_{old}(o_{i,t} \\mid q, o_{i,<t})}
+
+    (Zheng et al., 2025, Eq. 7). The gradient flows to every token of the sequence through the
+    mean. A sequence with no real token gets ``log s = 0`` (ratio 1); it is masked out anyway.
+
+    Args:
+        log_ratio (torch.Tensor): per-token log-ratio ``(B, T)``.
+        mask (torch.Tensor): boolean ``(B, T)``, ``True`` on real tokens.
+
+    Returns:
+        torch.Tensor: ``(B, T)``, each row constant and equal to its sequence's ``log s_i``.
+
+    Examples:
+        >>> import torch
+        >>> log_ratio = torch.tensor([[0.1, 0.3, 9.0], [0.4, 0.0, 0.0]])
+        >>> mask = torch.tensor([[True, True, False], [True, False, False]])
+        >>> sequence_log_ratio(log_ratio, mask)
+        tensor([[0.2000, 0.2000, 0.2000],
+                [0.4000, 0.4000, 0.4000]])
+    """
+    seq_len = mask.sum(-1, keepdim=True).clamp_min(1)  # (B, 1)
+    seq_log_ratio = torch.where(mask, log_ratio, 0.0).sum(-1, keepdim=True) / seq_len  # (B, 1)
+    return seq_log_ratio.expand_as(log_ratio)
+
+
+def truncated_is_weight(
+    log_prob: torch.Tensor, inference_log_prob: torch.Tensor, cap: float | torch.Tensor
+) -> torch.Tensor:
+    """Truncated importance weight correcting a trainer/inference mismatch (TIS).
+
+    .. math:: w_t = \\operatorname{sg}\\Big[\\min\\Big(
+        \\frac{\\pi_{old}(a_t)}{\\pi_{inference}(a_t)},\\ C\\Big)\\Big]
+
+    The inference engine (e.g. vLLM) that sampled the tokens computes slightly different
+    probabilities than the trainer, so the samples are off-policy even for a "fresh" batch. Yao
+    et al. (2025) reweight each token's loss by the trainer-to-sampler ratio, truncated at ``C``
+    (they use ``C = 2``) to bound the variance. The weight carries no gradient.
+
+    Args:
+        log_prob (torch.Tensor): trainer log-probs of the sampled tokens (the proximal, "old"
+            policy), any shape.
+        inference_log_prob (torch.Tensor): sampler log-probs, same shape.
+        cap (float or torch.Tensor): the truncation ``C`` (> 0).
+
+    Returns:
+        torch.Tensor: the weights, same shape, detached.
+
+    Examples:
+        >>> import torch
+        >>> old = torch.tensor([0.6, 0.3, 0.1]).log()
+        >>> inference = torch.tensor([0.2, 0.3, 0.5]).log()
+        >>> truncated_is_weight(old, inference, 2.0)  # ratios 3, 1, 0.2
+        tensor([2.0000, 1.0000, 0.2000])
+    """
+    return (log_prob - inference_log_prob).detach().exp().clamp(max=cap)
+
+
+# ---------------------------------------------------------------------------------------------
+# Surrogate objectives (per-token losses)
+# ---------------------------------------------------------------------------------------------
+
+
+def ppo_clip_loss(
+    log_ratio: torch.Tensor,
+    advantage: torch.Tensor,
+    log_clip_low: float | torch.Tensor,
+    log_clip_high: float | torch.Tensor,
+) -> torch.Tensor:
+    """Clipped surrogate loss of PPO / GRPO, with asymmetric bounds (DAPO clip-higher).
+
+    .. math::
+
+        \\ell_t = -\\min\\big(r_t A_t,\\ \\operatorname{clip}(r_t, 1-\\varepsilon_{low},
+            1+\\varepsilon_{high})\\, A_t\\big), \\qquad r_t = e^{\\log r_t}
+
+    PPO (Schulman et al., 2017, Eq. 7) with one ``epsilon``; DAPO's clip-higher (Yu et al., 2025,
+    Eq. 10) decouples the bounds (``0.2``, ``0.28``). The ratio is clamped in log space, between
+    ``log(1 - eps_low)`` and ``log(1 + eps_high)``, exactly as
+    :class:`torchrl.objectives.ClipPPOLoss` does. With a sequence-level ``log_ratio`` (see
+    :func:`sequence_log_ratio`) this is GSPO's objective.
+
+    Args:
+        log_ratio (torch.Tensor): ``log r`` per token, ``(B, T)``.
+        advantage (torch.Tensor): ``A``, broadcastable to ``log_ratio``.
+        log_clip_low (float or torch.Tensor): ``log(1 - eps_low)`` (``-inf`` for no lower bound).
+        log_clip_high (float or torch.Tensor): ``log(1 + eps_high)``.
+
+    Returns:
+        torch.Tensor: the per-token loss, same shape as ``log_ratio``.
+
+    Examples:
+        >>> import math, torch
+        >>> ratio = torch.tensor([0.5, 1.1, 1.5, 1.5])
+        >>> adv = torch.tensor([-1.0, 1.0, 1.0, -1.0])
+        >>> ppo_clip_loss(ratio.log(), adv, math.log(0.8), math.log(1.2))
+        tensor([ 0.8000, -1.1000, -1.2000,  1.5000])
+    """
+    ratio = log_ratio.exp()
+    clipped_ratio = log_ratio.clamp(log_clip_low, log_clip_high).exp()
+    return -torch.minimum(ratio * advantage, clipped_ratio * advantage)
+
+
+def dual_clip_loss(
+    loss: torch.Tensor, advantage: torch.Tensor, clip_ratio_c: float | torch.Tensor
+) -> torch.Tensor:
+    """Dual clip: bound the loss of negative-advantage tokens whose ratio has exploded.
+
+    .. math:: \\ell^{dual}_t = \\begin{cases} \\min(\\ell_t,\\ -c\\,A_t) & A_t < 0 \\\\
+        \\ell_t & A_t \\ge 0 \\end{cases}
+
+    With ``A < 0`` the PPO loss ``-min(rA, clip(r)A) = |A| max(r, clip(r))`` grows without bound
+    as ``r`` grows; dual-clip PPO (Ye et al., 2020, Eq. 5) caps it at ``c |A|`` (``c = 3`` in the
+    paper and in verl), which also zeroes the gradient of those tokens.
+
+    Args:
+        loss (torch.Tensor): per-token loss from :func:`ppo_clip_loss`, ``(B, T)``.
+        advantage (torch.Tensor): ``A``, broadcastable to ``loss``.
+        clip_ratio_c (float or torch.Tensor): ``c``, greater than 1.
+
+    Returns:
+        torch.Tensor: the per-token loss, same shape as ``loss``.
+
+    Examples:
+        >>> import math, torch
+        >>> ratio = torch.tensor([5.0, 5.0, 2.0])
+        >>> adv = torch.tensor([-1.0, 1.0, -1.0])
+        >>> loss = ppo_clip_loss(ratio.log(), adv, math.log(0.8), math.log(1.2))
+        >>> dual_clip_loss(loss, adv, 3.0)
+        tensor([ 3.0000, -1.2000,  2.0000])
+    """
+    capped = torch.minimum(loss, -clip_ratio_c * advantage)
+    return torch.where(advantage < 0, capped, loss)
+
+
+def cispo_loss(
+    log_ratio: torch.Tensor,
+    advantage: torch.Tensor,
+    log_prob: torch.Tensor,
+    log_clip_low: float | torch.Tensor,
+    log_clip_high: float | torch.Tensor,
+) -> torch.Tensor:
+    """CISPO: clip the importance weight, not the update, and stop its gradient.
+
+    .. math:: \\ell_t = -\\operatorname{sg}\\big[\\operatorname{clip}(r_t, 1-\\varepsilon_{low},
+        1+\\varepsilon_{high})\\big]\\, A_t\\, \\log \\pi_\\theta(o_t)
+
+    (MiniMax, 2025, Eq. 4.) The gradient is ``-clip(r) A grad log pi`` for *every* token: a token
+    outside the clip band keeps a bounded gradient instead of none, which is the point of CISPO.
+    (torchrl 0.14.1's ``CISPOLoss`` returns ``-clip(r) A`` without the stop-gradient, so tokens
+    outside the band get a zero gradient -- PPO's behaviour, not CISPO's.) Inside the band the
+    gradient equals PPO's, ``r A grad log pi``. The *value* of this loss is not a PPO loss
+    value; only its gradient is meaningful.
+
+    Args:
+        log_ratio (torch.Tensor): ``log r`` per token, ``(B, T)``.
+        advantage (torch.Tensor): ``A``, broadcastable to ``log_ratio``.
+        log_prob (torch.Tensor): ``log pi_theta`` of the sampled tokens, ``(B, T)``, with grad.
+        log_clip_low (float or torch.Tensor): ``log(1 - eps_low)``; ``-inf`` for no lower bound,
+            as MiniMax-M1 runs it.
+        log_clip_high (float or torch.Tensor): ``log(1 + eps_high)``.
+
+    Returns:
+        torch.Tensor: the per-token loss, same shape as ``log_ratio``.
+
+    Examples:
+        >>> import math, torch
+        >>> log_prob = torch.tensor([-1.0, -2.0], requires_grad=True)
+        >>> old = torch.tensor([-1.0, -3.0])  # second token: ratio e = 2.72, clipped to 1.2
+        >>> loss = cispo_loss(log_prob - old, torch.ones(2), log_prob, -math.inf, math.log(1.2))
+        >>> loss.sum().backward()
+        >>> log_prob.grad  # -clip(r) * A: the clipped token still gets a gradient
+        tensor([-1.0000, -1.2000])
+    """
+    weight = log_ratio.detach().clamp(log_clip_low, log_clip_high).exp()
+    return -weight * advantage * log_prob
+
+
+# ---------------------------------------------------------------------------------------------
+# KL estimators
+# ---------------------------------------------------------------------------------------------
+
+
+def kl_k1(log_prob: torch.Tensor, ref_log_prob: torch.Tensor) -> torch.Tensor:
+    """k1 estimator of ``KL(pi_theta || pi_ref)`` on tokens sampled from ``pi_theta``.
+
+    .. math:: k_1 = \\log \\frac{\\pi_\\theta(a)}{\\pi_{ref}(a)}
+
+    Unbiased but high-variance and can be negative (Schulman, 2020).
+
+    Args:
+        log_prob (torch.Tensor): ``log pi_theta`` of the sampled tokens, any shape.
+        ref_log_prob (torch.Tensor): ``log pi_ref`` of the same tokens, same shape.
+
+    Returns:
+        torch.Tensor: per-token estimates, same shape.
+
+    Examples:
+        >>> import torch
+        >>> kl_k1(torch.tensor([-1.0, -2.0]), torch.tensor([-1.5, -1.0]))
+        tensor([ 0.5000, -1.0000])
+    """
+    return log_prob - ref_log_prob
+
+
+def kl_k2(log_prob: torch.Tensor, ref_log_prob: torch.Tensor) -> torch.Tensor:
+    """k2 estimator of ``KL(pi_theta || pi_ref)``: half the squared log-ratio.
+
+    .. math:: k_2 = \\tfrac{1}{2} \\Big(\\log \\frac{\\pi_\\theta(a)}{\\pi_{ref}(a)}\\Big)^2
+
+    Biased, low variance, never negative (Schulman, 2020). Its gradient is the gradient of the
+    true KL's second-order expansion.
+
+    Args:
+        log_prob (torch.Tensor): ``log pi_theta`` of the sampled tokens, any shape.
+        ref_log_prob (torch.Tensor): ``log pi_ref`` of the same tokens, same shape.
+
+    Returns:
+        torch.Tensor: per-token estimates, same shape.
+
+    Examples:
+        >>> import torch
+        >>> kl_k2(torch.tensor([-1.0, -2.0]), torch.tensor([-1.5, -1.0]))
+        tensor([0.1250, 0.5000])
+    """
+    return 0.5 * (log_prob - ref_log_prob).square()
+
+
+def kl_k3(
+    log_prob: torch.Tensor, ref_log_prob: torch.Tensor, clamp: float | None = 10.0
+) -> torch.Tensor:
+    """k3 estimator of ``KL(pi_theta || pi_ref)``, clamped as verl's ``low_var_kl``.
+
+    .. math:: k_3 = \\frac{\\pi_{ref}(a)}{\\pi_\\theta(a)} - 1
+        - \\log \\frac{\\pi_{ref}(a)}{\\pi_\\theta(a)}
+
+    Unbiased, low variance and never negative (Schulman, 2020); GRPO's KL penalty (Shao et al.,
+    2024, Eq. 4). Because ``exp`` explodes for tokens the policy has made much likelier than the
+    reference, the log-ratio is clamped to ``[-20, 20]`` and the estimate to ``[-clamp, clamp]``
+    (verl's ``low_var_kl``, ``clamp = 10``); pass ``clamp=None`` for the raw estimator.
+
+    Args:
+        log_prob (torch.Tensor): ``log pi_theta`` of the sampled tokens, any shape.
+        ref_log_prob (torch.Tensor): ``log pi_ref`` of the same tokens, same shape.
+        clamp (float, optional): bound on the estimate; ``None`` disables both clamps.
+            Defaults to ``10.0``.
+
+    Returns:
+        torch.Tensor: per-token estimates, same shape.
+
+    Examples:
+        >>> import torch
+        >>> kl_k3(torch.tensor([-1.0, -2.0, -30.0]), torch.tensor([-1.0, -1.0, -1.0]))
+        tensor([ 0.0000,  0.7183, 10.0000])
+    """
+    log_ref_ratio = ref_log_prob - log_prob
+    if clamp is not None:
+        log_ref_ratio = log_ref_ratio.clamp(-20.0, 20.0)
+    kl = log_ref_ratio.expm1() - log_ref_ratio
+    if clamp is not None:
+        kl = kl.clamp(-clamp, clamp)
+    return kl
+
+
+#: KL estimators by name, for ``GRPOLoss(kl_to_ref_estimator=..., kl_to_inference_estimator=...)``.
+KL_ESTIMATORS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "k1": kl_k1,
+    "k2": kl_k2,
+    "k3": kl_k3,
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# Diagnostics
+# ---------------------------------------------------------------------------------------------
+
+
+def effective_sample_size(log_weight: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Normalised effective sample size of the importance weights over the real tokens.
+
+    .. math:: \\mathrm{ESS} = \\frac{1}{N} \\frac{\\left(\\sum_t w_t\\right)^2}{\\sum_t w_t^2},
+        \\qquad w_t = e^{\\log w_t}
+
+    Kish's effective sample size divided by the number ``N`` of real tokens: ``1`` when all
+    weights are equal (on-policy), down to ``1/N`` when one weight dominates. Computed in log
+    space (``logsumexp``) as :class:`torchrl.objectives.ClipPPOLoss` does, without gradient.
+
+    Args:
+        log_weight (torch.Tensor): ``log w`` per token, ``(B, T)``.
+        mask (torch.Tensor): boolean ``(B, T)``, ``True`` on real tokens.
+
+    Returns:
+        torch.Tensor: a scalar in ``(0, 1]``.
+
+    Examples:
+        >>> import torch
+        >>> mask = torch.tensor([[True, True, False]])
+        >>> effective_sample_size(torch.tensor([[0.3, 0.3, 5.0]]), mask)
+        tensor(1.)
+        >>> effective_sample_size(torch.tensor([[0.0, 2.0, 0.0]]).log(), torch.ones(1, 3, dtype=torch.bool))
+        tensor(0.3333)
+    """
+    with torch.no_grad():
+        lw = log_weight[mask]  # (N,)
+        log_ess = 2 * lw.logsumexp(0) - (2 * lw).logsumexp(0)
+        return log_ess.exp() / lw.numel()
+
+
+def clip_fractions(
+    log_ratio: torch.Tensor,
+    mask: torch.Tensor,
+    log_clip_low: float | torch.Tensor,
+    log_clip_high: float | torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Share of real tokens whose ratio lies outside the clip band, in total, below and above.
+
+    .. math:: f_{low} = \\frac{1}{N}\\sum_t [r_t < 1-\\varepsilon_{low}], \\quad
+        f_{high} = \\frac{1}{N}\\sum_t [r_t > 1+\\varepsilon_{high}], \\quad f = f_{low} + f_{high}
+
+    ``f`` is :class:`torchrl.objectives.ClipPPOLoss`'s ``clip_fraction`` (a ratio the clamp
+    changes), restricted to real tokens. It counts a token whether or not the ``min`` of the
+    surrogate then picks the clipped term; the split shows which bound binds (DAPO's clip-higher
+    is about ``f_high``).
+
+    Args:
+        log_ratio (torch.Tensor): ``log r`` per token, ``(B, T)``.
+        mask (torch.Tensor): boolean ``(B, T)``, ``True`` on real tokens.
+        log_clip_low (float or torch.Tensor): ``log(1 - eps_low)``.
+        log_clip_high (float or torch.Tensor): ``log(1 + eps_high)``.
+
+    Returns:
+        tuple[torch.Tensor, torch.Tensor, torch.Tensor]: scalars ``(f, f_low, f_high)``.
+
+    Examples:
+        >>> import math, torch
+        >>> ratio = torch.tensor([[0.5, 1.0, 1.5, 1.1]])
+        >>> mask = torch.tensor([[True, True, True, False]])
+        >>> clip_fractions(ratio.log(), mask, math.log(0.8), math.log(1.2))
+        (tensor(0.6667), tensor(0.3333), tensor(0.3333))
+    """
+    with torch.no_grad():
+        low = masked_mean((log_ratio < log_clip_low).to(log_ratio.dtype), mask)
+        high = masked_mean((log_ratio > log_clip_high).to(log_ratio.dtype), mask)
+        return low + high, low, high
