@@ -1,0 +1,277 @@
+"""Tests of torchrl_grpo.loss_terms against hand-computed values.
+
+The running example: two sequences, the second one padded at its last token.
+
+    row 0, A = +1: ratios 1.0, 1.1, 1.5
+    row 1, A = -1: ratios 0.5, 4.0, (pad)
+
+With clip 0.2 the PPO per-token losses are -min(rA, clip(r)A):
+    row 0: -1.0, -1.1, -1.2        (sum -3.3)
+    row 1:  max(0.5, 0.8) = 0.8, max(4.0, 1.2) = 4.0      (sum 4.8)
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from torchrl_grpo.loss_terms import (
+    AGGREGATIONS,
+    KL_ESTIMATORS,
+    aggregate_seq_mean_token_mean,
+    aggregate_seq_mean_token_sum,
+    aggregate_seq_mean_token_sum_norm,
+    aggregate_token_mean,
+    cispo_loss,
+    clip_fractions,
+    dual_clip_loss,
+    effective_sample_size,
+    kl_k1,
+    kl_k2,
+    kl_k3,
+    masked_mean,
+    ppo_clip_loss,
+    sequence_log_ratio,
+    truncated_is_weight,
+)
+
+LOW, HIGH = math.log(0.8), math.log(1.2)
+MASK = torch.tensor([[True, True, True], [True, True, False]])
+RATIO = torch.tensor([[1.0, 1.1, 1.5], [0.5, 4.0, 7.0]])  # 7.0 sits in padding
+ADV = torch.tensor([[1.0], [-1.0]])
+
+
+def ppo_losses():
+    return ppo_clip_loss(RATIO.log(), ADV, LOW, HIGH)
+
+
+def close(actual, expected, atol=1e-6):
+    torch.testing.assert_close(
+        actual, torch.as_tensor(expected, dtype=actual.dtype), rtol=0, atol=atol
+    )
+
+
+class TestPPOClipLoss:
+    def test_hand_values(self):
+        close(ppo_losses()[:, :2], [[-1.0, -1.1], [0.8, 4.0]])
+        close(ppo_losses()[0, 2], -1.2)
+
+    def test_clip_higher(self):
+        # DAPO: the upper bound moves to 1.28, the lower one stays at 0.8
+        loss = ppo_clip_loss(RATIO.log(), ADV, math.log(0.8), math.log(1.28))
+        close(loss[0], [-1.0, -1.1, -1.28])
+        close(loss[1, :2], [0.8, 4.0])
+
+    def test_gradient_zero_outside_band_in_the_pessimistic_direction(self):
+        log_ratio = RATIO.log().requires_grad_()
+        ppo_clip_loss(log_ratio, ADV, LOW, HIGH).sum().backward()
+        # d/dlog r of -rA is -rA where the unclipped term is the min, 0 where clipping binds
+        close(log_ratio.grad, [[-1.0, -1.1, 0.0], [0.0, 4.0, 7.0]])
+
+
+class TestDualClipLoss:
+    def test_hand_values(self):
+        # row 1 (A = -1): 0.8 stays, 4.0 is capped at c|A| = 3
+        close(dual_clip_loss(ppo_losses(), ADV, 3.0)[:, :2], [[-1.0, -1.1], [0.8, 3.0]])
+
+    def test_positive_advantages_untouched(self):
+        loss = ppo_losses()
+        close(dual_clip_loss(loss, ADV, 3.0)[0], loss[0])
+
+    def test_capped_tokens_have_no_gradient(self):
+        log_ratio = RATIO.log().requires_grad_()
+        dual_clip_loss(ppo_clip_loss(log_ratio, ADV, LOW, HIGH), ADV, 3.0).sum().backward()
+        assert log_ratio.grad[1, 1] == 0.0
+
+
+class TestCISPOLoss:
+    def test_hand_values(self):
+        log_prob = torch.tensor([[0.5, 0.55, 0.75], [0.25, 0.4, 0.9]]).log()
+        loss = cispo_loss(RATIO.log(), ADV, log_prob, LOW, HIGH)
+        # weights clip(r, 0.8, 1.2): row 0 -> 1.0, 1.1, 1.2; row 1 -> 0.8, 1.2
+        expected = [
+            [-1.0 * math.log(0.5), -1.1 * math.log(0.55), -1.2 * math.log(0.75)],
+            [0.8 * math.log(0.25), 1.2 * math.log(0.4)],
+        ]
+        close(loss[0], expected[0])
+        close(loss[1, :2], expected[1])
+
+    def test_tokens_outside_the_band_keep_a_gradient(self):
+        log_prob = torch.tensor([[0.5, 0.55, 0.75], [0.25, 0.4, 0.9]]).log().requires_grad_()
+        log_ratio = RATIO.log()
+        cispo_loss(log_ratio, ADV, log_prob, LOW, HIGH).sum().backward()
+        # d loss / d log pi = -clip(r) A, for every token, clipped or not
+        close(log_prob.grad, [[-1.0, -1.1, -1.2], [0.8, 1.2, 1.2]])
+
+    def test_torchrl_0_14_cispo_zeroes_those_gradients(self):
+        # torchrl 0.14.1's CISPOLoss returns -clip(r) * A with the gradient through the clamp:
+        # tokens whose ratio is outside the band get no gradient at all. Ours keeps it.
+        from types import SimpleNamespace
+
+        from torchrl.objectives.llm.grpo import CISPOLoss as TorchRLCISPO
+
+        log_prob = torch.tensor([[0.5, 0.55, 0.75], [0.25, 0.4, 0.9]]).log().requires_grad_()
+        old = log_prob.detach() - RATIO.log()
+        fake = SimpleNamespace(_clip_bounds=(torch.tensor(LOW), torch.tensor(HIGH)))
+        theirs, _ = TorchRLCISPO._compute_policy_objective(fake, (log_prob - old), ADV)
+        (theirs_grad,) = torch.autograd.grad(theirs.sum(), log_prob)
+        (ours_grad,) = torch.autograd.grad(
+            cispo_loss(log_prob - old, ADV, log_prob, LOW, HIGH).sum(), log_prob
+        )
+        outside = torch.tensor([[False, False, True], [True, True, True]])
+        assert (theirs_grad[outside] == 0).all()
+        assert (ours_grad[outside] != 0).all()
+        # inside the band, both are the policy gradient r * A
+        close(ours_grad[~outside], theirs_grad[~outside])
+
+    def test_no_lower_bound(self):
+        log_prob = torch.tensor([[0.5, 0.55, 0.75], [0.25, 0.4, 0.9]]).log().requires_grad_()
+        cispo_loss(RATIO.log(), ADV, log_prob, -math.inf, math.log(4.0)).sum().backward()
+        close(log_prob.grad, [[-1.0, -1.1, -1.5], [0.5, 4.0, 4.0]])
+
+
+class TestSequenceLogRatio:
+    def test_hand_values(self):
+        s = sequence_log_ratio(RATIO.log(), MASK).exp()
+        # geometric means over real tokens: (1 * 1.1 * 1.5)^(1/3), (0.5 * 4)^(1/2)
+        close(s[0], [1.65 ** (1 / 3)] * 3)
+        close(s[1], [math.sqrt(2.0)] * 3)
+
+    def test_gradient_is_spread_over_the_real_tokens(self):
+        log_ratio = RATIO.log().requires_grad_()
+        sequence_log_ratio(log_ratio, MASK)[:, 0].sum().backward()
+        close(log_ratio.grad, [[1 / 3, 1 / 3, 1 / 3], [0.5, 0.5, 0.0]])
+
+    def test_empty_sequence_has_ratio_one(self):
+        mask = torch.tensor([[True, False], [False, False]])
+        close(
+            sequence_log_ratio(torch.tensor([[0.3, 5.0], [2.0, 2.0]]), mask), [[0.3, 0.3], [0, 0]]
+        )
+
+
+class TestAggregations:
+    # per-token losses of the running example: rows sum to -3.3 (3 tokens) and 4.8 (2 tokens)
+    def test_token_mean(self):
+        close(aggregate_token_mean(ppo_losses(), MASK), (-3.3 + 4.8) / 5)
+
+    def test_seq_mean_token_mean(self):
+        close(aggregate_seq_mean_token_mean(ppo_losses(), MASK), (-3.3 / 3 + 4.8 / 2) / 2)
+
+    def test_seq_mean_token_sum(self):
+        close(aggregate_seq_mean_token_sum(ppo_losses(), MASK), (-3.3 + 4.8) / 2)
+
+    def test_seq_mean_token_sum_norm(self):
+        close(aggregate_seq_mean_token_sum_norm(ppo_losses(), MASK, max_length=5), 0.75 / 5)
+        with pytest.raises(ValueError, match="max_length"):
+            aggregate_seq_mean_token_sum_norm(ppo_losses(), MASK, max_length=0)
+
+    def test_registry(self):
+        assert set(AGGREGATIONS) == {
+            "token_mean",
+            "seq_mean_token_mean",
+            "seq_mean_token_sum",
+            "seq_mean_token_sum_norm",
+        }
+
+    @pytest.mark.parametrize("name", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"])
+    def test_empty_sequences_and_nan_pads_are_ignored(self, name):
+        fn = AGGREGATIONS[name]
+        loss = ppo_losses()
+        padded = torch.cat([loss, torch.full((1, 3), float("nan"))])  # an all-padding row
+        padded = torch.cat([padded, torch.full((3, 2), float("inf"))], 1)  # two pad columns
+        mask = torch.cat([MASK, torch.zeros(1, 3, dtype=torch.bool)])
+        mask = torch.cat([mask, torch.zeros(3, 2, dtype=torch.bool)], 1)
+        close(fn(padded, mask), fn(loss, MASK))
+
+    @settings(max_examples=25, deadline=None)
+    @given(perm_seed=st.integers(0, 1000))
+    def test_invariant_to_sequence_order(self, perm_seed):
+        g = torch.Generator().manual_seed(perm_seed)
+        loss = torch.randn(6, 5, generator=g)
+        mask = torch.rand(6, 5, generator=g) > 0.4
+        mask[0, 0] = True
+        perm = torch.randperm(6, generator=g)
+        for fn in (
+            aggregate_token_mean,
+            aggregate_seq_mean_token_mean,
+            aggregate_seq_mean_token_sum,
+        ):
+            close(fn(loss[perm], mask[perm]), fn(loss, mask), atol=1e-5)
+
+
+class TestKLEstimators:
+    LOGP = torch.tensor([-1.0, -2.0, -0.5])
+    REF = torch.tensor([-1.0, -1.0, -1.5])
+
+    def test_k1(self):
+        close(kl_k1(self.LOGP, self.REF), [0.0, -1.0, 1.0])
+
+    def test_k2(self):
+        close(kl_k2(self.LOGP, self.REF), [0.0, 0.5, 0.5])
+
+    def test_k3(self):
+        # exp(ref - logp) - (ref - logp) - 1
+        close(kl_k3(self.LOGP, self.REF), [0.0, math.e - 2.0, math.exp(-1.0)])
+
+    def test_k3_clamped_like_low_var_kl(self):
+        logp, ref = torch.tensor([-30.0, -1.0]), torch.tensor([-1.0, -60.0])
+        close(kl_k3(logp, ref), [10.0, 10.0])  # the estimate is clamped to [-10, 10]
+        # the log-ratio is clamped to [-20, 20] first: e^-20 + 20 - 1, not e^-59 + 59 - 1
+        close(kl_k3(logp, ref, clamp=100.0)[1], math.exp(-20.0) + 19.0)
+        raw = kl_k3(logp, ref, clamp=None)
+        torch.testing.assert_close(
+            raw, torch.tensor([math.exp(29.0) - 30.0, 58.0]), rtol=1e-5, atol=0
+        )
+
+    def test_all_estimate_kl_on_samples(self):
+        # Monte-Carlo check against the exact KL(p || q) of two categoricals
+        g = torch.Generator().manual_seed(0)
+        p = torch.tensor([0.5, 0.3, 0.2])
+        q = torch.tensor([0.4, 0.4, 0.2])
+        exact = (p * (p / q).log()).sum()
+        samples = torch.multinomial(p, 200_000, replacement=True, generator=g)
+        for name in ("k1", "k3"):  # the unbiased ones
+            estimate = KL_ESTIMATORS[name](p.log()[samples], q.log()[samples]).mean()
+            close(estimate, exact, atol=3e-3)
+        assert kl_k2(p.log()[samples], q.log()[samples]).mean() > 0
+
+    def test_k3_gradient(self):
+        logp = torch.tensor([-2.0], requires_grad=True)
+        kl_k3(logp, torch.tensor([-1.0])).sum().backward()
+        close(logp.grad, [1.0 - math.e])  # d/dlogp (e^(ref-logp) - (ref-logp) - 1)
+
+
+class TestTruncatedISWeight:
+    def test_hand_values(self):
+        w = truncated_is_weight(
+            torch.tensor([0.6, 0.3, 0.1]).log(), torch.tensor([0.2, 0.3, 0.5]).log(), 2.0
+        )
+        close(w, [2.0, 1.0, 0.2])
+
+    def test_detached(self):
+        old = torch.zeros(2, requires_grad=True)
+        assert not truncated_is_weight(old, torch.zeros(2), 2.0).requires_grad
+
+
+class TestDiagnostics:
+    def test_masked_mean_ignores_nan_padding(self):
+        close(masked_mean(torch.tensor([[1.0, float("nan")]]), torch.tensor([[True, False]])), 1.0)
+
+    def test_effective_sample_size(self):
+        # weights 1, 1.1, 1.5, 0.5, 4.0 over the real tokens: (sum w)^2 / sum w^2 / N
+        expected = 8.1**2 / (1 + 1.21 + 2.25 + 0.25 + 16) / 5
+        close(effective_sample_size(RATIO.log(), MASK), expected)
+
+    def test_effective_sample_size_on_policy_is_one(self):
+        close(effective_sample_size(torch.zeros(2, 3), MASK), 1.0)
+
+    def test_clip_fractions(self):
+        total, low, high = clip_fractions(RATIO.log(), MASK, LOW, HIGH)
+        # real ratios 1.0, 1.1, 1.5, 0.5, 4.0: 0.5 below, 1.5 and 4.0 above
+        close(low, 0.2)
+        close(high, 0.4)
+        close(total, 0.6)
