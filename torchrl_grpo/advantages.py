@@ -176,41 +176,48 @@ def group_std(
     return (m2 / (count - 1).clamp_min(1)).sqrt()
 
 
-# --- baselines: b_i, the value subtracted from sample i -----------------------------------------
+# --- baselines ----------------------------------------------------------------------------------
+# Both baselines are affine in the group mean, so x_i - b_i = factor_g * (x_i - mu_g): a baseline is
+# the per-group factor, and the advantage costs one pass over the samples whatever the choice.
 
 
-def _mean_baseline(x: Tensor, group_index: Tensor, mean: Tensor, count: Tensor) -> Tensor:
-    return mean[group_index]
+def _mean_baseline(count: Tensor) -> Tensor:
+    return torch.ones(count.shape, dtype=torch.float64)
 
 
-def _leave_one_out_baseline(x: Tensor, group_index: Tensor, mean: Tensor, count: Tensor) -> Tensor:
-    # b_i = (sum_g - x_i) / (n_g - 1); a group of one has no "others": b_i = x_i, advantage 0.
-    n = count[group_index].to(x.dtype)
-    others = (mean[group_index] * n - x) / (n - 1).clamp_min(1)
-    return torch.where(n > 1, others, x)
+def _leave_one_out_baseline(count: Tensor) -> Tensor:
+    # x_i - (sum_g - x_i) / (n_g - 1) = n_g / (n_g - 1) * (x_i - mu_g); a group of one has no
+    # "others", so its advantage is 0.
+    n = count.double()
+    return torch.where(n > 1, n / (n - 1).clamp_min(1), 0.0)
 
 
-BASELINES: dict[str, Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]] = {
+BASELINES: dict[str, Callable[[Tensor], Tensor]] = {
     "mean": _mean_baseline,
     "leave_one_out": _leave_one_out_baseline,
 }
-"""Baselines by name: ``baseline(x, group_index, group_mean, group_count) -> (S,)``."""
+"""Baselines by name, as the per-group factor on ``x - mean``: ``baseline(count) -> (G,)``."""
 
 
-# --- scales: s_i, the value sample i's centred advantage is divided by (before the floor) ----------
+# --- scales: the per-group value the centred samples are divided by (before the floor) ----------
 
 
-def _group_scale(x: Tensor, group_index: Tensor, mean: Tensor, count: Tensor) -> Tensor:
-    return group_std(x, group_index, mean.numel(), mean=mean)[group_index]
+def _group_scale(dev: Tensor, group_index: Tensor, mean: Tensor, count: Tensor) -> Tensor:
+    m2 = _segment_sum(dev.square(), group_index, mean.numel())
+    return (m2 / (count - 1).clamp_min(1)).sqrt()
 
 
-def _batch_scale(x: Tensor, group_index: Tensor, mean: Tensor, count: Tensor) -> Tensor:
-    std = x.std() if x.numel() > 1 else x.new_zeros(())
-    return std.expand_as(x)
+def _batch_scale(dev: Tensor, group_index: Tensor, mean: Tensor, count: Tensor) -> Tensor:
+    # Std of every sample: within-group squares plus between-group squares (Chan et al., 1979).
+    total = int(count.sum())
+    present = count > 0
+    grand = (mean[present] * count[present]).sum() / max(total, 1)
+    m2 = dev.square().sum() + (count[present] * (mean[present] - grand).square()).sum()
+    return (m2 / max(total - 1, 1)).sqrt().expand(mean.shape)
 
 
-def _no_scale(x: Tensor, group_index: Tensor, mean: Tensor, count: Tensor) -> Tensor:
-    return torch.ones_like(x)
+def _no_scale(dev: Tensor, group_index: Tensor, mean: Tensor, count: Tensor) -> Tensor:
+    return torch.ones_like(mean)
 
 
 SCALES: dict[str, Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]] = {
@@ -218,7 +225,7 @@ SCALES: dict[str, Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]] = {
     "batch": _batch_scale,
     "none": _no_scale,
 }
-"""Scales by name: ``scale(x, group_index, group_mean, group_count) -> (S,)``."""
+"""Scales by name: ``scale(x - mean_g, group_index, mean, count) -> (G,)``."""
 
 
 def group_relative_advantage(
@@ -270,8 +277,8 @@ def group_relative_advantage(
         raise ValueError(f"baseline must be one of {sorted(BASELINES)}, got {baseline!r}.")
     if scale_rewards not in SCALES:
         raise ValueError(f"scale_rewards must be one of {sorted(SCALES)}, got {scale_rewards!r}.")
-    x = x.double()
-    mean, count = group_mean(x, group_index, num_groups)
-    centred = x - BASELINES[baseline](x, group_index, mean, count)  # (S,)
-    scale = SCALES[scale_rewards](x, group_index, mean, count)  # (S,)
-    return centred / scale.clamp_min(epsilon)
+    mean, count = group_mean(x, group_index, num_groups)  # (G,), (G,)
+    dev = x.double() - mean[group_index]  # (S,)
+    scale = SCALES[scale_rewards](dev, group_index, mean, count)  # (G,)
+    factor = BASELINES[baseline](count) / scale.clamp_min(epsilon)  # (G,)
+    return dev * factor[group_index]

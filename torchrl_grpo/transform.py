@@ -57,16 +57,23 @@ def _fresh_stats() -> dict:
 class _State:
     """Everything the transform holds between insertions; replaced whole, never mutated.
 
-    ``steps`` holds the pending trajectories' steps in arrival order: a flat TensorDict, or a list
-    of step TensorDicts once ragged data has been seen. ``keys`` holds one group id per pending
-    trajectory: a ``(Q, k)`` tensor for tensor ids, a list of strings for prompts.
+    The pending steps live in ``chunks``: what each insertion left pending, kept as it came (a
+    flat TensorDict, or a list of step TensorDicts once ragged data has been seen), so holding a
+    trajectory back copies nothing. Pending trajectory ``j`` is steps
+    ``offset[j] : offset[j] + lengths[j]`` of ``chunks[chunk[j]]``; trajectories are in arrival
+    order. ``keys`` holds one group id per pending trajectory: a ``(Q, k)`` tensor for tensor ids,
+    a list of strings for prompts.
     """
 
-    steps: TensorDictBase | list | None = None
+    chunks: list = field(default_factory=list)
+    chunk_steps: int = 0  # steps held in chunks, released ones included
+    chunk: Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
+    offset: Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
     lengths: Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
     keys: Tensor | list | None = None
     returns: Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.float64))
     stats: dict = field(default_factory=_fresh_stats)
+    ragged: bool = False
 
     @property
     def num_pending(self) -> int:
@@ -78,6 +85,7 @@ class _Batch:
     """One insertion, flattened and split into trajectories (all tensors are 1-D)."""
 
     data: TensorDictBase | list  # dense flat TensorDict, or list of step TensorDicts (ragged)
+    starts: Tensor  # (n,) first step of each trajectory
     lengths: Tensor  # (n,) steps per trajectory
     keys: Tensor | list  # (n, k) tensor ids or n strings
     elements: Tensor  # (E,) every reward element, in order
@@ -90,6 +98,21 @@ def _ranges(starts: Tensor, lengths: Tensor) -> Tensor:
     total = int(lengths.sum())
     offsets = torch.cumsum(lengths, 0) - lengths  # (n,)
     return torch.arange(total) - torch.repeat_interleave(offsets - starts, lengths)
+
+
+def _take(data: TensorDictBase | list, index: Tensor) -> TensorDictBase | list:
+    """Rows ``index`` of a flat TensorDict, or of a list of step TensorDicts."""
+    if isinstance(data, list):
+        return [data[i] for i in index.tolist()]
+    return data[index]
+
+
+def _as_list(keys) -> list:
+    return keys if isinstance(keys, list) else []
+
+
+def _steps(data: TensorDictBase | list) -> list:
+    return data if isinstance(data, list) else list(data.unbind(0))
 
 
 def _is_ragged(tensordict: TensorDictBase) -> bool:
@@ -395,15 +418,8 @@ class MCAdvantage(Transform):
         out: dict = {}
         if state.num_pending == 0:
             return out
-        if isinstance(state.steps, list):
-            bounds = torch.cumsum(state.lengths, 0).tolist()
-            trajs = [
-                lazy_stack(state.steps[b - n : b]) for b, n in zip(bounds, state.lengths.tolist())
-            ]
-        else:
-            trajs = list(state.steps.split(state.lengths.tolist()))
-        for key, traj in zip(self._python_keys(state.keys), trajs):
-            out.setdefault(key, []).append(traj)
+        for j, key in enumerate(self._python_keys(state.keys)):
+            out.setdefault(key, []).append(self._trajectory(state, None, j))
         return out
 
     @staticmethod
@@ -421,6 +437,10 @@ class MCAdvantage(Transform):
     def _inv_call(self, tensordict: TensorDictBase) -> TensorDictBase | None:
         with self._lock:
             state = self._load()
+            queued = self._append_one(tensordict, state)
+            if queued is not None:
+                self._store(queued)
+                return None
             out, new_state = self._insert(tensordict, state)
             self._store(new_state)
         return out
@@ -441,7 +461,10 @@ class MCAdvantage(Transform):
         codes = self._group_codes(state.keys, batch.keys)  # (Q + n,)
         returns = torch.cat([state.returns, self._returns(batch)])  # (Q + n,)
 
-        if self._needs_selection():
+        if not self._needs_selection() and int(torch.bincount(codes).max()) < self.grpo_size:
+            members = member_event = torch.zeros(0, dtype=torch.long)  # nothing can complete
+            consumed, extra = torch.zeros(codes.numel(), dtype=torch.bool), {"dropped_groups": 0}
+        elif self._needs_selection():
             members, member_event, consumed, extra = self._select_candidates(
                 codes, returns, num_pending, state, batch
             )
@@ -449,7 +472,7 @@ class MCAdvantage(Transform):
             members, member_event, consumed = self._complete_rounds(codes)
             extra = dict.fromkeys(("dropped_groups",), 0)
         lengths = torch.cat([state.lengths, batch.lengths])  # (Q + n,)
-        num_events = int(member_event[-1]) + 1 if member_event.numel() else 0
+        num_events = int(member_event.max()) + 1 if member_event.numel() else 0
 
         out, keep_event, adv_written = None, torch.zeros(0, dtype=torch.bool), 0
         if num_events:
@@ -459,14 +482,11 @@ class MCAdvantage(Transform):
             adv_written = int(keep_event.sum())
 
         # --- the next state: statistics, then the pending trajectories that were not consumed ---
-        stats = dict(state.stats)
-        stats["completed_trajectories"] += n
-        stats["completed_decisions"] += int(batch.lengths.sum())
+        element_traj = batch.step_traj[batch.element_step]
+        stats = self._count_arrivals(
+            dict(state.stats), batch.elements, element_traj, n, int(batch.lengths.sum())
+        )
         if self.trajectory_return is not None:
-            sums = trajectory_returns(batch.elements, batch.step_traj[batch.element_step], n, "sum")
-            stats["trajectory_return_sum"] += float(sums.sum())
-            stats["trajectory_return_max"] = max(stats["trajectory_return_max"], float(sums.max()))
-            stats["successful_trajectories"] += int((sums > 0).sum())
             stats["selected_trajectories"] += adv_written * self.grpo_size
         stats["completed_groups"] += num_events + extra["dropped_groups"]
         stats["written_groups"] += adv_written
@@ -497,7 +517,7 @@ class MCAdvantage(Transform):
             tensordict = tensordict.unsqueeze(0)
         if tensordict.numel() == 0:
             return None
-        ragged = isinstance(state.steps, list) or _is_ragged(tensordict)
+        ragged = state.ragged or _is_ragged(tensordict)
         done = self._get(tensordict, self.done_key, "done")
         self._get(tensordict, self.prompt_key, "group id")  # existence check before any work
         if not isinstance(done, Tensor) or done[(0,) * tensordict.ndim].numel() != 1:
@@ -535,7 +555,7 @@ class MCAdvantage(Transform):
                 f"{self.rewards_key!r}, the first at step {step} (value {float(elements[bad][0])})."
             )
         keys = self._read_keys(tensordict, data, starts, ragged, state)
-        return _Batch(data, lengths, keys, elements, element_step, step_traj)
+        return _Batch(data, starts, lengths, keys, elements, element_step, step_traj)
 
     def _reward_elements(self, tensordict, data, ragged: bool) -> tuple[Tensor, Tensor]:
         """Every reward element, flat, with the step it belongs to."""
@@ -614,7 +634,7 @@ class MCAdvantage(Transform):
         if isinstance(incoming, list):
             table: dict = {}
             return torch.tensor(
-                [table.setdefault(k, len(table)) for k in (pending or []) + incoming],
+                [table.setdefault(k, len(table)) for k in _as_list(pending) + incoming],
                 dtype=torch.long,
             )
         keys = (
@@ -637,11 +657,12 @@ class MCAdvantage(Transform):
         )
 
     def _complete_rounds(self, codes: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """Every complete round of ``grpo_size`` trajectories of one group, in completion order.
+        """Every complete round of ``grpo_size`` trajectories of one group.
 
-        Returns ``members`` (trajectory indices, grouped by event, each group in arrival order),
-        ``member_event`` (the event of each member, events numbered by completion) and the
-        ``consumed`` mask over all trajectories.
+        A group's trajectories, in arrival order, form rounds of ``grpo_size``; every full round
+        is released. Returns ``members`` (released trajectories, in arrival order),
+        ``member_event`` (the round of each member) and the ``consumed`` mask over all
+        trajectories.
         """
         size = self.grpo_size
         order = torch.argsort(codes, stable=True)  # by group, arrival order within a group
@@ -650,10 +671,10 @@ class MCAdvantage(Transform):
         rank = torch.empty_like(codes)
         rank[order] = torch.arange(codes.numel()) - first[codes[order]]
         consumed = rank < (counts // size * size)[codes]
-        rows = order[consumed[order]].reshape(-1, size)  # (R, G): one row per complete round
-        rows = rows[torch.argsort(rows[:, -1])]  # a round completes when its last member arrives
-        events = torch.arange(rows.shape[0]).repeat_interleave(size)
-        return rows.reshape(-1), events, consumed
+        members = consumed.nonzero().squeeze(-1)
+        # Rounds numbered by (group, round); members of a round share group and rank // size.
+        round_start = torch.cumsum(counts // size, 0) - counts // size
+        return members, round_start[codes[members]] + rank[members] // size, consumed
 
     def _select_candidates(self, codes, returns, num_pending, state, batch):
         """torchrl's oversampled candidate groups: try the selector at each arrival."""
@@ -694,7 +715,8 @@ class MCAdvantage(Transform):
             queue.clear()
         members = torch.tensor([m for _, group in events for m in group], dtype=torch.long)
         member_event = torch.arange(len(events)).repeat_interleave(size)
-        return members, member_event, consumed, extra
+        members, order = torch.sort(members)  # released in arrival order, as the fast path
+        return members, member_event[order], consumed, extra
 
     def _passes_filters(self, group_returns: list[float]) -> bool:
         x = torch.tensor(group_returns, dtype=torch.float64)
@@ -725,10 +747,8 @@ class MCAdvantage(Transform):
 
     def _write_advantages(self, state, batch, members, member_event, num_events, lengths, returns):
         """Gather the released trajectories' steps, write their advantages, drop filtered groups."""
-        starts = torch.cumsum(lengths, 0) - lengths  # (Q + n,) start of each trajectory
-        step_index = _ranges(starts[members], lengths[members])  # (S,) into pending ++ incoming
         step_member = torch.repeat_interleave(torch.arange(members.numel()), lengths[members])
-        out = self._gather(state, batch, step_index)
+        out = self._gather(state, batch, members)  # (S,) steps, or a list of S step copies
         reward = self._released_rewards(out)  # list of per-step tensors (ragged) or one tensor
         if isinstance(reward, list):
             counts = torch.tensor([r.numel() for r in reward])
@@ -777,32 +797,51 @@ class MCAdvantage(Transform):
         return out.get(self.rewards_key)
 
     @staticmethod
-    def _gather(state: _State, batch: _Batch, step_index: Tensor):
-        """Steps ``step_index`` of (pending steps ++ incoming steps), as a new TensorDict/list."""
-        num_pending_steps = int(state.lengths.sum())
-        if isinstance(batch.data, list):
-            pending = (
-                state.steps
-                if isinstance(state.steps, list)
-                else (list(state.steps.unbind(0)) if state.steps is not None else [])
-            )
-            source = pending + batch.data
-            return [source[i].copy() for i in step_index.tolist()]
-        from_pending = step_index < num_pending_steps
-        if not from_pending.any():
-            return batch.data[step_index - num_pending_steps]
-        picked = step_index[from_pending]
-        source = torch.cat([state.steps[picked], batch.data])
-        local = torch.empty_like(step_index)
-        local[from_pending] = torch.arange(picked.numel())
-        local[~from_pending] = step_index[~from_pending] - num_pending_steps + picked.numel()
-        return source[local]
+    def _gather(state: _State, batch: _Batch | None, members: Tensor):
+        """All steps of trajectories ``members`` (indices into pending ++ incoming), in order.
+
+        Returns a new flat TensorDict, or a list of step copies when the data is ragged.
+        """
+        q = state.num_pending
+        ragged = state.ragged or (batch is not None and isinstance(batch.data, list))
+        from_pending = members < q
+        if not from_pending.any():  # the common case: whole groups arrive in one insertion
+            if batch.lengths.numel() == members.numel():  # all of it, in order: no copy
+                return [step.copy() for step in batch.data] if ragged else batch.data
+            incoming = members - q
+            index = _ranges(batch.starts[incoming], batch.lengths[incoming])
+            out = _take(batch.data, index)
+            return [step.copy() for step in out] if ragged else out
+        # Pending steps: one take per chunk involved, then one index over pieces ++ incoming.
+        pending = members[from_pending]
+        lengths = state.lengths[pending]
+        step_chunk = torch.repeat_interleave(state.chunk[pending], lengths)  # (K,)
+        step_pos = _ranges(state.offset[pending], lengths)  # (K,)
+        order = torch.argsort(step_chunk, stable=True)
+        chunk_ids, counts = torch.unique_consecutive(step_chunk[order], return_counts=True)
+        pieces = [
+            _take(state.chunks[c], pos)
+            for c, pos in zip(chunk_ids.tolist(), step_pos[order].split(counts.tolist()))
+        ]
+        local = torch.empty_like(order)
+        local[order] = torch.arange(order.numel())
+        source_start = torch.empty_like(members)
+        source_start[from_pending] = local[torch.cumsum(lengths, 0) - lengths]
+        all_lengths = state.lengths if batch is None else torch.cat([state.lengths, batch.lengths])
+        if not from_pending.all():
+            incoming = members[~from_pending] - q
+            source_start[~from_pending] = order.numel() + batch.starts[incoming]
+            pieces.append(batch.data)
+        index = _ranges(source_start, all_lengths[members])
+        if ragged:
+            source = [step for piece in pieces for step in _steps(piece)]
+            return [source[i].copy() for i in index.tolist()]
+        source = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+        return source[index]
 
     @staticmethod
-    def _trajectory(state: _State, batch: _Batch, j: int) -> TensorDictBase:
-        lengths = torch.cat([state.lengths, batch.lengths])
-        start = int(lengths[:j].sum())
-        out = MCAdvantage._gather(state, batch, torch.arange(start, start + int(lengths[j])))
+    def _trajectory(state: _State, batch: _Batch | None, j: int) -> TensorDictBase:
+        out = MCAdvantage._gather(state, batch, torch.tensor([j]))
         return lazy_stack(out) if isinstance(out, list) else out
 
     def _remaining(
@@ -810,42 +849,152 @@ class MCAdvantage(Transform):
     ) -> _State:
         """The next state: pending trajectories that no released group consumed, in order."""
         q = state.num_pending
-        keep = ~consumed  # (Q + n,)
-        lengths = torch.cat([state.lengths, batch.lengths])
-        keys = (
-            (state.keys or []) + batch.keys
-            if isinstance(batch.keys, list)
-            else (
-                batch.keys
-                if state.keys is None or state.keys.numel() == 0
-                else torch.cat([state.keys, batch.keys.to(state.keys.dtype)])
+        keep_pending, keep_incoming = ~consumed[:q], ~consumed[q:]
+        new = state if keep_pending.all() else _drop_pending(state, keep_pending)
+        new = replace(new, stats=stats, ragged=state.ragged or isinstance(batch.data, list))
+        if keep_incoming.any():
+            lengths = batch.lengths[keep_incoming]
+            if keep_incoming.all():  # keep the insertion as it came: no copy
+                piece, offset, keys = batch.data, batch.starts, batch.keys
+            else:
+                piece = _take(batch.data, _ranges(batch.starts[keep_incoming], lengths))
+                offset = torch.cumsum(lengths, 0) - lengths
+                keys = (
+                    [k for k, kp in zip(batch.keys, keep_incoming.tolist()) if kp]
+                    if isinstance(batch.keys, list)
+                    else batch.keys[keep_incoming]
+                )
+            new = _append_pending(new, piece, offset, lengths, keys, returns[q:][keep_incoming])
+        # Held-back chunks also hold released steps; compact once those outnumber the live ones.
+        live = int(new.lengths.sum())
+        if new.chunk_steps > 2 * live + 1024:
+            data = self._gather(new, None, torch.arange(new.num_pending))
+            new = replace(
+                new,
+                chunks=[data],
+                chunk_steps=live,
+                chunk=torch.zeros_like(new.lengths),
+                offset=torch.cumsum(new.lengths, 0) - new.lengths,
             )
-        )
-        if not keep.any():
-            return _State(stats=stats)
-        kept_steps = _ranges((torch.cumsum(lengths, 0) - lengths)[keep], lengths[keep])
-        if isinstance(batch.data, list) or isinstance(state.steps, list):
-            pending = (
-                state.steps
-                if isinstance(state.steps, list)
-                else (list(state.steps.unbind(0)) if state.steps is not None else [])
-            )
-            source = pending + (
-                batch.data if isinstance(batch.data, list) else list(batch.data.unbind(0))
-            )
-            steps = [source[i] for i in kept_steps.tolist()]
-        elif bool(keep[:q].all()) and q:
-            new = kept_steps[kept_steps >= int(state.lengths.sum())] - int(state.lengths.sum())
-            steps = torch.cat([state.steps, batch.data[new]]) if new.numel() else state.steps
+        return new
+
+    def _append_one(self, tensordict: TensorDictBase, state: _State) -> _State | None:
+        """Fast path for the most frequent call: one dense trajectory whose group stays short.
+
+        Queues it without copying and computes nothing else. Returns ``None`` whenever the input
+        is anything else (several trajectories, ragged data, a group that completes, or any
+        defect), leaving it to the general path, which also owns every error message.
+        """
+        if (
+            state.ragged
+            or tensordict.ndim != 1
+            or isinstance(tensordict, LazyStackedTensorDict)
+            or self._needs_selection()
+        ):
+            return None
+        num_steps = tensordict.shape[0]
+        done = tensordict.get(self.done_key, None)
+        reward = tensordict.get(self.rewards_key, None)
+        key = tensordict.get(self.prompt_key, None)
+        if not (
+            isinstance(done, Tensor)
+            and isinstance(reward, Tensor)
+            and done.numel() == num_steps > 0
+            and reward.shape[:1] == (num_steps,)
+            and reward.numel() > 0
+        ):
+            return None
+        done = done.reshape(-1)
+        if not (done[-1] and int(done.sum()) == 1 and bool(torch.isfinite(reward).all())):
+            return None
+        if isinstance(key, Tensor):
+            key = key[:1].reshape(1, -1)
+            if isinstance(state.keys, list) or (
+                state.num_pending and state.keys.shape[1] != key.shape[1]
+            ):
+                return None
+            count = int((state.keys == key).all(1).sum()) if state.num_pending else 0
         else:
-            steps = self._gather(state, batch, kept_steps)
-        if isinstance(keys, list):
-            keys = [k for k, kp in zip(keys, keep.tolist()) if kp]
-        else:
-            keys = keys[keep]
-        return _State(
-            steps=steps, lengths=lengths[keep], keys=keys, returns=returns[keep], stats=stats
+            key = key.tolist() if hasattr(key, "tolist") else key
+            key = key[0] if isinstance(key, list) and key else key
+            if not isinstance(key, str) or isinstance(state.keys, Tensor) and state.num_pending:
+                return None
+            count, key = _as_list(state.keys).count(key), [key]
+        if count + 1 >= self.grpo_size:
+            return None
+        values = reward.reshape(-1)
+        at = torch.zeros(values.numel(), dtype=torch.long)
+        returns = (
+            trajectory_returns(values, at, 1, self.trajectory_return)
+            if self.trajectory_return is not None
+            else torch.zeros(1, dtype=torch.float64)
         )
+        stats = self._count_arrivals(dict(state.stats), values, at, 1, num_steps)
+        lengths = torch.tensor([num_steps])
+        return _append_pending(
+            replace(state, stats=stats),
+            tensordict,
+            torch.zeros(1, dtype=torch.long),
+            lengths,
+            key,
+            returns,
+        )
+
+    def _count_arrivals(self, stats: dict, elements, element_traj, num_traj, num_steps) -> dict:
+        """torchrl's per-arrival counters (return statistics only with ``trajectory_return``)."""
+        stats["completed_trajectories"] += num_traj
+        stats["completed_decisions"] += num_steps
+        if self.trajectory_return is not None:
+            sums = trajectory_returns(elements, element_traj, num_traj, "sum")  # (n,)
+            stats["trajectory_return_sum"] += float(sums.sum())
+            stats["trajectory_return_max"] = max(stats["trajectory_return_max"], float(sums.max()))
+            stats["successful_trajectories"] += int((sums > 0).sum())
+        return stats
+
+
+def _append_pending(state: _State, piece, offset, lengths, keys, returns) -> _State:
+    """``state`` with the trajectories of ``piece`` (a new chunk) queued after the others."""
+    if isinstance(keys, list):
+        all_keys = _as_list(state.keys) + keys
+    elif state.keys is None or state.keys.numel() == 0:
+        all_keys = keys
+    else:
+        all_keys = torch.cat([state.keys, keys.to(state.keys.dtype)])
+    return replace(
+        state,
+        chunks=[*state.chunks, piece],
+        chunk_steps=state.chunk_steps + len(piece),
+        chunk=torch.cat([state.chunk, torch.full_like(lengths, len(state.chunks))]),
+        offset=torch.cat([state.offset, offset]),
+        lengths=torch.cat([state.lengths, lengths]),
+        keys=all_keys,
+        returns=torch.cat([state.returns, returns]),
+    )
+
+
+def _drop_pending(state: _State, keep: Tensor) -> _State:
+    """``state`` without the pending trajectories where ``keep`` is False, and unused chunks."""
+    chunk, chunks, chunk_steps = state.chunk[keep], state.chunks, state.chunk_steps
+    used = torch.unique(chunk)
+    if used.numel() < len(chunks):
+        chunks = [chunks[c] for c in used.tolist()]
+        chunk_steps = sum(len(c) for c in chunks)
+        chunk = torch.searchsorted(used, chunk)
+    keys = (
+        [k for k, kp in zip(state.keys, keep.tolist()) if kp]
+        if isinstance(state.keys, list)
+        else state.keys[keep]
+    )
+    return replace(
+        state,
+        chunks=chunks,
+        chunk_steps=chunk_steps,
+        chunk=chunk,
+        offset=state.offset[keep],
+        lengths=state.lengths[keep],
+        keys=keys,
+        returns=state.returns[keep],
+    )
 
 
 class _NoLock:

@@ -1,0 +1,125 @@
+"""Throughput of ``torchrl_grpo.MCAdvantage`` against torchrl's, side by side in one run.
+
+Every row writes the same data with ``rb.extend`` into a fresh ``ReplayBuffer`` over a
+``LazyTensorStorage``: a flat batch of shuffled groups (groups x group size x steps), with the
+transform from this package, with torchrl 0.14.1's ``MCAdvantage``, and with no transform (the
+copy into storage, the floor). Times are medians over repeats; ratios are against the same run.
+
+    python benchmarks/transform_throughput.py            # the full table
+    python benchmarks/transform_throughput.py --quick    # smaller shapes, for a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+import warnings
+
+import torch
+from tensordict import TensorDict
+from torchrl.data import LazyTensorStorage, ReplayBuffer
+from torchrl.objectives.llm import MCAdvantage as TorchRLMCAdvantage
+
+from torchrl_grpo import MCAdvantage
+
+SHAPES = [(512, 8, 4), (64, 8, 32), (128, 16, 64)]
+QUICK_SHAPES = [(64, 8, 4), (16, 8, 16)]
+
+
+def shuffled_groups(groups: int, size: int, steps: int, seed: int = 0) -> TensorDict:
+    """Flat steps of ``groups * size`` trajectories of ``steps`` steps, trajectories shuffled."""
+    gen = torch.Generator().manual_seed(seed)
+    n = groups * size
+    ids = torch.arange(groups).repeat_interleave(size)[torch.randperm(n, generator=gen)]
+    num = n * steps
+    done = torch.zeros(n, steps, 1, dtype=torch.bool)
+    done[:, -1] = True
+    return TensorDict(
+        seed=ids.repeat_interleave(steps),
+        observation=torch.randn(num, 4, generator=gen),
+        action=torch.randint(0, 2, (num,), generator=gen),
+        sample_log_prob=torch.randn(num, generator=gen),
+        next=TensorDict(
+            observation=torch.randn(num, 4, generator=gen),
+            reward=torch.randn(num, 1, generator=gen),
+            done=done.reshape(num, 1),
+            terminated=done.reshape(num, 1),
+            batch_size=[num],
+        ),
+        batch_size=[num],
+    )
+
+
+def time_extend(data: TensorDict, make_transform, repeats: int) -> float:
+    """Median seconds of ``rb.extend(data)`` into a fresh buffer (setup excluded)."""
+    times = []
+    for _ in range(repeats):
+        rb = ReplayBuffer(storage=LazyTensorStorage(data.numel() * 2))
+        if make_transform is not None:
+            rb.append_transform(make_transform())
+        start = time.perf_counter()
+        rb.extend(data)
+        times.append(time.perf_counter() - start)
+        if make_transform is not None:
+            assert len(rb) == data.numel(), "every group must be complete and written"
+    return statistics.median(times)
+
+
+def one_at_a_time(groups: int, size: int, steps: int, make_transform, limit: int) -> float:
+    """Mean seconds per ``transform.inv`` call when trajectories arrive one by one."""
+    data = shuffled_groups(groups, size, steps, seed=1)
+    trajs = data.split(steps)[:limit]
+    transform = make_transform()
+    start = time.perf_counter()
+    for traj in trajs:
+        transform.inv(traj)
+    return (time.perf_counter() - start) / len(trajs)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small shapes, few repeats")
+    parser.add_argument("--repeats", type=int, default=7, help="repeats of the fast rows")
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    shapes = QUICK_SHAPES if args.quick else SHAPES
+    repeats = 3 if args.quick else args.repeats
+
+    print(
+        f"torch {torch.__version__}, 1 thread; times are medians of rb.extend into LazyTensorStorage"
+    )
+    header = (
+        f"{'mode':<6} {'groups x G x T':>15} {'steps':>7} {'plain ms':>9} {'ours ms':>9} "
+        f"{'torchrl ms':>11} {'ours/plain':>11} {'torchrl/ours':>13}"
+    )
+    print(header)
+    print("-" * len(header))
+    for mode in (None, "sum"):
+        for groups, size, steps in shapes:
+            data = shuffled_groups(groups, size, steps)
+            kw = dict(grpo_size=size, prompt_key="seed", trajectory_return=mode)
+            plain = time_extend(data, None, repeats)
+            ours = time_extend(data, lambda kw=kw: MCAdvantage(**kw), repeats)
+            ref = time_extend(data, lambda kw=kw: TorchRLMCAdvantage(**kw), 1)
+            print(
+                f"{mode or 'step':<6} {f'{groups}x{size}x{steps}':>15} {data.numel():>7} "
+                f"{plain * 1e3:>9.2f} {ours * 1e3:>9.2f} {ref * 1e3:>11.1f} "
+                f"{ours / plain:>10.2f}x {ref / ours:>12.0f}x"
+            )
+    print()
+    print("one trajectory per call (64 groups x 8 x 16 steps, shuffled; pending queues grow):")
+    for mode in (None, "sum"):
+        kw = dict(grpo_size=8, prompt_key="seed", trajectory_return=mode)
+        limit = 128 if args.quick else 512
+        ours = one_at_a_time(64, 8, 16, lambda kw=kw: MCAdvantage(**kw), limit)
+        ref = one_at_a_time(64, 8, 16, lambda kw=kw: TorchRLMCAdvantage(**kw), limit)
+        print(
+            f"  mode={mode or 'step':<5} ours {ours * 1e3:.3f} ms/call, torchrl {ref * 1e3:.3f} "
+            f"ms/call, torchrl/ours {ref / ours:.2f}x"
+        )
+
+
+if __name__ == "__main__":
+    main()
