@@ -111,20 +111,31 @@ def _as_list(keys) -> list:
     return keys if isinstance(keys, list) else []
 
 
+def _take_sorted(data: TensorDictBase | list, index: Tensor) -> TensorDictBase | list:
+    """Like :func:`_take` for an increasing ``index``; a contiguous run is a view, not a copy."""
+    first, last = int(index[0]), int(index[-1])
+    if last - first + 1 == index.numel():
+        return data if first == 0 and index.numel() == len(data) else data[first : last + 1]
+    return _take(data, index)
+
+
 def _steps(data: TensorDictBase | list) -> list:
     return data if isinstance(data, list) else list(data.unbind(0))
 
 
-def _is_ragged(tensordict: TensorDictBase) -> bool:
+def _materialize(tensordict: TensorDictBase) -> TensorDictBase | None:
+    """A lazy stack as one contiguous TensorDict, or ``None`` if its steps are ragged."""
     if not isinstance(tensordict, LazyStackedTensorDict):
-        return False
+        return tensordict
     try:
         concrete = tensordict.contiguous()
     except RuntimeError:
-        return True
+        return None
     # contiguous() may silently drop stacked non-tensor entries; keep the lazy form then.
     lazy_keys = set(tensordict.keys(True, True, is_leaf=_is_leaf_nontensor))
-    return bool(lazy_keys - set(concrete.keys(True, True, is_leaf=_is_leaf_nontensor)))
+    if lazy_keys - set(concrete.keys(True, True, is_leaf=_is_leaf_nontensor)):
+        return None
+    return concrete
 
 
 class MCAdvantage(Transform):
@@ -517,7 +528,9 @@ class MCAdvantage(Transform):
             tensordict = tensordict.unsqueeze(0)
         if tensordict.numel() == 0:
             return None
-        ragged = state.ragged or _is_ragged(tensordict)
+        concrete = _materialize(tensordict)
+        ragged = state.ragged or concrete is None
+        tensordict = tensordict if concrete is None else concrete
         done = self._get(tensordict, self.done_key, "done")
         self._get(tensordict, self.prompt_key, "group id")  # existence check before any work
         if not isinstance(done, Tensor) or done[(0,) * tensordict.ndim].numel() != 1:
@@ -585,6 +598,7 @@ class MCAdvantage(Transform):
     def _read_keys(self, tensordict, data, starts: Tensor, ragged: bool, state: _State):
         if ragged:
             raw = [data[i].get(self.prompt_key) for i in starts.tolist()]
+            raw = [v if isinstance(v, Tensor) else getattr(v, "data", v) for v in raw]
             keys = torch.stack(raw) if raw and isinstance(raw[0], Tensor) else raw
         else:
             value = tensordict.get(self.prompt_key)
@@ -819,8 +833,8 @@ class MCAdvantage(Transform):
         step_pos = _ranges(state.offset[pending], lengths)  # (K,)
         order = torch.argsort(step_chunk, stable=True)
         chunk_ids, counts = torch.unique_consecutive(step_chunk[order], return_counts=True)
-        pieces = [
-            _take(state.chunks[c], pos)
+        pieces = [  # members arrive in order, so each chunk's positions increase
+            _take_sorted(state.chunks[c], pos)
             for c, pos in zip(chunk_ids.tolist(), step_pos[order].split(counts.tolist()))
         ]
         local = torch.empty_like(order)
@@ -833,11 +847,16 @@ class MCAdvantage(Transform):
             source_start[~from_pending] = order.numel() + batch.starts[incoming]
             pieces.append(batch.data)
         index = _ranges(source_start, all_lengths[members])
-        if ragged:
-            source = [step for piece in pieces for step in _steps(piece)]
-            return [source[i].copy() for i in index.tolist()]
-        source = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
-        return source[index]
+        if index.numel() == sum(len(piece) for piece in pieces):  # every source step, in order
+            index = None
+        if not ragged:
+            try:
+                source = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+                return source if index is None else source[index]
+            except RuntimeError:  # per-step shapes differ between insertions: go ragged
+                pass
+        source = [step for piece in pieces for step in _steps(piece)]
+        return [step.copy() for step in (source if index is None else _take(source, index))]
 
     @staticmethod
     def _trajectory(state: _State, batch: _Batch | None, j: int) -> TensorDictBase:
@@ -995,6 +1014,23 @@ def _drop_pending(state: _State, keep: Tensor) -> _State:
         keys=keys,
         returns=state.returns[keep],
     )
+
+
+def _stat_property(name: str) -> property:
+    def get(self):
+        return self._load().stats[name]
+
+    def set(self, value) -> None:
+        with self._lock:
+            state = self._load()
+            self._store(replace(state, stats={**state.stats, name: value}))
+
+    return property(get, set, doc=f"torchrl's ``{name}`` counter (see :meth:`get_stats`).")
+
+
+for _name in STAT_NAMES:
+    setattr(MCAdvantage, _name, _stat_property(_name))
+del _name
 
 
 class _NoLock:

@@ -1,0 +1,390 @@
+"""Tests of torchrl_grpo/transform.py: parity with torchrl, estimators, inputs, errors."""
+
+import random
+
+import pytest
+import torch
+from tensordict import LazyStackedTensorDict, NonTensorData, TensorDict, lazy_stack
+from torchrl.data import LazyStackStorage, LazyTensorStorage, ReplayBuffer
+from torchrl.objectives.llm import MCAdvantage as TorchRLMCAdvantage
+
+from torchrl_grpo import MCAdvantage, MCAdvantageSelector, group_relative_advantage
+
+_uid = iter(range(10**9))
+
+
+def trajectory(group, rewards, key="seed", width=1):
+    """One trajectory: ``len(rewards)`` steps, the last one done; every step has a unique uid."""
+    rewards = torch.as_tensor(rewards, dtype=torch.float32).reshape(len(rewards), -1)
+    steps = rewards.shape[0]
+    done = torch.zeros(steps, 1, dtype=torch.bool)
+    done[-1] = True
+    if isinstance(group, str):
+        gid = NonTensorData(group, batch_size=[steps])
+    else:
+        gid = torch.full((steps, width), group, dtype=torch.long).squeeze(-1)
+    td = TensorDict(
+        uid=torch.tensor([next(_uid) for _ in range(steps)]),
+        next=TensorDict(reward=rewards, done=done, batch_size=[steps]),
+        batch_size=[steps],
+    )
+    td.set(key, gid)
+    return td
+
+
+def random_stream(num_groups, size, seed, *, max_len=5, binary=False, strings=False, key="seed"):
+    """``num_groups * size`` trajectories of random lengths, interleaved at random."""
+    rng = random.Random(seed)
+    trajs = []
+    for g in range(num_groups):
+        gid = f"prompt {g}" if strings else g
+        for _ in range(size):
+            length = rng.randint(1, max_len)
+            if binary:
+                rewards = [0.0] * (length - 1) + [float(rng.random() < 0.5)]
+            else:
+                rewards = [rng.gauss(0, 1) for _ in range(length)]
+            trajs.append(trajectory(gid, rewards, key=key))
+    rng.shuffle(trajs)
+    return trajs
+
+
+def random_chunks(trajs, seed):
+    """Cut a stream of trajectories into flat ``extend`` batches of random sizes."""
+    rng = random.Random(seed)
+    chunks, i = [], 0
+    while i < len(trajs):
+        j = min(len(trajs), i + rng.randint(1, 12))
+        chunks.append(torch.cat(trajs[i:j]))
+        i = j
+    return chunks
+
+
+def released(out):
+    """uid -> advantage row, for one output (or {} for None)."""
+    if out is None:
+        return {}
+    if isinstance(out, LazyStackedTensorDict):
+        return {int(step["uid"]): step["advantage"] for step in out.unbind(0)}
+    return dict(zip(out["uid"].tolist(), out["advantage"].unbind(0)))
+
+
+def assert_same_releases(chunks, kwargs):
+    """Feed both implementations; each call must release the same steps, same advantages."""
+    ours, ref = MCAdvantage(**kwargs), TorchRLMCAdvantage(**kwargs)
+    for chunk in chunks:
+        got, want = released(ours.inv(chunk)), released(ref.inv(chunk))
+        assert got.keys() == want.keys()
+        for uid, adv in want.items():
+            torch.testing.assert_close(got[uid], adv, atol=1e-6, rtol=1e-6)
+    for name, value in ref.get_stats().items():
+        assert ours.get_stats()[name] == pytest.approx(value, rel=1e-5), name
+    return ours
+
+
+class TestParityWithTorchRL:
+    @pytest.mark.parametrize("mode", [None, "sum", "max", "mean"])
+    @pytest.mark.parametrize("seed", [0, 1, 2])
+    def test_random_interleaved_groups(self, mode, seed):
+        chunks = random_chunks(random_stream(12, 4, seed), seed)
+        kw = dict(grpo_size=4, prompt_key="seed", trajectory_return=mode)
+        ours = assert_same_releases(chunks, kw)
+        assert ours.queued_trajectories == 0
+
+    def test_more_trajectories_than_the_group_size(self):
+        # 10 of one group: two full rounds of 4 are released, 2 stay pending
+        chunks = random_chunks(random_stream(1, 10, 3), 3)
+        ours = assert_same_releases(chunks, dict(grpo_size=4, prompt_key="seed"))
+        assert ours.queued_trajectories == 2
+
+    def test_single_trajectories_and_string_prompts(self):
+        trajs = random_stream(6, 3, 4, strings=True, key="query")
+        ours = assert_same_releases(trajs, dict(grpo_size=3, trajectory_return="sum"))
+        assert ours.get_stats()["written_groups"] == 6
+
+    def test_dynamic_sampling(self):
+        chunks = random_chunks(random_stream(30, 4, 5, binary=True), 5)
+        kw = dict(grpo_size=4, prompt_key="seed", trajectory_return="sum")
+        ours = assert_same_releases(chunks, {**kw, "keep_return_bounds": (0.1, 0.9)})
+        stats = ours.get_stats()
+        assert stats["dropped_groups"] > 0 and stats["written_groups"] > 0
+
+    @pytest.mark.parametrize("strategy", ["first", "uniform", "balanced"])
+    def test_oversampled_candidates(self, strategy):
+        chunks = random_chunks(random_stream(20, 7, 6, binary=True), 6)
+        kw = dict(
+            grpo_size=4,
+            prompt_key="seed",
+            trajectory_return="sum",
+            keep_return_bounds=(0.1, 0.9),
+            candidate_group_size=7,
+            candidate_selection_min_size=5,
+            candidate_selector=MCAdvantageSelector(strategy),
+        )
+        ours = assert_same_releases(chunks, kw)
+        assert ours.get_stats()["unselected_trajectories"] > 0
+
+    def test_batch_of_rows(self):
+        # [B, T] input: each row holds two trajectories of 3 steps and ends with done.
+        trajs = random_stream(4, 4, 7, max_len=1)
+        rows = []
+        for i in range(0, len(trajs), 2):
+            a, b = (trajectory(int(t["seed"][0]), torch.randn(3)) for t in trajs[i : i + 2])
+            rows.append(torch.cat([a, b]))
+        assert_same_releases(
+            [torch.stack(rows[:3]), torch.stack(rows[3:])], dict(grpo_size=4, prompt_key="seed")
+        )
+
+    def test_nested_group_key_and_multi_value_ids(self):
+        trajs = []
+        for g in range(3):
+            for _ in range(2):
+                t = trajectory(g, torch.randn(2), key=("task", "id"), width=2)
+                trajs.append(t)
+        random.Random(0).shuffle(trajs)
+        ours = assert_same_releases(trajs, dict(grpo_size=2, prompt_key=("task", "id")))
+        assert ours.get_stats()["written_groups"] == 3
+
+    def test_ragged_lazy_stacked_token_rewards(self):
+        # LLM data: each step is a turn whose per-token rewards have their own length.
+        rng = random.Random(8)
+        trajs = []
+        for g in range(4):
+            for _ in range(3):
+                turns = rng.randint(1, 3)
+                steps = [
+                    TensorDict(
+                        query=NonTensorData(f"prompt {g}"),
+                        uid=torch.tensor(next(_uid)),
+                        tokens=torch.arange(n := rng.randint(1, 6)),
+                        next=TensorDict(
+                            reward=torch.randn(n, 1), done=torch.tensor([t == turns - 1])
+                        ),
+                    )
+                    for t in range(turns)
+                ]
+                trajs.append(lazy_stack(steps))
+        rng.shuffle(trajs)
+        assert_same_releases(trajs, dict(grpo_size=3))
+        # several ragged trajectories in one call
+        assert_same_releases(
+            [lazy_stack([s for t in trajs for s in t.unbind(0)])], dict(grpo_size=3)
+        )
+
+
+class TestEstimators:
+    def release(self, t, trajs):
+        out = t.inv(torch.cat(trajs))
+        return out["advantage"], out
+
+    def test_last_step_reward_is_broadcast(self):
+        trajs = [trajectory(0, [5.0, 0.0, 1.0]), trajectory(0, [9.0, 3.0]), trajectory(0, [2.0])]
+        t = MCAdvantage(3, prompt_key="seed", trajectory_return="last")
+        adv, _ = self.release(t, trajs)
+        want = group_relative_advantage(torch.tensor([1.0, 3.0, 2.0]), torch.zeros(3).long())
+        want = want.tolist()
+        assert adv.squeeze(-1).tolist() == pytest.approx(
+            [want[0]] * 3 + [want[1]] * 2 + [want[2]], abs=1e-6
+        )
+
+    def test_dr_grpo_rloo_and_step_norm(self):
+        trajs = [trajectory(0, [1.0, 1.0]), trajectory(0, [0.0]), trajectory(0, [0.0, 0.0, 4.0])]
+        returns = torch.tensor([2.0, 0.0, 4.0])
+        for kw, want in [
+            (dict(scale_rewards="none"), returns - 2.0),
+            (dict(scale_rewards="none", baseline="leave_one_out"), 1.5 * (returns - 2.0)),
+        ]:
+            t = MCAdvantage(3, prompt_key="seed", trajectory_return="sum", **kw)
+            adv, _ = self.release(t, trajs)
+            assert adv.squeeze(-1).tolist() == pytest.approx(
+                want.repeat_interleave(torch.tensor([2, 1, 3])).tolist()
+            )
+        t = MCAdvantage(
+            3, prompt_key="seed", trajectory_return="sum", scale_rewards="none", step_norm=True
+        )
+        adv, _ = self.release(t, trajs)
+        assert adv.squeeze(-1).tolist() == pytest.approx([0.0, 0.0, -2.0, 2 / 3, 2 / 3, 2 / 3])
+
+    def test_batch_scale_uses_every_released_return(self):
+        trajs = [trajectory(g, [r]) for g, r in [(0, 0.0), (0, 2.0), (1, 10.0), (1, 30.0)]]
+        t = MCAdvantage(2, prompt_key="seed", trajectory_return="sum", scale_rewards="batch")
+        adv, _ = self.release(t, trajs)
+        std = torch.tensor([0.0, 2.0, 10.0, 30.0]).std().item()
+        assert adv.squeeze(-1).tolist() == pytest.approx([-1 / std, 1 / std, -10 / std, 10 / std])
+
+    def test_std_threshold_drops_flat_groups(self):
+        trajs = [
+            trajectory(0, [1.0]),
+            trajectory(0, [1.0]),
+            trajectory(1, [0.0]),
+            trajectory(1, [1.0]),
+        ]
+        t = MCAdvantage(2, prompt_key="seed", trajectory_return="sum", std_threshold=0.0)
+        _, out = self.release(t, trajs)
+        assert out["seed"].tolist() == [1, 1]
+        stats = t.get_stats()
+        assert stats["dropped_groups"] == 1 and stats["written_groups"] == 1
+
+    def test_per_step_mode_normalizes_every_reward_element(self):
+        trajs = [trajectory(0, [[1.0, 2.0], [3.0, 4.0]]), trajectory(0, [[5.0, 6.0]])]
+        adv, _ = self.release(MCAdvantage(2, prompt_key="seed"), trajs)
+        x = torch.arange(1.0, 7.0)
+        assert adv.shape == (3, 2)
+        torch.testing.assert_close(adv.reshape(-1), (x - x.mean()) / x.std())
+
+    def test_constant_rewards_and_a_group_of_one(self):
+        adv, _ = self.release(MCAdvantage(3, prompt_key="seed"), [trajectory(0, [2.0, 2.0])] * 3)
+        assert adv.abs().max() == 0
+        # torchrl gives nan for a one-element group; here the advantage is 0.
+        adv, _ = self.release(MCAdvantage(1, prompt_key="seed"), [trajectory(0, [2.0])])
+        assert adv.tolist() == [[0.0]]
+
+    def test_validation_mirrors_torchrl(self):
+        bad = [
+            dict(trajectory_return="median"),
+            dict(trajectory_return="sum", grpo_size=1),
+            dict(candidate_group_size=2),
+            dict(candidate_group_size=6),
+            dict(candidate_selection_min_size=3),
+            dict(trajectory_return="sum", candidate_selection_min_size=6),
+            dict(keep_return_bounds=(0.1, 0.9)),
+            dict(trajectory_return="sum", keep_return_bounds=(0.9, 0.1)),
+        ]
+        for kw in bad:
+            kw = {"grpo_size": 4, **kw}
+            with pytest.raises(ValueError):
+                TorchRLMCAdvantage(**kw)
+            with pytest.raises(ValueError):
+                MCAdvantage(**kw)
+        for kw in [
+            dict(scale_rewards="std"),
+            dict(baseline="median"),
+            dict(std_threshold=-1.0),
+            dict(epsilon=0.0),
+        ]:
+            with pytest.raises(ValueError):
+                MCAdvantage(4, **kw)
+
+
+def bad_inputs():
+    """(description, batch, exception, words the message must contain)."""
+    good = trajectory(0, [1.0, 2.0])
+    not_done = good.clone()
+    not_done["next", "done"][-1] = False
+    nan = good.clone()
+    nan["next", "reward"][0] = float("nan")
+    inf = good.clone()
+    inf["next", "reward"][1] = float("inf")
+    two_flags = good.clone()
+    two_flags["next", "done"] = torch.ones(2, 2, dtype=torch.bool)
+    empty_reward = good.clone()
+    empty_reward["next", "reward"] = torch.zeros(2, 0)
+    unhashable = good.clone()
+    unhashable["seed"] = NonTensorData({"a": 1}, batch_size=[2])
+    stringy = trajectory("a prompt", [1.0], key="seed")
+    return [
+        ("no done at the end", not_done, RuntimeError, ["done"]),
+        ("missing group id", good.exclude("seed"), KeyError, ["seed"]),
+        ("missing reward", good.exclude(("next", "reward")), KeyError, ["reward"]),
+        ("missing done", good.exclude(("next", "done")), KeyError, ["done"]),
+        ("nan reward", nan, ValueError, ["reward", "nan"]),
+        ("inf reward", inf, ValueError, ["reward", "inf"]),
+        ("two done flags per step", two_flags, ValueError, ["done", "(2, 2)"]),
+        ("empty reward", empty_reward, ValueError, ["reward", "empty"]),
+        ("unhashable group id", unhashable, TypeError, ["seed", "dict"]),
+        ("string id among tensor ids", stringy, TypeError, ["seed", "strings"]),
+    ]
+
+
+class TestBadInput:
+    @pytest.mark.parametrize("case", bad_inputs(), ids=lambda c: c[0])
+    def test_raises_clearly_and_changes_nothing(self, case):
+        _, batch, error, words = case
+        trajs = random_stream(5, 4, 9)
+        first, rest = torch.cat(trajs[:9]), torch.cat(trajs[9:])
+        clean = MCAdvantage(4, prompt_key="seed", trajectory_return="sum")
+        clean.inv(first)
+        t = MCAdvantage(4, prompt_key="seed", trajectory_return="sum")
+        t.inv(first)
+        before = t.get_stats()
+        with pytest.raises(error) as info:
+            t.inv(batch)
+        for word in words:
+            assert word in str(info.value)
+        assert t.get_stats() == before
+        got, want = released(t.inv(rest)), released(clean.inv(rest))
+        assert got.keys() == want.keys() and len(got) > 0
+        assert all(torch.equal(got[k], want[k]) for k in want)
+        assert t.get_stats() == clean.get_stats()
+
+
+class TestReplayBuffer:
+    def test_extend_holds_back_incomplete_groups(self):
+        rb = ReplayBuffer(storage=LazyTensorStorage(1000), batch_size=8)
+        t = MCAdvantage(3, prompt_key="seed", trajectory_return="sum")
+        rb.append_transform(t)
+        trajs = [trajectory(g, torch.randn(4)) for g in (0, 1, 0, 1, 0)]
+        rb.extend(torch.cat(trajs))
+        assert len(rb) == 12  # group 0 released, group 1 (2 of 3) pending
+        assert t.queued_groups == 1 and t.queued_trajectories == 2
+        assert list(t.queues) == [1] and len(t.queues[1]) == 2
+        rb.extend(trajectory(1, torch.randn(4)))
+        assert len(rb) == 24 and t.queued_trajectories == 0
+        sample = rb.sample()
+        assert sample["advantage"].shape == (8, 1)
+        assert set(rb[:]["seed"].tolist()) == {0, 1}
+
+    def test_single_steps_without_a_batch_dimension(self):
+        t = MCAdvantage(2, prompt_key="seed")
+        assert t.inv(trajectory(5, [1.0])[0]) is None
+        out = t.inv(trajectory(5, [3.0])[0])
+        assert out["advantage"].squeeze(-1).tolist() == pytest.approx([-0.7071, 0.7071], abs=1e-4)
+
+    def test_ragged_data_into_a_lazy_stack_storage(self):
+        rb = ReplayBuffer(storage=LazyStackStorage(100))
+        rb.append_transform(MCAdvantage(2))
+        steps = [
+            TensorDict(
+                query=NonTensorData("p"),
+                tokens=torch.arange(n),
+                next=TensorDict(reward=torch.full((n, 1), float(n)), done=torch.tensor([True])),
+            )
+            for n in (2, 5)
+        ]
+        rb.extend(lazy_stack(steps[:1]))
+        rb.extend(lazy_stack(steps[1:]))
+        assert len(rb) == 2
+        advs = [rb[i]["advantage"] for i in range(2)]
+        assert [a.shape for a in advs] == [(2, 1), (5, 1)]
+        values = torch.cat([torch.full((2,), 2.0), torch.full((5,), 5.0)])
+        want = (values - values.mean()) / values.std()
+        torch.testing.assert_close(torch.cat(advs).reshape(-1), want)
+
+    def test_stats_reset_and_clear(self):
+        t = MCAdvantage(2, prompt_key="seed", trajectory_return="sum")
+        t.inv(torch.cat([trajectory(0, [1.0]), trajectory(1, [0.0]), trajectory(0, [0.0])]))
+        stats = t.get_stats()
+        assert stats["completed_trajectories"] == 3 and stats["written_groups"] == 1
+        assert stats["trajectory_return_sum"] == 1.0 and stats["successful_trajectories"] == 1
+        assert stats["queued_groups"] == 1 and stats["max_queued_trajectories_per_group"] == 1
+        t.reset_stats()
+        assert t.completed_trajectories == 0 and t.queued_trajectories == 1
+        t.clear_queues()
+        assert t.queued_trajectories == 0 and t.queues == {}
+
+    def test_share_memory_keeps_working_in_process(self):
+        t = MCAdvantage(2, prompt_key="seed")
+        t.inv(trajectory(0, [1.0]))
+        assert not t.is_shared
+        t.share_memory_()
+        assert t.is_shared and t.queued_trajectories == 1
+        out = t.inv(trajectory(0, [3.0]))
+        assert out["advantage"].squeeze(-1).tolist() == pytest.approx([-0.7071, 0.7071], abs=1e-4)
+        assert t.get_stats()["written_groups"] == 1
+
+    def test_output_does_not_alias_the_input(self):
+        batch = torch.cat([trajectory(0, [1.0]), trajectory(0, [2.0])])
+        rb = ReplayBuffer(storage=LazyTensorStorage(10))
+        rb.append_transform(MCAdvantage(2, prompt_key="seed"))
+        rb.extend(batch)
+        assert "advantage" not in batch.keys()
