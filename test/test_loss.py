@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 from tensordict import TensorDict
-from tensordict.nn import TensorDictModule
+from tensordict.nn import ProbabilisticTensorDictModule, TensorDictModule
 from torchrl.modules import ProbabilisticActor
 from torchrl.objectives import ClipPPOLoss
 
@@ -19,6 +19,7 @@ from torchrl_grpo.loss import (
     GRPOLossOutput,
     GSPOLoss,
 )
+from torchrl_grpo.token_dist import TokenCategorical
 
 # --------------------------------------------------------------------------------------------
 # fixtures
@@ -295,3 +296,349 @@ def test_presets_defaults():
     with pytest.raises(TypeError):
         DrGRPOLoss(policy)  # max_length is required
     assert DrGRPOLoss(policy, max_length=8).entropy_coeff.item() == 0.0
+
+
+# --------------------------------------------------------------------------------------------
+# token policies: hand-computed values for every variant
+# --------------------------------------------------------------------------------------------
+#
+# Two sequences over a two-token vocabulary, always sampling token 0 with probability p:
+#   row 0, A = +1: p = 0.5, 0.55, 0.75  vs p_old = 0.5, 0.5, 0.5  -> ratios 1.0, 1.1, 1.5
+#   row 1, A = -1: p = 0.25, 0.4, (pad) vs p_old = 0.5, 0.1, nan  -> ratios 0.5, 4.0
+# PPO per-token losses with clip 0.2: row 0 -1.0, -1.1, -1.2 (sum -3.3); row 1 0.8, 4.0 (sum 4.8)
+
+P = [[0.5, 0.55, 0.75], [0.25, 0.4, 0.9]]
+P_OLD = [[0.5, 0.5, 0.5], [0.5, 0.1, float("nan")]]
+REAL_P = [0.5, 0.55, 0.75, 0.25, 0.4]
+REAL_RATIOS = [1.0, 1.1, 1.5, 0.5, 4.0]
+
+
+def known_policy():
+    return ProbabilisticTensorDictModule(
+        in_keys=["logits"], out_keys=["tokens"], distribution_class=torch.distributions.Categorical
+    )
+
+
+def known_batch(dtype=torch.float32) -> TensorDict:
+    p = torch.tensor(P, dtype=dtype)
+    return TensorDict(
+        {
+            "logits": torch.stack([p.log(), (1 - p).log()], -1),
+            "tokens": torch.zeros(2, 3, dtype=torch.long),
+            "tokens_log_prob": torch.tensor(P_OLD, dtype=dtype).log(),
+            "ref_log_prob": torch.tensor(P_OLD, dtype=dtype).log(),
+            "inference_log_prob": torch.tensor(
+                [[0.25, 0.5, 0.5], [0.5, 0.2, 0.3]], dtype=dtype
+            ).log(),
+            "advantage": torch.tensor([1.0, -1.0], dtype=dtype),
+            "mask": torch.tensor([[True, True, True], [True, True, False]]),
+        },
+        [2],
+    )
+
+
+def bernoulli_entropy(p):
+    return -(p * math.log(p) + (1 - p) * math.log(1 - p))
+
+
+HAND_VALUES = [
+    ("default: clip 0.2, token mean", GRPOLoss, {}, (-3.3 + 4.8) / 5),
+    ("seq_mean_token_mean", GRPOLoss, {"aggregation": "seq_mean_token_mean"}, (-1.1 + 2.4) / 2),
+    ("seq_mean_token_sum", GRPOLoss, {"aggregation": "seq_mean_token_sum"}, (-3.3 + 4.8) / 2),
+    ("Dr. GRPO, L_max = 5", DrGRPOLoss, {"max_length": 5}, (-3.3 + 4.8) / 2 / 5),
+    # dual clip caps the A < 0, r = 4 token at c |A| = 3
+    ("dual clip c = 3", GRPOLoss, {"clip_ratio_c": 3.0}, (-3.3 + 0.8 + 3.0) / 5),
+    # clip-higher: 1.5 is clipped at 1.28 instead of 1.2
+    ("DAPO", DAPOLoss, {}, (-1.0 - 1.1 - 1.28 + 4.8) / 5),
+    # sequence ratios (1 * 1.1 * 1.5)^(1/3) = 1.1817 -> clipped at 1.0004; sqrt(0.5 * 4) = 1.4142
+    ("GSPO", GSPOLoss, {}, (-1.0004 + math.sqrt(2.0)) / 2),
+    # -w A log p with w = clip(r, 0, 4)
+    (
+        "CISPO",
+        CISPOLoss,
+        {},
+        (
+            -(1.0 * math.log(0.5) + 1.1 * math.log(0.55) + 1.5 * math.log(0.75))
+            + (0.5 * math.log(0.25) + 4.0 * math.log(0.4))
+        )
+        / 5,
+    ),
+    # TIS weights min(p_old / p_inf, 2): row 0 -> 2, 1, 1; row 1 -> 1, 0.5
+    ("TIS cap 2", GRPOLoss, {"tis_cap": 2.0}, (-2.0 - 1.1 - 1.2 + 0.8 + 2.0) / 5),
+]
+
+
+class TestGRPOLossHandValues:
+    @pytest.mark.parametrize(
+        "cls, kwargs, expected", [v[1:] for v in HAND_VALUES], ids=[v[0] for v in HAND_VALUES]
+    )
+    def test_loss_objective(self, cls, kwargs, expected):
+        out = cls(known_policy(), **kwargs)(known_batch())
+        assert out.loss_objective.item() == pytest.approx(expected, abs=1e-6)
+
+    def test_metrics(self):
+        out = GRPOLoss(known_policy(), entropy_coeff=0.1)(known_batch())
+        w = torch.tensor(REAL_RATIOS)
+        assert out.clip_fraction.item() == pytest.approx(0.6)
+        assert out.clip_fraction_low.item() == pytest.approx(0.2)
+        assert out.clip_fraction_high.item() == pytest.approx(0.4)
+        assert out.ESS.item() == pytest.approx((w.sum() ** 2 / (w**2).sum() / 5).item())
+        assert out.kl_approx.item() == pytest.approx(-sum(map(math.log, REAL_RATIOS)) / 5)
+        entropy = sum(map(bernoulli_entropy, REAL_P)) / 5
+        assert out.entropy.item() == pytest.approx(entropy)
+        assert out.loss_entropy.item() == pytest.approx(-0.1 * entropy)
+
+    def test_gspo_clip_fraction_counts_tokens(self):
+        out = GSPOLoss(known_policy())(known_batch())
+        assert out.clip_fraction_high.item() == 1.0 and out.clip_fraction_low.item() == 0.0
+
+    def test_kl_to_ref_k3(self):
+        out = GRPOLoss(known_policy(), kl_to_ref_coeff=0.1)(known_batch())
+        ref_over_p = [0.5 / 0.5, 0.5 / 0.55, 0.5 / 0.75, 0.5 / 0.25, 0.1 / 0.4]
+        k3 = sum(x - 1 - math.log(x) for x in ref_over_p) / 5
+        assert out.kl_to_ref.item() == pytest.approx(k3)
+        assert out.loss_kl_to_ref.item() == pytest.approx(0.1 * k3)
+
+    @pytest.mark.parametrize(
+        "estimator, per_token",
+        [
+            ("k1", lambda lr: lr),
+            ("k2", lambda lr: 0.5 * lr**2),
+            ("k3", lambda lr: math.exp(-lr) - 1 + lr),
+        ],
+    )
+    def test_kl_to_inference(self, estimator, per_token):
+        loss = GRPOLoss(
+            known_policy(), kl_to_inference_coeff=0.5, kl_to_inference_estimator=estimator
+        )
+        out = loss(known_batch())
+        p_inf = [0.25, 0.5, 0.5, 0.5, 0.2]
+        expected = sum(per_token(math.log(p / q)) for p, q in zip(REAL_P, p_inf, strict=True)) / 5
+        assert out.kl_to_inference.item() == pytest.approx(expected, rel=1e-6)
+        assert out.loss_kl_to_inference.item() == pytest.approx(0.5 * expected, rel=1e-6)
+
+    def test_kl_to_inference_falls_back_to_sample_log_prob(self):
+        batch = known_batch().exclude("inference_log_prob")
+        out = GRPOLoss(known_policy(), kl_to_inference_coeff=1.0, kl_to_inference_estimator="k1")(
+            batch
+        )
+        assert out.kl_to_inference.item() == pytest.approx(sum(map(math.log, REAL_RATIOS)) / 5)
+
+    def test_reduction_none_gives_per_token_losses(self):
+        out = GRPOLoss(known_policy(), reduction="none")(known_batch())
+        expected = torch.tensor([[-1.0, -1.1, -1.2], [0.8, 4.0, 0.0]])
+        torch.testing.assert_close(out.loss_objective, expected)
+
+    def test_cispo_gradient_reaches_clipped_tokens(self):
+        # with a 1.2 cap, r = 1.5 and r = 4 are clipped; each token's d loss / d log p is
+        # -clip(r) A / N, nonzero for every real token and zero on the pad
+        batch = known_batch()
+        batch["logits"].requires_grad_()
+        loss = CISPOLoss(known_policy(), clip_epsilon=(1.0, 0.2))
+        loss(batch).loss_objective.backward()
+        p = torch.tensor(P)
+        # d log p / d logit_0 = 1 - p for token 0 (logit_1 gets -(1 - p))
+        weights = torch.tensor([[1.0, 1.1, 1.2], [-0.5, -1.2, 0.0]])
+        expected = -weights * (1 - p) / 5
+        torch.testing.assert_close(batch["logits"].grad[..., 0], expected)
+
+
+# --------------------------------------------------------------------------------------------
+# token policies: shapes, padding, equivalences, gradients
+# --------------------------------------------------------------------------------------------
+
+VARIANTS = [
+    ("grpo", GRPOLoss, {}),
+    (
+        "grpo_kl_tis_dual",
+        GRPOLoss,
+        {
+            "kl_to_ref_coeff": 0.1,
+            "kl_to_inference_coeff": 0.2,
+            "kl_to_inference_estimator": "k2",
+            "tis_cap": 2.0,
+            "clip_ratio_c": 3.0,
+            "aggregation": "seq_mean_token_sum",
+        },
+    ),
+    ("seq_mean_token_mean", GRPOLoss, {"aggregation": "seq_mean_token_mean"}),
+    ("dapo", DAPOLoss, {"entropy_coeff": 0.05}),
+    ("drgrpo", DrGRPOLoss, {"max_length": 8}),
+    ("gspo", GSPOLoss, {"clip_epsilon": 0.05}),
+    ("cispo", CISPOLoss, {"kl_to_ref_coeff": 0.1, "kl_to_ref_estimator": "k1"}),
+]
+
+
+def pad(batch: TensorDict, extra_tokens: int = 3, extra_rows: int = 1, seed: int = 9) -> TensorDict:
+    """The same batch with garbage pad columns (nan log-probs) and all-padding rows appended."""
+    g = torch.Generator().manual_seed(seed)
+    b, t = batch["mask"].shape
+    out = {}
+    for key, value in batch.items():
+        if key == "advantage":
+            out[key] = torch.cat([value, torch.randn(extra_rows, generator=g)])
+            continue
+        if key == "mask":
+            filler = torch.zeros(b + extra_rows, t + extra_tokens, dtype=torch.bool)
+        elif key == "tokens":
+            filler = torch.randint(7, (b + extra_rows, t + extra_tokens), generator=g)
+        elif key == "hidden":
+            filler = torch.randn(b + extra_rows, t + extra_tokens, value.shape[-1], generator=g)
+        else:  # log-probs: padding holds nan
+            filler = torch.full((b + extra_rows, t + extra_tokens), float("nan"))
+        filler[:b, :t] = value
+        out[key] = filler
+    return TensorDict(out, [b + extra_rows])
+
+
+def outputs_and_grads(loss, batch):
+    out = loss(batch)
+    total = sum(v for k, v in out.items() if k.startswith("loss_"))
+    grads = torch.autograd.grad(total, list(loss.actor_network.parameters()))
+    return out, grads
+
+
+class TestGRPOLossTokens:
+    @pytest.mark.parametrize("cls, kwargs", [v[1:] for v in VARIANTS], ids=[v[0] for v in VARIANTS])
+    def test_padding_invariance(self, cls, kwargs):
+        batch = token_batch()
+        loss = cls(token_policy(), **kwargs)
+        out, grads = outputs_and_grads(loss, batch)
+        padded_out, padded_grads = outputs_and_grads(loss, pad(batch))
+        for key, value in out.items():
+            torch.testing.assert_close(padded_out.get(key), value, msg=key)
+        for a, b in zip(padded_grads, grads, strict=True):
+            torch.testing.assert_close(a, b)
+        assert all(torch.isfinite(g).all() for g in padded_grads)
+
+    def test_per_token_advantage_equals_broadcast_sequence_advantage(self):
+        batch, loss = token_batch(), GRPOLoss(token_policy(), aggregation="seq_mean_token_mean")
+        expected = loss(batch).loss_objective
+        for per_token in (
+            batch["advantage"][:, None].expand(3, 6),
+            batch["advantage"][:, None, None].expand(3, 6, 1),
+            batch["advantage"][:, None],
+        ):
+            other = batch.clone()
+            other.set("advantage", per_token.clone(), inplace=False)
+            torch.testing.assert_close(loss(other).loss_objective, expected)
+
+    def test_per_token_advantage_is_used_per_token(self):
+        batch, loss = token_batch(), GRPOLoss(token_policy())
+        other = batch.clone()
+        adv = batch["advantage"][:, None].expand(3, 6).clone()
+        adv[0, 0] += 5.0
+        other.set("advantage", adv)
+        assert loss(other).loss_objective != loss(batch).loss_objective
+
+    def test_equals_clip_ppo_loss_without_padding(self):
+        batch = token_batch().exclude("mask")
+        batch["advantage"] = torch.randn(3, 6, 1)
+        policy = token_policy()
+        ppo = ClipPPOLoss(policy, clip_epsilon=(0.2, 0.28), entropy_coeff=0.02)
+        grpo = GRPOLoss(policy, clip_epsilon=(0.2, 0.28), entropy_coeff=0.02)
+        ref, out = ppo(batch.clone()), grpo(batch.clone())
+        assert ref["clip_fraction"] > 0
+        for key in ("loss_objective", "loss_entropy", "entropy", "clip_fraction", "kl_approx"):
+            torch.testing.assert_close(out.get(key), ref[key], msg=key)
+
+    def test_token_categorical_path_equals_categorical_path(self):
+        batch = pad(token_batch())
+        losses = {}
+        for dist in (torch.distributions.Categorical, TokenCategorical):
+            policy = token_policy()
+            policy.module[-1].distribution_class = dist  # same weights, another distribution
+            losses[dist] = outputs_and_grads(DAPOLoss(policy, entropy_coeff=0.1), batch)
+        (out_a, grads_a), (out_b, grads_b) = losses.values()
+        for key, value in out_a.items():
+            torch.testing.assert_close(out_b.get(key), value, atol=1e-6, rtol=1e-5, msg=key)
+        for a, b in zip(grads_a, grads_b, strict=True):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+    def test_token_categorical_with_negative_pad_ids(self):
+        batch = pad(token_batch())
+        policy = token_policy()
+        policy.module[-1].distribution_class = TokenCategorical
+        loss = GRPOLoss(policy)
+        expected = loss(batch)
+        batch["tokens"] = torch.where(batch["mask"], batch["tokens"], -100)
+        torch.testing.assert_close(loss(batch).loss_objective, expected.loss_objective)
+
+    def test_gradient_matches_finite_differences(self):
+        # DAPO clip band + k3 KL to the reference + entropy bonus, in float64
+        torch.manual_seed(3)
+        batch = known_batch(torch.float64)
+        batch["logits"] = torch.randn(2, 3, 2, dtype=torch.float64)
+        batch["tokens_log_prob"] = torch.where(
+            batch["mask"],
+            batch["logits"].log_softmax(-1)[..., 0] + 0.3 * torch.randn(2, 3, dtype=torch.float64),
+            float("nan"),
+        )
+        batch["ref_log_prob"] = batch["logits"].log_softmax(-1)[..., 0] - 0.2
+        loss = DAPOLoss(known_policy(), entropy_coeff=0.1, kl_to_ref_coeff=0.3)
+
+        def total(logits):
+            td = batch.clone()
+            td["logits"] = logits
+            out = loss(td)
+            return out.loss_objective + out.loss_entropy + out.loss_kl_to_ref
+
+        logits = batch["logits"].clone().requires_grad_()
+        assert torch.autograd.gradcheck(total, (logits,))
+        ratios = (logits.log_softmax(-1)[..., 0] - batch["tokens_log_prob"]).exp()[batch["mask"]]
+        assert ((ratios - 0.8).abs() > 1e-3).all() and ((ratios - 1.28).abs() > 1e-3).all()
+
+    def test_schedulable_variant_coefficients(self):
+        loss = GRPOLoss(token_policy(), clip_ratio_c=3.0, tis_cap=2.0, kl_to_inference_coeff=0.1)
+        for name, value in (
+            ("clip_ratio_c", 5.0),
+            ("tis_cap", 1.5),
+            ("kl_to_inference_coeff", 0.0),
+        ):
+            setattr(loss, name, value)
+            assert name in dict(loss.named_buffers())
+            assert getattr(loss, name).item() == value
+
+    def test_in_and_out_keys(self):
+        loss = GRPOLoss(token_policy(), kl_to_ref_coeff=0.1, tis_cap=2.0)
+        assert set(loss.in_keys) == {
+            "hidden",
+            "tokens",
+            "tokens_log_prob",
+            "advantage",
+            "mask",
+            "ref_log_prob",
+            "inference_log_prob",
+        }
+        loss.set_keys(mask="response_mask", ref_log_prob=("ref", "log_prob"))
+        assert {"response_mask", ("ref", "log_prob")} <= set(loss.in_keys)
+        out = loss(
+            token_batch()
+            .rename_key_("mask", "response_mask")
+            .rename_key_("ref_log_prob", ("ref", "log_prob"))
+        )
+        assert sorted(k for k, v in out.items() if v is not None) == sorted(loss.out_keys)
+
+    def test_mask_key_changed_with_set_keys(self):
+        batch = token_batch()
+        loss = GRPOLoss(token_policy())
+        expected = loss(batch).loss_objective
+        loss.set_keys(mask="response_mask")
+        renamed = batch.clone().rename_key_("mask", "response_mask")
+        torch.testing.assert_close(loss(renamed).loss_objective, expected)
+        # without its mask, padding would count: a different value
+        assert loss(batch.exclude("mask")).loss_objective != expected
+
+    def test_torchrl_collector_mask_is_honoured(self):
+        batch = token_batch()
+        loss = GRPOLoss(token_policy())
+        expected = loss(batch).loss_objective
+        collector = batch.clone().rename_key_("mask", ("collector", "mask"))
+        torch.testing.assert_close(loss(collector).loss_objective, expected)
+
+    def test_empty_sequence_in_batch_is_ignored(self):
+        batch = token_batch()
+        loss = GRPOLoss(token_policy(), aggregation="seq_mean_token_mean")
+        expected = loss(batch).loss_objective
+        empty = pad(batch, extra_tokens=0, extra_rows=2)  # two sequences of length 0
+        torch.testing.assert_close(loss(empty).loss_objective, expected)

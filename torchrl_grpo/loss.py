@@ -476,6 +476,7 @@ class GRPOLoss(ClipPPOLoss):
                 has no real token.
             NotImplementedError: for multi-head (composite) action distributions.
         """
+        tensordict = tensordict.clone(False)  # the actor writes into it; leave the input as is
         tk = self.tensor_keys
         if not isinstance(tk.sample_log_prob, NestedKey) or not isinstance(tk.action, NestedKey):
             raise NotImplementedError(f"{type(self).__name__} supports single-head policies only.")

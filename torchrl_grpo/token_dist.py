@@ -29,8 +29,8 @@ from torch.distributions import Distribution, constraints
 
 __all__ = ["TokenCategorical", "token_log_prob_entropy"]
 
-#: Elements per chunk (rows x vocabulary) when no chunk size is given: 2**22 float32 = 16 MiB.
-_CHUNK_ELEMENTS = 2**22
+#: Elements per chunk (rows x vocabulary) when no chunk size is given: 2**20 float32 = 4 MiB.
+_CHUNK_ELEMENTS = 2**20
 
 
 def _chunk_rows(chunk_size: int | None, vocab: int) -> int:
@@ -119,8 +119,8 @@ def token_log_prob_entropy(
         logits (torch.Tensor): unnormalised log-probabilities ``[..., V]``. Should be contiguous:
             a non-contiguous tensor is copied once by ``reshape``.
         tokens (torch.Tensor): integer token ids ``[...]``, in ``[0, V)`` or negative for padding.
-        chunk_size (int, optional): rows (positions) per chunk. Defaults to ``2**22 // V``
-            (16 MiB float32 blocks).
+        chunk_size (int, optional): rows (positions) per chunk. Defaults to ``2**20 // V``
+            (4 MiB float32 blocks).
 
     Returns:
         tuple[torch.Tensor, torch.Tensor]: ``(log_prob, entropy)``, each ``[...]``, in float32
