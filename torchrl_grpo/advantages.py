@@ -138,7 +138,11 @@ def group_mean(
     """
     num = _num_segments(group_index, num_groups)
     count = torch.bincount(group_index, minlength=num)
-    return _segment_sum(x.double(), group_index, num) / count, count
+    # Sum the deviations from a member of the group (its max): exact for a constant group, where
+    # sum(x) / n can round, and better conditioned whenever |mean| >> std.
+    x = x.double()
+    ref = _return_max(x, group_index, num)  # (G,)
+    return ref + _segment_sum(x - ref[group_index], group_index, num) / count, count
 
 
 def group_std(
@@ -171,7 +175,7 @@ def group_std(
     x = x.double()
     count = torch.bincount(group_index, minlength=num)
     if mean is None:
-        mean = _segment_sum(x, group_index, num) / count
+        mean, _ = group_mean(x, group_index, num)
     m2 = _segment_sum((x - mean[group_index]).square(), group_index, num)
     return (m2 / (count - 1).clamp_min(1)).sqrt()
 

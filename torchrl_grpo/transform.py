@@ -89,8 +89,7 @@ class _Batch:
     lengths: Tensor  # (n,) steps per trajectory
     keys: Tensor | list  # (n, k) tensor ids or n strings
     elements: Tensor  # (E,) every reward element, in order
-    element_step: Tensor  # (E,) step of each element
-    step_traj: Tensor  # (N,) trajectory of each step
+    element_traj: Tensor  # (E,) trajectory of each element
 
 
 def _ranges(starts: Tensor, lengths: Tensor) -> Tensor:
@@ -194,7 +193,7 @@ class MCAdvantage(Transform):
         >>> from torchrl.data import LazyTensorStorage, ReplayBuffer
         >>> from torchrl_grpo import MCAdvantage
         >>> rb = ReplayBuffer(storage=LazyTensorStorage(100), batch_size=4)
-        >>> rb.append_transform(MCAdvantage(grpo_size=2, prompt_key="seed", trajectory_return="sum"))
+        >>> _ = rb.append_transform(MCAdvantage(grpo_size=2, prompt_key="seed", trajectory_return="sum"))
         >>> steps = TensorDict(  # two trajectories of seed 7, with returns 1 and 3
         ...     seed=torch.tensor([7, 7, 7, 7]),
         ...     next=TensorDict(
@@ -493,9 +492,8 @@ class MCAdvantage(Transform):
             adv_written = int(keep_event.sum())
 
         # --- the next state: statistics, then the pending trajectories that were not consumed ---
-        element_traj = batch.step_traj[batch.element_step]
         stats = self._count_arrivals(
-            dict(state.stats), batch.elements, element_traj, n, int(batch.lengths.sum())
+            dict(state.stats), batch.elements, batch.element_traj, n, int(batch.lengths.sum())
         )
         if self.trajectory_return is not None:
             stats["selected_trajectories"] += adv_written * self.grpo_size
@@ -562,16 +560,18 @@ class MCAdvantage(Transform):
         elements, element_step = self._reward_elements(tensordict, data, ragged)
         bad = ~torch.isfinite(elements)
         if bad.any():
-            step = int(element_step[bad.nonzero()[0]])
+            first = int(bad.nonzero()[0])
+            step = first if element_step is None else int(element_step[first])
             raise ValueError(
                 f"MCAdvantage: {int(bad.sum())} non-finite reward value(s) under "
                 f"{self.rewards_key!r}, the first at step {step} (value {float(elements[bad][0])})."
             )
         keys = self._read_keys(tensordict, data, starts, ragged, state)
-        return _Batch(data, starts, lengths, keys, elements, element_step, step_traj)
+        element_traj = step_traj if element_step is None else step_traj[element_step]
+        return _Batch(data, starts, lengths, keys, elements, element_traj)
 
-    def _reward_elements(self, tensordict, data, ragged: bool) -> tuple[Tensor, Tensor]:
-        """Every reward element, flat, with the step it belongs to."""
+    def _reward_elements(self, tensordict, data, ragged: bool) -> tuple[Tensor, Tensor | None]:
+        """Every reward element, flat, with the step it belongs to (``None``: one per step)."""
         num_steps = tensordict.shape[0]
         if ragged:
             rewards = [self._get(step, self.rewards_key, "reward") for step in data]
@@ -593,6 +593,8 @@ class MCAdvantage(Transform):
             raise ValueError(
                 f"MCAdvantage: the reward under {self.rewards_key!r} is empty at step {step}."
             )
+        if not ragged and per_step == 1:
+            return values, None
         return values, torch.repeat_interleave(torch.arange(num_steps), counts)
 
     def _read_keys(self, tensordict, data, starts: Tensor, ragged: bool, state: _State):
@@ -756,8 +758,7 @@ class MCAdvantage(Transform):
         n = batch.lengths.numel()
         if self.trajectory_return is None:
             return torch.zeros(n, dtype=torch.float64)
-        element_traj = batch.step_traj[batch.element_step]
-        return trajectory_returns(batch.elements, element_traj, n, self.trajectory_return)
+        return trajectory_returns(batch.elements, batch.element_traj, n, self.trajectory_return)
 
     def _write_advantages(self, state, batch, members, member_event, num_events, lengths, returns):
         """Gather the released trajectories' steps, write their advantages, drop filtered groups."""
@@ -772,7 +773,8 @@ class MCAdvantage(Transform):
             counts = torch.full((reward.shape[0],), reward[0].numel())
             values = reward.reshape(-1)
             dtype = reward.dtype
-        element_member = torch.repeat_interleave(step_member, counts)  # (E,)
+        one_per_step = not isinstance(reward, list) and reward[0].numel() == 1
+        element_member = step_member if one_per_step else step_member.repeat_interleave(counts)
 
         if self.trajectory_return is None:  # every reward element is a sample
             x, group_index = values, member_event[element_member]
@@ -787,11 +789,18 @@ class MCAdvantage(Transform):
             scale_rewards=self.scale_rewards,
             epsilon=self.epsilon,
         )
-        if self.trajectory_return is not None:
-            adv = adv[element_member]  # broadcast each trajectory's advantage to its elements
-        if self.step_norm:
-            adv = adv / lengths[members][element_member]
-        adv = adv.to(dtype if dtype.is_floating_point else torch.get_default_dtype())
+        if self.step_norm:  # per member (trajectory mode) or per element (per-step mode)
+            steps = lengths[members].to(adv.dtype)  # (M,)
+            adv = adv / (steps if self.trajectory_return is not None else steps[element_member])
+        dtype = dtype if dtype.is_floating_point else torch.get_default_dtype()
+        if self.trajectory_return is not None and not isinstance(reward, list):
+            # broadcast each trajectory's advantage to its steps, then to the reward's shape
+            adv = adv.to(dtype)[step_member].reshape(-1, *[1] * (reward.ndim - 1))
+            adv = adv.expand(reward.shape)
+        elif self.trajectory_return is not None:
+            adv = adv[element_member].to(dtype)
+        else:
+            adv = adv.to(dtype)
 
         keep_step = keep_event[member_event][step_member]  # (S,)
         if isinstance(out, list):
