@@ -188,8 +188,8 @@ def main(args) -> None:
     for path in PATHS:
         r = results[path]
         print(
-            f"{names[path]:<28} {r['extra_peak_bytes'] / mib:>15.0f} "
-            f"{r['extra_peak_bytes'] / logits_bytes:>9.2f} {r['saved_bytes'] / mib:>10.0f} "
+            f"{names[path]:<28} {r['extra_peak_bytes'] / mib:>15.1f} "
+            f"{r['extra_peak_bytes'] / logits_bytes:>9.3f} {r['saved_bytes'] / mib:>10.2f} "
             f"{r['median_s']:>8.2f} {r['median_s'] / plain_time:>11.2f}"
         )
     diffs = {

@@ -267,7 +267,17 @@ class TestDiagnostics:
         close(effective_sample_size(RATIO.log(), MASK), expected)
 
     def test_effective_sample_size_on_policy_is_one(self):
-        close(effective_sample_size(torch.zeros(2, 3), MASK), 1.0)
+        assert effective_sample_size(torch.zeros(2, 3), MASK).item() == 1.0  # exactly, N = 5
+
+    def test_effective_sample_size_large_log_weights(self):
+        # weights e^100 and e^101: the ratio only depends on their quotient e
+        expected = (1 + math.e) ** 2 / (2 * (1 + math.e**2))
+        close(
+            effective_sample_size(
+                torch.tensor([[100.0, 101.0]]), torch.ones(1, 2, dtype=torch.bool)
+            ),
+            expected,
+        )
 
     def test_clip_fractions(self):
         total, low, high = clip_fractions(RATIO.log(), MASK, LOW, HIGH)

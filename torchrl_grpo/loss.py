@@ -594,8 +594,8 @@ class DAPOLoss(GRPOLoss):
 
     DAPO (Yu et al., 2025, "DAPO: An Open-Source LLM Reinforcement Learning System at Scale",
     arXiv:2503.14476) decouples the clip band, ``[1 - 0.2, 1 + 0.28]`` (Eq. 10), so that
-    low-probability tokens can grow, averages the loss over all tokens of the batch (Eq. 12,
-    ``"token_mean"``) and drops the KL penalty. Its dynamic sampling and overlong shaping act on
+    low-probability tokens can grow, averages the loss over all tokens of the batch (its token-level
+    policy-gradient loss, ``"token_mean"``) and drops the KL penalty. Its dynamic sampling and overlong shaping act on
     the data, not on the loss.
 
     .. math:: L = \\frac{1}{\\sum_i |o_i|} \\sum_{i,t} -\\min\\big(r_{i,t} A_i,\\
@@ -695,7 +695,7 @@ class GSPOLoss(GRPOLoss):
     """GRPOLoss with GSPO's defaults: a sequence-level ratio and a very narrow clip band.
 
     GSPO (Zheng et al., 2025, "Group Sequence Policy Optimization", arXiv:2507.18071) clips the
-    length-normalised sequence ratio ``s_i`` (Eq. 7) instead of each token's, with the band
+    length-normalised sequence ratio ``s_i`` instead of each token's, with the band
     ``[1 - 3e-4, 1 + 4e-4]`` (Sec. 5.1), averages over sequences and uses no KL penalty.
 
     .. math:: L = \\frac{1}{G} \\sum_{i=1}^{G} -\\min\\big(s_i A_i,\\
@@ -745,7 +745,7 @@ class GSPOLoss(GRPOLoss):
 class CISPOLoss(GRPOLoss):
     """GRPOLoss with CISPO's objective: a clipped, stop-gradient importance weight.
 
-    CISPO (MiniMax, 2025, "MiniMax-M1", arXiv:2506.13585, Eq. 4) keeps every token's gradient
+    CISPO (MiniMax, 2025, "MiniMax-M1", arXiv:2506.13585) keeps every token's gradient
     and only bounds its importance weight:
 
     .. math:: L = -\\frac{1}{\\sum_i |o_i|} \\sum_{i,t}

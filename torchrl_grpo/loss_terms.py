@@ -98,7 +98,7 @@ def aggregate_token_mean(loss: torch.Tensor, mask: torch.Tensor) -> torch.Tensor
     .. math:: L = \\frac{1}{\\sum_i |o_i|} \\sum_i \\sum_{t=1}^{|o_i|} \\ell_{i,t}
 
     Long sequences get more weight than short ones. This is DAPO's "token-level policy gradient
-    loss" (Yu et al., 2025, Eq. 12) and the normalisation of CISPO (MiniMax, 2025, Eq. 4).
+    loss" (Yu et al., 2025) and the normalisation of CISPO (MiniMax, 2025).
 
     Args:
         loss (torch.Tensor): per-token loss ``(B, T)``.
@@ -130,7 +130,7 @@ def aggregate_seq_mean_token_mean(loss: torch.Tensor, mask: torch.Tensor) -> tor
     .. math:: L = \\frac{1}{G} \\sum_{i=1}^{G} \\frac{1}{|o_i|} \\sum_{t=1}^{|o_i|} \\ell_{i,t}
 
     Every sequence weighs the same whatever its length: the original GRPO objective (Shao et al.,
-    2024, Eq. 3) and GSPO's sequence average (Zheng et al., 2025, Eq. 5). Sequences with no real
+    2024) and GSPO's sequence average (Zheng et al., 2025). Sequences with no real
     token are not sequences: they are left out of ``G``.
 
     Args:
@@ -158,7 +158,7 @@ def aggregate_seq_mean_token_sum(loss: torch.Tensor, mask: torch.Tensor) -> torc
     .. math:: L = \\frac{1}{G} \\sum_{i=1}^{G} \\sum_{t=1}^{|o_i|} \\ell_{i,t}
 
     The sequence-level REINFORCE estimate: a sequence's loss is the sum of its token losses
-    (as in Dr. GRPO, Liu et al., 2025, Eq. 2, before its constant normalisation). Sequences with no
+    (as in Dr. GRPO, Liu et al., 2025, before its constant normalisation). Sequences with no
     real token are left out of ``G``.
 
     Args:
@@ -186,7 +186,7 @@ def aggregate_seq_mean_token_sum_norm(
 
     .. math:: L = \\frac{1}{G} \\sum_{i=1}^{G} \\frac{1}{L_{\\max}} \\sum_{t=1}^{|o_i|} \\ell_{i,t}
 
-    Liu et al. (2025, Sec. 3.2) show that dividing by the response length ``|o_i|`` biases GRPO
+    Liu et al. (2025) show that dividing by the response length ``|o_i|`` biases GRPO
     towards long wrong answers; Dr. GRPO divides by a constant instead -- the generation budget
     ``L_max`` -- so every token's gradient has the same scale. ``L_max`` must be the same for
     every batch (the maximum number of new tokens), not the padded width of this batch.
@@ -237,7 +237,7 @@ def sequence_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Ten
         \\log s_i(\\theta) = \\frac{1}{|o_i|} \\sum_{t=1}^{|o_i|}
             \\log \\frac{\\pi_\\theta(o_{i,t} \\mid q, o_{i,<t})}{\\pi_{old}(o_{i,t} \\mid q, o_{i,<t})}
 
-    (Zheng et al., 2025, Eq. 7). The gradient flows to every token of the sequence through the
+    (Zheng et al., 2025). The gradient flows to every token of the sequence through the
     mean. A sequence with no real token gets ``log s = 0`` (ratio 1); it is masked out anyway.
 
     Args:
@@ -346,7 +346,7 @@ def dual_clip_loss(
         \\ell_t & A_t \\ge 0 \\end{cases}
 
     With ``A < 0`` the PPO loss ``-min(rA, clip(r)A) = |A| max(r, clip(r))`` grows without bound
-    as ``r`` grows; dual-clip PPO (Ye et al., 2020, Eq. 5) caps it at ``c |A|`` (``c = 3`` in the
+    as ``r`` grows; dual-clip PPO (Ye et al., 2020) caps it at ``c |A|`` (``c = 3`` in the
     paper and in verl), which also zeroes the gradient of those tokens.
 
     Args:
@@ -381,7 +381,7 @@ def cispo_loss(
     .. math:: \\ell_t = -\\operatorname{sg}\\big[\\operatorname{clip}(r_t, 1-\\varepsilon_{low},
         1+\\varepsilon_{high})\\big]\\, A_t\\, \\log \\pi_\\theta(o_t)
 
-    (MiniMax, 2025, Eq. 4.) The gradient is ``-clip(r) A grad log pi`` for *every* token: a token
+    (MiniMax, 2025.) The gradient is ``-clip(r) A grad log pi`` for *every* token: a token
     outside the clip band keeps a bounded gradient instead of none, which is the point of CISPO.
     (torchrl 0.14.1's ``CISPOLoss`` returns ``-clip(r) A`` without the stop-gradient, so tokens
     outside the band get a zero gradient -- PPO's behaviour, not CISPO's.) Inside the band the
@@ -471,7 +471,7 @@ def kl_k3(
         - \\log \\frac{\\pi_{ref}(a)}{\\pi_\\theta(a)}
 
     Unbiased, low variance and never negative (Schulman, 2020); GRPO's KL penalty (Shao et al.,
-    2024, Eq. 4). Because ``exp`` explodes for tokens the policy has made much likelier than the
+    2024). Because ``exp`` explodes for tokens the policy has made much likelier than the
     reference, the log-ratio is clamped to ``[-20, 20]`` and the estimate to ``[-clamp, clamp]``
     (verl's ``low_var_kl``, ``clamp = 10``); pass ``clamp=None`` for the raw estimator.
 
@@ -518,8 +518,10 @@ def effective_sample_size(log_weight: torch.Tensor, mask: torch.Tensor) -> torch
         \\qquad w_t = e^{\\log w_t}
 
     Kish's effective sample size divided by the number ``N`` of real tokens: ``1`` when all
-    weights are equal (on-policy), down to ``1/N`` when one weight dominates. Computed in log
-    space (``logsumexp``) as :class:`torchrl.objectives.ClipPPOLoss` does, without gradient.
+    weights are equal (on-policy), down to ``1/N`` when one weight dominates. The value of
+    :class:`torchrl.objectives.ClipPPOLoss`'s ``ESS``; computed without gradient on weights
+    rescaled by their maximum (``w_t / max w``, which cancels in the ratio), so that equal
+    weights give exactly 1 and large log-weights cannot overflow.
 
     Args:
         log_weight (torch.Tensor): ``log w`` per token, ``(B, T)``.
@@ -538,8 +540,8 @@ def effective_sample_size(log_weight: torch.Tensor, mask: torch.Tensor) -> torch
     """
     with torch.no_grad():
         lw = log_weight[mask]  # (N,)
-        log_ess = 2 * lw.logsumexp(0) - (2 * lw).logsumexp(0)
-        return log_ess.exp() / lw.numel()
+        w = (lw - lw.max()).exp()  # (N,), in (0, 1]
+        return (w.sum().square() / (w.square().sum() * lw.numel())).clamp(max=1.0)
 
 
 def clip_fractions(
