@@ -6,6 +6,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from tensordict import TensorDict
 from tensordict.nn import ProbabilisticTensorDictModule, TensorDictModule
 from torchrl.modules import ProbabilisticActor
@@ -642,3 +644,31 @@ class TestGRPOLossTokens:
         expected = loss(batch).loss_objective
         empty = pad(batch, extra_tokens=0, extra_rows=2)  # two sequences of length 0
         torch.testing.assert_close(loss(empty).loss_objective, expected)
+
+    @settings(max_examples=20, deadline=None)
+    @given(
+        extra_tokens=st.integers(0, 4),
+        extra_rows=st.integers(0, 3),
+        seed=st.integers(0, 10_000),
+        variant=st.sampled_from(VARIANTS),
+    )
+    def test_padding_invariance_property(self, extra_tokens, extra_rows, seed, variant):
+        _, cls, kwargs = variant
+        batch = token_batch()
+        loss = cls(token_policy(), **kwargs)
+        expected = loss(batch)
+        out = loss(pad(batch, extra_tokens=extra_tokens, extra_rows=extra_rows, seed=seed))
+        for key, value in expected.items():
+            torch.testing.assert_close(out.get(key), value, msg=key)
+
+    def test_input_batch_is_not_modified(self):
+        batch = token_batch()
+        keys = set(batch.keys(True, True))
+        GRPOLoss(token_policy())(batch)
+        assert set(batch.keys(True, True)) == keys
+
+    def test_stored_inference_log_prob_requiring_grad(self):
+        batch = token_batch()
+        batch["inference_log_prob"] = batch["inference_log_prob"].requires_grad_()
+        with pytest.raises(RuntimeError, match="'inference_log_prob' requires grad"):
+            GRPOLoss(token_policy(), kl_to_inference_coeff=0.1)(batch)

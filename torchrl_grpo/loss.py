@@ -449,7 +449,8 @@ class GRPOLoss(ClipPPOLoss):
             )
         return value
 
-    def _token_mask(self, tensordict: TensorDictBase, shape: torch.Size) -> torch.Tensor:
+    def _token_mask(self, tensordict: TensorDictBase, log_prob: torch.Tensor) -> torch.Tensor:
+        shape = log_prob.shape
         mask = None
         for key in dict.fromkeys((self.tensor_keys.mask, *self._loss_mask_keys())):
             entry = tensordict.get(key, None)
@@ -457,7 +458,7 @@ class GRPOLoss(ClipPPOLoss):
                 entry = _match_shape(entry, shape, key).bool()
                 mask = entry if mask is None else mask & entry
         if mask is None:
-            return torch.ones(shape, dtype=torch.bool, device=tensordict.device)
+            return torch.ones(shape, dtype=torch.bool, device=log_prob.device)
         return mask
 
     def forward(self, tensordict: TensorDictBase) -> GRPOLossOutput:
@@ -471,7 +472,7 @@ class GRPOLoss(ClipPPOLoss):
 
         Raises:
             KeyError: a required entry is missing (the key is named).
-            RuntimeError: a stored log-prob requires grad.
+            RuntimeError: a stored log-prob or advantage requires grad.
             ValueError: an entry's shape does not match the policy's log-prob, or the batch
                 has no real token.
             NotImplementedError: for multi-head (composite) action distributions.
@@ -485,14 +486,15 @@ class GRPOLoss(ClipPPOLoss):
         ref_log_prob = inference_log_prob = None
         if self.kl_to_ref_coeff is not None:
             ref_log_prob = self._get_input(tensordict, tk.ref_log_prob, "for kl_to_ref_coeff")
-        if self.tis_cap is None and tensordict.get(tk.inference_log_prob, None) is None:
+        if self.tis_cap is not None:
+            inference_log_prob = self._get_input(tensordict, tk.inference_log_prob, "for tis_cap")
+        elif self.kl_to_inference_coeff is not None:
             # torchrl's convention: without the sampler's own log-probs, the KL to inference
             # is taken against the log-probs the ratio uses
-            inference_log_prob = old_log_prob
-        elif self.tis_cap is not None or self.kl_to_inference_coeff is not None:
-            inference_log_prob = self._get_input(
-                tensordict, tk.inference_log_prob, "the sampler's log-probs, for tis_cap"
-            )
+            key = tk.inference_log_prob
+            if tensordict.get(key, None) is None:
+                key = tk.sample_log_prob
+            inference_log_prob = self._get_input(tensordict, key, "for kl_to_inference_coeff")
 
         log_prob, dist, is_composite = self._get_cur_log_prob(tensordict)
         if is_composite or not isinstance(log_prob, torch.Tensor):
@@ -500,7 +502,7 @@ class GRPOLoss(ClipPPOLoss):
         shape = log_prob.shape
         if not shape:
             raise ValueError("The policy's log-prob is a scalar; expected a batch [N] or [B, T].")
-        mask = _as_sequences(self._token_mask(tensordict, shape))  # (B, T)
+        mask = _as_sequences(self._token_mask(tensordict, log_prob))  # (B, T)
         if not mask.any():
             raise ValueError(
                 f"The batch has no real token: the mask {tk.mask!r} is all False "
