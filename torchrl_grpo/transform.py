@@ -66,7 +66,7 @@ class _State:
     """
 
     chunks: list = field(default_factory=list)
-    chunk_steps: int = 0  # steps held in chunks, released ones included
+    chunk_sizes: list = field(default_factory=list)  # steps in each chunk, released ones included
     chunk: Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
     offset: Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
     lengths: Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
@@ -90,6 +90,7 @@ class _Batch:
     keys: Tensor | list  # (n, k) tensor ids or n strings
     elements: Tensor  # (E,) every reward element, in order
     element_traj: Tensor  # (E,) trajectory of each element
+    step_traj: Tensor  # (N,) trajectory of each step
 
 
 def _ranges(starts: Tensor, lengths: Tensor) -> Tensor:
@@ -325,8 +326,8 @@ class MCAdvantage(Transform):
     def _store(self, state: _State) -> None:
         if self._shared is not None:
             self._shared.state = state
-        else:
-            self._state = state
+        else:  # a plain attribute: skip nn.Module.__setattr__'s bookkeeping on the hot path
+            object.__setattr__(self, "_state", state)
 
     @property
     def is_shared(self) -> bool:
@@ -447,11 +448,11 @@ class MCAdvantage(Transform):
     def _inv_call(self, tensordict: TensorDictBase) -> TensorDictBase | None:
         with self._lock:
             state = self._load()
-            queued = self._append_one(tensordict, state)
-            if queued is not None:
-                self._store(queued)
-                return None
-            out, new_state = self._insert(tensordict, state)
+            one = self._read_one(tensordict, state)
+            if one is not None:
+                out, new_state = self._insert_one(one, state)
+            else:
+                out, new_state = self._insert(tensordict, state)
             self._store(new_state)
         return out
 
@@ -466,21 +467,33 @@ class MCAdvantage(Transform):
         batch = self._read_batch(tensordict, state)
         if batch is None:
             return None, state
-        n = batch.lengths.numel()
         num_pending = state.num_pending
-        codes = self._group_codes(state.keys, batch.keys)  # (Q + n,)
-        returns = torch.cat([state.returns, self._returns(batch)])  # (Q + n,)
+        codes, order = self._group_codes(state.keys, batch.keys)  # (Q + n,), (Q + n,)
+        batch_returns = self._returns(batch)  # (n,)
+        returns = torch.cat([state.returns, batch_returns])  # (Q + n,)
 
-        if not self._needs_selection() and int(torch.bincount(codes).max()) < self.grpo_size:
+        counts = torch.bincount(codes)  # trajectories per group, pending included
+        extra = {"dropped_groups": 0}
+        if not self._needs_selection() and int(counts.max()) < self.grpo_size:
             members = member_event = torch.zeros(0, dtype=torch.long)  # nothing can complete
-            consumed, extra = torch.zeros(codes.numel(), dtype=torch.bool), {"dropped_groups": 0}
+            consumed = torch.zeros(codes.numel(), dtype=torch.bool)
+        elif not self._needs_selection() and bool((counts == self.grpo_size).all()):
+            # every group present is exactly complete: all of it is released, one round a group
+            members, member_event = torch.arange(codes.numel()), codes
+            consumed = torch.ones(codes.numel(), dtype=torch.bool)
         elif self._needs_selection():
             members, member_event, consumed, extra = self._select_candidates(
                 codes, returns, num_pending, state, batch
             )
         else:
-            members, member_event, consumed = self._complete_rounds(codes)
-            extra = dict.fromkeys(("dropped_groups",), 0)
+            members, member_event, consumed = self._complete_rounds(codes, order, counts)
+        return self._finish(
+            state, batch, members, member_event, consumed, extra, returns, batch_returns
+        )
+
+    def _finish(self, state, batch, members, member_event, consumed, extra, returns, batch_returns):
+        """Write the released groups' advantages, count everything, and build the next state."""
+        n = batch.lengths.numel()
         lengths = torch.cat([state.lengths, batch.lengths])  # (Q + n,)
         num_events = int(member_event.max()) + 1 if member_event.numel() else 0
 
@@ -493,7 +506,12 @@ class MCAdvantage(Transform):
 
         # --- the next state: statistics, then the pending trajectories that were not consumed ---
         stats = self._count_arrivals(
-            dict(state.stats), batch.elements, batch.element_traj, n, int(batch.lengths.sum())
+            dict(state.stats),
+            batch.elements,
+            batch.element_traj,
+            n,
+            int(batch.lengths.sum()),
+            batch_returns,
         )
         if self.trajectory_return is not None:
             stats["selected_trajectories"] += adv_written * self.grpo_size
@@ -514,12 +532,13 @@ class MCAdvantage(Transform):
     # --- step 1-2: read and check the input -------------------------------------------------------
 
     def _get(self, tensordict: TensorDictBase, key: NestedKey, role: str):
-        if key not in tensordict.keys(include_nested=True, leaves_only=False):
+        value = tensordict.get(key, None)
+        if value is None:
             raise KeyError(
                 f"MCAdvantage: the {role} key {key!r} is missing from the input "
                 f"(keys: {sorted(map(str, tensordict.keys(True, True)))})."
             )
-        return tensordict.get(key)
+        return value
 
     def _read_batch(self, tensordict: TensorDictBase, state: _State) -> _Batch | None:
         if tensordict.ndim == 0:
@@ -558,8 +577,8 @@ class MCAdvantage(Transform):
         step_traj = torch.repeat_interleave(torch.arange(ends.numel()), lengths)  # (N,)
 
         elements, element_step = self._reward_elements(tensordict, data, ragged)
-        bad = ~torch.isfinite(elements)
-        if bad.any():
+        if not bool(torch.isfinite(elements).all()):
+            bad = ~torch.isfinite(elements)
             first = int(bad.nonzero()[0])
             step = first if element_step is None else int(element_step[first])
             raise ValueError(
@@ -568,7 +587,7 @@ class MCAdvantage(Transform):
             )
         keys = self._read_keys(tensordict, data, starts, ragged, state)
         element_traj = step_traj if element_step is None else step_traj[element_step]
-        return _Batch(data, starts, lengths, keys, elements, element_traj)
+        return _Batch(data, starts, lengths, keys, elements, element_traj, step_traj)
 
     def _reward_elements(self, tensordict, data, ragged: bool) -> tuple[Tensor, Tensor | None]:
         """Every reward element, flat, with the step it belongs to (``None``: one per step)."""
@@ -645,14 +664,21 @@ class MCAdvantage(Transform):
     # --- step 3-4: group ids, and which groups are complete --------------------------------------
 
     @staticmethod
-    def _group_codes(pending: Tensor | list | None, incoming: Tensor | list) -> Tensor:
-        """A dense integer code per trajectory (pending first), equal iff the group ids are."""
+    def _group_codes(
+        pending: Tensor | list | None, incoming: Tensor | list
+    ) -> tuple[Tensor, Tensor]:
+        """A dense integer code per trajectory (pending first), equal iff the group ids are.
+
+        Also returns the stable order of the trajectories by code (grouped, in arrival order
+        within a group), which one sort gives for scalar ids.
+        """
         if isinstance(incoming, list):
             table: dict = {}
-            return torch.tensor(
+            codes = torch.tensor(
                 [table.setdefault(k, len(table)) for k in _as_list(pending) + incoming],
                 dtype=torch.long,
             )
+            return codes, torch.argsort(codes, stable=True)
         keys = (
             incoming
             if pending is None or pending.numel() == 0
@@ -660,9 +686,15 @@ class MCAdvantage(Transform):
                 [pending, incoming.to(torch.promote_types(pending.dtype, incoming.dtype))]
             )
         )
-        if keys.shape[1] == 1:
-            return torch.unique(keys.reshape(-1), return_inverse=True)[1]
-        return torch.unique(keys, dim=0, return_inverse=True)[1]
+        if keys.shape[1] > 1:
+            codes = torch.unique(keys, dim=0, return_inverse=True)[1]
+            return codes, torch.argsort(codes, stable=True)
+        sorted_keys, order = torch.sort(keys.reshape(-1), stable=True)
+        starts_group = torch.ones_like(sorted_keys, dtype=torch.bool)
+        torch.ne(sorted_keys[1:], sorted_keys[:-1], out=starts_group[1:])
+        codes = torch.empty_like(order)
+        codes[order] = torch.cumsum(starts_group, 0) - 1
+        return codes, order
 
     def _needs_selection(self) -> bool:
         # With as many candidates as the group size, torchrl's selector keeps them all in order
@@ -672,7 +704,9 @@ class MCAdvantage(Transform):
             or type(self.candidate_selector) is not MCAdvantageSelector
         )
 
-    def _complete_rounds(self, codes: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def _complete_rounds(
+        self, codes: Tensor, order: Tensor, counts: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor]:
         """Every complete round of ``grpo_size`` trajectories of one group.
 
         A group's trajectories, in arrival order, form rounds of ``grpo_size``; every full round
@@ -680,9 +714,7 @@ class MCAdvantage(Transform):
         ``member_event`` (the round of each member) and the ``consumed`` mask over all
         trajectories.
         """
-        size = self.grpo_size
-        order = torch.argsort(codes, stable=True)  # by group, arrival order within a group
-        counts = torch.bincount(codes)
+        size = self.grpo_size  # `order`: by group, arrival order within a group
         first = torch.cumsum(counts, 0) - counts
         rank = torch.empty_like(codes)
         rank[order] = torch.arange(codes.numel()) - first[codes[order]]
@@ -762,7 +794,10 @@ class MCAdvantage(Transform):
 
     def _write_advantages(self, state, batch, members, member_event, num_events, lengths, returns):
         """Gather the released trajectories' steps, write their advantages, drop filtered groups."""
-        step_member = torch.repeat_interleave(torch.arange(members.numel()), lengths[members])
+        if members.numel() == batch.lengths.numel() and state.num_pending == 0:
+            step_member = batch.step_traj  # the whole insertion, as it came
+        else:
+            step_member = torch.repeat_interleave(torch.arange(members.numel()), lengths[members])
         out = self._gather(state, batch, members)  # (S,) steps, or a list of S step copies
         reward = self._released_rewards(out)  # list of per-step tensors (ragged) or one tensor
         if isinstance(reward, list):
@@ -802,17 +837,18 @@ class MCAdvantage(Transform):
         else:
             adv = adv.to(dtype)
 
-        keep_step = keep_event[member_event][step_member]  # (S,)
         if isinstance(out, list):
             for step, a in zip(out, adv.split(counts.tolist())):
                 step.set(self.advantage_key, a.reshape(step.get(self.rewards_key).shape))
-            out = [step for step, k in zip(out, keep_step.tolist()) if k]
-            out = lazy_stack(out) if out else None
         else:
             out.set(self.advantage_key, adv.reshape(reward.shape))
-            if not keep_step.all():
-                out = out[keep_step] if keep_step.any() else None
-        return out, keep_event
+        if keep_event.all():
+            return (lazy_stack(out) if isinstance(out, list) else out), keep_event
+        keep_step = keep_event[member_event][step_member]  # (S,) steps of groups kept
+        if isinstance(out, list):
+            out = [step for step, k in zip(out, keep_step.tolist()) if k]
+            return (lazy_stack(out) if out else None), keep_event
+        return (out[keep_step] if keep_step.any() else None), keep_event
 
     def _released_rewards(self, out):
         if isinstance(out, list):
@@ -821,51 +857,52 @@ class MCAdvantage(Transform):
 
     @staticmethod
     def _gather(state: _State, batch: _Batch | None, members: Tensor):
-        """All steps of trajectories ``members`` (indices into pending ++ incoming), in order.
+        """All steps of trajectories ``members`` (increasing indices into pending ++ incoming).
 
-        Returns a new flat TensorDict, or a list of step copies when the data is ragged.
+        Chunks are appended in arrival order, so increasing members are also in (chunk, offset)
+        order: the steps come out as one concatenation of contiguous pieces, with no reordering.
+        Returns a new flat TensorDict (the insertion itself when all of it is taken), or a list of
+        step copies when the data is ragged.
         """
         q = state.num_pending
         ragged = state.ragged or (batch is not None and isinstance(batch.data, list))
         from_pending = members < q
-        if not from_pending.any():  # the common case: whole groups arrive in one insertion
-            if batch.lengths.numel() == members.numel():  # all of it, in order: no copy
-                return [step.copy() for step in batch.data] if ragged else batch.data
-            incoming = members - q
-            index = _ranges(batch.starts[incoming], batch.lengths[incoming])
-            out = _take(batch.data, index)
-            return [step.copy() for step in out] if ragged else out
-        # Pending steps: one take per chunk involved, then one index over pieces ++ incoming.
         pending = members[from_pending]
-        lengths = state.lengths[pending]
-        step_chunk = torch.repeat_interleave(state.chunk[pending], lengths)  # (K,)
-        step_pos = _ranges(state.offset[pending], lengths)  # (K,)
-        order = torch.argsort(step_chunk, stable=True)
-        chunk_ids, counts = torch.unique_consecutive(step_chunk[order], return_counts=True)
-        pieces = [  # members arrive in order, so each chunk's positions increase
-            _take_sorted(state.chunks[c], pos)
-            for c, pos in zip(chunk_ids.tolist(), step_pos[order].split(counts.tolist()))
-        ]
-        local = torch.empty_like(order)
-        local[order] = torch.arange(order.numel())
-        source_start = torch.empty_like(members)
-        source_start[from_pending] = local[torch.cumsum(lengths, 0) - lengths]
-        all_lengths = state.lengths if batch is None else torch.cat([state.lengths, batch.lengths])
-        if not from_pending.all():
+        pieces = []
+        if 0 < pending.numel() <= 32:  # a few trajectories: one slice (a view) each
+            spans = zip(
+                state.chunk[pending].tolist(),
+                state.offset[pending].tolist(),
+                state.lengths[pending].tolist(),
+            )
+            pieces = [  # a whole chunk as it is (one trajectory per insertion): no slicing
+                state.chunks[c] if n == state.chunk_sizes[c] else state.chunks[c][o : o + n]
+                for c, o, n in spans
+            ]
+        elif pending.numel():  # many: one take (or slice) per chunk
+            lengths = state.lengths[pending]
+            step_chunk = torch.repeat_interleave(state.chunk[pending], lengths)  # (K,)
+            step_pos = _ranges(state.offset[pending], lengths)  # (K,)
+            chunk_ids, counts = torch.unique_consecutive(step_chunk, return_counts=True)
+            pieces = [
+                _take_sorted(state.chunks[c], pos)
+                for c, pos in zip(chunk_ids.tolist(), step_pos.split(counts.tolist()))
+            ]
+        if pending.numel() < members.numel():
             incoming = members[~from_pending] - q
-            source_start[~from_pending] = order.numel() + batch.starts[incoming]
-            pieces.append(batch.data)
-        index = _ranges(source_start, all_lengths[members])
-        if index.numel() == sum(len(piece) for piece in pieces):  # every source step, in order
-            index = None
+            if incoming.numel() == batch.lengths.numel():  # all of it, in order: no copy
+                pieces.append(batch.data)
+            else:
+                index = _ranges(batch.starts[incoming], batch.lengths[incoming])
+                pieces.append(_take(batch.data, index))
         if not ragged:
+            if len(pieces) == 1:
+                return pieces[0]
             try:
-                source = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
-                return source if index is None else source[index]
+                return torch.cat(pieces)
             except RuntimeError:  # per-step shapes differ between insertions: go ragged
                 pass
-        source = [step for piece in pieces for step in _steps(piece)]
-        return [step.copy() for step in (source if index is None else _take(source, index))]
+        return [step.copy() for piece in pieces for step in _steps(piece)]
 
     @staticmethod
     def _trajectory(state: _State, batch: _Batch | None, j: int) -> TensorDictBase:
@@ -895,23 +932,23 @@ class MCAdvantage(Transform):
             new = _append_pending(new, piece, offset, lengths, keys, returns[q:][keep_incoming])
         # Held-back chunks also hold released steps; compact once those outnumber the live ones.
         live = int(new.lengths.sum())
-        if new.chunk_steps > 2 * live + 1024:
+        if sum(new.chunk_sizes) > 2 * live + 1024:
             data = self._gather(new, None, torch.arange(new.num_pending))
             new = replace(
                 new,
                 chunks=[data],
-                chunk_steps=live,
+                chunk_sizes=[live],
                 chunk=torch.zeros_like(new.lengths),
                 offset=torch.cumsum(new.lengths, 0) - new.lengths,
             )
         return new
 
-    def _append_one(self, tensordict: TensorDictBase, state: _State) -> _State | None:
-        """Fast path for the most frequent call: one dense trajectory whose group stays short.
+    def _read_one(self, tensordict: TensorDictBase, state: _State) -> _Batch | None:
+        """Fast reading of the most frequent call: one dense trajectory (tensor or string id).
 
-        Queues it without copying and computes nothing else. Returns ``None`` whenever the input
-        is anything else (several trajectories, ragged data, a group that completes, or any
-        defect), leaving it to the general path, which also owns every error message.
+        Returns ``None`` whenever the input is anything else (several trajectories, ragged data,
+        candidate selection, or any defect), leaving it to :meth:`_read_batch`, which also owns
+        every error message.
         """
         if (
             state.ragged
@@ -933,7 +970,7 @@ class MCAdvantage(Transform):
         ):
             return None
         done = done.reshape(-1)
-        if not (done[-1] and int(done.sum()) == 1 and bool(torch.isfinite(reward).all())):
+        if not (int(done.sum()) == 1 and done[-1] and bool(torch.isfinite(reward).all())):
             return None
         if isinstance(key, Tensor):
             key = key[:1].reshape(1, -1)
@@ -941,46 +978,73 @@ class MCAdvantage(Transform):
                 state.num_pending and state.keys.shape[1] != key.shape[1]
             ):
                 return None
-            count = int((state.keys == key).all(1).sum()) if state.num_pending else 0
         else:
             key = key.tolist() if hasattr(key, "tolist") else key
             key = key[0] if isinstance(key, list) and key else key
             if not isinstance(key, str) or isinstance(state.keys, Tensor) and state.num_pending:
                 return None
-            count, key = _as_list(state.keys).count(key), [key]
-        if count + 1 >= self.grpo_size:
-            return None
+            key = [key]
         values = reward.reshape(-1)
-        at = torch.zeros(values.numel(), dtype=torch.long)
-        returns = (
-            trajectory_returns(values, at, 1, self.trajectory_return)
-            if self.trajectory_return is not None
-            else torch.zeros(1, dtype=torch.float64)
-        )
-        stats = self._count_arrivals(dict(state.stats), values, at, 1, num_steps)
-        lengths = torch.tensor([num_steps])
-        return _append_pending(
-            replace(state, stats=stats),
+        zero = torch.zeros(1, dtype=torch.long)
+        return _Batch(
             tensordict,
-            torch.zeros(1, dtype=torch.long),
-            lengths,
+            zero,
+            torch.tensor([num_steps]),
             key,
-            returns,
+            values,
+            zero.expand(values.numel()),
+            zero.expand(num_steps),
         )
 
-    def _count_arrivals(self, stats: dict, elements, element_traj, num_traj, num_steps) -> dict:
-        """torchrl's per-arrival counters (return statistics only with ``trajectory_return``)."""
+    def _insert_one(self, batch: _Batch, state: _State) -> tuple[TensorDictBase | None, _State]:
+        """:meth:`_insert` for one trajectory: its group completes, or it waits; no sorting."""
+        q = state.num_pending
+        if isinstance(batch.keys, list):
+            same = torch.tensor(
+                [k == batch.keys[0] for k in _as_list(state.keys)], dtype=torch.bool
+            )
+        else:
+            same = (state.keys == batch.keys).all(1) if q else torch.zeros(0, dtype=torch.bool)
+        batch_returns = self._returns(batch)  # (1,)
+        if int(same.sum()) + 1 < self.grpo_size:  # it waits: queue it, no copy, nothing else
+            num_steps = int(batch.lengths[0])
+            stats = self._count_arrivals(
+                dict(state.stats), batch.elements, batch.element_traj, 1, num_steps, batch_returns
+            )
+            return None, _append_pending(
+                state, batch.data, batch.starts, batch.lengths, batch.keys, batch_returns, stats
+            )
+        returns = torch.cat([state.returns, batch_returns])  # (Q + 1,)
+        consumed = torch.cat([same, torch.ones(1, dtype=torch.bool)])  # pending ones held < G
+        members = consumed.nonzero().squeeze(-1)
+        member_event = torch.zeros_like(members)
+        extra = {"dropped_groups": 0}
+        return self._finish(
+            state, batch, members, member_event, consumed, extra, returns, batch_returns
+        )
+
+    def _count_arrivals(
+        self, stats: dict, elements, element_traj, num_traj, num_steps, returns
+    ) -> dict:
+        """torchrl's per-arrival counters (return statistics only with ``trajectory_return``).
+
+        torchrl sums a trajectory's rewards for these whatever ``trajectory_return`` is.
+        """
         stats["completed_trajectories"] += num_traj
         stats["completed_decisions"] += num_steps
         if self.trajectory_return is not None:
-            sums = trajectory_returns(elements, element_traj, num_traj, "sum")  # (n,)
+            sums = (
+                returns
+                if self.trajectory_return == "sum"
+                else trajectory_returns(elements, element_traj, num_traj, "sum")
+            )  # (n,)
             stats["trajectory_return_sum"] += float(sums.sum())
             stats["trajectory_return_max"] = max(stats["trajectory_return_max"], float(sums.max()))
             stats["successful_trajectories"] += int((sums > 0).sum())
         return stats
 
 
-def _append_pending(state: _State, piece, offset, lengths, keys, returns) -> _State:
+def _append_pending(state: _State, piece, offset, lengths, keys, returns, stats=None) -> _State:
     """``state`` with the trajectories of ``piece`` (a new chunk) queued after the others."""
     if isinstance(keys, list):
         all_keys = _as_list(state.keys) + keys
@@ -991,22 +1055,23 @@ def _append_pending(state: _State, piece, offset, lengths, keys, returns) -> _St
     return replace(
         state,
         chunks=[*state.chunks, piece],
-        chunk_steps=state.chunk_steps + len(piece),
+        chunk_sizes=[*state.chunk_sizes, len(piece)],
         chunk=torch.cat([state.chunk, torch.full_like(lengths, len(state.chunks))]),
         offset=torch.cat([state.offset, offset]),
         lengths=torch.cat([state.lengths, lengths]),
         keys=all_keys,
         returns=torch.cat([state.returns, returns]),
+        stats=state.stats if stats is None else stats,
     )
 
 
 def _drop_pending(state: _State, keep: Tensor) -> _State:
     """``state`` without the pending trajectories where ``keep`` is False, and unused chunks."""
-    chunk, chunks, chunk_steps = state.chunk[keep], state.chunks, state.chunk_steps
+    chunk, chunks, sizes = state.chunk[keep], state.chunks, state.chunk_sizes
     used = torch.unique(chunk)
     if used.numel() < len(chunks):
-        chunks = [chunks[c] for c in used.tolist()]
-        chunk_steps = sum(len(c) for c in chunks)
+        kept = used.tolist()
+        chunks, sizes = [chunks[c] for c in kept], [sizes[c] for c in kept]
         chunk = torch.searchsorted(used, chunk)
     keys = (
         [k for k, kp in zip(state.keys, keep.tolist()) if kp]
@@ -1016,7 +1081,7 @@ def _drop_pending(state: _State, keep: Tensor) -> _State:
     return replace(
         state,
         chunks=chunks,
-        chunk_steps=chunk_steps,
+        chunk_sizes=sizes,
         chunk=chunk,
         offset=state.offset[keep],
         lengths=state.lengths[keep],
