@@ -15,7 +15,6 @@ within one run.
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 import warnings
 

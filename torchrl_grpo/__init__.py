@@ -2,7 +2,9 @@
 
 * :class:`MCAdvantage`: a replay-buffer transform that queues trajectories by group and writes
   group-relative advantages when a group is complete (a drop-in for torchrl's).
-* :mod:`torchrl_grpo.advantages`: the estimators as pure functions on tensors.
+* :class:`GRPOLoss` and its presets: a critic-free ``ClipPPOLoss`` with the published variants.
+* :class:`TokenCategorical`: token log-probs and entropy for large vocabularies, memory-lean.
+* :mod:`torchrl_grpo.advantages` and :mod:`torchrl_grpo.loss_terms`: the math, as pure functions.
 """
 
 from torchrl_grpo.advantages import (
@@ -11,15 +13,32 @@ from torchrl_grpo.advantages import (
     group_std,
     trajectory_returns,
 )
+from torchrl_grpo.loss import (
+    CISPOLoss,
+    DAPOLoss,
+    DrGRPOLoss,
+    GRPOLoss,
+    GRPOLossOutput,
+    GSPOLoss,
+)
+from torchrl_grpo.token_dist import TokenCategorical, token_log_prob_entropy
 from torchrl_grpo.transform import MCAdvantage, MCAdvantageSelector
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "CISPOLoss",
+    "DAPOLoss",
+    "DrGRPOLoss",
+    "GRPOLoss",
+    "GRPOLossOutput",
+    "GSPOLoss",
     "MCAdvantage",
     "MCAdvantageSelector",
+    "TokenCategorical",
     "group_mean",
     "group_relative_advantage",
     "group_std",
+    "token_log_prob_entropy",
     "trajectory_returns",
 ]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import torch
 from tensordict import LazyStackedTensorDict, NestedKey, TensorDict, TensorDictBase, lazy_stack
@@ -19,6 +19,8 @@ from torchrl._utils import logger as torchrl_logger
 from torchrl.envs.transforms.transforms import Transform
 from torchrl.objectives.llm import MCAdvantageSelector
 
+from torchrl_grpo import _pending
+from torchrl_grpo._pending import Insertion, Pending, append, as_list, gather
 from torchrl_grpo.advantages import (
     BASELINES,
     RETURN_REDUCTIONS,
@@ -51,76 +53,6 @@ def _fresh_stats() -> dict:
     stats["trajectory_return_sum"] = 0.0
     stats["trajectory_return_max"] = float("-inf")
     return stats
-
-
-@dataclass
-class _State:
-    """Everything the transform holds between insertions; replaced whole, never mutated.
-
-    The pending steps live in ``chunks``: what each insertion left pending, kept as it came (a
-    flat TensorDict, or a list of step TensorDicts once ragged data has been seen), so holding a
-    trajectory back copies nothing. Pending trajectory ``j`` is steps
-    ``offset[j] : offset[j] + lengths[j]`` of ``chunks[chunk[j]]``; trajectories are in arrival
-    order. ``keys`` holds one group id per pending trajectory: a ``(Q, k)`` tensor for tensor ids,
-    a list of strings for prompts.
-    """
-
-    chunks: list = field(default_factory=list)
-    chunk_sizes: list = field(default_factory=list)  # steps in each chunk, released ones included
-    chunk: Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
-    offset: Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
-    lengths: Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
-    keys: Tensor | list | None = None
-    returns: Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.float64))
-    stats: dict = field(default_factory=_fresh_stats)
-    ragged: bool = False
-
-    @property
-    def num_pending(self) -> int:
-        return self.lengths.numel()
-
-
-@dataclass
-class _Batch:
-    """One insertion, flattened and split into trajectories (all tensors are 1-D)."""
-
-    data: TensorDictBase | list  # dense flat TensorDict, or list of step TensorDicts (ragged)
-    starts: Tensor  # (n,) first step of each trajectory
-    lengths: Tensor  # (n,) steps per trajectory
-    keys: Tensor | list  # (n, k) tensor ids or n strings
-    elements: Tensor  # (E,) every reward element, in order
-    element_traj: Tensor  # (E,) trajectory of each element
-    step_traj: Tensor  # (N,) trajectory of each step
-
-
-def _ranges(starts: Tensor, lengths: Tensor) -> Tensor:
-    """Concatenate ``arange(s, s + l)`` for each pair, without a Python loop."""
-    total = int(lengths.sum())
-    offsets = torch.cumsum(lengths, 0) - lengths  # (n,)
-    return torch.arange(total) - torch.repeat_interleave(offsets - starts, lengths)
-
-
-def _take(data: TensorDictBase | list, index: Tensor) -> TensorDictBase | list:
-    """Rows ``index`` of a flat TensorDict, or of a list of step TensorDicts."""
-    if isinstance(data, list):
-        return [data[i] for i in index.tolist()]
-    return data[index]
-
-
-def _as_list(keys) -> list:
-    return keys if isinstance(keys, list) else []
-
-
-def _take_sorted(data: TensorDictBase | list, index: Tensor) -> TensorDictBase | list:
-    """Like :func:`_take` for an increasing ``index``; a contiguous run is a view, not a copy."""
-    first, last = int(index[0]), int(index[-1])
-    if last - first + 1 == index.numel():
-        return data if first == 0 and index.numel() == len(data) else data[first : last + 1]
-    return _take(data, index)
-
-
-def _steps(data: TensorDictBase | list) -> list:
-    return data if isinstance(data, list) else list(data.unbind(0))
 
 
 def _materialize(tensordict: TensorDictBase) -> TensorDictBase | None:
@@ -313,17 +245,17 @@ class MCAdvantage(Transform):
         self.std_threshold = std_threshold
         self.step_norm = step_norm
         self.epsilon = float(epsilon)
-        self._state = _State()
-        self._shared = None  # a manager Namespace holding the _State once share_memory_() ran
+        self._state = Pending(stats=_fresh_stats())
+        self._shared = None  # a manager Namespace holding the Pending once share_memory_() ran
         self._lock = _NoLock()
         self._manager = None
 
     # --- state: local, or behind a multiprocessing manager ------------------------------------
 
-    def _load(self) -> _State:
+    def _load(self) -> Pending:
         return self._shared.state if self._shared is not None else self._state
 
-    def _store(self, state: _State) -> None:
+    def _store(self, state: Pending) -> None:
         if self._shared is not None:
             self._shared.state = state
         else:  # a plain attribute: skip nn.Module.__setattr__'s bookkeeping on the hot path
@@ -367,7 +299,7 @@ class MCAdvantage(Transform):
     def clear_queues(self) -> None:
         """Forget every pending trajectory (statistics are kept)."""
         with self._lock:
-            self._store(_State(stats=self._load().stats))
+            self._store(Pending(stats=self._load().stats))
 
     def get_stats(self) -> dict[str, float | int]:
         """A snapshot of the counters and of the pending queues' sizes.
@@ -383,7 +315,7 @@ class MCAdvantage(Transform):
         with self._lock:
             state = self._load()
             stats = dict(state.stats)
-            counts = self._group_counts(state)
+            counts = _pending.group_counts(state)
             stats.update(
                 queued_groups=len(counts),
                 queued_trajectories=state.num_pending,
@@ -391,21 +323,10 @@ class MCAdvantage(Transform):
             )
             return stats
 
-    @staticmethod
-    def _group_counts(state: _State) -> list[int]:
-        if state.num_pending == 0:
-            return []
-        if isinstance(state.keys, list):
-            counts: dict = {}
-            for key in state.keys:
-                counts[key] = counts.get(key, 0) + 1
-            return list(counts.values())
-        return torch.unique(state.keys, dim=0, return_counts=True)[1].tolist()
-
     @property
     def queued_groups(self) -> int:
         """Number of incomplete groups held back."""
-        return len(self._group_counts(self._load()))
+        return len(_pending.group_counts(self._load()))
 
     @property
     def queued_trajectories(self) -> int:
@@ -415,7 +336,7 @@ class MCAdvantage(Transform):
     @property
     def max_queued_trajectories_per_group(self) -> int:
         """Largest number of trajectories held back for one group."""
-        return max(self._group_counts(self._load()), default=0)
+        return max(_pending.group_counts(self._load()), default=0)
 
     @property
     def queues(self) -> dict:
@@ -429,15 +350,9 @@ class MCAdvantage(Transform):
         out: dict = {}
         if state.num_pending == 0:
             return out
-        for j, key in enumerate(self._python_keys(state.keys)):
+        for j, key in enumerate(_pending.python_keys(state.keys)):
             out.setdefault(key, []).append(self._trajectory(state, None, j))
         return out
-
-    @staticmethod
-    def _python_keys(keys: Tensor | list) -> list:
-        if isinstance(keys, list):
-            return list(keys)
-        return [row[0] if len(row) == 1 else tuple(row) for row in keys.tolist()]
 
     # --- the transform ---------------------------------------------------------------------------
 
@@ -457,8 +372,8 @@ class MCAdvantage(Transform):
         return out
 
     def _insert(
-        self, tensordict: TensorDictBase, state: _State
-    ) -> tuple[TensorDictBase | None, _State]:
+        self, tensordict: TensorDictBase, state: Pending
+    ) -> tuple[TensorDictBase | None, Pending]:
         """Process one insertion against ``state``; returns the output and the next state.
 
         Everything that can be wrong with the input raises here before a new state exists, so a
@@ -520,7 +435,7 @@ class MCAdvantage(Transform):
         stats["dropped_groups"] += num_events - adv_written + extra["dropped_groups"]
         for name in ("rescued_groups", "unselected_trajectories"):
             stats[name] += extra.get(name, 0)
-        new_state = self._remaining(state, batch, consumed, returns, stats)
+        new_state = _pending.remaining(state, batch, consumed, returns, stats)
         if self.verbose:
             torchrl_logger.info(
                 f"MCAdvantage: {n} trajectories in, {adv_written} groups written, "
@@ -540,7 +455,7 @@ class MCAdvantage(Transform):
             )
         return value
 
-    def _read_batch(self, tensordict: TensorDictBase, state: _State) -> _Batch | None:
+    def _read_batch(self, tensordict: TensorDictBase, state: Pending) -> Insertion | None:
         if tensordict.ndim == 0:
             tensordict = tensordict.unsqueeze(0)
         if tensordict.numel() == 0:
@@ -587,7 +502,7 @@ class MCAdvantage(Transform):
             )
         keys = self._read_keys(tensordict, data, starts, ragged, state)
         element_traj = step_traj if element_step is None else step_traj[element_step]
-        return _Batch(data, starts, lengths, keys, elements, element_traj, step_traj)
+        return Insertion(data, starts, lengths, keys, elements, element_traj, step_traj)
 
     def _reward_elements(self, tensordict, data, ragged: bool) -> tuple[Tensor, Tensor | None]:
         """Every reward element, flat, with the step it belongs to (``None``: one per step)."""
@@ -616,7 +531,7 @@ class MCAdvantage(Transform):
             return values, None
         return values, torch.repeat_interleave(torch.arange(num_steps), counts)
 
-    def _read_keys(self, tensordict, data, starts: Tensor, ragged: bool, state: _State):
+    def _read_keys(self, tensordict, data, starts: Tensor, ragged: bool, state: Pending):
         if ragged:
             raw = [data[i].get(self.prompt_key) for i in starts.tolist()]
             raw = [v if isinstance(v, Tensor) else getattr(v, "data", v) for v in raw]
@@ -675,7 +590,7 @@ class MCAdvantage(Transform):
         if isinstance(incoming, list):
             table: dict = {}
             codes = torch.tensor(
-                [table.setdefault(k, len(table)) for k in _as_list(pending) + incoming],
+                [table.setdefault(k, len(table)) for k in as_list(pending) + incoming],
                 dtype=torch.long,
             )
             return codes, torch.argsort(codes, stable=True)
@@ -786,7 +701,7 @@ class MCAdvantage(Transform):
 
     # --- step 5-6: advantages for the released groups ---------------------------------------------
 
-    def _returns(self, batch: _Batch) -> Tensor:
+    def _returns(self, batch: Insertion) -> Tensor:
         n = batch.lengths.numel()
         if self.trajectory_return is None:
             return torch.zeros(n, dtype=torch.float64)
@@ -798,7 +713,7 @@ class MCAdvantage(Transform):
             step_member = batch.step_traj  # the whole insertion, as it came
         else:
             step_member = torch.repeat_interleave(torch.arange(members.numel()), lengths[members])
-        out = self._gather(state, batch, members)  # (S,) steps, or a list of S step copies
+        out = gather(state, batch, members)  # (S,) steps, or a list of S step copies
         reward = self._released_rewards(out)  # list of per-step tensors (ragged) or one tensor
         if isinstance(reward, list):
             counts = torch.tensor([r.numel() for r in reward])
@@ -856,94 +771,11 @@ class MCAdvantage(Transform):
         return out.get(self.rewards_key)
 
     @staticmethod
-    def _gather(state: _State, batch: _Batch | None, members: Tensor):
-        """All steps of trajectories ``members`` (increasing indices into pending ++ incoming).
-
-        Chunks are appended in arrival order, so increasing members are also in (chunk, offset)
-        order: the steps come out as one concatenation of contiguous pieces, with no reordering.
-        Returns a new flat TensorDict (the insertion itself when all of it is taken), or a list of
-        step copies when the data is ragged.
-        """
-        q = state.num_pending
-        ragged = state.ragged or (batch is not None and isinstance(batch.data, list))
-        from_pending = members < q
-        pending = members[from_pending]
-        pieces = []
-        if 0 < pending.numel() <= 32:  # a few trajectories: one slice (a view) each
-            spans = zip(
-                state.chunk[pending].tolist(),
-                state.offset[pending].tolist(),
-                state.lengths[pending].tolist(),
-            )
-            pieces = [  # a whole chunk as it is (one trajectory per insertion): no slicing
-                state.chunks[c] if n == state.chunk_sizes[c] else state.chunks[c][o : o + n]
-                for c, o, n in spans
-            ]
-        elif pending.numel():  # many: one take (or slice) per chunk
-            lengths = state.lengths[pending]
-            step_chunk = torch.repeat_interleave(state.chunk[pending], lengths)  # (K,)
-            step_pos = _ranges(state.offset[pending], lengths)  # (K,)
-            chunk_ids, counts = torch.unique_consecutive(step_chunk, return_counts=True)
-            pieces = [
-                _take_sorted(state.chunks[c], pos)
-                for c, pos in zip(chunk_ids.tolist(), step_pos.split(counts.tolist()))
-            ]
-        if pending.numel() < members.numel():
-            incoming = members[~from_pending] - q
-            if incoming.numel() == batch.lengths.numel():  # all of it, in order: no copy
-                pieces.append(batch.data)
-            else:
-                index = _ranges(batch.starts[incoming], batch.lengths[incoming])
-                pieces.append(_take(batch.data, index))
-        if not ragged:
-            if len(pieces) == 1:
-                return pieces[0]
-            try:
-                return torch.cat(pieces)
-            except RuntimeError:  # per-step shapes differ between insertions: go ragged
-                pass
-        return [step.copy() for piece in pieces for step in _steps(piece)]
-
-    @staticmethod
-    def _trajectory(state: _State, batch: _Batch | None, j: int) -> TensorDictBase:
-        out = MCAdvantage._gather(state, batch, torch.tensor([j]))
+    def _trajectory(state: Pending, batch: Insertion | None, j: int) -> TensorDictBase:
+        out = gather(state, batch, torch.tensor([j]))
         return lazy_stack(out) if isinstance(out, list) else out
 
-    def _remaining(
-        self, state: _State, batch: _Batch, consumed: Tensor, returns: Tensor, stats
-    ) -> _State:
-        """The next state: pending trajectories that no released group consumed, in order."""
-        q = state.num_pending
-        keep_pending, keep_incoming = ~consumed[:q], ~consumed[q:]
-        new = state if keep_pending.all() else _drop_pending(state, keep_pending)
-        new = replace(new, stats=stats, ragged=state.ragged or isinstance(batch.data, list))
-        if keep_incoming.any():
-            lengths = batch.lengths[keep_incoming]
-            if keep_incoming.all():  # keep the insertion as it came: no copy
-                piece, offset, keys = batch.data, batch.starts, batch.keys
-            else:
-                piece = _take(batch.data, _ranges(batch.starts[keep_incoming], lengths))
-                offset = torch.cumsum(lengths, 0) - lengths
-                keys = (
-                    [k for k, kp in zip(batch.keys, keep_incoming.tolist()) if kp]
-                    if isinstance(batch.keys, list)
-                    else batch.keys[keep_incoming]
-                )
-            new = _append_pending(new, piece, offset, lengths, keys, returns[q:][keep_incoming])
-        # Held-back chunks also hold released steps; compact once those outnumber the live ones.
-        live = int(new.lengths.sum())
-        if sum(new.chunk_sizes) > 2 * live + 1024:
-            data = self._gather(new, None, torch.arange(new.num_pending))
-            new = replace(
-                new,
-                chunks=[data],
-                chunk_sizes=[live],
-                chunk=torch.zeros_like(new.lengths),
-                offset=torch.cumsum(new.lengths, 0) - new.lengths,
-            )
-        return new
-
-    def _read_one(self, tensordict: TensorDictBase, state: _State) -> _Batch | None:
+    def _read_one(self, tensordict: TensorDictBase, state: Pending) -> Insertion | None:
         """Fast reading of the most frequent call: one dense trajectory (tensor or string id).
 
         Returns ``None`` whenever the input is anything else (several trajectories, ragged data,
@@ -986,7 +818,7 @@ class MCAdvantage(Transform):
             key = [key]
         values = reward.reshape(-1)
         zero = torch.zeros(1, dtype=torch.long)
-        return _Batch(
+        return Insertion(
             tensordict,
             zero,
             torch.tensor([num_steps]),
@@ -996,13 +828,13 @@ class MCAdvantage(Transform):
             zero.expand(num_steps),
         )
 
-    def _insert_one(self, batch: _Batch, state: _State) -> tuple[TensorDictBase | None, _State]:
+    def _insert_one(
+        self, batch: Insertion, state: Pending
+    ) -> tuple[TensorDictBase | None, Pending]:
         """:meth:`_insert` for one trajectory: its group completes, or it waits; no sorting."""
         q = state.num_pending
         if isinstance(batch.keys, list):
-            same = torch.tensor(
-                [k == batch.keys[0] for k in _as_list(state.keys)], dtype=torch.bool
-            )
+            same = torch.tensor([k == batch.keys[0] for k in as_list(state.keys)], dtype=torch.bool)
         else:
             same = (state.keys == batch.keys).all(1) if q else torch.zeros(0, dtype=torch.bool)
         batch_returns = self._returns(batch)  # (1,)
@@ -1011,7 +843,7 @@ class MCAdvantage(Transform):
             stats = self._count_arrivals(
                 dict(state.stats), batch.elements, batch.element_traj, 1, num_steps, batch_returns
             )
-            return None, _append_pending(
+            return None, append(
                 state, batch.data, batch.starts, batch.lengths, batch.keys, batch_returns, stats
             )
         returns = torch.cat([state.returns, batch_returns])  # (Q + 1,)
@@ -1042,52 +874,6 @@ class MCAdvantage(Transform):
             stats["trajectory_return_max"] = max(stats["trajectory_return_max"], float(sums.max()))
             stats["successful_trajectories"] += int((sums > 0).sum())
         return stats
-
-
-def _append_pending(state: _State, piece, offset, lengths, keys, returns, stats=None) -> _State:
-    """``state`` with the trajectories of ``piece`` (a new chunk) queued after the others."""
-    if isinstance(keys, list):
-        all_keys = _as_list(state.keys) + keys
-    elif state.keys is None or state.keys.numel() == 0:
-        all_keys = keys
-    else:
-        all_keys = torch.cat([state.keys, keys.to(state.keys.dtype)])
-    return replace(
-        state,
-        chunks=[*state.chunks, piece],
-        chunk_sizes=[*state.chunk_sizes, len(piece)],
-        chunk=torch.cat([state.chunk, torch.full_like(lengths, len(state.chunks))]),
-        offset=torch.cat([state.offset, offset]),
-        lengths=torch.cat([state.lengths, lengths]),
-        keys=all_keys,
-        returns=torch.cat([state.returns, returns]),
-        stats=state.stats if stats is None else stats,
-    )
-
-
-def _drop_pending(state: _State, keep: Tensor) -> _State:
-    """``state`` without the pending trajectories where ``keep`` is False, and unused chunks."""
-    chunk, chunks, sizes = state.chunk[keep], state.chunks, state.chunk_sizes
-    used = torch.unique(chunk)
-    if used.numel() < len(chunks):
-        kept = used.tolist()
-        chunks, sizes = [chunks[c] for c in kept], [sizes[c] for c in kept]
-        chunk = torch.searchsorted(used, chunk)
-    keys = (
-        [k for k, kp in zip(state.keys, keep.tolist()) if kp]
-        if isinstance(state.keys, list)
-        else state.keys[keep]
-    )
-    return replace(
-        state,
-        chunks=chunks,
-        chunk_sizes=sizes,
-        chunk=chunk,
-        offset=state.offset[keep],
-        lengths=state.lengths[keep],
-        keys=keys,
-        returns=state.returns[keep],
-    )
 
 
 def _stat_property(name: str) -> property:

@@ -1,0 +1,232 @@
+"""The trajectories ``MCAdvantage`` holds back until their group is complete.
+
+Pure storage, no advantage math: what each insertion left pending is kept as it came (a *chunk*,
+never copied), trajectories are addressed by ``(chunk, offset, length)``, and the whole store is
+one immutable :class:`Pending` value that the transform replaces at the end of a successful
+insertion (so a rejected insertion changes nothing).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import torch
+from tensordict import TensorDictBase
+from torch import Tensor
+
+
+@dataclass
+class Pending:
+    """Everything the transform holds between insertions; replaced whole, never mutated.
+
+    The pending steps live in ``chunks``: what each insertion left pending, kept as it came (a
+    flat TensorDict, or a list of step TensorDicts once ragged data has been seen), so holding a
+    trajectory back copies nothing. Pending trajectory ``j`` is steps
+    ``offset[j] : offset[j] + lengths[j]`` of ``chunks[chunk[j]]``; trajectories are in arrival
+    order. ``keys`` holds one group id per pending trajectory: a ``(Q, k)`` tensor for tensor ids,
+    a list of strings for prompts.
+    """
+
+    chunks: list = field(default_factory=list)
+    chunk_sizes: list = field(default_factory=list)  # steps in each chunk, released ones included
+    chunk: Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
+    offset: Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
+    lengths: Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
+    keys: Tensor | list | None = None
+    returns: Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.float64))
+    stats: dict = field(default_factory=dict)
+    ragged: bool = False
+
+    @property
+    def num_pending(self) -> int:
+        return self.lengths.numel()
+
+
+@dataclass
+class Insertion:
+    """One insertion, flattened and split into trajectories (all tensors are 1-D)."""
+
+    data: TensorDictBase | list  # dense flat TensorDict, or list of step TensorDicts (ragged)
+    starts: Tensor  # (n,) first step of each trajectory
+    lengths: Tensor  # (n,) steps per trajectory
+    keys: Tensor | list  # (n, k) tensor ids or n strings
+    elements: Tensor  # (E,) every reward element, in order
+    element_traj: Tensor  # (E,) trajectory of each element
+    step_traj: Tensor  # (N,) trajectory of each step
+
+
+def ranges(starts: Tensor, lengths: Tensor) -> Tensor:
+    """Concatenate ``arange(s, s + l)`` for each pair, without a Python loop."""
+    total = int(lengths.sum())
+    offsets = torch.cumsum(lengths, 0) - lengths  # (n,)
+    return torch.arange(total) - torch.repeat_interleave(offsets - starts, lengths)
+
+
+def take(data: TensorDictBase | list, index: Tensor) -> TensorDictBase | list:
+    """Rows ``index`` of a flat TensorDict, or of a list of step TensorDicts."""
+    if isinstance(data, list):
+        return [data[i] for i in index.tolist()]
+    return data[index]
+
+
+def as_list(keys) -> list:
+    return keys if isinstance(keys, list) else []
+
+
+def take_sorted(data: TensorDictBase | list, index: Tensor) -> TensorDictBase | list:
+    """Like :func:`take` for an increasing ``index``; a contiguous run is a view, not a copy."""
+    first, last = int(index[0]), int(index[-1])
+    if last - first + 1 == index.numel():
+        return data if first == 0 and index.numel() == len(data) else data[first : last + 1]
+    return take(data, index)
+
+
+def steps_of(data: TensorDictBase | list) -> list:
+    return data if isinstance(data, list) else list(data.unbind(0))
+
+
+def group_counts(state: Pending) -> list[int]:
+    if state.num_pending == 0:
+        return []
+    if isinstance(state.keys, list):
+        counts: dict = {}
+        for key in state.keys:
+            counts[key] = counts.get(key, 0) + 1
+        return list(counts.values())
+    return torch.unique(state.keys, dim=0, return_counts=True)[1].tolist()
+
+
+def python_keys(keys: Tensor | list) -> list:
+    if isinstance(keys, list):
+        return list(keys)
+    return [row[0] if len(row) == 1 else tuple(row) for row in keys.tolist()]
+
+
+def gather(state: Pending, batch: Insertion | None, members: Tensor):
+    """All steps of trajectories ``members`` (increasing indices into pending ++ incoming).
+
+    Chunks are appended in arrival order, so increasing members are also in (chunk, offset)
+    order: the steps come out as one concatenation of contiguous pieces, with no reordering.
+    Returns a new flat TensorDict (the insertion itself when all of it is taken), or a list of
+    step copies when the data is ragged.
+    """
+    q = state.num_pending
+    ragged = state.ragged or (batch is not None and isinstance(batch.data, list))
+    from_pending = members < q
+    pending = members[from_pending]
+    pieces = []
+    if 0 < pending.numel() <= 32:  # a few trajectories: one slice (a view) each
+        spans = zip(
+            state.chunk[pending].tolist(),
+            state.offset[pending].tolist(),
+            state.lengths[pending].tolist(),
+        )
+        pieces = [  # a whole chunk as it is (one trajectory per insertion): no slicing
+            state.chunks[c] if n == state.chunk_sizes[c] else state.chunks[c][o : o + n]
+            for c, o, n in spans
+        ]
+    elif pending.numel():  # many: one take (or slice) per chunk
+        lengths = state.lengths[pending]
+        step_chunk = torch.repeat_interleave(state.chunk[pending], lengths)  # (K,)
+        step_pos = ranges(state.offset[pending], lengths)  # (K,)
+        chunk_ids, counts = torch.unique_consecutive(step_chunk, return_counts=True)
+        pieces = [
+            take_sorted(state.chunks[c], pos)
+            for c, pos in zip(chunk_ids.tolist(), step_pos.split(counts.tolist()))
+        ]
+    if pending.numel() < members.numel():
+        incoming = members[~from_pending] - q
+        if incoming.numel() == batch.lengths.numel():  # all of it, in order: no copy
+            pieces.append(batch.data)
+        else:
+            index = ranges(batch.starts[incoming], batch.lengths[incoming])
+            pieces.append(take(batch.data, index))
+    if not ragged:
+        if len(pieces) == 1:
+            return pieces[0]
+        try:
+            return torch.cat(pieces)
+        except RuntimeError:  # per-step shapes differ between insertions: go ragged
+            pass
+    return [step.copy() for piece in pieces for step in steps_of(piece)]
+
+
+def append(state: Pending, piece, offset, lengths, keys, returns, stats=None) -> Pending:
+    """``state`` with the trajectories of ``piece`` (a new chunk) queued after the others."""
+    if isinstance(keys, list):
+        all_keys = as_list(state.keys) + keys
+    elif state.keys is None or state.keys.numel() == 0:
+        all_keys = keys
+    else:
+        all_keys = torch.cat([state.keys, keys.to(state.keys.dtype)])
+    return replace(
+        state,
+        chunks=[*state.chunks, piece],
+        chunk_sizes=[*state.chunk_sizes, len(piece)],
+        chunk=torch.cat([state.chunk, torch.full_like(lengths, len(state.chunks))]),
+        offset=torch.cat([state.offset, offset]),
+        lengths=torch.cat([state.lengths, lengths]),
+        keys=all_keys,
+        returns=torch.cat([state.returns, returns]),
+        stats=state.stats if stats is None else stats,
+    )
+
+
+def drop(state: Pending, keep: Tensor) -> Pending:
+    """``state`` without the pending trajectories where ``keep`` is False, and unused chunks."""
+    chunk, chunks, sizes = state.chunk[keep], state.chunks, state.chunk_sizes
+    used = torch.unique(chunk)
+    if used.numel() < len(chunks):
+        kept = used.tolist()
+        chunks, sizes = [chunks[c] for c in kept], [sizes[c] for c in kept]
+        chunk = torch.searchsorted(used, chunk)
+    keys = (
+        [k for k, kp in zip(state.keys, keep.tolist()) if kp]
+        if isinstance(state.keys, list)
+        else state.keys[keep]
+    )
+    return replace(
+        state,
+        chunks=chunks,
+        chunk_sizes=sizes,
+        chunk=chunk,
+        offset=state.offset[keep],
+        lengths=state.lengths[keep],
+        keys=keys,
+        returns=state.returns[keep],
+    )
+
+
+def remaining(
+    state: Pending, batch: Insertion, consumed: Tensor, returns: Tensor, stats
+) -> Pending:
+    """The next state: pending trajectories that no released group consumed, in order."""
+    q = state.num_pending
+    keep_pending, keep_incoming = ~consumed[:q], ~consumed[q:]
+    new = state if keep_pending.all() else drop(state, keep_pending)
+    new = replace(new, stats=stats, ragged=state.ragged or isinstance(batch.data, list))
+    if keep_incoming.any():
+        lengths = batch.lengths[keep_incoming]
+        if keep_incoming.all():  # keep the insertion as it came: no copy
+            piece, offset, keys = batch.data, batch.starts, batch.keys
+        else:
+            piece = take(batch.data, ranges(batch.starts[keep_incoming], lengths))
+            offset = torch.cumsum(lengths, 0) - lengths
+            keys = (
+                [k for k, kp in zip(batch.keys, keep_incoming.tolist()) if kp]
+                if isinstance(batch.keys, list)
+                else batch.keys[keep_incoming]
+            )
+        new = append(new, piece, offset, lengths, keys, returns[q:][keep_incoming])
+    # Held-back chunks also hold released steps; compact once those outnumber the live ones.
+    live = int(new.lengths.sum())
+    if sum(new.chunk_sizes) > 2 * live + 1024:
+        data = gather(new, None, torch.arange(new.num_pending))
+        new = replace(
+            new,
+            chunks=[data],
+            chunk_sizes=[live],
+            chunk=torch.zeros_like(new.lengths),
+            offset=torch.cumsum(new.lengths, 0) - new.lengths,
+        )
+    return new
