@@ -23,6 +23,7 @@ version = release
 
 extensions = [
     "sphinx.ext.autodoc",
+    "sphinx.ext.autosectionlabel",
     "sphinx.ext.autosummary",
     "sphinx.ext.doctest",
     "sphinx.ext.mathjax",
@@ -31,6 +32,12 @@ extensions = [
 ]
 
 exclude_patterns = ["_build"]
+
+# Sections are linked as :ref:`page:Section title`, so pages need no explicit labels. A title used
+# twice in one page (likely in tutorials) would make its label ambiguous: that warning is silenced
+# rather than failing the build, and such a title should not be linked to.
+autosectionlabel_prefix_document = True
+suppress_warnings = ["autosectionlabel.*"]
 templates_path: list[str] = []
 
 # --- autodoc / napoleon: Google-style docstrings of the installed package ------------------------
