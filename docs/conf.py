@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import doctest
 
+from sphinx.util.inspect import signature, stringify_signature
+
 import torchrl_grpo
 
 project = "torchrl_grpo"
@@ -24,7 +26,6 @@ version = release
 extensions = [
     "sphinx.ext.autodoc",
     "sphinx.ext.autosectionlabel",
-    "sphinx.ext.autosummary",
     "sphinx.ext.doctest",
     "sphinx.ext.mathjax",
     "sphinx.ext.napoleon",
@@ -44,7 +45,6 @@ templates_path: list[str] = []
 autodoc_member_order = "bysource"
 autodoc_typehints = "signature"
 autodoc_class_signature = "mixed"
-autosummary_generate = False  # summary tables only; the pages are written by hand
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False
 napoleon_use_rtype = False
@@ -74,3 +74,19 @@ doctest_default_flags = (
 # --- HTML --------------------------------------------------------------------------------------
 html_theme = "furo"
 html_title = f"torchrl_grpo {release}"
+
+
+def _constructor_signature(app, what, name, obj, options, sig, return_annotation):
+    """Show a loss's ``__init__`` arguments, not ``LossModule.__new__(*args, **kwargs)``.
+
+    torchrl's ``LossModule`` defines ``__new__(cls, *args, **kwargs)``, which autodoc prefers to
+    ``__init__`` when it builds a class signature.
+    """
+    if what != "class" or sig != "(*args, **kwargs)" or "__init__" not in vars(obj):
+        return None
+    init = signature(obj.__init__, bound_method=True, type_aliases=app.config.autodoc_type_aliases)
+    return stringify_signature(init, show_return_annotation=False), return_annotation
+
+
+def setup(app):
+    app.connect("autodoc-process-signature", _constructor_signature)
