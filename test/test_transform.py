@@ -1,6 +1,7 @@
 """Tests of torchrl_grpo/transform.py: parity with torchrl, estimators, inputs, errors."""
 
 import random
+import warnings
 
 import pytest
 import torch
@@ -388,3 +389,238 @@ class TestReplayBuffer:
         rb.append_transform(MCAdvantage(2, prompt_key="seed"))
         rb.extend(batch)
         assert "advantage" not in batch.keys()
+
+
+class TestMemoryLimits:
+    def test_drop_oldest_groups_past_max_pending_groups(self):
+        t = MCAdvantage(3, prompt_key="seed", max_pending_groups=2)
+        t.inv(trajectory(0, [1.0]))
+        t.inv(trajectory(1, [1.0]))
+        with pytest.warns(RuntimeWarning, match="max_pending_groups=2"):
+            t.inv(torch.cat([trajectory(2, [1.0]), trajectory(1, [2.0])]))
+        assert sorted(t.queues) == [1, 2]  # group 0 started first and was evicted
+        stats = t.get_stats()
+        assert stats["evicted_groups"] == 1 and stats["evicted_trajectories"] == 1
+        out = t.inv(trajectory(1, [3.0]))  # group 1 still completes normally
+        assert out["seed"].tolist() == [1, 1, 1]
+
+    def test_max_pending_age_in_insertions(self):
+        t = MCAdvantage(2, prompt_key="seed", max_pending_age=2)
+        t.inv(trajectory(0, [1.0]))  # insertion 0
+        t.inv(trajectory(1, [1.0]))  # insertion 1
+        with pytest.warns(RuntimeWarning):
+            t.inv(trajectory(2, [1.0]))  # insertion 2: group 0 is 2 insertions old
+        assert sorted(t.queues) == [1, 2]
+        assert t.get_stats()["evicted_groups"] == 1
+
+    def test_raise_rejects_the_insertion_and_changes_nothing(self):
+        t = MCAdvantage(3, prompt_key="seed", max_pending_groups=1, on_overflow="raise")
+        t.inv(trajectory(0, [1.0]))
+        before = t.get_stats()
+        with pytest.raises(RuntimeError, match="rejected"):
+            t.inv(trajectory(1, [1.0]))
+        assert t.get_stats() == before and list(t.queues) == [0]
+
+    def test_invalid_limits(self):
+        for kw in [dict(max_pending_groups=0), dict(max_pending_age=0), dict(on_overflow="drop")]:
+            with pytest.raises(ValueError):
+                MCAdvantage(2, **kw)
+
+
+def _write_from_process(rb, trajs):
+    for t in trajs:
+        rb.extend(t)
+
+
+class TestManyWriters:
+    def test_shared_replay_buffer_across_processes(self):
+        import multiprocessing as mp
+
+        transform = MCAdvantage(4, prompt_key="seed", trajectory_return="sum")
+        rb = ReplayBuffer(storage=LazyTensorStorage(1000, shared_init=True), shared=True)
+        rb.append_transform(transform)
+        assert transform.is_shared
+        trajs = [trajectory(g, [float(i), 1.0]) for g in range(5) for i in range(4)]
+        trajs = trajs[:-1]  # the last group stays one short
+        ctx = mp.get_context("spawn")
+        procs = [ctx.Process(target=_write_from_process, args=(rb, trajs[w::2])) for w in range(2)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout=120)
+        assert [p.exitcode for p in procs] == [0, 0]
+        # every group's trajectories came from both processes, and four groups completed
+        assert len(rb) == 4 * 4 * 2 and transform.queued_trajectories == 3
+        stats = transform.get_stats()
+        assert stats["completed_trajectories"] == len(trajs) and stats["written_groups"] == 4
+        assert sorted(set(rb[:]["seed"].tolist())) == [0, 1, 2, 3]
+
+    def test_inside_a_ray_replay_buffer(self):
+        ray = pytest.importorskip("ray", reason="the `dist` extra (ray) is not installed")
+        from functools import partial
+
+        from torchrl.data import RayReplayBuffer
+
+        rb = RayReplayBuffer(
+            storage=partial(LazyTensorStorage, 1000),
+            transform_factory=partial(MCAdvantage, 4, prompt_key="seed", trajectory_return="sum"),
+            ray_init_config={"num_cpus": 2, "include_dashboard": False, "log_to_driver": False},
+            remote_config={"num_cpus": 0},
+        )
+        try:
+
+            @ray.remote(num_cpus=1)
+            def write(client, trajs):
+                for t in trajs:
+                    client.extend(t)
+                return len(trajs)
+
+            trajs = [trajectory(g, [float(i), 1.0]) for g in range(5) for i in range(4)][:-1]
+            remote = ray.get(write.remote(rb.client(), trajs[1::2]))  # another process
+            for t in trajs[::2]:
+                rb.extend(t)
+            assert remote == len(trajs[1::2])
+            assert len(rb) == 4 * 4 * 2  # four groups completed across the two writers
+            sample = rb.sample(8)
+            assert sample["advantage"].shape == (8, 1)
+        finally:
+            rb.shutdown()
+            ray.shutdown()
+
+
+def _stream_outputs(t, chunks):
+    out = {}
+    for chunk in chunks:
+        out.update(released(t.inv(chunk)))
+    return out
+
+
+class TestProperties:
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    @settings(max_examples=25, deadline=None)
+    @given(
+        num_groups=st.integers(1, 6),
+        size=st.integers(2, 5),
+        mode=st.sampled_from([None, "sum", "mean", "max", "last"]),
+        strings=st.booleans(),
+        seed=st.integers(0, 10**6),
+    )
+    def test_order_and_chunking_do_not_matter(self, num_groups, size, mode, strings, seed):
+        key = "query" if strings else "seed"
+        trajs = random_stream(num_groups, size, seed, strings=strings, key=key)
+        kw = dict(grpo_size=size, prompt_key=key, trajectory_return=mode)
+        one_by_one = _stream_outputs(MCAdvantage(**kw), trajs)
+        shuffled = trajs[:]
+        random.Random(seed + 1).shuffle(shuffled)
+        chunked = _stream_outputs(MCAdvantage(**kw), random_chunks(shuffled, seed))
+        assert one_by_one.keys() == chunked.keys()
+        assert len(one_by_one) == sum(t.numel() for t in trajs)
+        for uid, adv in one_by_one.items():
+            torch.testing.assert_close(chunked[uid], adv, atol=1e-6, rtol=1e-6)
+
+    @settings(max_examples=25, deadline=None)
+    @given(
+        size=st.integers(2, 5),
+        mode=st.sampled_from(["sum", "mean", "last"]),
+        constant=st.booleans(),
+        seed=st.integers(0, 10**6),
+    )
+    def test_written_groups_are_normalized(self, size, mode, constant, seed):
+        rng = random.Random(seed)
+        value = rng.gauss(0, 1)
+        trajs = [
+            trajectory(
+                0, [value if constant else rng.gauss(0, 3) for _ in range(rng.randint(1, 4))]
+            )
+            for _ in range(size)
+        ]
+        out = MCAdvantage(size, prompt_key="seed", trajectory_return=mode).inv(torch.cat(trajs))
+        per_traj = torch.stack([out["advantage"][out["uid"] == t["uid"][0]][0, 0] for t in trajs])
+        assert torch.isfinite(out["advantage"]).all()
+        returns = torch.tensor(
+            [
+                float(
+                    {
+                        "sum": t["next", "reward"].sum(),
+                        "mean": t["next", "reward"].mean(),
+                        "last": t["next", "reward"][-1, 0],
+                    }[mode]
+                )
+                for t in trajs
+            ]
+        )
+        assert abs(float(per_traj.mean())) < 1e-5
+        if (returns == returns[0]).all():
+            assert (per_traj == 0).all()
+        elif float(returns.std()) > 1e-3:
+            assert float(per_traj.std()) == pytest.approx(1.0, rel=1e-4)
+
+    @settings(max_examples=25, deadline=None)
+    @given(seed=st.integers(0, 10**6), limit=st.integers(1, 4), bounds=st.booleans())
+    def test_every_trajectory_is_accounted_for(self, seed, limit, bounds):
+        trajs = random_stream(8, 3, seed, binary=True)
+        t = MCAdvantage(
+            3,
+            prompt_key="seed",
+            trajectory_return="sum",
+            keep_return_bounds=(0.1, 0.9) if bounds else None,
+            max_pending_groups=limit,
+        )
+        stored = 0
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            for chunk in random_chunks(trajs, seed):
+                out = t.inv(chunk)
+                stored += (
+                    0
+                    if out is None
+                    else len(set(out["uid"].tolist()) & {int(tr["uid"][0]) for tr in trajs})
+                )
+        stats = t.get_stats()
+        dropped_by_rule = 3 * (stats["dropped_groups"]) + stats["evicted_trajectories"]
+        assert len(trajs) == stored + t.queued_trajectories + dropped_by_rule
+
+
+class TestBadInputUnderLoad:
+    def test_bad_calls_in_a_long_stream_change_nothing(self):
+        rng = random.Random(11)
+        trajs = random_stream(40, 4, 12)
+        chunks = random_chunks(trajs, 13)
+        bad = [case[1] for case in bad_inputs()]
+        clean = MCAdvantage(4, prompt_key="seed", trajectory_return="sum")
+        loaded = MCAdvantage(4, prompt_key="seed", trajectory_return="sum")
+        failures = 0
+        for chunk in chunks:
+            for _ in range(rng.randint(0, 2)):
+                with pytest.raises((RuntimeError, KeyError, ValueError, TypeError)):
+                    loaded.inv(rng.choice(bad))
+                failures += 1
+            got, want = released(loaded.inv(chunk)), released(clean.inv(chunk))
+            assert got.keys() == want.keys()
+            assert all(torch.equal(got[k], want[k]) for k in want)
+        assert failures > 10 and loaded.get_stats() == clean.get_stats()
+
+
+class TestNumerics:
+    @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+    def test_half_precision_rewards(self, dtype):
+        trajs = [trajectory(0, [60000.0] * 4), trajectory(0, [-60000.0] * 4)]
+        for t in trajs:
+            t["next", "reward"] = t["next", "reward"].to(dtype)
+        out = MCAdvantage(2, prompt_key="seed", trajectory_return="sum").inv(torch.cat(trajs))
+        adv = out["advantage"]
+        assert adv.dtype == dtype and torch.isfinite(adv).all()  # sums of 2.4e5 overflow fp16
+        assert adv[:4].float().reshape(-1).tolist() == pytest.approx([0.7071] * 4, abs=1e-2)
+
+    @pytest.mark.parametrize("scale", [1e-20, 1e18])
+    def test_extreme_rewards(self, scale):
+        trajs = [trajectory(0, [r * scale]) for r in (1.0, 2.0, 3.0)]
+        for mode in (None, "sum"):
+            out = MCAdvantage(3, prompt_key="seed", trajectory_return=mode, epsilon=1e-30).inv(
+                torch.cat([t.clone() for t in trajs])
+            )
+            assert out["advantage"].squeeze(-1).tolist() == pytest.approx(
+                [-1.0, 0.0, 1.0], abs=1e-5
+            )

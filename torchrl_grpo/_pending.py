@@ -24,7 +24,7 @@ class Pending:
     trajectory back copies nothing. Pending trajectory ``j`` is steps
     ``offset[j] : offset[j] + lengths[j]`` of ``chunks[chunk[j]]``; trajectories are in arrival
     order. ``keys`` holds one group id per pending trajectory: a ``(Q, k)`` tensor for tensor ids,
-    a list of strings for prompts.
+    a list of strings for prompts. ``arrival[j]`` is the insertion that brought trajectory ``j``.
     """
 
     chunks: list = field(default_factory=list)
@@ -34,8 +34,10 @@ class Pending:
     lengths: Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
     keys: Tensor | list | None = None
     returns: Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.float64))
+    arrival: Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
     stats: dict = field(default_factory=dict)
     ragged: bool = False
+    insertions: int = 0  # successful insertions so far: the clock of ``arrival``
 
     @property
     def num_pending(self) -> int:
@@ -168,6 +170,7 @@ def append(state: Pending, piece, offset, lengths, keys, returns, stats=None) ->
         lengths=torch.cat([state.lengths, lengths]),
         keys=all_keys,
         returns=torch.cat([state.returns, returns]),
+        arrival=torch.cat([state.arrival, torch.full_like(lengths, state.insertions)]),
         stats=state.stats if stats is None else stats,
     )
 
@@ -194,6 +197,7 @@ def drop(state: Pending, keep: Tensor) -> Pending:
         lengths=state.lengths[keep],
         keys=keys,
         returns=state.returns[keep],
+        arrival=state.arrival[keep],
     )
 
 
@@ -230,3 +234,54 @@ def remaining(
             offset=torch.cumsum(new.lengths, 0) - new.lengths,
         )
     return new
+
+
+# --- checkpoints: the state as tensors and plain Python values (``torch.load(weights_only=True)``)
+
+
+def to_plain(state: Pending) -> dict:
+    """The pending trajectories (steps in arrival order) and counters, as plain data."""
+    steps = None
+    if state.num_pending:
+        data = gather(state, None, torch.arange(state.num_pending))
+        steps = [step.to_dict() for step in data] if isinstance(data, list) else data.to_dict()
+    return {
+        "steps": steps,
+        "num_steps": int(state.lengths.sum()),
+        "ragged": state.ragged,
+        "lengths": state.lengths.clone(),
+        "keys": list(state.keys) if isinstance(state.keys, list) else state.keys,
+        "returns": state.returns.clone(),
+        "arrival": state.arrival.clone(),
+        "insertions": state.insertions,
+        "stats": dict(state.stats),
+    }
+
+
+def from_plain(plain: dict) -> Pending:
+    """Inverse of :func:`to_plain`."""
+    from tensordict import TensorDict
+
+    lengths = plain["lengths"]
+    state = Pending(
+        lengths=lengths,
+        keys=plain["keys"],
+        returns=plain["returns"],
+        arrival=plain["arrival"],
+        stats=dict(plain["stats"]),
+        ragged=plain["ragged"],
+        insertions=plain["insertions"],
+    )
+    if plain["steps"] is None:
+        return state
+    if plain["ragged"]:
+        data = [TensorDict.from_dict(step, batch_size=[]) for step in plain["steps"]]
+    else:
+        data = TensorDict.from_dict(plain["steps"], batch_size=[plain["num_steps"]])
+    return replace(
+        state,
+        chunks=[data],
+        chunk_sizes=[plain["num_steps"]],
+        chunk=torch.zeros_like(lengths),
+        offset=torch.cumsum(lengths, 0) - lengths,
+    )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import warnings
 from dataclasses import replace
 
 import torch
@@ -45,6 +46,9 @@ STAT_NAMES = (
     "rescued_groups",
     "selected_trajectories",
     "unselected_trajectories",
+    # beyond torchrl: groups given up on by the memory limits (``max_pending_*``)
+    "evicted_groups",
+    "evicted_trajectories",
 )
 
 
@@ -116,6 +120,12 @@ class MCAdvantage(Transform):
             ``dropped_groups`` (Trinity-RFT). ``None`` (default) keeps every group.
         step_norm: divide each trajectory's advantages by its number of steps.
         epsilon: floor of the std (``clamp_min``). Defaults to ``1e-6``, as torchrl.
+        max_pending_groups: most incomplete groups held at once. ``None`` (default): no limit.
+        max_pending_age: a group still incomplete this many insertions after its first
+            trajectory arrived is given up. ``None`` (default): no limit.
+        on_overflow: what happens past a limit: ``"drop_oldest"`` (default) evicts the groups that
+            started first, counts them in ``evicted_groups`` / ``evicted_trajectories`` and warns;
+            ``"raise"`` rejects the insertion with a ``RuntimeError``, changing nothing.
 
     Raises:
         ValueError: for inconsistent arguments (same conditions as torchrl).
@@ -162,6 +172,9 @@ class MCAdvantage(Transform):
         std_threshold: float | None = None,
         step_norm: bool = False,
         epsilon: float = 1e-6,
+        max_pending_groups: int | None = None,
+        max_pending_age: int | None = None,
+        on_overflow: str = "drop_oldest",
     ):
         super().__init__()
         if int(grpo_size) < 1:
@@ -224,6 +237,14 @@ class MCAdvantage(Transform):
             raise ValueError(f"std_threshold must be non-negative, got {std_threshold}.")
         if not epsilon > 0:
             raise ValueError(f"epsilon must be positive, got {epsilon}.")
+        for name, limit in (
+            ("max_pending_groups", max_pending_groups),
+            ("max_pending_age", max_pending_age),
+        ):
+            if limit is not None and int(limit) < 1:
+                raise ValueError(f"{name} must be at least 1 or None, got {limit}.")
+        if on_overflow not in ("drop_oldest", "raise"):
+            raise ValueError(f"on_overflow must be 'drop_oldest' or 'raise', got {on_overflow!r}.")
 
         self.in_keys = [prompt_key, rewards_key, done_key]
         self.out_keys = [advantage_key]
@@ -245,6 +266,9 @@ class MCAdvantage(Transform):
         self.std_threshold = std_threshold
         self.step_norm = step_norm
         self.epsilon = float(epsilon)
+        self.max_pending_groups = max_pending_groups
+        self.max_pending_age = max_pending_age
+        self.on_overflow = on_overflow
         self._state = Pending(stats=_fresh_stats())
         self._shared = None  # a manager Namespace holding the Pending once share_memory_() ran
         self._lock = _NoLock()
@@ -288,6 +312,34 @@ class MCAdvantage(Transform):
         state = super().__getstate__()
         state["_manager"] = None
         return state
+
+    # --- checkpoints: the pending groups and counters travel in state_dict() ----------------------
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        with self._lock:
+            destination[prefix + "pending"] = _pending.to_plain(self._load())
+        destination[prefix + "grpo_size"] = self.grpo_size
+
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    ):
+        plain = state_dict.get(prefix + "pending")
+        if plain is None:
+            if strict:
+                missing_keys.append(prefix + "pending")
+            return
+        saved_size = state_dict.get(prefix + "grpo_size", self.grpo_size)
+        if saved_size != self.grpo_size:
+            error_msgs.append(
+                f"MCAdvantage: the checkpoint holds groups of grpo_size={saved_size}, this "
+                f"transform has grpo_size={self.grpo_size}."
+            )
+            return
+        stats = _fresh_stats()
+        stats.update(plain["stats"])
+        with self._lock:
+            self._store(replace(_pending.from_plain(plain), stats=stats))
 
     # --- torchrl's statistics API --------------------------------------------------------------
 
@@ -368,8 +420,47 @@ class MCAdvantage(Transform):
                 out, new_state = self._insert_one(one, state)
             else:
                 out, new_state = self._insert(tensordict, state)
+            new_state = replace(new_state, insertions=state.insertions + 1)
+            if self.max_pending_groups is not None or self.max_pending_age is not None:
+                new_state = self._bound(new_state)
             self._store(new_state)
         return out
+
+    def _bound(self, state: Pending) -> Pending:
+        """Apply ``max_pending_groups`` / ``max_pending_age`` to the state after an insertion."""
+        if state.num_pending == 0:
+            return state
+        codes, _ = self._group_codes(None, state.keys)  # (Q,)
+        num = int(codes.max()) + 1
+        first = torch.full((num,), state.insertions, dtype=torch.long)
+        first = first.scatter_reduce(0, codes, state.arrival, reduce="amin")  # (G,) oldest
+        evict = torch.zeros(num, dtype=torch.bool)
+        if self.max_pending_age is not None:
+            evict |= state.insertions - 1 - first >= self.max_pending_age
+        if self.max_pending_groups is not None:
+            excess = int((~evict).sum()) - self.max_pending_groups
+            if excess > 0:  # the groups that started first go, ties by arrival of their ids
+                order = torch.argsort(first.masked_fill(evict, -1), stable=True)
+                evict[order[: int(evict.sum()) + excess]] = True
+        if not evict.any():
+            return state
+        gone = evict[codes]  # (Q,)
+        message = (
+            f"MCAdvantage: {int(evict.sum())} incomplete group(s) ({int(gone.sum())} "
+            f"trajectories) exceed max_pending_groups={self.max_pending_groups} / "
+            f"max_pending_age={self.max_pending_age}"
+        )
+        if self.on_overflow == "raise":
+            raise RuntimeError(message + "; the insertion was rejected and nothing changed.")
+        warnings.warn(
+            message + "; the oldest were dropped (see evicted_groups).",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+        stats = dict(state.stats)
+        stats["evicted_groups"] += int(evict.sum())
+        stats["evicted_trajectories"] += int(gone.sum())
+        return replace(_pending.drop(state, ~gone), stats=stats)
 
     def _insert(
         self, tensordict: TensorDictBase, state: Pending

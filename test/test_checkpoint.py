@@ -1,0 +1,125 @@
+"""Tests of checkpoints: MCAdvantage.state_dict and torchrl_grpo/checkpoint.py."""
+
+import io
+
+import pytest
+import torch
+from tensordict import NonTensorData, TensorDict, lazy_stack
+from test_transform import released, trajectory
+from torchrl.data import LazyTensorStorage, ReplayBuffer
+
+from torchrl_grpo import MCAdvantage
+from torchrl_grpo.checkpoint import EmptyStorageCheckpointer, allow_empty_dumps
+
+
+def halves(num_groups=4, size=4, seed=0):
+    """Trajectories of ``num_groups`` groups: the first halves, then the second halves."""
+    gen = torch.Generator().manual_seed(seed)
+    trajs = [
+        [
+            trajectory(g, torch.randn(int(torch.randint(1, 4, (1,), generator=gen)), generator=gen))
+            for _ in range(size)
+        ]
+        for g in range(num_groups)
+    ]
+    first = [t for group in trajs for t in group[: size // 2]]
+    second = [t for group in trajs for t in group[size // 2 :]]
+    return torch.cat(first), torch.cat(second)
+
+
+def make_buffer(**kw):
+    transform = MCAdvantage(4, prompt_key="seed", trajectory_return="sum", **kw)
+    rb = ReplayBuffer(storage=LazyTensorStorage(1000))
+    return allow_empty_dumps(rb.append_transform(transform)), transform
+
+
+def stored(rb):
+    """uid -> advantage of everything in storage."""
+    return released(rb[:]) if len(rb) else {}
+
+
+class TestStateDict:
+    def test_round_trip_through_weights_only_torch_load(self):
+        first, second = halves()
+        t = MCAdvantage(4, prompt_key="seed", trajectory_return="sum")
+        t.inv(first)
+        buffer = io.BytesIO()
+        torch.save(t.state_dict(), buffer)
+        buffer.seek(0)
+        u = MCAdvantage(4, prompt_key="seed", trajectory_return="sum")
+        u.load_state_dict(torch.load(buffer, weights_only=True))
+        assert u.get_stats() == t.get_stats() and u.queued_trajectories == 8
+        a, b = released(t.inv(second.clone())), released(u.inv(second.clone()))
+        assert a.keys() == b.keys() and len(a) == second.numel() + first.numel()
+        assert all(torch.equal(a[k], b[k]) for k in a)
+
+    def test_string_prompts_and_ragged_steps(self):
+        def step(prompt, n, done):
+            return TensorDict(
+                query=NonTensorData(prompt),
+                uid=torch.tensor(n * 10 + int(done)),
+                tokens=torch.arange(n),
+                next=TensorDict(reward=torch.full((n, 1), float(n)), done=torch.tensor([done])),
+            )
+
+        t = MCAdvantage(2)
+        t.inv(lazy_stack([step("p", 2, False), step("p", 3, True)]))
+        u = MCAdvantage(2)
+        u.load_state_dict(t.state_dict())
+        assert list(u.queues) == ["p"]
+        last = lazy_stack([step("p", 4, True)])
+        a, b = released(t.inv(last)), released(u.inv(last))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+    def test_group_size_mismatch_is_an_error(self):
+        t = MCAdvantage(4, prompt_key="seed")
+        t.inv(trajectory(0, [1.0]))
+        with pytest.raises(RuntimeError, match="grpo_size=4"):
+            MCAdvantage(3, prompt_key="seed").load_state_dict(t.state_dict())
+
+
+class TestReplayBufferDumps:
+    @pytest.mark.parametrize("complete_first", [False, True])
+    def test_restart_between_halves_changes_nothing(self, tmp_path, complete_first):
+        first, second = halves()
+        if complete_first:  # one group complete before the restart: the storage holds data
+            first = torch.cat([first, halves(1, 4, seed=1)[0], halves(1, 4, seed=1)[1]])
+        reference, _ = make_buffer()
+        reference.extend(first.clone())
+        reference.extend(second.clone())
+
+        rb, transform = make_buffer()
+        rb.extend(first.clone())
+        assert (len(rb) == 0) != complete_first and transform.queued_trajectories == 8
+        rb.dumps(tmp_path)
+        restored, restored_transform = make_buffer()
+        restored.loads(tmp_path)
+        assert restored_transform.get_stats() == transform.get_stats()
+        restored.extend(second.clone())
+        want, got = stored(reference), stored(restored)
+        assert got.keys() == want.keys() and len(got) == first.numel() + second.numel()
+        assert all(torch.equal(got[k], want[k]) for k in want)
+        assert restored_transform.get_stats() == reference.transform[0].get_stats()
+
+    def test_plain_torchrl_storage_refuses_an_empty_dump(self, tmp_path):
+        rb = ReplayBuffer(storage=LazyTensorStorage(10))
+        rb.append_transform(MCAdvantage(2, prompt_key="seed"))
+        rb.extend(trajectory(0, [1.0]))
+        with pytest.raises(RuntimeError, match="non-initialized"):
+            rb.dumps(tmp_path)
+
+    def test_loading_an_empty_dump_empties_a_filled_storage(self, tmp_path):
+        storage = LazyTensorStorage(10)
+        storage.checkpointer = EmptyStorageCheckpointer(storage.checkpointer)
+        storage.dumps(tmp_path)
+        other = LazyTensorStorage(10)
+        other.checkpointer = EmptyStorageCheckpointer(other.checkpointer)
+        other.set(range(2), TensorDict(x=torch.ones(2), batch_size=[2]))
+        assert len(other) == 2
+        other.loads(tmp_path)
+        assert len(other) == 0
+
+    def test_allow_empty_dumps_wraps_once(self):
+        rb = allow_empty_dumps(allow_empty_dumps(ReplayBuffer(storage=LazyTensorStorage(10))))
+        assert isinstance(rb.storage.checkpointer, EmptyStorageCheckpointer)
+        assert not isinstance(rb.storage.checkpointer.inner, EmptyStorageCheckpointer)
