@@ -23,14 +23,18 @@ comma := ,
 demo: $(VENV)/.stamp-examples
 	$(PY) examples/cartpole_grpo.py
 
-test: $(VENV)/.stamp-test+examples
+# The whole suite: unit, property, example (CartPole, LLM) and multi-writer (Ray) tests + doctests.
+test: $(VENV)/.stamp-test+examples+llm+dist
 	$(PY) -m pytest -q test torchrl_grpo --doctest-modules
 
+# The site, with warnings as errors, and every example on it run by Sphinx's doctest builder.
 docs: $(VENV)/.stamp-docs+examples
-	$(PY) -m sphinx -W --keep-going -b html docs docs/_build/html
+	$(PY) -m sphinx -W --keep-going -q -b html docs docs/_build/html
+	$(PY) -m sphinx -W --keep-going -q -b doctest docs docs/_build/doctest
 
 bench: $(VENV)/.stamp-examples
 	$(PY) benchmarks/transform_throughput.py
+	$(PY) benchmarks/loss_memory.py
 
 lint: $(VENV)/.stamp-dev
 	$(VENV)/bin/ruff check .

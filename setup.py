@@ -7,7 +7,7 @@ EXTRAS = {
     "examples": ["tqdm", "matplotlib"],
     "llm": ["transformers>=4.40"],
     "dist": ["ray[default]"],
-    "docs": ["sphinx>=7", "furo"],
+    "docs": ["sphinx>=7.2", "furo"],
 }
 EXTRAS["dev"] = sorted({dep for deps in EXTRAS.values() for dep in deps} | {"ruff"})
 

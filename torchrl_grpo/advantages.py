@@ -71,7 +71,7 @@ RETURN_REDUCTIONS: dict[str, Callable[[Tensor, Tensor, int], Tensor]] = {
     "max": _return_max,
     "last": _return_last,
 }
-"""How a trajectory's reward elements become one return: ``reduction(x, index, num) -> (num,)``."""
+"""Return reductions by name, each ``reduction(x, index, num) -> (num,)`` (a trajectory's return)."""
 
 
 def trajectory_returns(
@@ -200,7 +200,7 @@ BASELINES: dict[str, Callable[[Tensor], Tensor]] = {
     "mean": _mean_baseline,
     "leave_one_out": _leave_one_out_baseline,
 }
-"""Baselines by name, as the per-group factor on ``x - mean``: ``baseline(count) -> (G,)``."""
+"""Baselines by name, each ``baseline(count) -> (G,)``, the per-group factor on ``x - mean``."""
 
 
 # --- scales: the per-group value the centred samples are divided by (before the floor) ----------
@@ -229,7 +229,7 @@ SCALES: dict[str, Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]] = {
     "batch": _batch_scale,
     "none": _no_scale,
 }
-"""Scales by name: ``scale(x - mean_g, group_index, mean, count) -> (G,)``."""
+"""Scales by name, each ``scale(x - mean_g, group_index, mean, count) -> (G,)``."""
 
 
 def group_relative_advantage(

@@ -78,7 +78,23 @@ def _lookup(registry: dict, value, name: str):
 
 
 class GRPOLossOutput(TensorClass["nocast"]):
-    """What :class:`GRPOLoss` returns: the terms to sum (``loss_*``) and the metrics to log.
+    # tensordict's TensorClass replaces the class docstring: it is set again below.
+
+    loss_objective: torch.Tensor
+    clip_fraction: torch.Tensor
+    clip_fraction_low: torch.Tensor
+    clip_fraction_high: torch.Tensor
+    kl_approx: torch.Tensor
+    ESS: torch.Tensor
+    entropy: torch.Tensor | None = None
+    loss_entropy: torch.Tensor | None = None
+    kl_to_ref: torch.Tensor | None = None
+    loss_kl_to_ref: torch.Tensor | None = None
+    kl_to_inference: torch.Tensor | None = None
+    loss_kl_to_inference: torch.Tensor | None = None
+
+
+GRPOLossOutput.__doc__ = """What :class:`GRPOLoss` returns: the terms to sum (``loss_*``) and the metrics to log.
 
     Every ``loss_*`` field is a differentiable scalar (or, with ``reduction="none"``, a per-token
     tensor of the policy's log-prob shape holding zeros on padding); the others are detached
@@ -109,19 +125,6 @@ class GRPOLossOutput(TensorClass["nocast"]):
         >>> sum(v for k, v in out.items() if k.startswith("loss_"))
         tensor(0.5000)
     """
-
-    loss_objective: torch.Tensor
-    clip_fraction: torch.Tensor
-    clip_fraction_low: torch.Tensor
-    clip_fraction_high: torch.Tensor
-    kl_approx: torch.Tensor
-    ESS: torch.Tensor
-    entropy: torch.Tensor | None = None
-    loss_entropy: torch.Tensor | None = None
-    kl_to_ref: torch.Tensor | None = None
-    loss_kl_to_ref: torch.Tensor | None = None
-    kl_to_inference: torch.Tensor | None = None
-    loss_kl_to_inference: torch.Tensor | None = None
 
 
 class GRPOLoss(ClipPPOLoss):

@@ -392,7 +392,7 @@ class MCAdvantage(Transform):
 
     @property
     def queues(self) -> dict:
-        """Snapshot of the pending groups: group id -> list of trajectory TensorDicts.
+        """A snapshot of the pending groups, mapping each group id to its trajectory TensorDicts.
 
         Group ids are as in torchrl: the prompt string, a Python number for a one-element tensor
         id, or a tuple for a larger one. The dict is rebuilt at each access; mutate the pending
