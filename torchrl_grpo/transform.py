@@ -87,8 +87,9 @@ class MCAdvantage(Transform):
     2. reads each trajectory's group id at its first step: a string (the prompt) or a tensor
        (e.g. an environment seed), compared by value;
     3. queues trajectories by group id; when a group holds ``grpo_size`` trajectories it writes
-       their ``advantage`` and releases them to storage, in the order the groups complete. Groups
-       still short of ``grpo_size`` stay pending (``None`` is returned if nothing completes).
+       their ``advantage`` and releases them to storage, each trajectory in the order it arrived
+       (an insertion released whole goes to storage as it came, without a copy). Groups still
+       short of ``grpo_size`` stay pending (``None`` is returned if nothing completes).
 
     Advantages follow :func:`~torchrl_grpo.advantages.group_relative_advantage`. With
     ``trajectory_return=None`` (torchrl's default) every reward element of every step of the group
@@ -611,15 +612,15 @@ class MCAdvantage(Transform):
                     f"{tuple(getattr(reward, 'shape', ()))}."
                 )
             per_step = reward[0].numel() if num_steps else 0
-            counts = torch.full((num_steps,), per_step)
             values = reward.reshape(-1)
+            if per_step == 1:
+                return values, None
+            counts = torch.full((num_steps,), per_step)
         if (counts == 0).any():
             step = int((counts == 0).nonzero()[0])
             raise ValueError(
                 f"MCAdvantage: the reward under {self.rewards_key!r} is empty at step {step}."
             )
-        if not ragged and per_step == 1:
-            return values, None
         return values, torch.repeat_interleave(torch.arange(num_steps), counts)
 
     def _read_keys(self, tensordict, data, starts: Tensor, ragged: bool, state: Pending):
@@ -672,11 +673,11 @@ class MCAdvantage(Transform):
     @staticmethod
     def _group_codes(
         pending: Tensor | list | None, incoming: Tensor | list
-    ) -> tuple[Tensor, Tensor]:
+    ) -> tuple[Tensor, Tensor | None]:
         """A dense integer code per trajectory (pending first), equal iff the group ids are.
 
         Also returns the stable order of the trajectories by code (grouped, in arrival order
-        within a group), which one sort gives for scalar ids.
+        within a group) when finding the codes sorted anyway, else ``None``.
         """
         if isinstance(incoming, list):
             table: dict = {}
@@ -684,7 +685,7 @@ class MCAdvantage(Transform):
                 [table.setdefault(k, len(table)) for k in as_list(pending) + incoming],
                 dtype=torch.long,
             )
-            return codes, torch.argsort(codes, stable=True)
+            return codes, None
         keys = (
             incoming
             if pending is None or pending.numel() == 0
@@ -693,9 +694,15 @@ class MCAdvantage(Transform):
             )
         )
         if keys.shape[1] > 1:
-            codes = torch.unique(keys, dim=0, return_inverse=True)[1]
-            return codes, torch.argsort(codes, stable=True)
-        sorted_keys, order = torch.sort(keys.reshape(-1), stable=True)
+            return torch.unique(keys, dim=0, return_inverse=True)[1], None
+        keys = keys.reshape(-1)
+        if not keys.is_floating_point() and keys.dtype != torch.bool and keys.numel():
+            low, high = int(keys.min()), int(keys.max())
+            if high - low <= 4 * keys.numel() + 1024:  # compact ids (seeds, indices): no sort
+                present = torch.zeros(high - low + 1, dtype=torch.bool)
+                present[keys - low] = True
+                return (torch.cumsum(present, 0) - 1)[keys - low], None
+        sorted_keys, order = torch.sort(keys, stable=True)
         starts_group = torch.ones_like(sorted_keys, dtype=torch.bool)
         torch.ne(sorted_keys[1:], sorted_keys[:-1], out=starts_group[1:])
         codes = torch.empty_like(order)
@@ -711,7 +718,7 @@ class MCAdvantage(Transform):
         )
 
     def _complete_rounds(
-        self, codes: Tensor, order: Tensor, counts: Tensor
+        self, codes: Tensor, order: Tensor | None, counts: Tensor
     ) -> tuple[Tensor, Tensor, Tensor]:
         """Every complete round of ``grpo_size`` trajectories of one group.
 
@@ -720,7 +727,9 @@ class MCAdvantage(Transform):
         ``member_event`` (the round of each member) and the ``consumed`` mask over all
         trajectories.
         """
-        size = self.grpo_size  # `order`: by group, arrival order within a group
+        size = self.grpo_size
+        if order is None:  # by group, arrival order within a group
+            order = torch.argsort(codes, stable=True)
         first = torch.cumsum(counts, 0) - counts
         rank = torch.empty_like(codes)
         rank[order] = torch.arange(codes.numel()) - first[codes[order]]
