@@ -6,7 +6,8 @@ transform from this package, with torchrl 0.14.1's ``MCAdvantage``, and with no 
 copy into storage, the floor). Times are the CPU time of this process (``time.process_time``; torch
 runs on one thread), so that other processes sharing the machine do not inflate them; the three are
 timed in turn, repeatedly, and each keeps its fastest time (as ``timeit`` advises). Ratios are
-within one run.
+within one run. ``torchrl/ours`` compares whole ``extend`` calls; ``own cost`` compares what each
+transform adds to the plain copy, ``(torchrl - plain) / (ours - plain)``.
 
     python benchmarks/transform_throughput.py            # the full table
     python benchmarks/transform_throughput.py --quick    # smaller shapes, for a smoke run
@@ -105,7 +106,7 @@ def main() -> None:
     )
     header = (
         f"{'mode':<6} {'groups x G x T':>15} {'steps':>7} {'plain ms':>9} {'ours ms':>9} "
-        f"{'torchrl ms':>11} {'ours/plain':>11} {'torchrl/ours':>13}"
+        f"{'torchrl ms':>11} {'ours/plain':>11} {'torchrl/ours':>13} {'own cost':>9}"
     )
     print(header)
     print("-" * len(header))
@@ -126,7 +127,8 @@ def main() -> None:
             print(
                 f"{mode or 'step':<6} {f'{groups}x{size}x{steps}':>15} {data.numel():>7} "
                 f"{plain * 1e3:>9.2f} {ours * 1e3:>9.2f} {ref * 1e3:>11.1f} "
-                f"{ours / plain:>10.2f}x {ref / ours:>12.0f}x"
+                f"{ours / plain:>10.2f}x {ref / ours:>12.0f}x "
+                f"{(ref - plain) / max(ours - plain, 1e-9):>8.0f}x"
             )
     print()
     print("one trajectory per call, mean over the stream, fastest of 3 passes")
