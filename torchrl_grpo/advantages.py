@@ -281,8 +281,9 @@ def group_relative_advantage(
         raise ValueError(f"baseline must be one of {sorted(BASELINES)}, got {baseline!r}.")
     if scale_rewards not in SCALES:
         raise ValueError(f"scale_rewards must be one of {sorted(SCALES)}, got {scale_rewards!r}.")
+    x = x.double()
     mean, count = group_mean(x, group_index, num_groups)  # (G,), (G,)
-    dev = x.double() - mean[group_index]  # (S,)
+    dev = x - mean[group_index]  # (S,)
     scale = SCALES[scale_rewards](dev, group_index, mean, count)  # (G,)
     factor = BASELINES[baseline](count) / scale.clamp_min(epsilon)  # (G,)
     return dev * factor[group_index]
