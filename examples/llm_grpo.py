@@ -79,7 +79,8 @@ class Settings:
     max_new_tokens: int = 4
     epochs: int = 1  # passes over each step's data
     minibatch: int = 128
-    lr: float = 3e-4  # Adam, cosine-decayed to 0 over `steps`
+    lr: float = 3e-4  # Adam: linear warm-up, then cosine decay to 0 at `steps`
+    warmup_steps: int = 20
     dynamic_sampling: bool = False  # drop groups whose completions all score the same (DAPO)
     clip_epsilon: float = 0.2
     kl_coeff: float = 0.02  # beta of the KL to the reference (k3 estimator)
@@ -255,6 +256,33 @@ class ResponseLogits(torch.nn.Module):
         return logits / self.temperature
 
 
+def make_loss(model: GPT2LMHeadModel, cfg: Settings) -> GRPOLoss:
+    """GRPOLoss over the response tokens, with KL to the reference, for the policy ``model``.
+
+    The policy is a torchrl actor: ``(prompt_ids, tokens) -> logits [B, T, V]`` and a
+    :class:`~torchrl_grpo.TokenCategorical` over ``"tokens"``. The batch carries the sampler's
+    log-probs (``"tokens_log_prob"``), the mask of real tokens, the reference log-probs and the
+    advantage written by MCAdvantage.
+    """
+    policy = ProbabilisticActor(
+        TensorDictModule(
+            ResponseLogits(model, cfg.temperature), ["prompt_ids", "tokens"], ["logits"]
+        ),
+        in_keys=["logits"],
+        out_keys=["tokens"],
+        distribution_class=TokenCategorical,
+    )
+    loss_fn = GRPOLoss(
+        policy,
+        clip_epsilon=cfg.clip_epsilon,
+        entropy_coeff=cfg.entropy_coeff,
+        kl_to_ref_coeff=cfg.kl_coeff,
+        kl_to_ref_estimator="k3",
+    )
+    loss_fn.set_keys(sample_log_prob="tokens_log_prob", mask="mask", ref_log_prob="ref_log_prob")
+    return loss_fn
+
+
 # --------------------------------------------------------------------------------------------
 # The run
 # --------------------------------------------------------------------------------------------
@@ -361,23 +389,7 @@ def main(argv=None) -> dict:
           f"on {cfg.eval_prompts} held-out prompts ({time.perf_counter() - T0:.0f} s)")  # fmt: skip
     ref_model = copy.deepcopy(model).requires_grad_(False)  # the frozen reference policy
 
-    # the policy as a torchrl actor: response logits -> a token distribution over "tokens"
-    policy = ProbabilisticActor(
-        TensorDictModule(
-            ResponseLogits(model, cfg.temperature), ["prompt_ids", "tokens"], ["logits"]
-        ),
-        in_keys=["logits"],
-        out_keys=["tokens"],
-        distribution_class=TokenCategorical,
-    )
-    loss_fn = GRPOLoss(
-        policy,
-        clip_epsilon=cfg.clip_epsilon,
-        entropy_coeff=cfg.entropy_coeff,
-        kl_to_ref_coeff=cfg.kl_coeff,
-        kl_to_ref_estimator="k3",
-    )
-    loss_fn.set_keys(sample_log_prob="tokens_log_prob", mask="mask", ref_log_prob="ref_log_prob")
+    loss_fn = make_loss(model, cfg)
     optim = torch.optim.Adam(loss_fn.parameters(), lr=cfg.lr)
 
     rows = cfg.prompts_per_step * cfg.group_size
@@ -397,7 +409,14 @@ def main(argv=None) -> dict:
             keep_return_bounds=(0.0, 1.0) if cfg.dynamic_sampling else None,
         )
     )
-    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optim, T_max=cfg.steps)
+    schedule = torch.optim.lr_scheduler.SequentialLR(
+        optim,
+        [
+            torch.optim.lr_scheduler.LinearLR(optim, 0.05, total_iters=cfg.warmup_steps),
+            torch.optim.lr_scheduler.CosineAnnealingLR(optim, cfg.steps - cfg.warmup_steps),
+        ],
+        milestones=[cfg.warmup_steps],
+    )
 
     logger = CSVLogger(generate_exp_name("llm_grpo", f"seed{cfg.seed}"), log_dir=cfg.out)
     history = {"step": [], "reward": [], "eval_step": [0], "accuracy": [acc_before]}
