@@ -4,14 +4,15 @@ The task: read four digits and write their sum (``"3 9 1 4=" -> "17"``); the rew
 exact answer followed by the end-of-sequence token, else 0. The policy is a Hugging Face
 ``transformers`` GPT-2 with a tiny config, created locally (nothing is downloaded), over a
 character-level tokenizer defined below. A short supervised warm start makes the policy partly
-right; GRPO then samples ``group_size`` completions per prompt, scores them, writes them to a torchrl
-``ReplayBuffer`` whose ``torchrl_grpo.MCAdvantage`` transform turns rewards into group-relative
-advantages keyed by the prompt string, and optimizes ``torchrl_grpo.GRPOLoss`` over the response
-tokens, with a KL penalty to the frozen warm-start policy.
+right; GRPO then samples ``group_size`` completions per prompt (ragged: padded, with a mask),
+scores them, writes them to a torchrl ``ReplayBuffer`` whose ``torchrl_grpo.MCAdvantage``
+transform turns rewards into group-relative advantages keyed by the prompt string, and optimizes
+``torchrl_grpo.GRPOLoss`` over the response tokens, with a KL penalty to the frozen warm-start
+policy.
 
 Run (needs the ``llm`` and ``examples`` extras: ``pip install -e ".[llm,examples]"``)::
 
-    .venv/bin/python examples/llm_grpo.py                      # defaults: a few minutes
+    .venv/bin/python examples/llm_grpo.py                      # defaults: about 3 minutes
     .venv/bin/python examples/llm_grpo.py --seed 1 --out runs/llm_grpo/seed1
     .venv/bin/python examples/llm_grpo.py --help               # every setting
 
@@ -409,13 +410,14 @@ def main(argv=None) -> dict:
             keep_return_bounds=(0.0, 1.0) if cfg.dynamic_sampling else None,
         )
     )
+    warmup = min(cfg.warmup_steps, cfg.steps - 1)
     schedule = torch.optim.lr_scheduler.SequentialLR(
         optim,
         [
-            torch.optim.lr_scheduler.LinearLR(optim, 0.05, total_iters=cfg.warmup_steps),
-            torch.optim.lr_scheduler.CosineAnnealingLR(optim, cfg.steps - cfg.warmup_steps),
+            torch.optim.lr_scheduler.LinearLR(optim, 0.05, total_iters=warmup),
+            torch.optim.lr_scheduler.CosineAnnealingLR(optim, cfg.steps - warmup),
         ],
-        milestones=[cfg.warmup_steps],
+        milestones=[warmup],
     )
 
     logger = CSVLogger(generate_exp_name("llm_grpo", f"seed{cfg.seed}"), log_dir=cfg.out)
@@ -438,6 +440,7 @@ def main(argv=None) -> dict:
             optim.step()
             metrics.append([getattr(out, k).item() for k in METRICS])
         schedule.step()
+        # "kept": the share of completions stored (below 1 only with --dynamic-sampling)
         logs = {"reward": batch["next", "reward"].mean().item(), "kept": len(rb) / rows}
         if metrics:
             logs.update(zip(METRICS, torch.tensor(metrics).mean(0).tolist()))
