@@ -98,7 +98,10 @@ def parse_args(argv=None) -> Settings:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default)
         else:
             parser.add_argument(flag, type=type(field.default), default=field.default)
-    return Settings(**vars(parser.parse_args(argv)))
+    cfg = Settings(**vars(parser.parse_args(argv)))
+    if cfg.steps < 1 or cfg.group_size < 2:
+        parser.error("--steps must be at least 1 and --group-size at least 2")
+    return cfg
 
 
 # --------------------------------------------------------------------------------------------
