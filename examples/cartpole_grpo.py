@@ -4,7 +4,7 @@ GRPO compares trajectories that share a starting point. Here a group is ``G`` ep
 the same seed, so they start from the same initial state; the reset seed is stamped on every step
 as ``"seed"``, and :class:`torchrl_grpo.MCAdvantage`, appended to a torchrl ``ReplayBuffer``,
 groups the episodes by it and writes group-relative advantages when a group is complete.
-:class:`torchrl_grpo.loss.GRPOLoss` (a ClipPPOLoss without critic) then optimizes a torchrl
+:class:`torchrl_grpo.GRPOLoss` (a ClipPPOLoss without critic) then optimizes a torchrl
 ``ProbabilisticActor`` on the released steps for a few epochs; the buffer is emptied after each
 batch (on-policy). Every batch plays ``--groups`` x ``--group-size`` episodes on ``--num-envs``
 gymnasium sub-environments stepped together behind one torchrl ``GymWrapper``.
@@ -47,8 +47,7 @@ from torchrl.objectives.value.functional import reward2go  # noqa: E402
 from torchrl.record.loggers import get_logger  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from torchrl_grpo import MCAdvantage  # noqa: E402
-from torchrl_grpo.loss import GRPOLoss  # noqa: E402
+from torchrl_grpo import GRPOLoss, MCAdvantage  # noqa: E402
 
 MAX_EPISODE_STEPS = 500  # CartPole-v1 truncates here
 EVAL_SEED_OFFSET = 2**30  # evaluation seeds never collide with training seeds
@@ -62,9 +61,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--seed", type=int, default=0, help="seed of torch and of the reset seeds")
     p.add_argument(
-        "--group-size", type=int, default=8, help="G: episodes per group, all reset with one seed"
+        "--group-size", type=int, default=4, help="G: episodes per group, all reset with one seed"
     )
-    p.add_argument("--groups", type=int, default=8, help="groups (distinct reset seeds) per batch")
+    p.add_argument("--groups", type=int, default=16, help="groups (distinct reset seeds) per batch")
     p.add_argument(
         "--num-envs", type=int, default=64, help="gymnasium sub-environments stepped together"
     )
