@@ -1,17 +1,22 @@
 """Run the CartPole GRPO demo for several seeds and print wall time, env steps and eval return.
 
 Each run is ``examples/cartpole_grpo.py`` at its defaults in a fresh process, one after the other
-(the machine's cores are not shared between runs). The table is a reStructuredText simple table,
-ready for ``docs/tutorial_cartpole.rst``. ``process s`` is the whole process as seen from outside
-(interpreter start and exit included); ``wall_s`` is the demo's own count, from its first line to
-its RESULT line. The reference row is a fresh process that only imports the demo's stack
-(``torch``, ``torchrl``, ``tensordict``, ``gymnasium``, ``torchrl_grpo``), median of 3, measured
-in the same run on the same machine: the share of each run that no training design can remove.
+(runs do not share the machine's cores with each other). The tables are reStructuredText simple
+tables, ready for ``docs/tutorial_cartpole.rst``.
 
-The demo stops as soon as one greedy evaluation (20 fresh episodes) reaches 475, and it evaluates
-after every batch, so a lucky evaluation could end a run early. ``recheck`` guards against that:
-after the runs, each saved policy plays ``--recheck-episodes`` more fresh episodes (seeds the
-demo never used), greedily, and the column reports their mean return.
+Runs table. ``wall_s`` is the demo's own count, from its first line (imports included) to its
+RESULT line; ``process s`` is the whole process as timed from outside (interpreter start and exit
+included). The ``reference`` row is a fresh process that only imports the demo's stack
+(``torch``, ``torchrl``, ``tensordict``, ``gymnasium``, ``torchrl_grpo``), median of 3, measured
+in the same run: the share of each run that no training design can remove. The demo stops at the
+first greedy evaluation (20 fresh episodes) that reaches 475, and it evaluates after every batch,
+so a lucky evaluation could end a run early; ``recheck`` guards against that: each saved policy
+plays ``--recheck-episodes`` more fresh episodes (seeds the demo never uses), greedily.
+
+Environment table. The cost of one environment step along the demo's path, against a bare
+gymnasium ``CartPole-v1`` step measured in the same process: a torchrl ``GymEnv`` stepping one
+env, the demo's ``GymWrapper`` around a ``SyncVectorEnv`` of 64, and the demo's
+``play_episodes`` (64 sub-envs, the untrained policy sampling actions, seeded partial resets).
 
 Run::
 
@@ -33,13 +38,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "cartpole_grpo.py"
-RECHECK_SEED_OFFSET = 2**30 + 900_000_000  # above every seed the demo uses for seeds < 100
-OUTPUTS = re.compile(r"^outputs: (?P<run_dir>.+)$", re.MULTILINE)
+RECHECK_SEED_OFFSET = 2**30 + 900_000_000  # above every seed the demo uses, for seeds < 100
 RESULT = re.compile(
     r"^RESULT solved=(?P<solved>true|false) wall_s=(?P<wall_s>[\d.]+) "
     r"env_steps=(?P<env_steps>\d+) eval_return=(?P<eval_return>[\d.]+|nan)$",
     re.MULTILINE,
 )
+OUTPUTS = re.compile(r"^outputs: (?P<run_dir>.+)$", re.MULTILINE)
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
@@ -58,12 +63,35 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     p.add_argument(
         "--recheck-episodes", type=int, default=100, help="fresh greedy episodes per saved policy"
     )
+    p.add_argument("--no-env-costs", action="store_true", help="skip the environment table")
     argv = sys.argv[1:] if argv is None else argv
     extra = []
     if "--" in argv:
         extra = argv[argv.index("--") + 1 :]
         argv = argv[: argv.index("--")]
     return p.parse_args(argv), extra
+
+
+def load_demo():
+    """The example as a module (its functions, without running ``main``)."""
+    spec = importlib.util.spec_from_file_location("cartpole_grpo", EXAMPLE)
+    demo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(demo)
+    return demo
+
+
+def print_table(header: list[str], lines: list[list[str]]) -> None:
+    widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(header)]
+    rule = "  ".join("=" * w for w in widths)
+    print(rule)
+    print("  ".join(h.ljust(w) for h, w in zip(header, widths)).rstrip())
+    print(rule)
+    for line in lines:
+        print("  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip())
+    print(rule)
+
+
+# --- the runs ---------------------------------------------------------------------------------
 
 
 def import_time(repeats: int = 3) -> tuple[float, float]:
@@ -106,11 +134,8 @@ def run_demo(seed: int, advantage: str | None, output_dir: str, extra: list[str]
     }
 
 
-def recheck(rows: list[dict], episodes: int, demo_args: list[str]) -> None:
+def recheck(demo, rows: list[dict], episodes: int, demo_args: list[str]) -> None:
     """Greedy mean return of each run's saved policy over ``episodes`` fresh episodes."""
-    spec = importlib.util.spec_from_file_location("cartpole_grpo", EXAMPLE)
-    demo = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(demo)
     import torch
 
     cfg = demo.parse_args(demo_args)  # the policy's width, if the runs changed it
@@ -123,20 +148,9 @@ def recheck(rows: list[dict], episodes: int, demo_args: list[str]) -> None:
     env.close()
 
 
-def main(argv: list[str] | None = None) -> None:
-    args, extra = parse_args(argv)
-    reference = import_time()
-    rows = []
-    for advantage in args.advantage:
-        for seed in args.seeds:
-            result = run_demo(seed, advantage, args.output_dir, extra)
-            rows.append({"advantage": advantage or "default", "seed": seed, **result})
-            print(f"# done: {rows[-1]}", file=sys.stderr, flush=True)
-
-    recheck(rows, args.recheck_episodes, extra)
-
+def runs_table(rows: list[dict], reference: tuple[float, float], episodes: int) -> None:
     header = ["advantage", "seed", "solved", "wall_s", "process s", "env steps", "eval return"]
-    header.append(f"recheck ({args.recheck_episodes} ep.)")
+    header.append(f"recheck ({episodes} ep.)")
     lines = [
         [
             r["advantage"],
@@ -152,17 +166,14 @@ def main(argv: list[str] | None = None) -> None:
     ]
     for advantage in dict.fromkeys(r["advantage"] for r in rows):
         mine = [r for r in rows if r["advantage"] == advantage]
-        walls = [r["wall_s"] for r in mine]
-        steps = [r["env_steps"] for r in mine]
-        solved = sum(r["solved"] for r in mine)
         lines.append(
             [
                 advantage,
                 "median",
-                f"{solved}/{len(mine)}",
-                f"{statistics.median(walls):.1f}",
+                f"{sum(r['solved'] for r in mine)}/{len(mine)}",
+                f"{statistics.median(r['wall_s'] for r in mine):.1f}",
                 f"{statistics.median(r['process_s'] for r in mine):.1f}",
-                str(int(statistics.median(steps))),
+                str(int(statistics.median(r["env_steps"] for r in mine))),
                 f"{statistics.median(r['eval_return'] for r in mine):.1f}",
                 f"{statistics.median(r['recheck'] for r in mine):.1f}",
             ]
@@ -171,15 +182,81 @@ def main(argv: list[str] | None = None) -> None:
     lines.append(
         ["reference", "import", "", f"{import_s:.1f}", f"{import_process_s:.1f}", "", "", ""]
     )
-    widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(header)]
-    rule = "  ".join("=" * w for w in widths)
-    print(rule)
-    print("  ".join(h.ljust(w) for h, w in zip(header, widths)))
-    print(rule)
-    for line in lines:
-        print("  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip())
-    print(rule)
+    print_table(header, lines)
+
+
+# --- the environment ------------------------------------------------------------------------------
+
+
+def env_costs(demo) -> None:
+    """Microseconds per environment step along the demo's path, against a bare gymnasium step."""
+    import gymnasium as gym
+    import torch
+    from torchrl.envs import ExplorationType, GymEnv, set_exploration_type
+
+    def per_step(fn, calls: int) -> float:
+        """``fn()`` returns the environment steps it took; microseconds per step."""
+        fn()  # warm-up
+        start, steps = time.perf_counter(), sum(fn() for _ in range(calls))
+        return (time.perf_counter() - start) / steps * 1e6
+
+    bare = gym.make("CartPole-v1")
+    bare.reset(seed=0)
+
+    def bare_step() -> int:
+        _, _, terminated, truncated, _ = bare.step(bare.action_space.sample())
+        if terminated or truncated:
+            bare.reset()
+        return 1
+
+    def torchrl_stepper(env):  # random actions, torchrl's own partial resets
+        state = {"td": env.reset()}
+
+        def step() -> int:
+            state["td"]["action"] = env.action_spec.rand()
+            _, state["td"] = env.step_and_maybe_reset(state["td"])
+            return env.batch_size.numel()
+
+        return step
+
+    single, batched = GymEnv("CartPole-v1", categorical_action_encoding=True), demo.make_env(64)
+    torch.manual_seed(0)
+    actor = demo.make_actor(64)
+    seeds = [g for g in range(16) for _ in range(4)]  # the demo's batch: 16 groups of 4
+
+    def play() -> int:
+        with set_exploration_type(ExplorationType.RANDOM):
+            return demo.play_episodes(batched, actor, seeds).shape[0]
+
+    costs = [
+        ("bare gymnasium CartPole-v1 (reference)", per_step(bare_step, 20_000)),
+        ("torchrl GymEnv, 1 env", per_step(torchrl_stepper(single), 2_000)),
+        ("torchrl GymWrapper(SyncVectorEnv), 64 envs", per_step(torchrl_stepper(batched), 300)),
+        ("play_episodes: 64 envs, policy, seeded resets", per_step(play, 20)),
+    ]
+    single.close()
+    batched.close()
+    reference = costs[0][1]
+    lines = [[name, f"{us:.1f}", f"{us / reference:.1f}"] for name, us in costs]
+    print_table(["one environment step", "us", "x bare"], lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args, extra = parse_args(argv)
+    reference = import_time()
+    rows = []
+    for advantage in args.advantage:
+        for seed in args.seeds:
+            result = run_demo(seed, advantage, args.output_dir, extra)
+            rows.append({"advantage": advantage or "default", "seed": seed, **result})
+            print(f"# done: {rows[-1]}", file=sys.stderr, flush=True)
+    demo = load_demo()
+    recheck(demo, rows, args.recheck_episodes, extra)
+    runs_table(rows, reference, args.recheck_episodes)
     print(f"# extra demo arguments: {' '.join(extra) or '(none)'}")
+    if not args.no_env_costs:
+        print()
+        env_costs(demo)
 
 
 if __name__ == "__main__":

@@ -86,7 +86,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--target-return", type=float, default=475.0, help="greedy return that solves")
     p.add_argument(
-        "--time-budget", type=float, default=60.0, help="stop after this many seconds (wall time)"
+        "--time-budget",
+        type=float,
+        default=60.0,
+        help="start no new batch after this many seconds since the script started (imports "
+        "included)",
     )
     p.add_argument(
         "--max-env-steps", type=int, default=None, help="also stop after this many env steps"
@@ -189,12 +193,17 @@ def save_plot(history: list[dict], evals: list[dict], target: float, path: Path)
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.2), sharey=True)
     for ax, x in zip(axes, ("env_steps", "wall_s")):
         ax.plot([h[x] for h in history], [h["return"] for h in history], label="training (sampled)")
-        ax.plot([e[x] for e in evals], [e["return"] for e in evals], "o", label="greedy evaluation")
+        ax.plot(
+            [e[x] for e in evals], [e["return"] for e in evals], "o-", label="greedy evaluation"
+        )
         ax.axhline(target, color="gray", linestyle="--", linewidth=1, label=f"target {target:g}")
-        ax.set_xlabel({"env_steps": "environment steps", "wall_s": "wall time (s)"}[x])
+        ax.set_xlabel(
+            {"env_steps": "environment steps", "wall_s": "wall time, imports included (s)"}[x]
+        )
+        ax.set_xlim(left=0)
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("episode return")
-    axes[0].legend(loc="lower right", fontsize=8)
+    axes[0].legend(loc="best", fontsize=8)
     fig.suptitle("GRPO on CartPole-v1 (torchrl + torchrl_grpo)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=80)
@@ -247,6 +256,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     env_steps, batch_index, history, evals = 0, 0, [], []
     eval_return = float("nan")
+    seconds = {"setup": time.perf_counter() - START, "play": 0.0, "optimize": 0.0, "evaluate": 0.0}
     bar = tqdm(unit=" steps", unit_scale=True, disable=cfg.no_progress, dynamic_ncols=True)
     while eval_return < cfg.target_return or not evals:
         if time.perf_counter() - START >= cfg.time_budget or (
@@ -254,6 +264,7 @@ def main(argv: list[str] | None = None) -> dict:
         ):
             break
         # 1. play the batch: each of `groups` consecutive seeds is played `group_size` times
+        tick = time.perf_counter()
         first_seed = cfg.seed * 1_000_000 + batch_index * cfg.groups
         seeds = [first_seed + g for g in range(cfg.groups) for _ in range(cfg.group_size)]
         with set_exploration_type(ExplorationType.RANDOM):
@@ -267,6 +278,8 @@ def main(argv: list[str] | None = None) -> dict:
         train_return = float(steps["next", "reward"].sum()) / episodes_per_batch
 
         # 2. the transform writes the advantages and releases the complete groups to storage
+        tock = time.perf_counter()
+        seconds["play"] += tock - tick
         buffer.extend(steps)
         # 3. a few epochs of minibatches over the released steps, then forget them (on-policy)
         for _ in range(cfg.epochs):
@@ -279,7 +292,10 @@ def main(argv: list[str] | None = None) -> dict:
         buffer.empty()
 
         # 4. greedy evaluation on fresh seeds
+        tick = time.perf_counter()
+        seconds["optimize"] += tick - tock
         eval_return = evaluate(eval_env, actor, fresh_eval_seeds())
+        seconds["evaluate"] += time.perf_counter() - tick
         wall = time.perf_counter() - START
         history.append({"env_steps": env_steps, "wall_s": wall, "return": train_return})
         evals.append({"env_steps": env_steps, "wall_s": wall, "return": eval_return})
@@ -294,6 +310,7 @@ def main(argv: list[str] | None = None) -> dict:
                 "train/clip_fraction": out.clip_fraction,
                 "train/ESS": out.ESS,
                 "time/wall_s": wall,
+                **{f"time/{phase}_s": value for phase, value in seconds.items()},
             }
             for name, value in metrics.items():
                 logger.log_scalar(name, float(value), step=env_steps)
@@ -304,13 +321,16 @@ def main(argv: list[str] | None = None) -> dict:
         eval_return = evaluate(eval_env, actor, fresh_eval_seeds())
         evals.append({"env_steps": 0, "wall_s": time.perf_counter() - START, "return": eval_return})
 
+    tick = time.perf_counter()
     torch.save(actor.state_dict(), run_dir / "policy.pt")
     save_plot(history, evals, cfg.target_return, run_dir / "returns.png")
     env.close()
     eval_env.close()
     solved = eval_return >= cfg.target_return
+    seconds["outputs"] = time.perf_counter() - tick
     wall = time.perf_counter() - START
     print(f"outputs: {run_dir}", flush=True)
+    print("seconds: " + ", ".join(f"{phase} {value:.1f}" for phase, value in seconds.items()))
     print(
         f"RESULT solved={str(solved).lower()} wall_s={wall:.2f} env_steps={env_steps} "
         f"eval_return={eval_return:.1f}",
