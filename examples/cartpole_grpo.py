@@ -215,6 +215,8 @@ def main(argv: list[str] | None = None) -> dict:
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(1)  # tiny matrices: extra threads cost more than they save on 2 cores
     run_name = f"seed{cfg.seed}-{time.strftime('%Y%m%d-%H%M%S')}"
+    while (Path(cfg.output_dir) / run_name).exists():  # two runs in one second: never mix logs
+        run_name += "+"
     run_dir = Path(cfg.output_dir) / run_name
     logger = get_logger(
         None if cfg.logger == "none" else cfg.logger,
