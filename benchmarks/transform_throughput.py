@@ -16,6 +16,7 @@ transform adds to the plain copy, ``(torchrl - plain) / (ours - plain)``.
 from __future__ import annotations
 
 import argparse
+import logging
 import time
 import warnings
 
@@ -97,6 +98,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7, help="repeats of the fast rows")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
+    logging.getLogger("torchrl").setLevel(logging.WARNING)  # one INFO line per fresh storage
     torch.set_num_threads(1)
     shapes = QUICK_SHAPES if args.quick else SHAPES
     repeats = 3 if args.quick else args.repeats

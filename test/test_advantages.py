@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from torchrl_grpo.advantages import (
+    Segments,
     group_mean,
     group_relative_advantage,
     group_std,
@@ -165,3 +166,58 @@ class TestGroupRelativeAdvantage:
                 assert float(a.std()) == pytest.approx(1.0, rel=1e-6)
             if (v == v[0]).all():  # a constant group (or a group of one): exactly zero
                 assert (a == 0).all()
+
+
+class TestSegments:
+    """Runs (contiguous samples of one group) give the numbers of the per-sample index."""
+
+    @staticmethod
+    def runs(lengths, num_groups, seed=0):
+        gen = torch.Generator().manual_seed(seed)
+        lengths = torch.tensor(lengths)
+        run_group = torch.randint(0, num_groups, (lengths.numel(),), generator=gen)
+        x = torch.randn(int(lengths.sum()), generator=gen, dtype=torch.float64)
+        return x, lengths, run_group, run_group.repeat_interleave(lengths)
+
+    @pytest.mark.parametrize("lengths", [[3, 1, 4, 1, 5], [4, 4, 4, 4], [2], [1, 1, 1]])
+    def test_reductions_match_the_index(self, lengths):
+        x, lengths, run_group, index = self.runs(lengths, 3)
+        by_run, by_sample = Segments(run_group, 3, lengths), Segments(index, 3)
+        torch.testing.assert_close(by_run.sum(x), by_sample.sum(x))
+        torch.testing.assert_close(by_run.amax(x), by_sample.amax(x))
+        torch.testing.assert_close(by_run.last(x), by_sample.last(x))
+        assert torch.equal(by_run.count, by_sample.count)
+        values = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)
+        assert torch.equal(by_run.expand(values), by_sample.expand(values))
+
+    @pytest.mark.parametrize("scale_rewards", ["group", "batch", "none"])
+    @pytest.mark.parametrize("baseline", ["mean", "leave_one_out"])
+    @pytest.mark.parametrize("lengths", [[3, 1, 4, 1, 5, 9, 2, 6], [4] * 8])
+    def test_advantage_matches_the_index(self, lengths, baseline, scale_rewards):
+        x, lengths, run_group, index = self.runs(lengths, 3, seed=1)
+        kw = dict(baseline=baseline, scale_rewards=scale_rewards)
+        got = group_relative_advantage(x, run_group, 3, lengths=lengths, **kw)
+        torch.testing.assert_close(got, group_relative_advantage(x, index, 3, **kw))
+        torch.testing.assert_close(got, reference_advantage(x, index, **kw))
+        mean, count = group_mean(x, run_group, 3, lengths=lengths)
+        torch.testing.assert_close(mean, group_mean(x, index, 3)[0])
+        std = group_std(x, run_group, 3, lengths=lengths)
+        torch.testing.assert_close(std, group_std(x, index, 3))
+
+    def test_constant_runs_give_exact_zeros(self):
+        x = torch.full((10,), 0.1, dtype=torch.float64)
+        lengths, run_group = torch.tensor([3, 3, 4]), torch.tensor([0, 0, 0])
+        assert (group_relative_advantage(x, run_group, lengths=lengths) == 0).all()
+
+    def test_trajectory_returns_by_lengths(self):
+        x, lengths, _, _ = self.runs([3, 1, 4], 1)
+        traj = torch.arange(3).repeat_interleave(lengths)
+        for reduction in ("sum", "mean", "max", "last"):
+            torch.testing.assert_close(
+                trajectory_returns(x, None, reduction=reduction, lengths=lengths),
+                trajectory_returns(x, traj, reduction=reduction),
+            )
+
+    def test_needs_an_index_or_lengths(self):
+        with pytest.raises(ValueError, match="index"):
+            Segments(None)

@@ -52,9 +52,8 @@ class Insertion:
     starts: Tensor  # (n,) first step of each trajectory
     lengths: Tensor  # (n,) steps per trajectory
     keys: Tensor | list  # (n, k) tensor ids or n strings
-    elements: Tensor  # (E,) every reward element, in order
-    element_traj: Tensor  # (E,) trajectory of each element
-    step_traj: Tensor  # (N,) trajectory of each step
+    elements: Tensor  # (E,) every reward element, in order (trajectory by trajectory)
+    element_lengths: Tensor  # (n,) reward elements of each trajectory
 
 
 def ranges(starts: Tensor, lengths: Tensor) -> Tensor:
@@ -113,6 +112,8 @@ def gather(state: Pending, batch: Insertion | None, members: Tensor):
     step copies when the data is ragged.
     """
     q = state.num_pending
+    if q == 0 and batch is not None and members.numel() == batch.lengths.numel():
+        return batch.data  # all of the insertion, as it came: no copy
     ragged = state.ragged or (batch is not None and isinstance(batch.data, list))
     from_pending = members < q
     pending = members[from_pending]
@@ -206,6 +207,9 @@ def remaining(
 ) -> Pending:
     """The next state: pending trajectories that no released group consumed, in order."""
     q = state.num_pending
+    if q == 0 and bool(consumed.all()):  # everything released: nothing left to hold
+        ragged = state.ragged or isinstance(batch.data, list)
+        return Pending(stats=stats, ragged=ragged, insertions=state.insertions)
     keep_pending, keep_incoming = ~consumed[:q], ~consumed[q:]
     new = state if keep_pending.all() else drop(state, keep_pending)
     new = replace(new, stats=stats, ragged=state.ragged or isinstance(batch.data, list))

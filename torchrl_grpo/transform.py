@@ -7,6 +7,7 @@ pending ones by group id, decides which groups are complete, and calls the math 
 
 from __future__ import annotations
 
+import math
 import multiprocessing as mp
 import os
 import warnings
@@ -26,6 +27,7 @@ from torchrl_grpo.advantages import (
     BASELINES,
     RETURN_REDUCTIONS,
     SCALES,
+    Segments,
     group_mean,
     group_relative_advantage,
     group_std,
@@ -477,7 +479,7 @@ class MCAdvantage(Transform):
         num_pending = state.num_pending
         codes, order = self._group_codes(state.keys, batch.keys)  # (Q + n,), (Q + n,)
         batch_returns = self._returns(batch)  # (n,)
-        returns = torch.cat([state.returns, batch_returns])  # (Q + n,)
+        returns = torch.cat([state.returns, batch_returns]) if num_pending else batch_returns
 
         counts = torch.bincount(codes)  # trajectories per group, pending included
         extra = {"dropped_groups": 0}
@@ -501,7 +503,8 @@ class MCAdvantage(Transform):
     def _finish(self, state, batch, members, member_event, consumed, extra, returns, batch_returns):
         """Write the released groups' advantages, count everything, and build the next state."""
         n = batch.lengths.numel()
-        lengths = torch.cat([state.lengths, batch.lengths])  # (Q + n,)
+        q = state.num_pending
+        lengths = torch.cat([state.lengths, batch.lengths]) if q else batch.lengths  # (Q + n,)
         num_events = int(member_event.max()) + 1 if member_event.numel() else 0
 
         out, keep_event, adv_written = None, torch.zeros(0, dtype=torch.bool), 0
@@ -515,7 +518,7 @@ class MCAdvantage(Transform):
         stats = self._count_arrivals(
             dict(state.stats),
             batch.elements,
-            batch.element_traj,
+            batch.element_lengths,
             n,
             int(batch.lengths.sum()),
             batch_returns,
@@ -557,14 +560,14 @@ class MCAdvantage(Transform):
         tensordict = tensordict if concrete is None else concrete
         done = self._get(tensordict, self.done_key, "done")
         self._get(tensordict, self.prompt_key, "group id")  # existence check before any work
-        if not isinstance(done, Tensor) or done[(0,) * tensordict.ndim].numel() != 1:
+        if not isinstance(done, Tensor) or done.numel() != tensordict.numel():
             raise ValueError(
                 f"MCAdvantage: the done key {self.done_key!r} must hold one flag per step, got "
                 f"shape {tuple(done.shape)} for a batch of {tuple(tensordict.batch_size)}."
             )
-        row_ends = done.reshape(*tensordict.batch_size)[..., -1].reshape(-1).bool()
-        if not row_ends.all():
-            row = int((~row_ends).nonzero()[0])
+        row_ends = done.reshape(-1, tensordict.shape[-1])[:, -1]  # (rows,)
+        if not (bool(row_ends[0]) if row_ends.numel() == 1 else bool(row_ends.all())):
+            row = int((~row_ends.bool()).nonzero()[0])
             raise RuntimeError(
                 "MCAdvantage: expected complete trajectories, but the input's last step "
                 f"(row {row} of batch {tuple(tensordict.batch_size)}) has {self.done_key!r}=False."
@@ -578,26 +581,32 @@ class MCAdvantage(Transform):
             )
         data = list(tensordict.unbind(0)) if ragged else tensordict
 
-        ends = done.nonzero().squeeze(-1)  # (n,)
+        ends = done.nonzero().squeeze(1)  # (n,)
         lengths = torch.diff(ends, prepend=ends.new_full((1,), -1))
         starts = ends - lengths + 1
-        step_traj = torch.repeat_interleave(torch.arange(ends.numel()), lengths)  # (N,)
 
-        elements, element_step = self._reward_elements(tensordict, data, ragged)
-        if not bool(torch.isfinite(elements).all()):
+        elements, per_step = self._reward_elements(tensordict, data, ragged)
+        if not _all_finite(elements):
             bad = ~torch.isfinite(elements)
             first = int(bad.nonzero()[0])
-            step = first if element_step is None else int(element_step[first])
+            step = (
+                first // per_step
+                if isinstance(per_step, int)
+                else int(torch.searchsorted(torch.cumsum(per_step, 0), first, right=True))
+            )
             raise ValueError(
                 f"MCAdvantage: {int(bad.sum())} non-finite reward value(s) under "
                 f"{self.rewards_key!r}, the first at step {step} (value {float(elements[bad][0])})."
             )
         keys = self._read_keys(tensordict, data, starts, ragged, state)
-        element_traj = step_traj if element_step is None else step_traj[element_step]
-        return Insertion(data, starts, lengths, keys, elements, element_traj, step_traj)
+        if isinstance(per_step, int):
+            element_lengths = lengths if per_step == 1 else lengths * per_step
+        else:  # elements per trajectory: differences of the running count at trajectory ends
+            element_lengths = torch.diff(torch.cumsum(per_step, 0)[ends], prepend=ends.new_zeros(1))
+        return Insertion(data, starts, lengths, keys, elements, element_lengths)
 
-    def _reward_elements(self, tensordict, data, ragged: bool) -> tuple[Tensor, Tensor | None]:
-        """Every reward element, flat, with the step it belongs to (``None``: one per step)."""
+    def _reward_elements(self, tensordict, data, ragged: bool) -> tuple[Tensor, int | Tensor]:
+        """Every reward element, flat, and the elements per step (an int, or one per step)."""
         num_steps = tensordict.shape[0]
         if ragged:
             rewards = [self._get(step, self.rewards_key, "reward") for step in data]
@@ -612,16 +621,16 @@ class MCAdvantage(Transform):
                     f"{tuple(getattr(reward, 'shape', ()))}."
                 )
             per_step = reward[0].numel() if num_steps else 0
-            values = reward.reshape(-1)
-            if per_step == 1:
-                return values, None
-            counts = torch.full((num_steps,), per_step)
+            if per_step == 0 and num_steps:
+                counts = torch.zeros(num_steps, dtype=torch.long)  # reported below
+            else:
+                return reward.reshape(-1), per_step
         if (counts == 0).any():
             step = int((counts == 0).nonzero()[0])
             raise ValueError(
                 f"MCAdvantage: the reward under {self.rewards_key!r} is empty at step {step}."
             )
-        return values, torch.repeat_interleave(torch.arange(num_steps), counts)
+        return values, counts
 
     def _read_keys(self, tensordict, data, starts: Tensor, ragged: bool, state: Pending):
         if ragged:
@@ -631,7 +640,7 @@ class MCAdvantage(Transform):
         else:
             value = tensordict.get(self.prompt_key)
             if isinstance(value, Tensor):
-                keys = value[starts]
+                keys = value.index_select(0, starts)
             elif hasattr(value, "tolist"):  # NonTensorStack / NonTensorData: prompts
                 values = value.tolist()
                 values = values if isinstance(values, list) else [values] * tensordict.shape[0]
@@ -699,9 +708,11 @@ class MCAdvantage(Transform):
         if not keys.is_floating_point() and keys.dtype != torch.bool and keys.numel():
             low, high = int(keys.min()), int(keys.max())
             if high - low <= 4 * keys.numel() + 1024:  # compact ids (seeds, indices): no sort
-                present = torch.zeros(high - low + 1, dtype=torch.bool)
-                present[keys - low] = True
-                return (torch.cumsum(present, 0) - 1)[keys - low], None
+                shifted = keys - low
+                present = torch.zeros(high - low + 1, dtype=torch.bool).index_fill_(
+                    0, shifted, True
+                )
+                return (torch.cumsum(present, 0) - 1).index_select(0, shifted), None
         sorted_keys, order = torch.sort(keys, stable=True)
         starts_group = torch.ones_like(sorted_keys, dtype=torch.bool)
         torch.ne(sorted_keys[1:], sorted_keys[:-1], out=starts_group[1:])
@@ -786,17 +797,18 @@ class MCAdvantage(Transform):
         keep = self._keep_groups(x, torch.zeros(len(group_returns), dtype=torch.long), 1)
         return bool(keep[0])
 
-    def _keep_groups(self, x: Tensor, group_index: Tensor, num_groups: int) -> Tensor:
+    def _keep_groups(self, x: Tensor, group_index: Tensor, num_groups: int, runs=None) -> Tensor:
         """Dynamic sampling (``keep_return_bounds``) and ``std_threshold``, per group."""
         keep = torch.ones(num_groups, dtype=torch.bool)
         if self.keep_return_bounds is None and self.std_threshold is None:
             return keep
-        mean, _ = group_mean(x, group_index, num_groups)
+        mean, _ = group_mean(x, group_index, num_groups, lengths=runs)
         if self.keep_return_bounds is not None:
             low, high = self.keep_return_bounds
             keep &= (mean > low) & (mean < high)
         if self.std_threshold is not None:
-            keep &= group_std(x, group_index, num_groups, mean=mean) > self.std_threshold
+            std = group_std(x, group_index, num_groups, mean=mean, lengths=runs)
+            keep &= std > self.std_threshold
         return keep
 
     # --- step 5-6: advantages for the released groups ---------------------------------------------
@@ -805,52 +817,59 @@ class MCAdvantage(Transform):
         n = batch.lengths.numel()
         if self.trajectory_return is None:
             return torch.zeros(n, dtype=torch.float64)
-        return trajectory_returns(batch.elements, batch.element_traj, n, self.trajectory_return)
+        return trajectory_returns(
+            batch.elements, None, n, self.trajectory_return, lengths=batch.element_lengths
+        )
 
     def _write_advantages(self, state, batch, members, member_event, num_events, lengths, returns):
-        """Gather the released trajectories' steps, write their advantages, drop filtered groups."""
-        if members.numel() == batch.lengths.numel() and state.num_pending == 0:
-            step_member = batch.step_traj  # the whole insertion, as it came
-        else:
-            step_member = torch.repeat_interleave(torch.arange(members.numel()), lengths[members])
+        """Gather the released trajectories' steps, write their advantages, drop filtered groups.
+
+        Released trajectory ``m`` is a contiguous run of ``steps[m]`` steps (``elems[m]`` reward
+        elements) of the output, so every per-step value is a per-run value repeated
+        (:class:`~torchrl_grpo.advantages.Segments`), never gathered by a per-step index.
+        """
+        everything = state.num_pending == 0 and members.numel() == batch.lengths.numel()
+        steps = batch.lengths if everything else lengths[members]  # (M,) steps of each released
         out = gather(state, batch, members)  # (S,) steps, or a list of S step copies
         reward = self._released_rewards(out)  # list of per-step tensors (ragged) or one tensor
         if isinstance(reward, list):
-            counts = torch.tensor([r.numel() for r in reward])
+            counts = torch.tensor([r.numel() for r in reward])  # (S,)
             values = torch.cat([r.reshape(-1) for r in reward])
             dtype = reward[0].dtype
+            ends = torch.cumsum(steps, 0) - 1
+            elems = torch.diff(torch.cumsum(counts, 0)[ends], prepend=ends.new_zeros(1))  # (M,)
         else:
-            counts = torch.full((reward.shape[0],), reward[0].numel())
-            values = reward.reshape(-1)
-            dtype = reward.dtype
-        one_per_step = not isinstance(reward, list) and reward[0].numel() == 1
-        element_member = step_member if one_per_step else step_member.repeat_interleave(counts)
+            values, dtype = reward.reshape(-1), reward.dtype
+            elems = steps * reward[0].numel()  # (M,)
 
-        if self.trajectory_return is None:  # every reward element is a sample
-            x, group_index = values, member_event[element_member]
+        if self.trajectory_return is None:  # every reward element is a sample; runs: members
+            x, runs = values, elems
         else:  # every trajectory's return is a sample
-            x, group_index = returns[members], member_event
-        keep_event = self._keep_groups(x, group_index, num_events)
+            x, runs = (returns if everything else returns[members]), None
+        keep_event = self._keep_groups(x, member_event, num_events, runs)
         adv = group_relative_advantage(
             x,
-            group_index,
+            member_event,
             num_events,
             baseline=self.baseline,
             scale_rewards=self.scale_rewards,
             epsilon=self.epsilon,
+            lengths=runs,
         )
-        if self.step_norm:  # per member (trajectory mode) or per element (per-step mode)
-            steps = lengths[members].to(adv.dtype)  # (M,)
-            adv = adv / (steps if self.trajectory_return is not None else steps[element_member])
         dtype = dtype if dtype.is_floating_point else torch.get_default_dtype()
-        if self.trajectory_return is not None and not isinstance(reward, list):
-            # broadcast each trajectory's advantage to its steps, then to the reward's shape
-            adv = adv.to(dtype)[step_member].reshape(-1, *[1] * (reward.ndim - 1))
-            adv = adv.expand(reward.shape)
-        elif self.trajectory_return is not None:
-            adv = adv[element_member].to(dtype)
-        else:
+        if self.trajectory_return is None:
+            if self.step_norm:
+                adv = adv / Segments(None, lengths=elems).expand(steps.to(adv.dtype))
             adv = adv.to(dtype)
+        else:
+            if self.step_norm:
+                adv = adv / steps.to(adv.dtype)
+            adv = adv.to(dtype)
+            if isinstance(reward, list):
+                adv = Segments(None, lengths=elems).expand(adv)
+            else:  # each trajectory's advantage on its steps, then on the reward's shape
+                adv = Segments(None, lengths=steps).expand(adv)
+                adv = adv.reshape(-1, *[1] * (reward.ndim - 1)).expand(reward.shape)
 
         if isinstance(out, list):
             for step, a in zip(out, adv.split(counts.tolist())):
@@ -859,7 +878,7 @@ class MCAdvantage(Transform):
             out.set(self.advantage_key, adv.reshape(reward.shape))
         if keep_event.all():
             return (lazy_stack(out) if isinstance(out, list) else out), keep_event
-        keep_step = keep_event[member_event][step_member]  # (S,) steps of groups kept
+        keep_step = Segments(None, lengths=steps).expand(keep_event[member_event])  # (S,)
         if isinstance(out, list):
             out = [step for step, k in zip(out, keep_step.tolist()) if k]
             return (lazy_stack(out) if out else None), keep_event
@@ -891,18 +910,19 @@ class MCAdvantage(Transform):
             return None
         num_steps = tensordict.shape[0]
         done = tensordict.get(self.done_key, None)
+        if not (isinstance(done, Tensor) and done.numel() == num_steps > 0):
+            return None
+        done = done.reshape(-1)
+        if not done[-1] or int(done.sum()) != 1:  # no end, or several trajectories
+            return None
         reward = tensordict.get(self.rewards_key, None)
         key = tensordict.get(self.prompt_key, None)
         if not (
-            isinstance(done, Tensor)
-            and isinstance(reward, Tensor)
-            and done.numel() == num_steps > 0
+            isinstance(reward, Tensor)
             and reward.shape[:1] == (num_steps,)
             and reward.numel() > 0
+            and _all_finite(reward)
         ):
-            return None
-        done = done.reshape(-1)
-        if not (int(done.sum()) == 1 and done[-1] and bool(torch.isfinite(reward).all())):
             return None
         if isinstance(key, Tensor):
             key = key[:1].reshape(1, -1)
@@ -917,15 +937,13 @@ class MCAdvantage(Transform):
                 return None
             key = [key]
         values = reward.reshape(-1)
-        zero = torch.zeros(1, dtype=torch.long)
         return Insertion(
             tensordict,
-            zero,
+            torch.zeros(1, dtype=torch.long),
             torch.tensor([num_steps]),
             key,
             values,
-            zero.expand(values.numel()),
-            zero.expand(num_steps),
+            torch.tensor([values.numel()]),
         )
 
     def _insert_one(
@@ -941,7 +959,12 @@ class MCAdvantage(Transform):
         if int(same.sum()) + 1 < self.grpo_size:  # it waits: queue it, no copy, nothing else
             num_steps = int(batch.lengths[0])
             stats = self._count_arrivals(
-                dict(state.stats), batch.elements, batch.element_traj, 1, num_steps, batch_returns
+                dict(state.stats),
+                batch.elements,
+                batch.element_lengths,
+                1,
+                num_steps,
+                batch_returns,
             )
             return None, append(
                 state, batch.data, batch.starts, batch.lengths, batch.keys, batch_returns, stats
@@ -956,7 +979,7 @@ class MCAdvantage(Transform):
         )
 
     def _count_arrivals(
-        self, stats: dict, elements, element_traj, num_traj, num_steps, returns
+        self, stats: dict, elements, element_lengths, num_traj, num_steps, returns
     ) -> dict:
         """torchrl's per-arrival counters (return statistics only with ``trajectory_return``).
 
@@ -968,7 +991,7 @@ class MCAdvantage(Transform):
             sums = (
                 returns
                 if self.trajectory_return == "sum"
-                else trajectory_returns(elements, element_traj, num_traj, "sum")
+                else trajectory_returns(elements, None, num_traj, "sum", lengths=element_lengths)
             )  # (n,)
             stats["trajectory_return_sum"] += float(sums.sum())
             stats["trajectory_return_max"] = max(stats["trajectory_return_max"], float(sums.max()))
@@ -991,6 +1014,11 @@ def _stat_property(name: str) -> property:
 for _name in STAT_NAMES:
     setattr(MCAdvantage, _name, _stat_property(_name))
 del _name
+
+
+def _all_finite(x: Tensor) -> bool:
+    """Whether every value is finite; one reduction when it is (a NaN or inf makes the sum so)."""
+    return math.isfinite(x.sum().item()) or bool(torch.isfinite(x).all())
 
 
 class _NoLock:
