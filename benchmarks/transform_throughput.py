@@ -4,8 +4,9 @@ Every row writes the same data with ``rb.extend`` into a fresh ``ReplayBuffer`` 
 ``LazyTensorStorage``: a flat batch of shuffled groups (groups x group size x steps), with the
 transform from this package, with torchrl 0.14.1's ``MCAdvantage``, and with no transform (the
 copy into storage, the floor). Times are the CPU time of this process (``time.process_time``; torch
-runs on one thread), so that other processes sharing the machine do not inflate them; the three are
-timed in turn, repeatedly, and each keeps its fastest time (as ``timeit`` advises). Ratios are
+runs on one thread), so that other processes sharing the machine do not inflate them, with the
+garbage collector paused while timing (as ``timeit`` does); the three are timed in turn,
+repeatedly, and each keeps its fastest time (as ``timeit`` advises). Ratios are
 within one run. ``torchrl/ours`` compares whole ``extend`` calls; ``own cost`` compares what each
 transform adds to the plain copy, ``(torchrl - plain) / (ours - plain)``.
 
@@ -16,6 +17,7 @@ transform adds to the plain copy, ``(torchrl - plain) / (ours - plain)``.
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import time
 import warnings
@@ -60,9 +62,13 @@ def time_extend(data: TensorDict, make_transform) -> float:
     rb = ReplayBuffer(storage=LazyTensorStorage(data.numel() * 2))
     if make_transform is not None:
         rb.append_transform(make_transform())
-    start = time.process_time()
-    rb.extend(data)
-    elapsed = time.process_time() - start
+    gc.disable()
+    try:
+        start = time.process_time()
+        rb.extend(data)
+        elapsed = time.process_time() - start
+    finally:
+        gc.enable()
     if make_transform is not None:
         assert len(rb) == data.numel(), "every group must be complete and written"
     return elapsed
@@ -83,19 +89,23 @@ def one_at_a_time(groups: int, size: int, steps: int, make_transform, limit: int
     data = shuffled_groups(groups, size, steps, seed=1)
     trajs = data.split(steps)[:limit]
     best = float("inf")
-    for _ in range(3):
+    for _ in range(5):
         transform = make_transform()
-        start = time.process_time()
-        for traj in trajs:
-            transform.inv(traj)
-        best = min(best, (time.process_time() - start) / len(trajs))
+        gc.disable()
+        try:
+            start = time.process_time()
+            for traj in trajs:
+                transform.inv(traj)
+            best = min(best, (time.process_time() - start) / len(trajs))
+        finally:
+            gc.enable()
     return best
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small shapes, few repeats")
-    parser.add_argument("--repeats", type=int, default=7, help="repeats of the fast rows")
+    parser.add_argument("--repeats", type=int, default=25, help="repeats of the fast rows")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     logging.getLogger("torchrl").setLevel(logging.WARNING)  # one INFO line per fresh storage
@@ -133,7 +143,7 @@ def main() -> None:
                 f"{(ref - plain) / max(ours - plain, 1e-9):>8.0f}x"
             )
     print()
-    print("one trajectory per call, mean over the stream, fastest of 3 passes")
+    print("one trajectory per call, mean over the stream, fastest of 5 passes")
     print("(64 groups x 8 trajectories x 16 steps, shuffled; up to ~450 trajectories pending):")
     for mode in (None, "sum"):
         kw = dict(grpo_size=8, prompt_key="seed", trajectory_return=mode)

@@ -14,6 +14,11 @@ import torch
 from tensordict import TensorDictBase
 from torch import Tensor
 
+# The empty state's tensors, shared: a state's tensors are never written in place (every change
+# builds a new Pending), so one empty tensor of each kind serves every fresh state.
+_NO_INDEX = torch.zeros(0, dtype=torch.long)
+_NO_RETURN = torch.zeros(0, dtype=torch.float64)
+
 
 @dataclass
 class Pending:
@@ -29,12 +34,12 @@ class Pending:
 
     chunks: list = field(default_factory=list)
     chunk_sizes: list = field(default_factory=list)  # steps in each chunk, released ones included
-    chunk: Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
-    offset: Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
-    lengths: Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
+    chunk: Tensor = field(default_factory=lambda: _NO_INDEX)
+    offset: Tensor = field(default_factory=lambda: _NO_INDEX)
+    lengths: Tensor = field(default_factory=lambda: _NO_INDEX)
     keys: Tensor | list | None = None
-    returns: Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.float64))
-    arrival: Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
+    returns: Tensor = field(default_factory=lambda: _NO_RETURN)
+    arrival: Tensor = field(default_factory=lambda: _NO_INDEX)
     stats: dict = field(default_factory=dict)
     ragged: bool = False
     insertions: int = 0  # successful insertions so far: the clock of ``arrival``
@@ -54,6 +59,11 @@ class Insertion:
     keys: Tensor | list  # (n, k) tensor ids or n strings
     elements: Tensor  # (E,) every reward element, in order (trajectory by trajectory)
     element_lengths: Tensor  # (n,) reward elements of each trajectory
+    num_steps: int  # N
+    width: int | None = (
+        None  # steps of every trajectory if all have as many, else 0 (None: unknown)
+    )
+    element_width: int | None = None  # the same for reward elements
 
 
 def ranges(starts: Tensor, lengths: Tensor) -> Tensor:

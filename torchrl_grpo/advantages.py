@@ -63,6 +63,8 @@ class Segments:
             ``lengths`` means one segment per run.
         num: number of segments; defaults to ``index.max() + 1`` (or the number of runs).
         lengths: samples per run, shape ``(R,)``, or ``None``.
+        width: with ``lengths``, the length every run has, or ``0`` if they differ, when the
+            caller knows it (it is found from ``lengths`` otherwise).
 
     Examples:
         >>> import torch
@@ -75,7 +77,14 @@ class Segments:
         tensor([10., 10., 20., 20., 20.])
     """
 
-    def __init__(self, index: Tensor | None, num: int | None = None, lengths: Tensor | None = None):
+    def __init__(
+        self,
+        index: Tensor | None,
+        num: int | None = None,
+        lengths: Tensor | None = None,
+        *,
+        width: int | None = None,
+    ):
         if lengths is None and index is None:
             raise ValueError("Segments needs an index, or run lengths.")
         self.lengths = lengths
@@ -87,8 +96,11 @@ class Segments:
         runs = lengths.numel()
         self.num = runs if index is None and num is None else _num_segments(index, num)
         # Every run of the same length: runs are the rows of a (R, L) view.
-        equal = runs > 0 and int(lengths.min()) == int(lengths.max())
-        self.width = int(lengths[0]) if equal else 0
+        if width is not None:
+            self.width = width
+        elif runs:
+            shortest, longest = (int(v) for v in torch.aminmax(lengths))
+            self.width = shortest if shortest == longest else 0
 
     @property
     def count(self) -> Tensor:

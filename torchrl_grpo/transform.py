@@ -31,7 +31,6 @@ from torchrl_grpo.advantages import (
     group_mean,
     group_relative_advantage,
     group_std,
-    trajectory_returns,
 )
 
 __all__ = ["MCAdvantage", "MCAdvantageSelector"]
@@ -482,14 +481,17 @@ class MCAdvantage(Transform):
         returns = torch.cat([state.returns, batch_returns]) if num_pending else batch_returns
 
         counts = torch.bincount(codes)  # trajectories per group, pending included
+        fewest, most = (int(c) for c in torch.aminmax(counts))
         extra = {"dropped_groups": 0}
-        if not self._needs_selection() and int(counts.max()) < self.grpo_size:
+        num_events = None
+        if not self._needs_selection() and most < self.grpo_size:
             members = member_event = torch.zeros(0, dtype=torch.long)  # nothing can complete
             consumed = torch.zeros(codes.numel(), dtype=torch.bool)
-        elif not self._needs_selection() and bool((counts == self.grpo_size).all()):
+        elif not self._needs_selection() and fewest == most == self.grpo_size:
             # every group present is exactly complete: all of it is released, one round a group
             members, member_event = torch.arange(codes.numel()), codes
             consumed = torch.ones(codes.numel(), dtype=torch.bool)
+            num_events = counts.numel()
         elif self._needs_selection():
             members, member_event, consumed, extra = self._select_candidates(
                 codes, returns, num_pending, state, batch
@@ -497,32 +499,40 @@ class MCAdvantage(Transform):
         else:
             members, member_event, consumed = self._complete_rounds(codes, order, counts)
         return self._finish(
-            state, batch, members, member_event, consumed, extra, returns, batch_returns
+            state, batch, members, member_event, consumed, extra, returns, batch_returns, num_events
         )
 
-    def _finish(self, state, batch, members, member_event, consumed, extra, returns, batch_returns):
-        """Write the released groups' advantages, count everything, and build the next state."""
+    def _finish(
+        self,
+        state,
+        batch,
+        members,
+        member_event,
+        consumed,
+        extra,
+        returns,
+        batch_returns,
+        num_events=None,
+    ):
+        """Write the released groups' advantages, count everything, and build the next state.
+
+        ``num_events`` (released groups) is ``int(member_event.max()) + 1`` when not given.
+        """
         n = batch.lengths.numel()
         q = state.num_pending
         lengths = torch.cat([state.lengths, batch.lengths]) if q else batch.lengths  # (Q + n,)
-        num_events = int(member_event.max()) + 1 if member_event.numel() else 0
+        if num_events is None:
+            num_events = int(member_event.max()) + 1 if member_event.numel() else 0
 
         out, keep_event, adv_written = None, torch.zeros(0, dtype=torch.bool), 0
         if num_events:
             out, keep_event = self._write_advantages(
                 state, batch, members, member_event, num_events, lengths, returns
             )
-            adv_written = int(keep_event.sum())
+            adv_written = int(keep_event.sum()) if self._filtering() else num_events
 
         # --- the next state: statistics, then the pending trajectories that were not consumed ---
-        stats = self._count_arrivals(
-            dict(state.stats),
-            batch.elements,
-            batch.element_lengths,
-            n,
-            int(batch.lengths.sum()),
-            batch_returns,
-        )
+        stats = self._count_arrivals(dict(state.stats), batch, batch_returns)
         if self.trajectory_return is not None:
             stats["selected_trajectories"] += adv_written * self.grpo_size
         stats["completed_groups"] += num_events + extra["dropped_groups"]
@@ -599,11 +609,25 @@ class MCAdvantage(Transform):
                 f"{self.rewards_key!r}, the first at step {step} (value {float(elements[bad][0])})."
             )
         keys = self._read_keys(tensordict, data, starts, ragged, state)
+        shortest, longest = (int(v) for v in torch.aminmax(lengths))
+        width = shortest if shortest == longest else 0
         if isinstance(per_step, int):
             element_lengths = lengths if per_step == 1 else lengths * per_step
+            element_width = width * per_step
         else:  # elements per trajectory: differences of the running count at trajectory ends
             element_lengths = torch.diff(torch.cumsum(per_step, 0)[ends], prepend=ends.new_zeros(1))
-        return Insertion(data, starts, lengths, keys, elements, element_lengths)
+            element_width = None
+        return Insertion(
+            data,
+            starts,
+            lengths,
+            keys,
+            elements,
+            element_lengths,
+            done.numel(),
+            width,
+            element_width,
+        )
 
     def _reward_elements(self, tensordict, data, ragged: bool) -> tuple[Tensor, int | Tensor]:
         """Every reward element, flat, and the elements per step (an int, or one per step)."""
@@ -620,7 +644,7 @@ class MCAdvantage(Transform):
                     f"entry per step ({num_steps}), got {type(reward).__name__} of shape "
                     f"{tuple(getattr(reward, 'shape', ()))}."
                 )
-            per_step = reward[0].numel() if num_steps else 0
+            per_step = math.prod(reward.shape[1:])
             if per_step == 0 and num_steps:
                 counts = torch.zeros(num_steps, dtype=torch.long)  # reported below
             else:
@@ -797,10 +821,14 @@ class MCAdvantage(Transform):
         keep = self._keep_groups(x, torch.zeros(len(group_returns), dtype=torch.long), 1)
         return bool(keep[0])
 
+    def _filtering(self) -> bool:
+        """Whether a released group can be dropped (``keep_return_bounds``, ``std_threshold``)."""
+        return self.keep_return_bounds is not None or self.std_threshold is not None
+
     def _keep_groups(self, x: Tensor, group_index: Tensor, num_groups: int, runs=None) -> Tensor:
         """Dynamic sampling (``keep_return_bounds``) and ``std_threshold``, per group."""
         keep = torch.ones(num_groups, dtype=torch.bool)
-        if self.keep_return_bounds is None and self.std_threshold is None:
+        if not self._filtering():
             return keep
         mean, _ = group_mean(x, group_index, num_groups, lengths=runs)
         if self.keep_return_bounds is not None:
@@ -817,9 +845,13 @@ class MCAdvantage(Transform):
         n = batch.lengths.numel()
         if self.trajectory_return is None:
             return torch.zeros(n, dtype=torch.float64)
-        return trajectory_returns(
-            batch.elements, None, n, self.trajectory_return, lengths=batch.element_lengths
-        )
+        reduction = RETURN_REDUCTIONS[self.trajectory_return]
+        return reduction(batch.elements.double(), self._trajectories(batch))
+
+    @staticmethod
+    def _trajectories(batch: Insertion) -> Segments:
+        """The insertion's reward elements as one run per trajectory."""
+        return Segments(None, lengths=batch.element_lengths, width=batch.element_width)
 
     def _write_advantages(self, state, batch, members, member_event, num_events, lengths, returns):
         """Gather the released trajectories' steps, write their advantages, drop filtered groups.
@@ -830,6 +862,7 @@ class MCAdvantage(Transform):
         """
         everything = state.num_pending == 0 and members.numel() == batch.lengths.numel()
         steps = batch.lengths if everything else lengths[members]  # (M,) steps of each released
+        by_steps = Segments(None, lengths=steps, width=batch.width if everything else None)
         out = gather(state, batch, members)  # (S,) steps, or a list of S step copies
         reward = self._released_rewards(out)  # list of per-step tensors (ragged) or one tensor
         if isinstance(reward, list):
@@ -840,7 +873,8 @@ class MCAdvantage(Transform):
             elems = torch.diff(torch.cumsum(counts, 0)[ends], prepend=ends.new_zeros(1))  # (M,)
         else:
             values, dtype = reward.reshape(-1), reward.dtype
-            elems = steps * reward[0].numel()  # (M,)
+            per_step = math.prod(reward.shape[1:])
+            elems = steps if per_step == 1 else steps * per_step  # (M,)
 
         if self.trajectory_return is None:  # every reward element is a sample; runs: members
             x, runs = values, elems
@@ -868,7 +902,7 @@ class MCAdvantage(Transform):
             if isinstance(reward, list):
                 adv = Segments(None, lengths=elems).expand(adv)
             else:  # each trajectory's advantage on its steps, then on the reward's shape
-                adv = Segments(None, lengths=steps).expand(adv)
+                adv = by_steps.expand(adv)
                 adv = adv.reshape(-1, *[1] * (reward.ndim - 1)).expand(reward.shape)
 
         if isinstance(out, list):
@@ -876,9 +910,9 @@ class MCAdvantage(Transform):
                 step.set(self.advantage_key, a.reshape(step.get(self.rewards_key).shape))
         else:
             out.set(self.advantage_key, adv.reshape(reward.shape))
-        if keep_event.all():
+        if not self._filtering() or keep_event.all():
             return (lazy_stack(out) if isinstance(out, list) else out), keep_event
-        keep_step = Segments(None, lengths=steps).expand(keep_event[member_event])  # (S,)
+        keep_step = by_steps.expand(keep_event[member_event])  # (S,)
         if isinstance(out, list):
             out = [step for step, k in zip(out, keep_step.tolist()) if k]
             return (lazy_stack(out) if out else None), keep_event
@@ -944,6 +978,9 @@ class MCAdvantage(Transform):
             key,
             values,
             torch.tensor([values.numel()]),
+            num_steps,
+            num_steps,
+            values.numel(),
         )
 
     def _insert_one(
@@ -957,15 +994,7 @@ class MCAdvantage(Transform):
             same = (state.keys == batch.keys).all(1) if q else torch.zeros(0, dtype=torch.bool)
         batch_returns = self._returns(batch)  # (1,)
         if int(same.sum()) + 1 < self.grpo_size:  # it waits: queue it, no copy, nothing else
-            num_steps = int(batch.lengths[0])
-            stats = self._count_arrivals(
-                dict(state.stats),
-                batch.elements,
-                batch.element_lengths,
-                1,
-                num_steps,
-                batch_returns,
-            )
+            stats = self._count_arrivals(dict(state.stats), batch, batch_returns)
             return None, append(
                 state, batch.data, batch.starts, batch.lengths, batch.keys, batch_returns, stats
             )
@@ -978,20 +1007,18 @@ class MCAdvantage(Transform):
             state, batch, members, member_event, consumed, extra, returns, batch_returns
         )
 
-    def _count_arrivals(
-        self, stats: dict, elements, element_lengths, num_traj, num_steps, returns
-    ) -> dict:
+    def _count_arrivals(self, stats: dict, batch: Insertion, returns: Tensor) -> dict:
         """torchrl's per-arrival counters (return statistics only with ``trajectory_return``).
 
         torchrl sums a trajectory's rewards for these whatever ``trajectory_return`` is.
         """
-        stats["completed_trajectories"] += num_traj
-        stats["completed_decisions"] += num_steps
+        stats["completed_trajectories"] += batch.lengths.numel()
+        stats["completed_decisions"] += batch.num_steps
         if self.trajectory_return is not None:
             sums = (
                 returns
                 if self.trajectory_return == "sum"
-                else trajectory_returns(elements, None, num_traj, "sum", lengths=element_lengths)
+                else self._trajectories(batch).sum(batch.elements.double())
             )  # (n,)
             stats["trajectory_return_sum"] += float(sums.sum())
             stats["trajectory_return_max"] = max(stats["trajectory_return_max"], float(sums.max()))
