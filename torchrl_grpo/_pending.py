@@ -8,7 +8,7 @@ insertion (so a rejected insertion changes nothing).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 from tensordict import TensorDictBase
@@ -47,6 +47,13 @@ class Pending:
     @property
     def num_pending(self) -> int:
         return self.lengths.numel()
+
+
+def evolve(state: Pending, **changes) -> Pending:
+    """``dataclasses.replace`` without its per-call field introspection (the hot path's copy)."""
+    new = object.__new__(Pending)
+    new.__dict__.update(state.__dict__, **changes)
+    return new
 
 
 @dataclass
@@ -172,7 +179,7 @@ def append(state: Pending, piece, offset, lengths, keys, returns, stats=None) ->
         all_keys = keys
     else:
         all_keys = torch.cat([state.keys, keys.to(state.keys.dtype)])
-    return replace(
+    return evolve(
         state,
         chunks=[*state.chunks, piece],
         chunk_sizes=[*state.chunk_sizes, len(piece)],
@@ -199,7 +206,7 @@ def drop(state: Pending, keep: Tensor) -> Pending:
         if isinstance(state.keys, list)
         else state.keys[keep]
     )
-    return replace(
+    return evolve(
         state,
         chunks=chunks,
         chunk_sizes=sizes,
@@ -222,7 +229,7 @@ def remaining(
         return Pending(stats=stats, ragged=ragged, insertions=state.insertions)
     keep_pending, keep_incoming = ~consumed[:q], ~consumed[q:]
     new = state if keep_pending.all() else drop(state, keep_pending)
-    new = replace(new, stats=stats, ragged=state.ragged or isinstance(batch.data, list))
+    new = evolve(new, stats=stats, ragged=state.ragged or isinstance(batch.data, list))
     if keep_incoming.any():
         lengths = batch.lengths[keep_incoming]
         if keep_incoming.all():  # keep the insertion as it came: no copy
@@ -240,7 +247,7 @@ def remaining(
     live = int(new.lengths.sum())
     if sum(new.chunk_sizes) > 2 * live + 1024:
         data = gather(new, None, torch.arange(new.num_pending))
-        new = replace(
+        new = evolve(
             new,
             chunks=[data],
             chunk_sizes=[live],
@@ -292,7 +299,7 @@ def from_plain(plain: dict) -> Pending:
         data = [TensorDict.from_dict(step, batch_size=[]) for step in plain["steps"]]
     else:
         data = TensorDict.from_dict(plain["steps"], batch_size=[plain["num_steps"]])
-    return replace(
+    return evolve(
         state,
         chunks=[data],
         chunk_sizes=[plain["num_steps"]],

@@ -7,11 +7,11 @@ pending ones by group id, decides which groups are complete, and calls the math 
 
 from __future__ import annotations
 
+import functools
 import math
 import multiprocessing as mp
 import os
 import warnings
-from dataclasses import replace
 
 import torch
 from tensordict import LazyStackedTensorDict, NestedKey, TensorDict, TensorDictBase, lazy_stack
@@ -22,7 +22,7 @@ from torchrl.envs.transforms.transforms import Transform
 from torchrl.objectives.llm import MCAdvantageSelector
 
 from torchrl_grpo import _pending
-from torchrl_grpo._pending import Insertion, Pending, append, as_list, gather
+from torchrl_grpo._pending import Insertion, Pending, append, as_list, evolve, gather
 from torchrl_grpo.advantages import (
     BASELINES,
     RETURN_REDUCTIONS,
@@ -341,14 +341,14 @@ class MCAdvantage(Transform):
         stats = _fresh_stats()
         stats.update(plain["stats"])
         with self._lock:
-            self._store(replace(_pending.from_plain(plain), stats=stats))
+            self._store(evolve(_pending.from_plain(plain), stats=stats))
 
     # --- torchrl's statistics API --------------------------------------------------------------
 
     def reset_stats(self) -> None:
         """Reset the counters of write decisions (pending groups are kept)."""
         with self._lock:
-            self._store(replace(self._load(), stats=_fresh_stats()))
+            self._store(evolve(self._load(), stats=_fresh_stats()))
 
     def clear_queues(self) -> None:
         """Forget every pending trajectory (statistics are kept)."""
@@ -422,7 +422,7 @@ class MCAdvantage(Transform):
                 out, new_state = self._insert_one(one, state)
             else:
                 out, new_state = self._insert(tensordict, state)
-            new_state = replace(new_state, insertions=state.insertions + 1)
+            new_state = evolve(new_state, insertions=state.insertions + 1)
             if self.max_pending_groups is not None or self.max_pending_age is not None:
                 new_state = self._bound(new_state)
             self._store(new_state)
@@ -462,7 +462,7 @@ class MCAdvantage(Transform):
         stats = dict(state.stats)
         stats["evicted_groups"] += int(evict.sum())
         stats["evicted_trajectories"] += int(gone.sum())
-        return replace(_pending.drop(state, ~gone), stats=stats)
+        return evolve(_pending.drop(state, ~gone), stats=stats)
 
     def _insert(
         self, tensordict: TensorDictBase, state: Pending
@@ -971,13 +971,15 @@ class MCAdvantage(Transform):
                 return None
             key = [key]
         values = reward.reshape(-1)
+        lengths = _one_length(num_steps)
+        element_lengths = lengths if values.numel() == num_steps else _one_length(values.numel())
         return Insertion(
             tensordict,
-            torch.zeros(1, dtype=torch.long),
-            torch.tensor([num_steps]),
+            _ZERO,
+            lengths,
             key,
             values,
-            torch.tensor([values.numel()]),
+            element_lengths,
             num_steps,
             num_steps,
             values.numel(),
@@ -987,19 +989,24 @@ class MCAdvantage(Transform):
         self, batch: Insertion, state: Pending
     ) -> tuple[TensorDictBase | None, Pending]:
         """:meth:`_insert` for one trajectory: its group completes, or it waits; no sorting."""
-        q = state.num_pending
-        if isinstance(batch.keys, list):
-            same = torch.tensor([k == batch.keys[0] for k in as_list(state.keys)], dtype=torch.bool)
+        if isinstance(batch.keys, list):  # prompts: compared in Python
+            same = [k == batch.keys[0] for k in as_list(state.keys)]
+            count = sum(same)
+        elif state.num_pending:
+            equal = state.keys == batch.keys  # (Q, k)
+            same = equal[:, 0] if equal.shape[1] == 1 else equal.all(1)  # (Q,)
+            count = int(same.sum())
         else:
-            same = (state.keys == batch.keys).all(1) if q else torch.zeros(0, dtype=torch.bool)
+            same, count = [], 0
         batch_returns = self._returns(batch)  # (1,)
-        if int(same.sum()) + 1 < self.grpo_size:  # it waits: queue it, no copy, nothing else
+        if count + 1 < self.grpo_size:  # it waits: queue it, no copy, nothing else
             stats = self._count_arrivals(dict(state.stats), batch, batch_returns)
             return None, append(
                 state, batch.data, batch.starts, batch.lengths, batch.keys, batch_returns, stats
             )
+        same = torch.as_tensor(same, dtype=torch.bool)  # (Q,) the pending ones held < G
         returns = torch.cat([state.returns, batch_returns])  # (Q + 1,)
-        consumed = torch.cat([same, torch.ones(1, dtype=torch.bool)])  # pending ones held < G
+        consumed = torch.cat([same, torch.ones(1, dtype=torch.bool)])
         members = consumed.nonzero().squeeze(-1)
         member_event = torch.zeros_like(members)
         extra = {"dropped_groups": 0}
@@ -1033,7 +1040,7 @@ def _stat_property(name: str) -> property:
     def set(self, value) -> None:
         with self._lock:
             state = self._load()
-            self._store(replace(state, stats={**state.stats, name: value}))
+            self._store(evolve(state, stats={**state.stats, name: value}))
 
     return property(get, set, doc=f"torchrl's ``{name}`` counter (see :meth:`get_stats`).")
 
@@ -1041,6 +1048,15 @@ def _stat_property(name: str) -> property:
 for _name in STAT_NAMES:
     setattr(MCAdvantage, _name, _stat_property(_name))
 del _name
+
+
+_ZERO = torch.zeros(1, dtype=torch.long)  # the start of a lone trajectory (never written to)
+
+
+@functools.lru_cache(maxsize=4096)
+def _one_length(n: int) -> Tensor:
+    """``torch.tensor([n])``, made once per length (never written to): a lone trajectory's."""
+    return torch.tensor([n])
 
 
 def _all_finite(x: Tensor) -> bool:
