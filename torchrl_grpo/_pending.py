@@ -16,8 +16,9 @@ from torch import Tensor
 
 # The empty state's tensors, shared: a state's tensors are never written in place (every change
 # builds a new Pending), so one empty tensor of each kind serves every fresh state.
-_NO_INDEX = torch.zeros(0, dtype=torch.long)
+_NO_SPANS = torch.zeros(0, 4, dtype=torch.long)
 _NO_RETURN = torch.zeros(0, dtype=torch.float64)
+CHUNK, OFFSET, LENGTH, ARRIVAL = range(4)  # the columns of ``Pending.spans``
 
 
 @dataclass
@@ -27,26 +28,50 @@ class Pending:
     The pending steps live in ``chunks``: what each insertion left pending, kept as it came (a
     flat TensorDict, or a list of step TensorDicts once ragged data has been seen), so holding a
     trajectory back copies nothing. Pending trajectory ``j`` is steps
-    ``offset[j] : offset[j] + lengths[j]`` of ``chunks[chunk[j]]``; trajectories are in arrival
-    order. ``keys`` holds one group id per pending trajectory: a ``(Q, k)`` tensor for tensor ids,
-    a list of strings for prompts. ``arrival[j]`` is the insertion that brought trajectory ``j``.
+    ``offset[j] : offset[j] + lengths[j]`` of ``chunks[chunk[j]]``, and arrived with insertion
+    ``arrival[j]``: the four columns of ``spans`` (one tensor, so that queueing a trajectory is one
+    concatenation); trajectories are in arrival order. ``keys`` holds one group id per pending
+    trajectory: a ``(Q, k)`` tensor for tensor ids, a list of strings for prompts.
     """
 
     chunks: list = field(default_factory=list)
     chunk_sizes: list = field(default_factory=list)  # steps in each chunk, released ones included
-    chunk: Tensor = field(default_factory=lambda: _NO_INDEX)
-    offset: Tensor = field(default_factory=lambda: _NO_INDEX)
-    lengths: Tensor = field(default_factory=lambda: _NO_INDEX)
+    spans: Tensor = field(
+        default_factory=lambda: _NO_SPANS
+    )  # (Q, 4): chunk, offset, length, arrival
     keys: Tensor | list | None = None
     returns: Tensor = field(default_factory=lambda: _NO_RETURN)
-    arrival: Tensor = field(default_factory=lambda: _NO_INDEX)
     stats: dict = field(default_factory=dict)
     ragged: bool = False
     insertions: int = 0  # successful insertions so far: the clock of ``arrival``
 
     @property
     def num_pending(self) -> int:
-        return self.lengths.numel()
+        return self.spans.shape[0]
+
+    @property
+    def chunk(self) -> Tensor:
+        return self.spans[:, CHUNK]
+
+    @property
+    def offset(self) -> Tensor:
+        return self.spans[:, OFFSET]
+
+    @property
+    def lengths(self) -> Tensor:
+        return self.spans[:, LENGTH]
+
+    @property
+    def arrival(self) -> Tensor:
+        return self.spans[:, ARRIVAL]
+
+
+def spans_of(chunk, offset, lengths, arrival) -> Tensor:
+    """The ``(n, 4)`` spans of ``n`` trajectories (each argument a tensor or an int)."""
+    out = torch.empty(lengths.numel(), 4, dtype=torch.long)
+    for column, value in enumerate((chunk, offset, lengths, arrival)):
+        out[:, column] = value
+    return out
 
 
 def evolve(state: Pending, **changes) -> Pending:
@@ -179,28 +204,29 @@ def append(state: Pending, piece, offset, lengths, keys, returns, stats=None) ->
         all_keys = keys
     else:
         all_keys = torch.cat([state.keys, keys.to(state.keys.dtype)])
+    if lengths.numel() == 1:  # one trajectory: its span straight from Python ints
+        span = torch.tensor([[len(state.chunks), int(offset), int(lengths), state.insertions]])
+    else:
+        span = spans_of(len(state.chunks), offset, lengths, state.insertions)
     return evolve(
         state,
         chunks=[*state.chunks, piece],
         chunk_sizes=[*state.chunk_sizes, len(piece)],
-        chunk=torch.cat([state.chunk, torch.full_like(lengths, len(state.chunks))]),
-        offset=torch.cat([state.offset, offset]),
-        lengths=torch.cat([state.lengths, lengths]),
+        spans=torch.cat([state.spans, span]),
         keys=all_keys,
         returns=torch.cat([state.returns, returns]),
-        arrival=torch.cat([state.arrival, torch.full_like(lengths, state.insertions)]),
         stats=state.stats if stats is None else stats,
     )
 
 
 def drop(state: Pending, keep: Tensor) -> Pending:
     """``state`` without the pending trajectories where ``keep`` is False, and unused chunks."""
-    chunk, chunks, sizes = state.chunk[keep], state.chunks, state.chunk_sizes
-    used = torch.unique(chunk)
+    spans, chunks, sizes = state.spans[keep], state.chunks, state.chunk_sizes
+    used = torch.unique(spans[:, CHUNK])
     if used.numel() < len(chunks):
         kept = used.tolist()
         chunks, sizes = [chunks[c] for c in kept], [sizes[c] for c in kept]
-        chunk = torch.searchsorted(used, chunk)
+        spans[:, CHUNK] = torch.searchsorted(used, spans[:, CHUNK].contiguous())  # fresh: ours
     keys = (
         [k for k, kp in zip(state.keys, keep.tolist()) if kp]
         if isinstance(state.keys, list)
@@ -210,12 +236,9 @@ def drop(state: Pending, keep: Tensor) -> Pending:
         state,
         chunks=chunks,
         chunk_sizes=sizes,
-        chunk=chunk,
-        offset=state.offset[keep],
-        lengths=state.lengths[keep],
+        spans=spans,
         keys=keys,
         returns=state.returns[keep],
-        arrival=state.arrival[keep],
     )
 
 
@@ -247,12 +270,10 @@ def remaining(
     live = int(new.lengths.sum())
     if sum(new.chunk_sizes) > 2 * live + 1024:
         data = gather(new, None, torch.arange(new.num_pending))
+        lengths = new.lengths
+        offset = torch.cumsum(lengths, 0) - lengths
         new = evolve(
-            new,
-            chunks=[data],
-            chunk_sizes=[live],
-            chunk=torch.zeros_like(new.lengths),
-            offset=torch.cumsum(new.lengths, 0) - new.lengths,
+            new, chunks=[data], chunk_sizes=[live], spans=spans_of(0, offset, lengths, new.arrival)
         )
     return new
 
@@ -284,11 +305,11 @@ def from_plain(plain: dict) -> Pending:
     from tensordict import TensorDict
 
     lengths = plain["lengths"]
+    offset = torch.cumsum(lengths, 0) - lengths
     state = Pending(
-        lengths=lengths,
+        spans=spans_of(0, offset, lengths, plain["arrival"]),
         keys=plain["keys"],
         returns=plain["returns"],
-        arrival=plain["arrival"],
         stats=dict(plain["stats"]),
         ragged=plain["ragged"],
         insertions=plain["insertions"],
@@ -299,10 +320,4 @@ def from_plain(plain: dict) -> Pending:
         data = [TensorDict.from_dict(step, batch_size=[]) for step in plain["steps"]]
     else:
         data = TensorDict.from_dict(plain["steps"], batch_size=[plain["num_steps"]])
-    return evolve(
-        state,
-        chunks=[data],
-        chunk_sizes=[plain["num_steps"]],
-        chunk=torch.zeros_like(lengths),
-        offset=torch.cumsum(lengths, 0) - lengths,
-    )
+    return evolve(state, chunks=[data], chunk_sizes=[plain["num_steps"]])
