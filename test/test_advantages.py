@@ -204,6 +204,28 @@ class TestSegments:
         std = group_std(x, run_group, 3, lengths=lengths)
         torch.testing.assert_close(std, group_std(x, index, 3))
 
+    @pytest.mark.parametrize("scale_rewards", ["group", "batch", "none"])
+    @pytest.mark.parametrize("baseline", ["mean", "leave_one_out"])
+    @pytest.mark.parametrize("lengths", [[3, 1, 4], [5, 5], [7]])
+    def test_one_group(self, lengths, baseline, scale_rewards):
+        """A lone group takes plain reductions; same numbers as the definition."""
+        x, lengths, _, _ = self.runs(lengths, 1, seed=2)
+        runs, index = (
+            torch.zeros(lengths.numel(), dtype=torch.long),
+            torch.zeros(len(x), dtype=torch.long),
+        )
+        kw = dict(baseline=baseline, scale_rewards=scale_rewards)
+        want = reference_advantage(x, index, **kw)
+        torch.testing.assert_close(group_relative_advantage(x, index, 1, **kw), want)
+        torch.testing.assert_close(
+            group_relative_advantage(x, runs, 1, lengths=lengths, **kw), want
+        )
+        for reduction in ("sum", "mean", "max", "last"):
+            torch.testing.assert_close(
+                trajectory_returns(x, None, reduction=reduction, lengths=lengths.sum().reshape(1)),
+                trajectory_returns(x, index, reduction=reduction),
+            )
+
     def test_constant_runs_give_exact_zeros(self):
         x = torch.full((10,), 0.1, dtype=torch.float64)
         lengths, run_group = torch.tensor([3, 3, 4]), torch.tensor([0, 0, 0])

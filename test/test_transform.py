@@ -421,6 +421,20 @@ class TestMemoryLimits:
             t.inv(trajectory(1, [1.0]))
         assert t.get_stats() == before and list(t.queues) == [0]
 
+    @pytest.mark.parametrize("per_call", [1, 3])
+    def test_released_trajectories_are_not_held(self, per_call):
+        """What a released group used is let go: the steps held stay bounded by those pending."""
+        trajs = random_stream(200, 4, 0)  # 800 trajectories of 200 groups, interleaved
+        t = MCAdvantage(4, prompt_key="seed")
+        for i in range(0, len(trajs), per_call):
+            t.inv(torch.cat(trajs[i : i + per_call]))
+            state = t._load()
+            held = [chunk for chunk in state.chunks if chunk is not None]
+            live = int(state.lengths.sum())
+            assert sum(len(chunk) for chunk in held) <= 2 * live + 1024 + 5 * per_call
+            assert len(state.chunks) <= 2 * len(held) + 64 + per_call
+        assert t.queued_trajectories == 0 and not [c for c in t._load().chunks if c is not None]
+
     def test_invalid_limits(self):
         for kw in [dict(max_pending_groups=0), dict(max_pending_age=0), dict(on_overflow="drop")]:
             with pytest.raises(ValueError):

@@ -220,13 +220,23 @@ def append(state: Pending, piece, offset, lengths, keys, returns, stats=None) ->
 
 
 def drop(state: Pending, keep: Tensor) -> Pending:
-    """``state`` without the pending trajectories where ``keep`` is False, and unused chunks."""
-    spans, chunks, sizes = state.spans[keep], state.chunks, state.chunk_sizes
-    used = torch.unique(spans[:, CHUNK])
-    if used.numel() < len(chunks):
-        kept = used.tolist()
-        chunks, sizes = [chunks[c] for c in kept], [sizes[c] for c in kept]
-        spans[:, CHUNK] = torch.searchsorted(used, spans[:, CHUNK].contiguous())  # fresh: ours
+    """``state`` without the pending trajectories where ``keep`` is False.
+
+    A chunk left with no pending trajectory is released (its slot set to ``None``, so chunk
+    numbers stay valid); the list itself is compacted once most of its slots are empty.
+    """
+    spans = state.spans[keep]
+    chunks, sizes = list(state.chunks), list(state.chunk_sizes)
+    alive = torch.bincount(spans[:, CHUNK], minlength=len(chunks))  # (C,) trajectories left
+    counts = alive.tolist()
+    for c in state.spans[~keep, CHUNK].tolist():
+        if not counts[c]:
+            chunks[c], sizes[c] = None, 0
+    if len(chunks) > 2 * int((alive > 0).sum()) + 64:  # mostly empty slots: renumber
+        renumber = torch.cumsum(alive > 0, 0) - 1  # (C,) new number of each live chunk
+        spans[:, CHUNK] = renumber[spans[:, CHUNK]]  # a fresh tensor: ours to write
+        chunks = [chunk for chunk, n in zip(chunks, counts) if n]
+        sizes = [size for size, n in zip(sizes, counts) if n]
     keys = (
         [k for k, kp in zip(state.keys, keep.tolist()) if kp]
         if isinstance(state.keys, list)

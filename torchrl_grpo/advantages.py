@@ -92,9 +92,13 @@ class Segments:
         self.width = 0  # runs of one common length > 0, viewed as (R, width); 0: not so
         if lengths is None:
             self.num = _num_segments(index, num)
+        else:
+            runs = lengths.numel()
+            self.num = runs if index is None and num is None else _num_segments(index, num)
+        # One segment (a lone group, say): plain reductions, no index or runs needed at all.
+        self.single = self.num == 1
+        if lengths is None or self.single:
             return
-        runs = lengths.numel()
-        self.num = runs if index is None and num is None else _num_segments(index, num)
         # Every run of the same length: runs are the rows of a (R, L) view.
         if width is not None:
             self.width = width
@@ -105,6 +109,9 @@ class Segments:
     @property
     def count(self) -> Tensor:
         """Samples per segment, ``(num,)`` int64."""
+        if self.single:
+            size = self.index.numel() if self.lengths is None else self.lengths.sum()
+            return torch.as_tensor(size, dtype=torch.long).reshape(1)
         if self.lengths is None:
             return torch.bincount(self.index, minlength=self.num)
         if self.index is None:
@@ -127,6 +134,8 @@ class Segments:
 
     def spread(self, values: Tensor) -> Tensor:
         """Per-segment ``values`` made to broadcast against :meth:`view` of the samples."""
+        if self.single:
+            return values  # (1,)
         if self.width:
             return self._at_runs(values).unsqueeze(1)  # (R, 1)
         return self.expand(values)
@@ -148,6 +157,8 @@ class Segments:
 
     def sum(self, x: Tensor) -> Tensor:
         """Per-segment sum of the samples ``x`` (``(S,)`` or its :meth:`view`), ``(num,)``."""
+        if self.single:
+            return x.sum().reshape(1)
         zeros = torch.zeros(self.num, dtype=x.dtype, device=x.device)
         if self.lengths is None:
             return zeros.index_add_(0, self.index, x)
@@ -156,12 +167,16 @@ class Segments:
     def amax(self, x: Tensor) -> Tensor:
         """Per-segment maximum, ``(num,)`` (``-inf`` for an empty segment)."""
         init = torch.full((self.num,), float("-inf"), dtype=x.dtype, device=x.device)
+        if self.single:
+            return x.amax().reshape(1) if x.numel() else init
         if self.lengths is None:
             return init.scatter_reduce(0, self.index, x, reduce="amax", include_self=True)
         return self._runs_to_segments(self._per_run(x, "max"), init, "amax")
 
     def last(self, x: Tensor) -> Tensor:
         """Each segment's last sample in the order of ``x``, ``(num,)``."""
+        if self.single:
+            return x.reshape(-1)[-1:]
         if self.lengths is None:
             position = torch.arange(x.numel(), device=x.device)
             last = torch.zeros(self.num, dtype=torch.long, device=x.device)
@@ -177,7 +192,9 @@ class Segments:
     def member(self, x: Tensor) -> Tensor:
         """One sample of each segment, ``(num,)``: its maximum, or with runs the largest first
         sample of its runs (no pass over every sample)."""
-        if self.lengths is None:
+        if self.single and x.numel():
+            return x.reshape(-1)[:1]
+        if self.lengths is None or self.single:
             return self.amax(x)
         if self.width:
             firsts = x.view(-1, self.width)[:, 0]  # (R,)
@@ -188,6 +205,9 @@ class Segments:
 
     def expand(self, values: Tensor) -> Tensor:
         """Per-segment ``values`` (``(num,)``) repeated for every sample, shape ``(S,)``."""
+        if self.single:
+            size = self.index.numel() if self.lengths is None else int(self.lengths.sum())
+            return values.repeat(size)
         if self.lengths is None:
             return values.index_select(0, self.index)
         per_run = self._at_runs(values)  # (R,)
