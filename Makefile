@@ -7,7 +7,7 @@ PIP    := $(PY) -m pip --disable-pip-version-check -q
 # torch first and pinned: this is the CPU wheel; an open range would pull a multi-GB CUDA build.
 TORCH  := torch==2.13.0
 
-.PHONY: demo test docs bench lint clean
+.PHONY: demo test docs bench bench-llm lint clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -32,9 +32,15 @@ docs: $(VENV)/.stamp-docs+examples
 	$(PY) -m sphinx -W --keep-going -q -b html docs docs/_build/html
 	$(PY) -m sphinx -W --keep-going -q -b doctest docs docs/_build/doctest
 
+# Benchmark tables (each a side-by-side comparison in one run); see docs/benchmarks.rst.
 bench: $(VENV)/.stamp-examples
 	$(PY) benchmarks/transform_throughput.py
 	$(PY) benchmarks/loss_memory.py
+	$(PY) benchmarks/cartpole_seeds.py
+
+# The LLM example at its defaults for seeds 0-2, one after the other (about 9 minutes).
+bench-llm: $(VENV)/.stamp-examples+llm
+	$(PY) benchmarks/llm_seeds.py
 
 lint: $(VENV)/.stamp-dev
 	$(VENV)/bin/ruff check .

@@ -5,9 +5,12 @@ from setuptools import find_packages, setup
 EXTRAS = {
     "test": ["pytest>=8", "hypothesis>=6"],
     "examples": ["tqdm", "matplotlib"],
-    "llm": ["transformers>=4.40"],
+    "llm": ["transformers>=5"],
     "dist": ["ray[default]"],
     "docs": ["sphinx>=7.2", "furo"],
+    # the examples' optional loggers (--logger tensorboard / wandb; csv needs nothing)
+    "tensorboard": ["tensorboard"],
+    "wandb": ["wandb"],
 }
 EXTRAS["dev"] = sorted({dep for deps in EXTRAS.values() for dep in deps} | {"ruff"})
 

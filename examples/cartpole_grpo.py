@@ -100,7 +100,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--logger",
         choices=["csv", "tensorboard", "wandb", "none"],
         default="csv",
-        help="torchrl logger (tensorboard and wandb need their packages)",
+        help="torchrl logger; tensorboard and wandb need their extras: pip install -e '.[tensorboard]'",
     )
     p.add_argument("--no-progress", action="store_true", help="hide the tqdm progress bar")
     return p.parse_args(argv)
@@ -218,11 +218,17 @@ def main(argv: list[str] | None = None) -> dict:
     while (Path(cfg.output_dir) / run_name).exists():  # two runs in one second: never mix logs
         run_name += "+"
     run_dir = Path(cfg.output_dir) / run_name
-    logger = get_logger(
-        None if cfg.logger == "none" else cfg.logger,
-        logger_name=cfg.output_dir,
-        experiment_name=run_name,
-    )
+    try:
+        logger = get_logger(
+            None if cfg.logger == "none" else cfg.logger,
+            logger_name=cfg.output_dir,
+            experiment_name=run_name,
+        )
+    except ImportError as error:  # tensorboard / wandb missing: say what to install
+        raise SystemExit(
+            f"--logger {cfg.logger} needs the {cfg.logger} package: pip install -e '.[{cfg.logger}]' "
+            f"(or --logger csv). ({error})"
+        ) from error
     run_dir.mkdir(parents=True, exist_ok=True)
     if logger is not None:
         logger.log_hparams(vars(cfg))

@@ -86,6 +86,14 @@ class TestCartPoleDemo:
         with open(run_dir / "scalars" / "eval" / "return.csv") as f:
             assert float(next(csv.reader(f))[1]) == pytest.approx(float(eval_return), abs=0.05)
 
+    def test_missing_logger_package_is_a_clear_error(self, example, tmp_path, monkeypatch):
+        def no_tensorboard(*args, **kwargs):
+            raise ImportError("torch.utils.tensorboard could not be imported")
+
+        monkeypatch.setattr(example, "get_logger", no_tensorboard)
+        with pytest.raises(SystemExit, match=r"--logger tensorboard needs .*\[tensorboard\]"):
+            example.main(["--logger", "tensorboard", "--output-dir", str(tmp_path)])
+
     def test_help_documents_every_setting(self, example, capsys):
         with pytest.raises(SystemExit):
             example.parse_args(["--help"])
