@@ -49,21 +49,11 @@ class Pending:
     def num_pending(self) -> int:
         return self.spans.shape[0]
 
-    @property
-    def chunk(self) -> Tensor:
-        return self.spans[:, CHUNK]
-
-    @property
-    def offset(self) -> Tensor:
-        return self.spans[:, OFFSET]
-
-    @property
-    def lengths(self) -> Tensor:
-        return self.spans[:, LENGTH]
-
-    @property
-    def arrival(self) -> Tensor:
-        return self.spans[:, ARRIVAL]
+    # The columns of ``spans`` by name, as (Q,) views.
+    chunk = property(lambda self: self.spans[:, CHUNK])
+    offset = property(lambda self: self.spans[:, OFFSET])
+    lengths = property(lambda self: self.spans[:, LENGTH])
+    arrival = property(lambda self: self.spans[:, ARRIVAL])
 
 
 def spans_of(chunk, offset, lengths, arrival) -> Tensor:
