@@ -862,7 +862,10 @@ class MCAdvantage(Transform):
         """
         everything = state.num_pending == 0 and members.numel() == batch.lengths.numel()
         steps = batch.lengths if everything else lengths[members]  # (M,) steps of each released
-        by_steps = Segments(None, lengths=steps, width=batch.width if everything else None)
+
+        def by_steps() -> Segments:  # each released trajectory as a run of its steps
+            return Segments(None, lengths=steps, width=batch.width if everything else None)
+
         out = gather(state, batch, members)  # (S,) steps, or a list of S step copies
         reward = self._released_rewards(out)  # list of per-step tensors (ragged) or one tensor
         if isinstance(reward, list):
@@ -902,7 +905,7 @@ class MCAdvantage(Transform):
             if isinstance(reward, list):
                 adv = Segments(None, lengths=elems).expand(adv)
             else:  # each trajectory's advantage on its steps, then on the reward's shape
-                adv = by_steps.expand(adv)
+                adv = by_steps().expand(adv)
                 adv = adv.reshape(-1, *[1] * (reward.ndim - 1)).expand(reward.shape)
 
         if isinstance(out, list):
@@ -912,7 +915,7 @@ class MCAdvantage(Transform):
             out.set(self.advantage_key, adv.reshape(reward.shape))
         if not self._filtering() or keep_event.all():
             return (lazy_stack(out) if isinstance(out, list) else out), keep_event
-        keep_step = by_steps.expand(keep_event[member_event])  # (S,)
+        keep_step = by_steps().expand(keep_event[member_event])  # (S,)
         if isinstance(out, list):
             out = [step for step, k in zip(out, keep_step.tolist()) if k]
             return (lazy_stack(out) if out else None), keep_event
