@@ -115,7 +115,7 @@ class Segments:
         if self.lengths is None:
             return torch.bincount(self.index, minlength=self.num)
         if self.index is None:
-            return self.lengths
+            return self.lengths.clone()  # not the caller's tensor
         return torch.zeros(self.num, dtype=torch.long).index_add_(0, self.index, self.lengths)
 
     def _runs_to_segments(self, per_run: Tensor, init: Tensor, reduce: str = "sum") -> Tensor:
