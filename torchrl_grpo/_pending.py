@@ -36,9 +36,8 @@ class Pending:
 
     chunks: list = field(default_factory=list)
     chunk_sizes: list = field(default_factory=list)  # steps in each chunk, released ones included
-    spans: Tensor = field(
-        default_factory=lambda: _NO_SPANS
-    )  # (Q, 4): chunk, offset, length, arrival
+    # (Q, 4): chunk, offset, length, arrival of each pending trajectory
+    spans: Tensor = field(default_factory=lambda: _NO_SPANS)
     keys: Tensor | list | None = None
     returns: Tensor = field(default_factory=lambda: _NO_RETURN)
     stats: dict = field(default_factory=dict)
@@ -82,9 +81,8 @@ class Insertion:
     elements: Tensor  # (E,) every reward element, in order (trajectory by trajectory)
     element_lengths: Tensor  # (n,) reward elements of each trajectory
     num_steps: int  # N
-    width: int | None = (
-        None  # steps of every trajectory if all have as many, else 0 (None: unknown)
-    )
+    # steps of every trajectory when all have as many, else 0; None: not known (found on use)
+    width: int | None = None
     element_width: int | None = None  # the same for reward elements
 
 

@@ -866,6 +866,9 @@ class MCAdvantage(Transform):
         def by_steps() -> Segments:  # each released trajectory as a run of its steps
             return Segments(None, lengths=steps, width=batch.width if everything else None)
 
+        def by_elems() -> Segments:  # ... and as a run of its reward elements
+            return Segments(None, lengths=elems)
+
         out = gather(state, batch, members)  # (S,) steps, or a list of S step copies
         reward = self._released_rewards(out)  # list of per-step tensors (ragged) or one tensor
         if isinstance(reward, list):
@@ -893,20 +896,15 @@ class MCAdvantage(Transform):
             epsilon=self.epsilon,
             lengths=runs,
         )
-        dtype = dtype if dtype.is_floating_point else torch.get_default_dtype()
-        if self.trajectory_return is None:
-            if self.step_norm:
-                adv = adv / Segments(None, lengths=elems).expand(steps.to(adv.dtype))
-            adv = adv.to(dtype)
-        else:
-            if self.step_norm:
-                adv = adv / steps.to(adv.dtype)
-            adv = adv.to(dtype)
-            if isinstance(reward, list):
-                adv = Segments(None, lengths=elems).expand(adv)
-            else:  # each trajectory's advantage on its steps, then on the reward's shape
-                adv = by_steps().expand(adv)
-                adv = adv.reshape(-1, *[1] * (reward.ndim - 1)).expand(reward.shape)
+        if self.step_norm:  # per trajectory: on its return, or on each of its elements
+            norm = steps.to(adv.dtype)  # (M,)
+            adv = adv / (norm if self.trajectory_return is not None else by_elems().expand(norm))
+        adv = adv.to(dtype if dtype.is_floating_point else torch.get_default_dtype())
+        if self.trajectory_return is not None and isinstance(reward, list):
+            adv = by_elems().expand(adv)  # each trajectory's advantage on its elements
+        elif self.trajectory_return is not None:  # on its steps, then on the reward's shape
+            adv = by_steps().expand(adv)
+            adv = adv.reshape(-1, *[1] * (reward.ndim - 1)).expand(reward.shape)
 
         if isinstance(out, list):
             for step, a in zip(out, adv.split(counts.tolist())):
