@@ -206,6 +206,13 @@ class TestEstimators:
         adv, _ = self.release(t, trajs)
         assert adv.squeeze(-1).tolist() == pytest.approx([0.0, 0.0, -2.0, 2 / 3, 2 / 3, 2 / 3])
 
+    def test_step_norm_per_step(self):
+        """Per-step samples: each element's advantage is divided by its trajectory's steps."""
+        trajs = [trajectory(0, [1.0, 1.0]), trajectory(0, [0.0]), trajectory(0, [0.0, 0.0, 4.0])]
+        t = MCAdvantage(3, prompt_key="seed", scale_rewards="none", step_norm=True)
+        adv, _ = self.release(t, trajs)  # mean of the six rewards is 1
+        assert adv.squeeze(-1).tolist() == pytest.approx([0.0, 0.0, -1.0, -1 / 3, -1 / 3, 1.0])
+
     def test_batch_scale_uses_every_released_return(self):
         trajs = [trajectory(g, [r]) for g, r in [(0, 0.0), (0, 2.0), (1, 10.0), (1, 30.0)]]
         t = MCAdvantage(2, prompt_key="seed", trajectory_return="sum", scale_rewards="batch")
