@@ -43,7 +43,6 @@ import copy
 import dataclasses
 import gc
 import os
-import warnings
 from dataclasses import dataclass
 
 import matplotlib
@@ -56,9 +55,14 @@ from tokenizers import Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as CharLevelTokenizer
 from torch.utils.data import DataLoader, IterableDataset
 from torchrl.collectors.llm import LLMCollector
-from torchrl.data import Composite, LazyStackStorage, ReplayBuffer, SamplerWithoutReplacement
-from torchrl.data import Unbounded
-from torchrl.envs import Compose, StepCounter, Transform
+from torchrl.data import (
+    Composite,
+    LazyStackStorage,
+    ReplayBuffer,
+    SamplerWithoutReplacement,
+    Unbounded,
+)
+from torchrl.envs import Compose, ExcludeTransform, StepCounter, Transform
 from torchrl.envs.llm import DatasetChatEnv, RetrieveLogProb
 from torchrl.modules.llm import TransformersWrapper
 from torchrl.objectives.llm import GRPOLoss  # torchrl's, until torchrl_grpo.GRPOLoss takes wrappers
@@ -169,7 +173,9 @@ def as_queries(digits: torch.Tensor) -> TensorDict:
     """Problems as the env's data: the prompt (``"query"``) and the expected answer."""
     rows = digits.tolist()
     return TensorDict(
-        query=[prompt_text(d) for d in rows], answer=[str(sum(d)) for d in rows], batch_size=[len(rows)]
+        query=[prompt_text(d) for d in rows],
+        answer=[str(sum(d)) for d in rows],
+        batch_size=[len(rows)],
     )
 
 
@@ -216,6 +222,26 @@ class DigitSumReward(Transform):
         return reward_spec
 
 
+class Contiguous(Transform):
+    """Turns torchrl's lazily stacked LLM data into one ``TensorDict``.
+
+    torchrl's LLM env and wrappers stack one ``TensorDict`` per completion (``to_lazystack``),
+    the layout for ragged text. Here every row has the same shapes (the wrappers pad,
+    ``pad_output=True``), and the lazy layout only costs time: each copy, clone, key lookup and
+    write walks the 512 rows. Used on the env's output, on the collected batch before it is
+    scored, and on the minibatches sampled from the buffer (see the tutorial's profile).
+    """
+
+    def forward(self, tensordict):
+        return tensordict.contiguous()
+
+    def _reset(self, tensordict, tensordict_reset):
+        return tensordict_reset.contiguous()
+
+    def _step(self, tensordict, next_tensordict):
+        return next_tensordict.contiguous()
+
+
 def make_env(tokenizer, dataloader, batch: int, repeats: int | None = None) -> DatasetChatEnv:
     """The task as a torchrl LLM env: one step per episode, prompts as tokens, the reward above.
 
@@ -230,6 +256,7 @@ def make_env(tokenizer, dataloader, batch: int, repeats: int | None = None) -> D
         input_mode="tokens",
         template_kwargs={"chat_template": tokenizer.chat_template},
     )
+    env.append_transform(Contiguous())
     env.append_transform(StepCounter(max_steps=1))
     env.append_transform(DigitSumReward(tokenizer))
     return env
@@ -306,12 +333,86 @@ def greedy_accuracy(env, greedy_policy) -> float:
     return env.rollout(1, greedy_policy)["next", "reward"].mean().item()
 
 
+def make_collector(cfg: Settings, model, ref_model, tokenizer, gen, exclude):
+    """The LLM collector and the replay buffer it fills, one GRPO step's batch at a time.
+
+    Each batch: ``prompts_per_step`` fresh prompts (drawn with ``gen``, none in ``exclude``),
+    each ``group_size`` times; the sampled completions and their rewards from the env; the
+    log-probs of the sampled tokens under the sampling policy (the "old" policy of the ratio) and
+    under the frozen reference, added by torchrl's ``RetrieveLogProb`` at
+    ``("next", "log_probs", "full")`` and ``("next", "ref_log_probs", "full")``; then
+    ``MCAdvantage`` writes ``"advantage"`` per completion, grouped by prompt, on the way into
+    the buffer.
+    """
+    rows = cfg.prompts_per_step * cfg.group_size
+    loader = DataLoader(
+        DigitSumProblems(gen, cfg.prompts_per_step, cfg.digits, exclude),
+        batch_size=None,
+        collate_fn=lambda td: td,
+    )
+    env = make_env(tokenizer, loader, batch=rows, repeats=cfg.group_size)
+    rb = ReplayBuffer(
+        storage=LazyStackStorage(rows),
+        sampler=SamplerWithoutReplacement(),
+        batch_size=cfg.minibatch,
+    )
+    # extend() runs the transforms' inverse passes last-appended first: MCAdvantage reads the
+    # prompt strings, then ExcludeTransform drops what the loss does not read (the strings cost
+    # time at every copy); sample() runs the forward passes in order: Contiguous last
+    rb.append_transform(Contiguous())
+    rb.append_transform(
+        ExcludeTransform(
+            "query",
+            "answer",
+            ("next", "query"),
+            ("next", "answer"),
+            ("next", "tokens"),
+            inverse=True,
+        )
+    )
+    rb.append_transform(
+        MCAdvantage(
+            grpo_size=cfg.group_size,
+            prompt_key="query",
+            trajectory_return="sum",
+            keep_return_bounds=(0.0, 1.0) if cfg.dynamic_sampling else None,
+        )
+    )
+    score = Compose(
+        Contiguous(),
+        RetrieveLogProb(make_scorer(model, tokenizer), assistant_only=False),
+        RetrieveLogProb(make_scorer(ref_model, tokenizer, "ref_log_probs"), assistant_only=False),
+    )
+    collector = LLMCollector(
+        env,
+        policy=make_sampler(model, tokenizer, cfg),
+        dialog_turns_per_batch=rows,
+        total_dialog_turns=cfg.steps * rows,
+        replay_buffer=rb,
+        postproc=torch.no_grad()(score),  # RetrieveLogProb would record a graph otherwise
+    )
+    return collector, rb
+
+
+def make_loss(scorer, cfg: Settings) -> GRPOLoss:
+    """GRPO's clipped objective over the response tokens, with the KL to the reference."""
+    loss_fn = GRPOLoss(
+        actor_network=scorer,
+        masking_strategy="sft",  # the response tokens: full sequence minus the prompt
+        clip_epsilon=cfg.clip_epsilon,
+        kl_to_ref_coeff=cfg.kl_coeff,
+        entropy_coeff=cfg.entropy_coeff,
+    )
+    loss_fn.set_keys(sample_log_prob=("next", "log_probs", "full"))
+    return loss_fn
+
+
 # --------------------------------------------------------------------------------------------
 # The run
 # --------------------------------------------------------------------------------------------
 
 
-def warm_start(scorer, tokenizer, cfg: Settings, gen, val_env, greedy, exclude) -> int:
+def warm_start(model, tokenizer, cfg: Settings, gen, val_env, greedy, exclude) -> int:
     """Supervised next-token training on ``prompt -> answer <eos>`` until partly right.
 
     The loss is the mean negative log-prob of the answer tokens, read from the scoring wrapper
@@ -319,8 +420,10 @@ def warm_start(scorer, tokenizer, cfg: Settings, gen, val_env, greedy, exclude) 
     where the greedy accuracy on ``val_env`` (not the held-out evaluation set) reaches
     ``cfg.sft_target``. Returns the number of steps taken.
     """
-    scorer = scorer.get_new_version(pad_output=False)
-    optim = torch.optim.AdamW(scorer.model.parameters(), lr=cfg.sft_lr)
+    scorer = TransformersWrapper(  # as make_scorer, but ragged output: read right-padded below
+        model, tokenizer=tokenizer, input_mode="tokens", generate=False, return_log_probs=True
+    )
+    optim = torch.optim.AdamW(model.parameters(), lr=cfg.sft_lr)
     p = 2 * cfg.digits  # prompt length in tokens, the same for every prompt
     for step in range(1, cfg.sft_max_steps + 1):
         data = as_queries(draw_problems(gen, cfg.sft_batch, cfg.digits, exclude))
@@ -373,58 +476,16 @@ def main(argv=None) -> dict:
     val_env = fixed_prompts_env(tokenizer, val_digits)
 
     model = make_model(cfg, tokenizer)
-    scorer = make_scorer(model, tokenizer)  # the policy GRPOLoss trains
     greedy = make_sampler(model, tokenizer, cfg, greedy=True)
-    sft_steps = warm_start(scorer, tokenizer, cfg, train_gen, val_env, greedy, eval_codes)
+    sft_steps = warm_start(model, tokenizer, cfg, train_gen, val_env, greedy, eval_codes)
     acc_before = greedy_accuracy(eval_env, greedy)
     print(f"warm start: {sft_steps} supervised steps, greedy accuracy {acc_before:.3f} "
           f"on {cfg.eval_prompts} held-out prompts ({time.perf_counter() - T0:.0f} s)")  # fmt: skip
     ref_model = copy.deepcopy(model).requires_grad_(False)  # the frozen reference policy
 
     rows = cfg.prompts_per_step * cfg.group_size
-    loader = DataLoader(
-        DigitSumProblems(train_gen, cfg.prompts_per_step, cfg.digits, eval_codes),
-        batch_size=None,
-        collate_fn=lambda td: td,
-    )
-    env = make_env(tokenizer, loader, batch=rows, repeats=cfg.group_size)
-    rb = ReplayBuffer(
-        storage=LazyStackStorage(rows),
-        sampler=SamplerWithoutReplacement(),
-        batch_size=cfg.minibatch,
-    )
-    rb.append_transform(
-        MCAdvantage(
-            grpo_size=cfg.group_size,
-            prompt_key="query",
-            trajectory_return="sum",
-            keep_return_bounds=(0.0, 1.0) if cfg.dynamic_sampling else None,
-        )
-    )
-    # log-probs of the sampled tokens under the sampling policy (the "old" policy of the ratio)
-    # and under the frozen reference, at ("next", "log_probs", "full") and
-    # ("next", "ref_log_probs", "full"); computed once per batch, before it enters the buffer
-    score = Compose(
-        RetrieveLogProb(scorer, assistant_only=False),
-        RetrieveLogProb(make_scorer(ref_model, tokenizer, "ref_log_probs"), assistant_only=False),
-    )
-    collector = LLMCollector(
-        env,
-        policy=make_sampler(model, tokenizer, cfg),
-        dialog_turns_per_batch=rows,
-        total_dialog_turns=cfg.steps * rows,
-        replay_buffer=rb,
-        postproc=torch.no_grad()(score),
-    )
-
-    loss_fn = GRPOLoss(
-        actor_network=scorer,
-        masking_strategy="sft",  # the response tokens: full sequence minus the prompt
-        clip_epsilon=cfg.clip_epsilon,
-        kl_to_ref_coeff=cfg.kl_coeff,
-        entropy_coeff=cfg.entropy_coeff,
-    )
-    loss_fn.set_keys(sample_log_prob=("next", "log_probs", "full"))
+    collector, rb = make_collector(cfg, model, ref_model, tokenizer, train_gen, eval_codes)
+    loss_fn = make_loss(make_scorer(model, tokenizer), cfg)
     optim = torch.optim.Adam(model.parameters(), lr=cfg.lr)
     warmup = min(cfg.warmup_steps, cfg.steps - 1)
     schedule = torch.optim.lr_scheduler.SequentialLR(
