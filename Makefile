@@ -28,7 +28,7 @@ test: $(VENV)/.stamp-test+examples+llm+dist
 	$(PY) -m pytest -q test torchrl_grpo --doctest-modules
 
 # The site, with warnings as errors, and every example on it run by Sphinx's doctest builder.
-docs: $(VENV)/.stamp-docs+examples
+docs: $(VENV)/.stamp-docs+examples+llm
 	$(PY) -m sphinx -W --keep-going -q -b html docs docs/_build/html
 	$(PY) -m sphinx -W --keep-going -q -b doctest docs docs/_build/doctest
 
