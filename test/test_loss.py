@@ -368,6 +368,8 @@ HAND_VALUES = [
     ),
     # TIS weights min(p_old / p_inf, 2): row 0 -> 2, 1, 1; row 1 -> 1, 0.5
     ("TIS cap 2", GRPOLoss, {"tis_cap": 2.0}, (-2.0 - 1.1 - 1.2 + 0.8 + 2.0) / 5),
+    # KL-Mask: 0.5 log(r)^2 = 0, .005, .082 | .240, .961: the last two leave the loss
+    ("kl_mask_threshold 0.1", GRPOLoss, {"kl_mask_threshold": 0.1}, (-1.0 - 1.1 - 1.2) / 3),
 ]
 
 
@@ -444,6 +446,58 @@ class TestGRPOLossHandValues:
         weights = torch.tensor([[1.0, 1.1, 1.2], [-0.5, -1.2, 0.0]])
         expected = -weights * (1 - p) / 5
         torch.testing.assert_close(batch["logits"].grad[..., 0], expected)
+
+
+class TestCallableExtensionPoints:
+    """Each variant slot takes a callable, called with the lined-up (B, T) tensors."""
+
+    def test_objective(self):
+        def plain_ratio(log_ratio, advantage, log_prob, log_clip_low, log_clip_high):
+            return -log_ratio.exp() * advantage  # no clip: -r A
+
+        out = GRPOLoss(known_policy(), objective=plain_ratio)(known_batch())
+        expected = (-1.0 - 1.1 - 1.5 + 0.5 + 4.0) / 5
+        assert out.loss_objective.item() == pytest.approx(expected, abs=1e-6)
+
+    def test_ratio_level(self):
+        def on_policy(log_ratio, mask):
+            return torch.zeros_like(log_ratio)  # every ratio 1: the loss is -mean(A)
+
+        out = GRPOLoss(known_policy(), ratio_level=on_policy)(known_batch())
+        assert out.loss_objective.item() == pytest.approx((-3.0 + 2.0) / 5, abs=1e-6)
+        assert out.ESS.item() == 1.0 and out.clip_fraction.item() == 0.0
+
+    def test_aggregation(self):
+        def worst_token(loss, mask):
+            return loss[mask].max()
+
+        out = GRPOLoss(known_policy(), aggregation=worst_token)(known_batch())
+        assert out.loss_objective.item() == pytest.approx(4.0)
+
+    def test_kl_estimator(self):
+        def squared(log_prob, ref_log_prob):
+            return (log_prob - ref_log_prob).square()
+
+        loss = GRPOLoss(known_policy(), kl_to_ref_coeff=0.1, kl_to_ref_estimator=squared)
+        out = loss(known_batch())
+        expected = sum(math.log(r) ** 2 for r in REAL_RATIOS) / 5
+        assert out.kl_to_ref.item() == pytest.approx(expected, rel=1e-5)
+        assert out.loss_kl_to_ref.item() == pytest.approx(0.1 * expected, rel=1e-5)
+
+    def test_kl_mask_threshold_keeps_metrics_and_empties_to_zero(self):
+        masked = GRPOLoss(known_policy(), kl_mask_threshold=0.1)(known_batch())
+        plain = GRPOLoss(known_policy())(known_batch())
+        for key in ("clip_fraction", "ESS", "kl_approx", "entropy"):  # every real token
+            assert masked[key] == plain[key], key
+        batch = known_batch()
+        batch["logits"].requires_grad_()
+        out = GRPOLoss(known_policy(), kl_mask_threshold=1e-9)(batch)  # only r = 1 is left
+        assert out.loss_objective.item() == pytest.approx(-1.0)
+        batch["tokens_log_prob"] = batch["tokens_log_prob"] - 1.0  # every token drifted
+        out = GRPOLoss(known_policy(), kl_mask_threshold=1e-3)(batch)
+        assert out.loss_objective.item() == 0.0 and out.loss_entropy.item() == 0.0
+        out.total_loss().backward()
+        assert batch["logits"].grad.abs().max() == 0
 
 
 # --------------------------------------------------------------------------------------------
