@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tensordict import TensorDict
+from tensordict import TensorDict, lazy_stack
 from tensordict.nn import ProbabilisticTensorDictModule, TensorDictModule
 from torchrl.modules import ProbabilisticActor
 from torchrl.objectives import ClipPPOLoss
@@ -293,7 +294,7 @@ def test_presets_defaults():
         (3e-4, 4e-4)
     )
     cispo = CISPOLoss(policy)
-    low, high = cispo._clip_bounds
+    low, high = cispo.clip_bounds
     assert low.item() == -math.inf and high.exp().item() == pytest.approx(4.0)
     with pytest.raises(TypeError):
         DrGRPOLoss(policy)  # max_length is required
@@ -367,6 +368,8 @@ HAND_VALUES = [
     ),
     # TIS weights min(p_old / p_inf, 2): row 0 -> 2, 1, 1; row 1 -> 1, 0.5
     ("TIS cap 2", GRPOLoss, {"tis_cap": 2.0}, (-2.0 - 1.1 - 1.2 + 0.8 + 2.0) / 5),
+    # KL-Mask: 0.5 log(r)^2 = 0, .005, .082 | .240, .961: the last two leave the loss
+    ("kl_mask_threshold 0.1", GRPOLoss, {"kl_mask_threshold": 0.1}, (-1.0 - 1.1 - 1.2) / 3),
 ]
 
 
@@ -443,6 +446,58 @@ class TestGRPOLossHandValues:
         weights = torch.tensor([[1.0, 1.1, 1.2], [-0.5, -1.2, 0.0]])
         expected = -weights * (1 - p) / 5
         torch.testing.assert_close(batch["logits"].grad[..., 0], expected)
+
+
+class TestCallableExtensionPoints:
+    """Each variant slot takes a callable, called with the lined-up (B, T) tensors."""
+
+    def test_objective(self):
+        def plain_ratio(log_ratio, advantage, log_prob, log_clip_low, log_clip_high):
+            return -log_ratio.exp() * advantage  # no clip: -r A
+
+        out = GRPOLoss(known_policy(), objective=plain_ratio)(known_batch())
+        expected = (-1.0 - 1.1 - 1.5 + 0.5 + 4.0) / 5
+        assert out.loss_objective.item() == pytest.approx(expected, abs=1e-6)
+
+    def test_ratio_level(self):
+        def on_policy(log_ratio, mask):
+            return torch.zeros_like(log_ratio)  # every ratio 1: the loss is -mean(A)
+
+        out = GRPOLoss(known_policy(), ratio_level=on_policy)(known_batch())
+        assert out.loss_objective.item() == pytest.approx((-3.0 + 2.0) / 5, abs=1e-6)
+        assert out.ESS.item() == 1.0 and out.clip_fraction.item() == 0.0
+
+    def test_aggregation(self):
+        def worst_token(loss, mask):
+            return loss[mask].max()
+
+        out = GRPOLoss(known_policy(), aggregation=worst_token)(known_batch())
+        assert out.loss_objective.item() == pytest.approx(4.0)
+
+    def test_kl_estimator(self):
+        def squared(log_prob, ref_log_prob):
+            return (log_prob - ref_log_prob).square()
+
+        loss = GRPOLoss(known_policy(), kl_to_ref_coeff=0.1, kl_to_ref_estimator=squared)
+        out = loss(known_batch())
+        expected = sum(math.log(r) ** 2 for r in REAL_RATIOS) / 5
+        assert out.kl_to_ref.item() == pytest.approx(expected, rel=1e-5)
+        assert out.loss_kl_to_ref.item() == pytest.approx(0.1 * expected, rel=1e-5)
+
+    def test_kl_mask_threshold_keeps_metrics_and_empties_to_zero(self):
+        masked = GRPOLoss(known_policy(), kl_mask_threshold=0.1)(known_batch())
+        plain = GRPOLoss(known_policy())(known_batch())
+        for key in ("clip_fraction", "ESS", "kl_approx", "entropy"):  # every real token
+            assert masked[key] == plain[key], key
+        batch = known_batch()
+        batch["logits"].requires_grad_()
+        out = GRPOLoss(known_policy(), kl_mask_threshold=1e-9)(batch)  # only r = 1 is left
+        assert out.loss_objective.item() == pytest.approx(-1.0)
+        batch["tokens_log_prob"] = batch["tokens_log_prob"] - 1.0  # every token drifted
+        out = GRPOLoss(known_policy(), kl_mask_threshold=1e-3)(batch)
+        assert out.loss_objective.item() == 0.0 and out.loss_entropy.item() == 0.0
+        out.total_loss().backward()
+        assert batch["logits"].grad.abs().max() == 0
 
 
 # --------------------------------------------------------------------------------------------
@@ -672,3 +727,269 @@ class TestGRPOLossTokens:
         batch["inference_log_prob"] = batch["inference_log_prob"].requires_grad_()
         with pytest.raises(RuntimeError, match="'inference_log_prob' requires grad"):
             GRPOLoss(token_policy(), kl_to_inference_coeff=0.1)(batch)
+
+
+# --------------------------------------------------------------------------------------------
+# torchrl LLM wrappers (TransformersWrapper on a tiny local Qwen2)
+# --------------------------------------------------------------------------------------------
+
+
+def _grads(module) -> torch.Tensor:
+    return torch.cat([p.grad.flatten() for p in module.parameters() if p.grad is not None])
+
+
+def _run(loss, batch, module):
+    """The loss on a copy of ``batch`` and the gradient of its loss terms."""
+    module.zero_grad()
+    out = loss(batch.copy())
+    sum(value for key, value in out.items() if key.startswith("loss_")).backward()
+    return out, _grads(module)
+
+
+class TestGRPOLossLLMWrapper:
+    @pytest.mark.parametrize("masking_strategy", ["sft", "rlhf", "generic"])
+    @pytest.mark.parametrize("clip_epsilon", [0.2, (0.2, 0.28)])
+    def test_equals_torchrl_grpo_loss(
+        self, tiny_llm, make_llm_batch, make_llm_scorer, masking_strategy, clip_epsilon
+    ):
+        from torchrl.objectives.llm import GRPOLoss as TorchrlGRPOLoss
+
+        model, tokenizer = tiny_llm
+        batch = make_llm_batch(model, tokenizer)
+        scorer = make_llm_scorer(model, tokenizer)
+        kwargs = dict(masking_strategy=masking_strategy, clip_epsilon=clip_epsilon)
+        ref, ref_grad = _run(TorchrlGRPOLoss(scorer, **kwargs), batch, model)
+        out, grad = _run(GRPOLoss(scorer, **kwargs), batch, model)
+
+        assert 0 < ref.clip_fraction < 1  # the comparison exercises clipping
+        for key in ("loss_objective", "loss_entropy", "ESS"):
+            torch.testing.assert_close(out[key], ref.get(key), rtol=1e-5, atol=1e-7, msg=key)
+        torch.testing.assert_close(grad, ref_grad, rtol=1e-4, atol=1e-7)
+
+    def test_keys_default_to_torchrl_llm_layout(self, tiny_llm, make_llm_scorer):
+        loss = GRPOLoss(make_llm_scorer(*tiny_llm))
+        assert loss.tensor_keys.action == ("tokens", "full")
+        assert loss.tensor_keys.sample_log_prob == ("log_probs", "full")
+        assert loss.tensor_keys.ref_log_prob == ("next", "ref_log_probs", "full")
+        assert loss.masking_strategy == "sft" and not loss.functional
+        loss.set_keys(ref_log_probs=("ref", "full"))  # torchrl's name of the key
+        assert loss.tensor_keys.ref_log_prob == ("ref", "full")
+
+    def test_sft_counts_response_tokens_only(self, tiny_llm, make_llm_batch, make_llm_scorer):
+        model, tokenizer = tiny_llm
+        batch = make_llm_batch(model, tokenizer)
+        scorer = make_llm_scorer(model, tokenizer)
+        sft = GRPOLoss(scorer, masking_strategy="sft", reduction="none")(batch.copy())
+        full = batch.get(("tokens", "full"), as_list=True)
+        response = [t.numel() - p.numel() for t, p in zip(full, batch.get(("tokens", "prompt"), as_list=True))]  # fmt: skip
+        # reduction="none": per-token terms [B, T], left-padded, zeros off the response
+        assert sft.loss_objective.shape == (len(full), max(t.numel() for t in full))
+        assert (sft.loss_objective != 0).sum(-1).tolist() == response
+
+    def test_nan_placeholders_are_not_tokens(self, tiny_llm, make_llm_batch, make_llm_scorer):
+        """vLLM writes NaN for the prompt slice of LogProbs.full: those tokens are not real."""
+        model, tokenizer = tiny_llm
+        batch = make_llm_batch(model, tokenizer)
+        scorer = make_llm_scorer(model, tokenizer)
+        with_nan = batch.copy()
+        steps = []
+        for step, prompt in zip(with_nan.unbind(0), batch.get(("tokens", "prompt"), as_list=True)):
+            log_prob = step.get(("log_probs", "full")).clone()
+            log_prob[: prompt.numel()] = float("nan")
+            steps.append(step.set(("log_probs", "full"), log_prob))
+        with_nan = lazy_stack(steps)
+        generic = GRPOLoss(scorer, masking_strategy="generic")
+        sft = GRPOLoss(scorer, masking_strategy="sft")
+        out, grad = _run(generic, with_nan, model)
+        expected, expected_grad = _run(sft, batch, model)  # the same tokens: the responses
+        assert torch.isfinite(grad).all()
+        torch.testing.assert_close(out.loss_objective, expected.loss_objective)
+        torch.testing.assert_close(out.ESS, expected.ESS)
+        torch.testing.assert_close(grad, expected_grad)
+
+    @pytest.mark.parametrize(
+        "cls, kwargs",
+        [
+            (GRPOLoss, {"aggregation": "seq_mean_token_mean"}),
+            (GRPOLoss, {"aggregation": "prompt_mean"}),
+            (GRPOLoss, {"clip_ratio_c": 3.0, "kl_to_inference_coeff": 0.1}),
+            (GRPOLoss, {"kl_to_ref_coeff": 0.1, "kl_to_ref_estimator": "k2"}),
+            (GRPOLoss, {"kl_mask_threshold": 0.02}),
+            (DAPOLoss, {}),
+            (DrGRPOLoss, {"max_length": 4}),
+            (GSPOLoss, {}),
+            (CISPOLoss, {}),
+        ],
+    )
+    def test_every_variant_runs_and_ignores_padding(
+        self, tiny_llm, make_llm_batch, make_llm_scorer, cls, kwargs
+    ):
+        model, tokenizer = tiny_llm
+        batch = make_llm_batch(model, tokenizer)
+        scorer = make_llm_scorer(model, tokenizer)
+        out, grad = _run(cls(scorer, **kwargs), batch, model)
+        for key, value in out.items():
+            assert torch.isfinite(value).all(), key
+        assert grad.abs().sum() > 0
+        # per token: every loss term is zero off the responses (left padding and prompts)
+        per_token = cls(scorer, reduction="none", **kwargs)(batch.copy())
+        full = batch.get(("tokens", "full"), as_list=True)
+        width = max(t.numel() for t in full)
+        response = torch.zeros(len(full), width, dtype=torch.bool)
+        for row, (t, p) in enumerate(zip(full, batch.get(("tokens", "prompt"), as_list=True))):
+            response[row, width - t.numel() + p.numel() :] = True
+        for key, value in per_token.items():
+            if key.startswith("loss_"):
+                assert value.shape == response.shape, key
+                assert (value[~response] == 0).all(), key
+        assert (per_token.loss_objective[response] != 0).any()
+
+    def test_kl_to_ref_reads_torchrl_key(self, tiny_llm, make_llm_batch, make_llm_scorer):
+        model, tokenizer = tiny_llm
+        batch = make_llm_batch(model, tokenizer)
+        loss = GRPOLoss(make_llm_scorer(model, tokenizer), kl_to_ref_coeff=0.5, kl_to_ref_estimator="k1")  # fmt: skip
+        out = loss(batch.copy())
+        # k1 = log pi - log pi_ref, averaged over the response tokens
+        scored = make_llm_scorer(model, tokenizer)(batch.copy())
+        diffs = []
+        for lp, ref, prompt in zip(
+            scored.get(("log_probs", "full"), as_list=True),
+            batch.get(("next", "ref_log_probs", "full"), as_list=True),
+            batch.get(("tokens", "prompt"), as_list=True),
+        ):
+            diffs.append((lp - ref)[prompt.numel() :])
+        expected = torch.cat(diffs).mean()
+        torch.testing.assert_close(out.kl_to_ref, expected.detach(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(out.loss_kl_to_ref, 0.5 * expected, rtol=1e-5, atol=1e-6)
+
+    def test_kl_mask_threshold_matches_torchrl_objective(
+        self, tiny_llm, make_llm_batch, make_llm_scorer
+    ):
+        from torchrl.objectives.llm import GRPOLoss as TorchrlGRPOLoss
+
+        model, tokenizer = tiny_llm
+        batch = make_llm_batch(model, tokenizer, drift=0.5)
+        scorer = make_llm_scorer(model, tokenizer)
+        ref, ref_grad = _run(TorchrlGRPOLoss(scorer, kl_mask_threshold=0.05, entropy_bonus=False), batch, model)  # fmt: skip
+        out, grad = _run(GRPOLoss(scorer, kl_mask_threshold=0.05, entropy_bonus=False), batch, model)  # fmt: skip
+        plain = GRPOLoss(scorer, entropy_bonus=False)(batch.copy())
+        assert out.loss_objective != plain.loss_objective  # some tokens were left out
+        torch.testing.assert_close(out.loss_objective, ref.loss_objective, rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(grad, ref_grad, rtol=1e-4, atol=1e-7)
+
+    def test_errors_name_the_key(self, tiny_llm, make_llm_batch, make_llm_scorer):
+        model, tokenizer = tiny_llm
+        batch = make_llm_batch(model, tokenizer)
+        loss = GRPOLoss(make_llm_scorer(model, tokenizer))
+        with pytest.raises(ValueError, match=r"masking_strategy='sft' needs \('tokens', 'prompt'\)"):  # fmt: skip
+            loss(batch.exclude(("tokens", "prompt"), ("masks", "all_assistant_mask")))
+        short = batch.copy()
+        short.set(("log_probs", "full"), short.get(("log_probs", "full"), as_padded_tensor=True)[:, 2:])  # fmt: skip
+        with pytest.raises(ValueError, match=r"\('log_probs', 'full'\) has shape"):
+            loss(short)
+        with pytest.raises(KeyError, match=r"needs .+advantage.+ \(the advantage\)"):
+            loss(batch.exclude("advantage"))
+        with pytest.raises(ValueError, match="masking_strategy='rlhf' applies to torchrl LLM"):
+            GRPOLoss(token_policy(), masking_strategy="rlhf")
+        with pytest.raises(ValueError, match="masking_strategy must be one of"):
+            GRPOLoss(make_llm_scorer(model, tokenizer), masking_strategy="response")
+        nan_ref = batch.copy()
+        refs = nan_ref.get(("next", "ref_log_probs", "full"), as_padded_tensor=True)
+        nan_ref.set(("next", "ref_log_probs", "full"), torch.full_like(refs, float("nan")))
+        with pytest.raises(ValueError, match=r"reference log-probs under \('next', 'ref_log_probs', 'full'\) are not finite"):  # fmt: skip
+            GRPOLoss(make_llm_scorer(model, tokenizer), kl_to_ref_coeff=0.1)(nan_ref)
+
+
+class TestTorchrlArguments:
+    """Every argument of torchrl's GRPOLoss / ClipPPOLoss is accepted or names its replacement."""
+
+    def test_torchrl_grpo_signature_is_accepted(self):
+        from torchrl.objectives.llm import GRPOLoss as TorchrlGRPOLoss
+
+        ours = set(inspect.signature(GRPOLoss).parameters)
+        for name, param in inspect.signature(TorchrlGRPOLoss).parameters.items():
+            if param.kind is param.VAR_KEYWORD:
+                continue
+            if name in ours:
+                continue
+            with pytest.raises(TypeError, match=rf"takes no '{name}': "):
+                GRPOLoss(token_policy(), **{name: param.default if param.default is not param.empty else 1})  # fmt: skip
+
+    @pytest.mark.parametrize(
+        "name, match",
+        [
+            ("critic_network", "no critic"),
+            ("clip_value", "no critic"),
+            ("gamma", "no value estimator"),
+            ("normalize_advantage", "scale_rewards"),
+            ("advantage_key", r"set_keys\(advantage"),
+        ],
+    )
+    def test_replaced_keywords(self, name, match):
+        with pytest.raises(TypeError, match=match):
+            GRPOLoss(token_policy(), **{name: 1})
+
+    def test_unknown_keyword(self):
+        with pytest.raises(TypeError, match=r"unexpected keyword arguments \['clip_eps'\]"):
+            GRPOLoss(token_policy(), clip_eps=0.1)
+
+    def test_aggregation_names(self):
+        policy, batch = token_policy(), token_batch()
+        prompt_mean = GRPOLoss(policy, aggregation="prompt_mean")(batch.clone())
+        seq_mean = GRPOLoss(policy, aggregation="seq_mean_token_mean")(batch.clone())
+        torch.testing.assert_close(prompt_mean.loss_objective, seq_mean.loss_objective)
+        none = GRPOLoss(policy, aggregation="none")(batch.clone())
+        assert none.loss_objective.shape == batch["tokens"].shape
+
+
+class TestGRPOLossOutputConsumers:
+    def test_string_indexing_and_items(self):
+        actor = cartpole_actor()
+        out = GRPOLoss(actor, kl_to_ref_coeff=None)(cartpole_batch(actor))
+        assert out["loss_objective"] is out.loss_objective
+        assert dict(out.items())["ESS"] is out.ESS
+        with pytest.raises(KeyError, match="'loss_kl_to_ref' is not set"):
+            out["loss_kl_to_ref"]
+
+    def test_mean_reduce_is_the_total_loss(self):
+        """torchrl's recipe backpropagates ``loss.mean(reduce=True)``: it must not depend on
+        how many metrics the output carries."""
+        actor = cartpole_actor()
+        batch = cartpole_batch(actor)
+        loss = GRPOLoss(actor, entropy_coeff=0.05)
+        params = list(actor.parameters())
+        out = loss(batch.clone())
+        total = out.loss_objective + out.loss_entropy
+        torch.testing.assert_close(out.mean(reduce=True), total)
+        by_mean = torch.autograd.grad(out.mean(reduce=True), params, retain_graph=True)
+        by_sum = torch.autograd.grad(total, params)
+        for a, b in zip(by_mean, by_sum, strict=True):
+            torch.testing.assert_close(a, b)
+        # other reductions keep TensorDict's meaning
+        assert out.mean().loss_objective == out.loss_objective
+
+    def test_torchrl_trainer_steps_sum_the_loss_terms(self):
+        """torchrl's GRPOTrainer steps with MixedPrecisionOptimizationStepper, which sums the
+        ``loss*`` entries of the output: one SGD step moves the policy by the gradient of
+        ``loss_objective + loss_entropy``."""
+        from torchrl.trainers import MixedPrecisionOptimizationStepper
+
+        actor = cartpole_actor()
+        batch = cartpole_batch(actor)
+        loss = GRPOLoss(actor, entropy_coeff=0.05)
+        params = list(loss.parameters())
+        out = loss(batch.clone())
+        grads = torch.autograd.grad(out.loss_objective + out.loss_entropy, params)
+        expected = [(p - 0.1 * g).detach() for p, g in zip(params, grads)]
+
+        class Trainer:  # the one method the stepper calls
+            def compute_loss(self, sub_batch):
+                return loss(sub_batch)
+
+        stepper = MixedPrecisionOptimizationStepper(
+            optimizer=torch.optim.SGD(params, lr=0.1), clip_norm=None
+        )
+        metrics = stepper.step(Trainer(), batch.clone())
+        assert set(metrics.keys()) >= {"loss_objective", "loss_entropy", "ESS", "clip_fraction"}
+        for p, e in zip(params, expected, strict=True):
+            torch.testing.assert_close(p.detach(), e)

@@ -150,3 +150,17 @@ class TestTokenCategorical:
         td = actor(TensorDict({"hidden": torch.randn(2, 3, 4)}, [2]))
         ref = torch.distributions.Categorical(logits=td["logits"]).log_prob(td["tokens"])
         torch.testing.assert_close(td["tokens_log_prob"], ref, atol=1e-5, rtol=0)
+
+    def test_entropy_has_a_gradient_after_a_no_grad_log_prob(self):
+        """torch's Categorical keeps the entropy's gradient whatever ran before; so must this."""
+        logits = torch.randn(2, 3, 7, requires_grad=True)
+        dist = TokenCategorical(logits)
+        with torch.no_grad():
+            dist.log_prob(torch.zeros(2, 3, dtype=torch.long))
+        entropy = dist.entropy()
+        assert entropy.requires_grad
+        (grad,) = torch.autograd.grad(entropy.sum(), logits)
+        (expected,) = torch.autograd.grad(
+            torch.distributions.Categorical(logits=logits).entropy().sum(), logits
+        )
+        torch.testing.assert_close(grad, expected)

@@ -54,6 +54,7 @@ __all__ = [
     "kl_k1",
     "kl_k2",
     "kl_k3",
+    "kl_trust_region_mask",
     "masked_mean",
     "ppo_clip_loss",
     "sequence_log_ratio",
@@ -504,6 +505,33 @@ KL_ESTIMATORS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] =
     "k2": kl_k2,
     "k3": kl_k3,
 }
+
+
+def kl_trust_region_mask(log_ratio: torch.Tensor, threshold: float | torch.Tensor) -> torch.Tensor:
+    """Tokens inside a per-token KL trust region (torchrl's ``kl_mask_threshold``).
+
+    .. math:: m_t = \\big[\\tfrac{1}{2} (\\log \\pi_\\theta(a_t) - \\log \\pi_{old}(a_t))^2
+        \\le \\delta\\big]
+
+    ``0.5 * log_ratio**2`` is the second-order estimate of the per-token KL between the two
+    policies (Schulman's ``k2``); a token whose estimate exceeds ``delta`` has drifted too far
+    from the policy that sampled it and is left out of the loss. torchrl's
+    :class:`~torchrl.objectives.llm.GRPOLoss` calls this the KL-Mask.
+
+    Args:
+        log_ratio (torch.Tensor): ``log pi_theta - log pi_old`` per token, any shape.
+        threshold (float or torch.Tensor): ``delta > 0``.
+
+    Returns:
+        torch.Tensor: boolean, same shape, ``True`` where the token stays in the loss.
+
+    Examples:
+        >>> import torch
+        >>> kl_trust_region_mask(torch.tensor([0.0, 0.3, -0.5, 1.0]), 0.1)  # 0, .045, .125, .5
+        tensor([ True,  True, False, False])
+    """
+    with torch.no_grad():
+        return 0.5 * log_ratio.square() <= threshold
 
 
 # ---------------------------------------------------------------------------------------------

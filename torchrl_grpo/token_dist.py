@@ -251,20 +251,23 @@ class TokenCategorical(Distribution):
         Returns:
             torch.Tensor: log-probs of the batch shape (float32 or float64).
         """
-        log_prob, self._entropy = token_log_prob_entropy(
-            self.logits, value, chunk_size=self.chunk_size
-        )
+        log_prob, entropy = token_log_prob_entropy(self.logits, value, chunk_size=self.chunk_size)
+        # kept for entropy() only if it is what entropy() would compute now (same grad mode)
+        self._entropy = (entropy, torch.is_grad_enabled())
         return log_prob
 
     def entropy(self) -> torch.Tensor:
-        """Entropy at each position; shares the autograd node of the last :meth:`log_prob`.
+        """Entropy at each position.
+
+        Shares the autograd node of the last :meth:`log_prob` when that call ran in the same
+        grad mode (one backward visit of the logits); otherwise it is computed again, so that
+        ``entropy()`` has a gradient whenever the logits do, as ``Categorical.entropy()``.
 
         Returns:
             torch.Tensor: entropies of the batch shape (float32 or float64).
         """
-        if self._entropy is None:
-            dummy = torch.zeros(self.batch_shape, dtype=torch.long, device=self.logits.device)
-            _, self._entropy = token_log_prob_entropy(
-                self.logits, dummy, chunk_size=self.chunk_size
-            )
-        return self._entropy
+        if self._entropy is not None and self._entropy[1] == torch.is_grad_enabled():
+            return self._entropy[0]
+        dummy = torch.zeros(self.batch_shape, dtype=torch.long, device=self.logits.device)
+        _, entropy = token_log_prob_entropy(self.logits, dummy, chunk_size=self.chunk_size)
+        return entropy
