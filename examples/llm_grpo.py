@@ -65,13 +65,12 @@ from torchrl.data import (
 from torchrl.envs import Compose, ExcludeTransform, StepCounter, Transform
 from torchrl.envs.llm import DatasetChatEnv, RetrieveLogProb
 from torchrl.modules.llm import TransformersWrapper
-from torchrl.objectives.llm import GRPOLoss  # torchrl's, until torchrl_grpo.GRPOLoss takes wrappers
 from torchrl.record.loggers import CSVLogger, generate_exp_name
 from torchrl.trainers.algorithms.grpo import GRPOTrainer
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 from transformers.utils import logging as hf_logging
 
-from torchrl_grpo import MCAdvantage
+from torchrl_grpo import GRPOLoss, MCAdvantage
 
 set_list_to_stack(True).set()  # torchrl's LLM envs keep lists of strings as stacks
 
