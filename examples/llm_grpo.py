@@ -355,20 +355,11 @@ def make_collector(cfg: Settings, model, ref_model, tokenizer, gen, exclude):
         sampler=SamplerWithoutReplacement(),
         batch_size=cfg.minibatch,
     )
-    # extend() runs the transforms' inverse passes last-appended first: MCAdvantage reads the
-    # prompt strings, then ExcludeTransform drops what the loss does not read (the strings cost
-    # time at every copy); sample() runs the forward passes in order: Contiguous last
+    # extend() runs the inverse passes of the transforms last-appended first: MCAdvantage reads
+    # the prompt strings, then ExcludeTransform drops them; sample() runs the forward passes in
+    # order: Contiguous turns each minibatch into one TensorDict
     rb.append_transform(Contiguous())
-    rb.append_transform(
-        ExcludeTransform(
-            "query",
-            "answer",
-            ("next", "query"),
-            ("next", "answer"),
-            ("next", "tokens"),
-            inverse=True,
-        )
-    )
+    rb.append_transform(ExcludeTransform("query", inverse=True))
     rb.append_transform(
         MCAdvantage(
             grpo_size=cfg.group_size,
@@ -377,8 +368,10 @@ def make_collector(cfg: Settings, model, ref_model, tokenizer, gen, exclude):
             keep_return_bounds=(0.0, 1.0) if cfg.dynamic_sampling else None,
         )
     )
+    unread = ("answer", "step_count", "terminated", "truncated")  # the loss reads none of them
     score = Compose(
         Contiguous(),
+        ExcludeTransform(*unread, *[("next", key) for key in (*unread, "query", "tokens")]),
         RetrieveLogProb(make_scorer(model, tokenizer), assistant_only=False),
         RetrieveLogProb(make_scorer(ref_model, tokenizer, "ref_log_probs"), assistant_only=False),
     )
