@@ -99,7 +99,7 @@ class Settings:
     steps: int = 200  # GRPO steps (each: collect, score, extend the buffer, optimize)
     prompts_per_step: int = 64
     group_size: int = 8  # completions per prompt, the G of GRPO
-    max_new_tokens: int = 4
+    max_new_tokens: int = 3  # the longest right answer: two digits and end-of-sequence
     epochs: int = 1  # passes over each step's data
     minibatch: int = 128
     lr: float = 3e-4  # Adam: linear warm-up, then cosine decay to 0 at `steps`
