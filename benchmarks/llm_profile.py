@@ -109,20 +109,21 @@ def profile_pipeline(ex, cfg, steps: int, contiguous: bool) -> dict[str, float]:
         next(batches)  # sampling, scoring, rb.extend
         collect = time.perf_counter() - start
         draw = update = 0.0
-        minibatches = iter(rb)
-        while True:
-            start = time.perf_counter()
-            batch = next(minibatches, None)
-            draw += time.perf_counter() - start
-            if batch is None:
-                break
-            start = time.perf_counter()
-            loss = loss_fn(batch).total_loss()
-            optim.zero_grad()
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optim.step()
-            update += time.perf_counter() - start
+        for _ in range(cfg.epochs):  # as GRPOTrainer: each epoch draws every minibatch once
+            minibatches = iter(rb)
+            while True:
+                start = time.perf_counter()
+                batch = next(minibatches, None)
+                draw += time.perf_counter() - start
+                if batch is None:
+                    break
+                start = time.perf_counter()
+                loss = loss_fn(batch).total_loss()
+                optim.zero_grad()
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                optim.step()
+                update += time.perf_counter() - start
         rb.empty()
         start = time.perf_counter()
         ex.greedy_accuracy(eval_env, greedy)
