@@ -19,8 +19,10 @@ step is timed in the phases below, by wrapping the pipeline's own calls with a c
 
 Each phase's row is the median over the steps (the first step is a warm-up and is dropped). The
 second table puts torchrl's wrappers beside the model's own calls on the same batch: one sampling
-call (``TransformersWrapper`` against ``model.generate``) and one scoring call
-(``TransformersWrapper(generate=False)`` against a forward pass and a ``log_softmax``). The
+call (``TransformersWrapper`` against ``model.generate``), one scoring call
+(``TransformersWrapper(generate=False)`` against a forward pass and a ``log_softmax``), and one
+loss forward and backward on a minibatch (``GRPOLoss`` on the scoring wrapper against the same
+token-level surrogate computed on the model's logits). The
 first table is printed twice: for the pipeline as the example builds it, and with its
 ``Contiguous`` transforms removed (torchrl's lazily stacked layout all the way), to show what
 that one option buys. Run it alone on the machine (``flock /tmp/heavy.lock`` here): other jobs
@@ -152,7 +154,7 @@ def best_ms(fn, repeats: int = 7) -> float:
 
 
 def per_call(ex, cfg) -> list[tuple[str, float, float]]:
-    """(call, torchrl wrapper ms, the model's own ms) on one step's batch."""
+    """(call, through torchrl's wrappers ms, on the model itself ms) on one step's batch."""
     from tensordict import TensorDict
 
     tokenizer = ex.make_tokenizer()
@@ -190,11 +192,36 @@ def per_call(ex, cfg) -> list[tuple[str, float, float]]:
         logits = model(tokens, attention_mask=mask).logits
         return logits.log_softmax(-1).gather(-1, tokens[..., None])
 
+    # one minibatch as the loss reads it: the sampled tokens, stored log-probs, an advantage
+    n = cfg.minibatch
+    batch = full[:n].select(
+        ("tokens", "full"), ("tokens", "prompt"), ("masks", "all_attention_mask")
+    )
     with torch.no_grad():
-        return [
+        stored = score_wrapper()[:n]["log_probs", "full"]
+    batch["next", "log_probs", "full"] = stored
+    batch["next", "ref_log_probs", "full"] = stored
+    batch["advantage"] = torch.randn(n, 1, 1, generator=torch.Generator().manual_seed(0))
+    loss_fn = ex.make_loss(scorer, cfg)
+    response = mask[:n].clone()
+    response[:, : prompts.shape[-1]] = False
+
+    def loss_wrapper():
+        loss_fn(batch).total_loss().backward()
+
+    def loss_model():  # the same token-level surrogate at ratio 1, on the model directly
+        logits = model(tokens[:n], attention_mask=mask[:n]).logits[:, :-1]
+        log_prob = logits.log_softmax(-1).gather(-1, tokens[:n, 1:, None])[..., 0]
+        surrogate = -(log_prob - log_prob.detach()).exp() * batch["advantage"][:, :, 0]
+        (surrogate * response[:, 1:]).sum().div(response.sum()).backward()
+
+    with torch.no_grad():
+        rows_ = [
             (f"sample {rows} completions", best_ms(sample_wrapper), best_ms(sample_model)),
             (f"score {rows} sequences", best_ms(score_wrapper), best_ms(score_model)),
         ]
+    rows_.append((f"loss, {n} sequences, +backward", best_ms(loss_wrapper), best_ms(loss_model)))
+    return rows_
 
 
 def main(argv=None):
@@ -226,11 +253,11 @@ def main(argv=None):
     step_ms = {name: sum(p[k] for k in PHASES[:-1]) for name, p in profiles.items()}
     print(f"{'step (w/o evaluation)':<22}" + "".join(f"{v:>14.0f}" for v in step_ms.values()))
     print()
-    header = f"{'one call, ms':<26}{'torchrl wrapper':>16}{'model itself':>14}{'ratio':>8}"
+    header = f"{'one call, ms':<32}{'torchrl wrapper':>16}{'model itself':>14}{'ratio':>8}"
     print(header)
     print("-" * len(header))
     for name, wrapper_ms, model_ms in per_call(ex, cfg):
-        print(f"{name:<26}{wrapper_ms:>16.0f}{model_ms:>14.0f}{wrapper_ms / model_ms:>7.1f}x")
+        print(f"{name:<32}{wrapper_ms:>16.0f}{model_ms:>14.0f}{wrapper_ms / model_ms:>7.1f}x")
 
 
 if __name__ == "__main__":
