@@ -103,7 +103,7 @@ class Settings:
     max_new_tokens: int = 3  # the longest right answer: two digits and end-of-sequence
     epochs: int = 2  # passes over each step's data
     minibatch: int = 64  # 8 minibatches per pass: 16 optimizer steps per GRPO step
-    lr: float = 3e-4  # Adam: linear warm-up, then cosine decay to 0 at `steps`
+    lr: float = 5e-4  # Adam: linear warm-up, then cosine decay to 0 at `steps`
     warmup_steps: int = 10
     dynamic_sampling: bool = False  # drop groups whose completions all score the same (DAPO)
     clip_epsilon: float = 0.2
