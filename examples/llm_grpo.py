@@ -95,7 +95,7 @@ class Settings:
     sft_batch: int = 64
     sft_target: float = 0.30  # stop when greedy accuracy on a validation set reaches this
     sft_max_steps: int = 3000
-    sft_check_every: int = 2  # the tiny Qwen2 moves fast: every 5 steps overshot by up to 17 points
+    sft_check_every: int = 2  # the tiny Qwen2 moves fast: every 5 steps can overshoot the target
     # GRPO
     steps: int = 140  # GRPO steps (each: collect, score, extend the buffer, optimize)
     prompts_per_step: int = 64
@@ -106,7 +106,8 @@ class Settings:
     lr: float = 5e-4  # Adam: linear warm-up, then cosine decay to 0 at `steps`
     warmup_steps: int = 10
     dynamic_sampling: bool = False  # drop groups whose completions all score the same (DAPO)
-    clip_epsilon: float = 0.2
+    clip_epsilon: float = 0.2  # the ratio is clipped to [1 - clip_epsilon, 1 + clip_epsilon_high]
+    clip_epsilon_high: float = 0.28  # DAPO's clip-higher: rare right answers can gain faster
     kl_coeff: float = 0.02  # beta of the KL to the reference, in the loss
     entropy_coeff: float = 0.0
     eval_every: int = 10
@@ -392,7 +393,7 @@ def make_loss(scorer, cfg: Settings) -> GRPOLoss:
     loss_fn = GRPOLoss(
         actor_network=scorer,
         masking_strategy="sft",  # the response tokens: full sequence minus the prompt
-        clip_epsilon=cfg.clip_epsilon,
+        clip_epsilon=(cfg.clip_epsilon, cfg.clip_epsilon_high),
         kl_to_ref_coeff=cfg.kl_coeff,
         entropy_coeff=cfg.entropy_coeff,
     )
