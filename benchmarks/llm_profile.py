@@ -90,12 +90,13 @@ def profile_pipeline(ex, cfg, steps: int, contiguous: bool) -> dict[str, float]:
         collector, rb = ex.make_collector(
             cfg, model, ref_model, tokenizer, gen, ex.problem_code(eval_digits)
         )
-        eval_env = ex.fixed_prompts_env(tokenizer, eval_digits)
     finally:
         if not contiguous:
             ex.Contiguous = real_contiguous
     loss_fn = ex.make_loss(ex.make_scorer(model, tokenizer), cfg)
-    greedy = ex.make_sampler(model, tokenizer, cfg, greedy=True)
+    eval_accuracy = ex.GreedyAccuracy(
+        tokenizer, eval_digits, ex.make_sampler(model, tokenizer, cfg, greedy=True)
+    )
     optim = torch.optim.Adam(model.parameters(), lr=cfg.lr)
 
     clock = Clock()
@@ -128,7 +129,7 @@ def profile_pipeline(ex, cfg, steps: int, contiguous: bool) -> dict[str, float]:
                 update += time.perf_counter() - start
         rb.empty()
         start = time.perf_counter()
-        ex.greedy_accuracy(eval_env, greedy)
+        eval_accuracy()
         evaluation = time.perf_counter() - start
         scoring, extend = clock.times["scoring"], clock.times["extend"]
         rows.append(

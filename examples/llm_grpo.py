@@ -97,7 +97,7 @@ class Settings:
     sft_max_steps: int = 3000
     sft_check_every: int = 2  # the tiny Qwen2 moves fast: every 5 steps can overshoot the target
     # GRPO
-    steps: int = 140  # GRPO steps (each: collect, score, extend the buffer, optimize)
+    steps: int = 150  # GRPO steps (each: collect, score, extend the buffer, optimize)
     prompts_per_step: int = 64
     group_size: int = 8  # completions per prompt, the G of GRPO
     max_new_tokens: int = 3  # the longest right answer: two digits and end-of-sequence
@@ -263,10 +263,23 @@ def make_env(tokenizer, dataloader, batch: int, repeats: int | None = None) -> D
     return env
 
 
-def fixed_prompts_env(tokenizer, digits: torch.Tensor) -> DatasetChatEnv:
-    """An env whose every reset returns the same prompts (the evaluation or validation set)."""
-    loader = DataLoader([as_queries(digits)], batch_size=None, collate_fn=lambda td: td)
-    return make_env(tokenizer, loader, batch=len(digits))
+class GreedyAccuracy:
+    """The share of a fixed set of problems that ``policy`` answers right, through the task's env.
+
+    The env is reset once: its prompts never change, and a reset (the chat template, applied one
+    prompt at a time) is most of the cost of a rollout. Each call steps the env from that state
+    with the policy's completions and returns the mean reward.
+    """
+
+    def __init__(self, tokenizer, digits: torch.Tensor, policy):
+        loader = DataLoader([as_queries(digits)], batch_size=None, collate_fn=lambda td: td)
+        self.env = make_env(tokenizer, loader, batch=len(digits))
+        self.prompts = self.env.reset()
+        self.policy = policy
+
+    @torch.no_grad()
+    def __call__(self) -> float:
+        return self.env.step(self.policy(self.prompts.copy()))["next", "reward"].mean().item()
 
 
 # --------------------------------------------------------------------------------------------
@@ -326,12 +339,6 @@ def make_scorer(model, tokenizer, log_probs_key: str = "log_probs") -> Transform
         pad_output=True,
         log_probs_key=log_probs_key,
     )
-
-
-@torch.no_grad()
-def greedy_accuracy(env, greedy_policy) -> float:
-    """Share of the env's prompts whose greedy completion earns the reward."""
-    return env.rollout(1, greedy_policy)["next", "reward"].mean().item()
 
 
 def make_collector(cfg: Settings, model, ref_model, tokenizer, gen, exclude):
@@ -406,13 +413,13 @@ def make_loss(scorer, cfg: Settings) -> GRPOLoss:
 # --------------------------------------------------------------------------------------------
 
 
-def warm_start(model, tokenizer, cfg: Settings, gen, val_env, greedy, exclude) -> int:
+def warm_start(model, tokenizer, cfg: Settings, gen, exclude, val_accuracy) -> int:
     """Supervised next-token training on ``prompt -> answer <eos>`` until partly right.
 
     The loss is the mean negative log-prob of the answer tokens, read from the scoring wrapper
     (``generate=False``) on the ragged ``prompt + answer`` sequences. Stops at the first check
-    where the greedy accuracy on ``val_env`` (not the held-out evaluation set) reaches
-    ``cfg.sft_target``. Returns the number of steps taken.
+    where ``val_accuracy()`` (greedy, on validation prompts, not the held-out evaluation set)
+    reaches ``cfg.sft_target``. Returns the number of steps taken.
     """
     scorer = TransformersWrapper(  # as make_scorer, but ragged output: read right-padded below
         model, tokenizer=tokenizer, input_mode="tokens", generate=False, return_log_probs=True
@@ -430,7 +437,7 @@ def warm_start(model, tokenizer, cfg: Settings, gen, val_env, greedy, exclude) -
         optim.zero_grad()
         loss.backward()
         optim.step()
-        if step % cfg.sft_check_every == 0 and greedy_accuracy(val_env, greedy) >= cfg.sft_target:
+        if step % cfg.sft_check_every == 0 and val_accuracy() >= cfg.sft_target:
             return step
     return cfg.sft_max_steps
 
@@ -466,13 +473,13 @@ def main(argv=None) -> dict:
     eval_codes = problem_code(eval_digits)
     train_gen = torch.Generator().manual_seed(cfg.seed)
     val_digits = draw_problems(train_gen, 200, cfg.digits, eval_codes)  # stops the warm start
-    eval_env = fixed_prompts_env(tokenizer, eval_digits)
-    val_env = fixed_prompts_env(tokenizer, val_digits)
 
     model = make_model(cfg, tokenizer)
     greedy = make_sampler(model, tokenizer, cfg, greedy=True)
-    sft_steps = warm_start(model, tokenizer, cfg, train_gen, val_env, greedy, eval_codes)
-    acc_before = greedy_accuracy(eval_env, greedy)
+    val_accuracy = GreedyAccuracy(tokenizer, val_digits, greedy)
+    eval_accuracy = GreedyAccuracy(tokenizer, eval_digits, greedy)
+    sft_steps = warm_start(model, tokenizer, cfg, train_gen, eval_codes, val_accuracy)
+    acc_before = eval_accuracy()
     print(f"warm start: {sft_steps} supervised steps, greedy accuracy {acc_before:.3f} "
           f"on {cfg.eval_prompts} held-out prompts ({time.perf_counter() - T0:.0f} s)")  # fmt: skip
     ref_model = copy.deepcopy(model).requires_grad_(False)  # the frozen reference policy
@@ -532,7 +539,7 @@ def main(argv=None) -> dict:
             tqdm.write(f"time limit {cfg.time_limit:.0f} s reached after {step} GRPO steps")
         if step % cfg.eval_every and step != cfg.steps and not out_of_time:
             return {}
-        acc = greedy_accuracy(eval_env, greedy)
+        acc = eval_accuracy()
         history["eval_step"].append(step)
         history["accuracy"].append(acc)
         tqdm.write(f"step {step:4d}  greedy accuracy {acc:.3f}  ({time.perf_counter() - T0:.0f} s)")

@@ -64,21 +64,27 @@ class TestTask:
         assert train.shape == (5000, 4)
         assert not torch.isin(ex.problem_code(train), ex.problem_code(held_out)).any()
 
-    def test_env_rewards_the_sampled_responses(self, ex, tokenizer):
-        """The env's reward transform scores what the policy wrote, per row, as [B, 1, 1]."""
-        env = ex.fixed_prompts_env(
-            tokenizer, torch.tensor([[3, 9, 1, 4], [0, 0, 0, 0], [1, 1, 1, 1]])
-        )
-        td = env.reset()
-        assert td["query"] == ["3 9 1 4=", "0 0 0 0=", "1 1 1 1="]
+    def test_env_rewards_the_responses(self, ex, tokenizer):
+        """The env's reward transform scores what the policy wrote, per row, as [B, 1, 1]; the
+        accuracy is the mean reward, and evaluating does not change the stored prompts."""
         responses = ["17<eos>", "0<pad><pad>", "5<eos><pad>"]  # right; never ended; wrong
         response = torch.tensor([tokenizer(r)["input_ids"] for r in responses])
-        td["tokens", "response"] = response
-        td["tokens", "full"] = torch.cat([td["tokens", "prompt"], response], -1)
-        out = env.step(td)
+
+        def policy(td):  # writes fixed responses where a sampler writes its completions
+            td["tokens", "response"] = response
+            td["tokens", "full"] = torch.cat([td["tokens", "prompt"], response], -1)
+            return td
+
+        digits = torch.tensor([[3, 9, 1, 4], [0, 0, 0, 0], [1, 1, 1, 1]])
+        accuracy = ex.GreedyAccuracy(tokenizer, digits, policy)
+        assert accuracy.prompts["query"] == ["3 9 1 4=", "0 0 0 0=", "1 1 1 1="]
+        out = accuracy.env.step(policy(accuracy.prompts.copy()))
         assert out["next", "reward"].shape == (3, 1, 1)
         assert out["next", "reward"].flatten().tolist() == [1.0, 0.0, 0.0]
         assert out["next", "done"].all()  # one step per episode
+        assert accuracy() == pytest.approx(1 / 3)
+        assert accuracy() == pytest.approx(1 / 3)
+        assert ("tokens", "response") not in accuracy.prompts.keys(True)
 
 
 @pytest.fixture
