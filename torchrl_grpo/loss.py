@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
-from tensordict import TensorClass, TensorDictBase
+from tensordict import TensorClass, TensorDictBase, unravel_key
 from tensordict.nn import CompositeDistribution, ProbabilisticTensorDictSequential
 from tensordict.utils import NestedKey
 from torchrl.modules.llm import LLMWrapperBase
@@ -986,7 +986,7 @@ class GRPOLoss(ClipPPOLoss):
             # torchrl's convention: without the sampler's own log-probs, the KL to inference
             # (and OPSM's drift, as TRL) is taken against sample_log_prob
             key = tk.inference_log_prob
-            if tensordict.get(key, None) is None:
+            if not _has(tensordict, key):
                 key = tk.sample_log_prob
             why = "for kl_to_inference_coeff" if self.kl_to_inference_coeff is not None else "for off_policy_mask_threshold"  # fmt: skip
             inference = self._get_input(tensordict, key, why)
@@ -1003,7 +1003,7 @@ class GRPOLoss(ClipPPOLoss):
         if not self.mask_truncated_completions:
             return None
         key = self.tensor_keys.truncated
-        if tensordict.get(key, None) is not None or last_tokens is None:
+        if _has(tensordict, key) or last_tokens is None:
             entry = self._get_input(tensordict, key, "for mask_truncated_completions", padding=False)  # fmt: skip
             return _per_token(entry, shape, key).bool()
         tokenizer = getattr(self.actor_network, "tokenizer", None)
@@ -1189,6 +1189,11 @@ LLM_KEYS = {
     "sample_log_prob": ("log_probs", "full"),
     "ref_log_prob": ("next", "ref_log_probs", "full"),
 }
+
+
+def _has(tensordict: TensorDictBase, key: NestedKey) -> bool:
+    # a membership test that never stacks a ragged entry (``get`` would)
+    return unravel_key(key) in tensordict.keys(include_nested=True)
 
 
 def _as_sequences(x: torch.Tensor) -> torch.Tensor:

@@ -865,9 +865,7 @@ def off_policy_sequence_mask(
         return mask & ((advantage >= 0) | (seq_kl <= threshold))
 
 
-def masked_quantile(
-    x: torch.Tensor, mask: torch.Tensor, q: float | torch.Tensor
-) -> torch.Tensor:
+def masked_quantile(x: torch.Tensor, mask: torch.Tensor, q: float | torch.Tensor) -> torch.Tensor:
     """The ``q``-quantile of ``x`` over the entries where ``mask`` is ``True``.
 
     Linear interpolation between the two nearest order statistics, as ``torch.quantile``

@@ -159,6 +159,8 @@ class OverlongPenalty(Transform):
         return next_tensordict
 
     def _inv_call(self, tensordict: TensorDictBase) -> TensorDictBase:
+        if self.parent is not None:  # in an environment: the step's input; see _step
+            return tensordict
         # replay buffer: a batch of steps, each with its ("next", reward)
         key = ("next", *((self.reward_key,) if isinstance(self.reward_key, str) else self.reward_key))  # fmt: skip
         self._add_penalty(self._lengths(tensordict), tensordict, key)

@@ -139,9 +139,13 @@ class _TokenLogProbEntropy(torch.autograd.Function):
         for rows_ in _chunks(logits.shape[0], ctx.rows):
             x = logits[rows_].to(dtype)  # (n, V)
             grad[rows_] = _logits_grad(
-                x, lse[rows_], entropy[rows_], index[rows_],
-                _rows(grad_log_prob, rows_), _rows(grad_entropy, rows_),
-            )  # fmt: skip
+                x,
+                lse[rows_],
+                entropy[rows_],
+                index[rows_],
+                _rows(grad_log_prob, rows_),
+                _rows(grad_entropy, rows_),
+            )
         return grad, None, None
 
 
@@ -244,9 +248,13 @@ class _TokenLogProbEntropyFromHidden(torch.autograd.Function):
             h = hidden[rows_]  # (n, H)
             x = torch.nn.functional.linear(h, weight, bias).to(dtype)  # (n, V), recomputed
             g = _logits_grad(
-                x, lse[rows_], entropy[rows_], index[rows_],
-                _rows(grad_log_prob, rows_), _rows(grad_entropy, rows_),
-            )  # fmt: skip
+                x,
+                lse[rows_],
+                entropy[rows_],
+                index[rows_],
+                _rows(grad_log_prob, rows_),
+                _rows(grad_entropy, rows_),
+            )
             if grad_hidden is not None:
                 grad_hidden[rows_] = g.to(weight.dtype) @ weight  # (n, H)
             if grad_weight is not None:
@@ -270,9 +278,9 @@ def token_log_prob_entropy_from_hidden(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Token log-probs and entropy from the last hidden states, the logits never materialised.
 
-    .. math:: x_t = W h_t + b, \qquad \log \pi(a_t) = x_{t,a_t} - \operatorname{logsumexp}_v
-        x_{t,v}, \qquad H_t = \operatorname{logsumexp}_v x_{t,v} - \sum_v
-        \operatorname{softmax}(x_t)_v\, x_{t,v}
+    .. math:: x_t = W h_t + b, \\qquad \\log \\pi(a_t) = x_{t,a_t} - \\operatorname{logsumexp}_v
+        x_{t,v}, \\qquad H_t = \\operatorname{logsumexp}_v x_{t,v} - \\sum_v
+        \\operatorname{softmax}(x_t)_v\\, x_{t,v}
 
     The values of :func:`token_log_prob_entropy` on ``logits = hidden @ weight.T + bias``, and
     the same gradients with respect to ``hidden``, ``weight`` and ``bias``, computed chunk by
@@ -463,7 +471,7 @@ class HiddenTokenCategorical(Distribution):
     hidden states) so that the loss sees and trains them. Sampling and :attr:`mode` work chunk by
     chunk too, without gradient.
 
-    .. math:: \pi(a \mid h) = \operatorname{softmax}(W h + b)_a
+    .. math:: \\pi(a \\mid h) = \\operatorname{softmax}(W h + b)_a
 
     Args:
         hidden (torch.Tensor): last hidden states ``[..., H]``.
