@@ -72,13 +72,16 @@ def _logits_stats(x: torch.Tensor, index: torch.Tensor):
     return lse, entropy, log_prob
 
 
-def _logits_grad(x, lse, entropy, index, grad_log_prob, grad_entropy) -> torch.Tensor:
+def _logits_grad(
+    x, lse, entropy, index, grad_log_prob, grad_entropy, *, overwrite: bool = False
+) -> torch.Tensor:
     """The gradient ``(n, V)`` reaching one chunk of logits ``x`` (float32 or wider).
 
     ``d/dx`` of ``g_lp * log pi(a) + g_H * H`` is ``g_lp * ([v = a] - p) - g_H * p * (log p + H)``;
-    either upstream gradient may be ``None``.
+    either upstream gradient may be ``None``. ``overwrite=True`` reuses ``x``'s buffer (when it
+    is a temporary, as the logits recomputed from hidden states are).
     """
-    log_p = x - lse.unsqueeze(-1)  # (n, V), a new buffer
+    log_p = x.sub_(lse.unsqueeze(-1)) if overwrite else x - lse.unsqueeze(-1)  # (n, V)
     p = log_p.exp()  # (n, V)
     if grad_entropy is not None:
         g = log_p.add_(entropy.unsqueeze(-1)).mul_(grad_entropy.unsqueeze(-1))
@@ -254,6 +257,7 @@ class _TokenLogProbEntropyFromHidden(torch.autograd.Function):
                 index[rows_],
                 _rows(grad_log_prob, rows_),
                 _rows(grad_entropy, rows_),
+                overwrite=True,
             )
             if grad_hidden is not None:
                 grad_hidden[rows_] = g.to(weight.dtype) @ weight  # (n, H)
