@@ -1521,3 +1521,10 @@ class TestVariantsOnLLMWrapper:
         # an explicit flag wins over the EOS rule
         flagged = lazy_stack([s.set("truncated", torch.tensor([False])) for s in batch.copy().unbind(0)])  # fmt: skip
         assert GRPOLoss(scorer, mask_truncated_completions=True)(flagged).truncated_fraction == 0
+        # torchrl's ("next", "truncated") can be the flag too
+        nested = lazy_stack(
+            [s.set(("next", "truncated"), torch.tensor([i == 1])) for i, s in enumerate(batch.copy().unbind(0))]
+        )  # fmt: skip
+        loss = GRPOLoss(scorer, mask_truncated_completions=True)
+        loss.set_keys(truncated=("next", "truncated"))
+        assert loss(nested).truncated_fraction.item() == pytest.approx(1 / 5)
