@@ -487,7 +487,7 @@ def decoupled_behaviour_weight(
         \\operatorname{clip}(r, 1-\\varepsilon, 1+\\varepsilon) A\\big)\\Big], \\qquad
         r = \\frac{\\pi_\\theta(a)}{\\pi_{prox}(a)}
 
-    Decoupled PPO (Hilton et al., 2022; AReaL, Fu et al., 2025, Eq. 5) separates the policy
+    Decoupled PPO (Hilton et al., 2022; AReaL, Fu et al., 2025) separates the policy
     that *sampled* the data (behaviour: possibly several versions old, in asynchronous RL) from
     the policy the trust region is centred on (proximal: the current weights before this
     update, recomputed by the trainer). The clip acts on ``r = pi_theta / pi_prox``; this
