@@ -1528,3 +1528,35 @@ class TestVariantsOnLLMWrapper:
         loss = GRPOLoss(scorer, mask_truncated_completions=True)
         loss.set_keys(truncated=("next", "truncated"))
         assert loss(nested).truncated_fraction.item() == pytest.approx(1 / 5)
+
+
+class TestDevices:
+    """The loss on every available device equals the CPU's, variants included."""
+
+    @pytest.mark.parametrize(
+        "cls, kwargs",
+        [
+            (GRPOLoss, {"kl_to_ref_coeff": 0.1, "tis_cap": 2.0, "clip_ratio_c": 3.0}),
+            (DAPOLoss, {"kl_mask_threshold": 0.05, "top_entropy_quantile": 0.5}),
+            (GSPOLoss, {}),
+            (CISPOLoss, {"inference_correction": "sequence_mask"}),
+        ],
+    )
+    def test_token_policy(self, device, cls, kwargs):
+        policy, batch = token_policy(), token_batch()
+        ref = cls(policy, **kwargs)(batch.clone())
+        moved = cls(token_policy().to(device), **kwargs).to(device)
+        out = moved(batch.to(device))
+        for key, value in ref.items():
+            assert out[key].device.type == device.type, key
+            torch.testing.assert_close(out[key].cpu(), value, rtol=1e-5, atol=1e-6, msg=key)
+
+    def test_classic_actor_gradient(self, device):
+        actor = cartpole_actor()
+        batch = cartpole_batch(actor)
+        grads = torch.autograd.grad(GRPOLoss(actor)(batch.clone()).total_loss(), list(actor.parameters()))  # fmt: skip
+        moved = cartpole_actor().to(device)
+        out = GRPOLoss(moved)(batch.to(device))
+        grads_moved = torch.autograd.grad(out.total_loss(), list(moved.parameters()))
+        for a, b in zip(grads_moved, grads, strict=True):
+            torch.testing.assert_close(a.cpu(), b, rtol=1e-5, atol=1e-6)

@@ -383,3 +383,38 @@ class TestHiddenTokenCategorical:
         assert ref_grads["lm_head.weight"].abs().sum() > 0
         for name, grad in ref_grads.items():
             torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+class TestDevices:
+    """Same values and gradients on every available device as on the CPU (float64 reference)."""
+
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+    def test_logits_path(self, device, dtype):
+        g = torch.Generator().manual_seed(0)
+        logits = torch.randn(3, 5, 97, generator=g)
+        tokens = torch.randint(97, (3, 5), generator=g)
+        tokens[0, -2:] = -100
+        ref = logits.double().requires_grad_()
+        lp_ref, ent_ref = token_log_prob_entropy(ref, tokens)
+        (lp_ref.sum() + ent_ref.sum()).backward()
+        x = logits.to(device, dtype).requires_grad_()
+        lp, ent = token_log_prob_entropy(x, tokens.to(device), chunk_size=4)
+        (lp.sum() + ent.sum()).backward()
+        assert lp.device == ent.device == x.grad.device == x.device
+        tol = dict(atol=5e-2, rtol=5e-2) if dtype == torch.bfloat16 else dict(atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(lp.double().cpu(), lp_ref.detach(), **tol)
+        torch.testing.assert_close(ent.double().cpu(), ent_ref.detach(), **tol)
+        torch.testing.assert_close(x.grad.double().cpu(), ref.grad, **tol)
+
+    def test_hidden_path(self, device):
+        g = torch.Generator().manual_seed(1)
+        hidden, weight = torch.randn(2, 4, 6, generator=g), torch.randn(31, 6, generator=g)
+        tokens = torch.randint(31, (2, 4), generator=g)
+        h, w = hidden.to(device).requires_grad_(), weight.to(device).requires_grad_()
+        lp, ent = token_log_prob_entropy_from_hidden(h, w, tokens.to(device), chunk_size=3)
+        (lp.sum() + ent.sum()).backward()
+        logits = (hidden @ weight.T).requires_grad_()
+        lp_ref, ent_ref = token_log_prob_entropy(logits, tokens)
+        torch.testing.assert_close(lp.cpu(), lp_ref.detach(), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(ent.cpu(), ent_ref.detach(), atol=1e-5, rtol=1e-5)
+        assert h.grad.device == h.device and w.grad.device == w.device
