@@ -124,6 +124,7 @@ def main(argv=None) -> dict:
         run_dir = run_dir.with_name(run_dir.name + "+")
     run_dir.mkdir(parents=True)
 
+    actor, critic = demo.make_actor(cfg.hidden), make_critic(cfg.hidden)  # before the envs
     first_seed = cfg.seed * demo.SEEDS_PER_RUN
     env = make_env(cfg.num_envs, first_seed)
     # the demo's evaluation, on the demo's evaluation seeds
@@ -138,7 +139,6 @@ def main(argv=None) -> dict:
             demo.EVAL_SEED_OFFSET + first_seed + demo.SEEDS_PER_RUN,
         ),
     )
-    actor, critic = demo.make_actor(cfg.hidden), make_critic(cfg.hidden)
     loss_module = ClipPPOLoss(
         actor,
         critic,

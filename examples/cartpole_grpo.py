@@ -268,6 +268,7 @@ def main(argv: list[str] | None = None) -> dict:
     if logger is not None:
         logger.log_hparams(dataclasses.asdict(cfg))
 
+    actor = make_actor(cfg.hidden)  # first: building envs draws from torch's generator too
     first_seed = cfg.seed * SEEDS_PER_RUN
     env = make_env(cfg.num_envs, range(first_seed, first_seed + SEEDS_PER_RUN), cfg.group_size)
     eval_env = make_eval_env(
@@ -279,7 +280,6 @@ def main(argv: list[str] | None = None) -> dict:
     confirm_env = (
         make_eval_env(cfg.confirm_episodes, confirm_seeds) if cfg.confirm_episodes else None
     )
-    actor = make_actor(cfg.hidden)
     loss_module = GRPOLoss(actor, clip_epsilon=cfg.clip_epsilon, entropy_coeff=cfg.entropy_coeff)
     optimizer = torch.optim.Adam(loss_module.parameters(), lr=cfg.lr)
 

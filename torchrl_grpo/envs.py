@@ -33,8 +33,9 @@ Decisions, in one place:
   untrained policy, less once episodes are long); place the transform first, right on the base
   env, so that no other transform runs twice per reset. Supported parents: a gymnasium env behind
   ``GymEnv``/``GymWrapper``, a gymnasium vector env with ``autoreset_mode=DISABLED`` behind one
-  ``GymWrapper`` (one seed per sub-env), and ``SerialEnv``/``ParallelEnv`` of those
-  (``list_of_kwargs``, one entry per worker).
+  ``GymWrapper`` (one seed per sub-env), and ``SerialEnv``/``ParallelEnv`` of single gymnasium
+  envs (``list_of_kwargs``, one entry per worker). Anything else raises a ``TypeError`` rather
+  than be reset unseeded.
 * **Vector envs that reset themselves.** A gymnasium vector env in ``SAME_STEP`` mode (torchrl
   wraps it in ``VecGymEnvTransform``, as it does ``GymEnv(..., num_envs=N)``) restarts a finished
   sub-env by itself, from an unseeded state: a partial reset there cannot be seeded and raises.
