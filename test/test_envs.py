@@ -246,6 +246,7 @@ class TestSameStartGroupsErrors:
         env = TransformedEnv(PendulumEnv(), SameStartGroups(2))
         with pytest.raises(TypeError, match="reset takes a gymnasium seed .* got PendulumEnv"):
             env.reset()
+        assert env.transform.episodes_started == 0  # the failed reset handed out no seed
 
     def test_step_without_the_seed(self):
         env = TransformedEnv(GymEnv("CartPole-v1"), SameStartGroups(2))

@@ -105,8 +105,8 @@ class SameStartGroups(Transform):
         >>> env.transform.episodes_started
         3
 
-        With several collector workers, give each worker's env its own seeds (the tutorial
-        runs this)::
+        With several collector workers, give each worker's env its own seeds
+        (``test/test_envs.py`` runs this layout)::
 
             def make_env(worker, num_workers=2):
                 seeds = range(worker, 2**31, num_workers)
@@ -154,8 +154,8 @@ class SameStartGroups(Transform):
 
     # --- the seed queue ---------------------------------------------------------------------
 
-    def _take(self, count: int) -> torch.Tensor:
-        """The seeds of the next ``count`` episodes, shape ``(count,)``; advances the queue."""
+    def _next_seeds(self, count: int) -> torch.Tensor:
+        """The seeds of the next ``count`` episodes, shape ``(count,)``; the queue stays put."""
         first = self.episodes_started
         ranks = range(first // self.group_size, (first + count - 1) // self.group_size + 1)
         if ranks.stop > len(self.seeds):
@@ -166,7 +166,6 @@ class SameStartGroups(Transform):
             )
         group_seeds = torch.tensor([self.seeds[r] for r in ranks], dtype=torch.long)
         episode_rank = torch.arange(first, first + count) // self.group_size - ranks.start
-        self._episodes_started += count
         return group_seeds[episode_rank]
 
     # --- env hooks --------------------------------------------------------------------------
@@ -199,9 +198,10 @@ class SameStartGroups(Transform):
         count = int(mask.sum())
         if count == 0:
             return tensordict_reset
-        seeds = self._take(count)
+        seeds = self._next_seeds(count)
         kwargs = _seed_kwargs(parent, mask, seeds)
         tensordict_reset = parent.reset(None if full else tensordict.select("_reset"), **kwargs)
+        self._episodes_started += count  # only once the seeded reset went through
         seed = torch.full(batch, -1, dtype=torch.long, device=tensordict_reset.device)
         seed[mask] = seeds.to(seed.device)
         return tensordict_reset.set(self.out_key, seed)
