@@ -167,7 +167,8 @@ def main(argv=None) -> dict:
     env_steps, history, evals = 0, [], []
     eval_return = float("nan")
     seconds = {"setup": time.perf_counter() - START, "play": 0.0, "optimize": 0.0, "evaluate": 0.0}
-    while eval_return < cfg.target_return or not evals:
+    solved = False
+    while not solved:
         if time.perf_counter() - START >= cfg.time_budget or (
             cfg.max_env_steps and env_steps >= cfg.max_env_steps
         ):
@@ -193,14 +194,14 @@ def main(argv=None) -> dict:
             buffer.empty()
         tick = time.perf_counter()
         seconds["optimize"] += tick - tock
-        eval_return = demo.greedy_return(actor, eval_env, confirm_env, cfg.target_return)
+        eval_return, solved = demo.greedy_return(actor, eval_env, confirm_env, cfg.target_return)
         seconds["evaluate"] += time.perf_counter() - tick
         wall = time.perf_counter() - START
         history.append({"env_steps": env_steps, "wall_s": wall, "return": train_return})
         evals.append({"env_steps": env_steps, "wall_s": wall, "return": eval_return})
     collector.shutdown()
     if not evals:
-        eval_return = demo.greedy_return(actor, eval_env, confirm_env, cfg.target_return)
+        eval_return, solved = demo.greedy_return(actor, eval_env, confirm_env, cfg.target_return)
         evals.append({"env_steps": 0, "wall_s": time.perf_counter() - START, "return": eval_return})
 
     tick = time.perf_counter()
@@ -208,7 +209,6 @@ def main(argv=None) -> dict:
     demo.save_plot(history, evals, cfg.target_return, run_dir / "returns.png")
     eval_env.close()
     confirm_env.close()
-    solved = eval_return >= cfg.target_return
     seconds["outputs"] = time.perf_counter() - tick
     wall = time.perf_counter() - START
     print(f"outputs: {run_dir}", flush=True)
