@@ -10,12 +10,13 @@ sub-environments stepped together behind one ``GymWrapper``, and yields batches 
 seed and writes group-relative advantages once a group is complete (a group whose episodes are
 still running waits for the next batch). :class:`torchrl_grpo.GRPOLoss` (a ClipPPOLoss without
 critic) then optimizes a torchrl ``ProbabilisticActor`` on the released steps for a few epochs;
-the buffer is emptied after each batch (on-policy).
+the buffer is emptied after each batch (each step is used for one batch's epochs only).
 
 After every batch the greedy policy plays ``--eval-episodes`` fresh episodes (``env.rollout``);
 when their mean return reaches ``--target-return``, ``--confirm-episodes`` more fresh episodes
-decide (gym's criterion), and training stops if they reach it too, or when ``--time-budget``
-seconds have passed since the script started. The last line printed is parseable::
+decide (gym's criterion is a mean over 100): training stops if their mean, less two standard
+errors, reaches it too, or when ``--time-budget`` seconds have passed since the script started.
+The last line printed is parseable::
 
     RESULT solved=<true|false> wall_s=<float> env_steps=<int> eval_return=<float>
 
