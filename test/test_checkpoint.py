@@ -102,9 +102,7 @@ class TestReplayBufferDumps:
         assert restored_transform.get_stats() == reference.transform[0].get_stats()
 
     def test_plain_torchrl_storage_refuses_an_empty_dump(self, tmp_path):
-        rb = ReplayBuffer(storage=LazyTensorStorage(10))
-        rb.append_transform(MCAdvantage(2, prompt_key="seed"))
-        rb.extend(trajectory(0, [1.0]))
+        rb = ReplayBuffer(storage=LazyTensorStorage(10))  # no MCAdvantage writes through it
         with pytest.raises(RuntimeError, match="non-initialized"):
             rb.dumps(tmp_path)
 
