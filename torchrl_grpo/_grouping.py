@@ -41,21 +41,18 @@ NOTHING = Rounds(members=_NONE, member_round=_NONE, num_rounds=0, consumed=None)
 
 
 class Selection(NamedTuple):
-    """torchrl's oversampling: collect candidates, let a selector pick a group among them."""
+    """torchrl's oversampling: collect candidates, let a selector pick a group among them.
+
+    It runs only where it can differ from taking each group's first ``grpo_size`` arrivals:
+    more candidates than ``grpo_size``, or a selector of another type (with as many candidates
+    as the group size, torchrl's own selector keeps them all, in order, or rejects them by
+    ``keep_return_bounds``, a filter applied when the group is released). torchrl consults the
+    selector only with ``trajectory_return``.
+    """
 
     candidate_group_size: int
     min_size: int  # candidates needed before the first attempt
     selector: MCAdvantageSelector
-
-    def needed(self, group_size: int) -> bool:
-        """Whether selection can differ from taking each group's first ``group_size`` arrivals.
-
-        With as many candidates as the group size, torchrl's selector keeps them all, in order (or
-        rejects them by ``keep_return_bounds``, a filter applied when the group is released).
-        """
-        return (
-            self.candidate_group_size > group_size or type(self.selector) is not MCAdvantageSelector
-        )
 
 
 class Limits(NamedTuple):
@@ -156,22 +153,24 @@ def _one_more(state: Pending, batch: Insertion, size: int) -> Rounds:
     """
     q = state.num_pending
     if q == 0:
-        same = None
-    elif isinstance(batch.group_ids, list):  # prompts: compared in Python
+        return NOTHING if size > 1 else Rounds(_ZERO, _ZERO, 1, _TRUE)
+    if isinstance(batch.group_ids, list):  # prompts: compared in Python
         prompt = batch.group_ids[0]
         same = torch.tensor([k == prompt for k in state.keys], dtype=torch.bool)
     else:
-        equal = state.keys == batch.group_ids  # (Q, k)
-        same = equal[:, 0] if equal.shape[1] == 1 else equal.all(1)  # (Q,)
-    count = 0 if same is None else int(same.sum())
-    if count + 1 < size:
+        same = state.keys == batch.group_ids  # (Q, k)
+        if same.shape[1] > 1:
+            same = same.all(1, keepdim=True)
+        same = same.view(-1)  # (Q,)
+    if int(same.count_nonzero()) + 1 < size:
         return NOTHING
-    consumed = torch.cat([same, _TRUE]) if q else _TRUE
+    consumed = torch.cat([same, _TRUE])
     members = consumed.nonzero().squeeze(-1)
     return Rounds(members, torch.zeros_like(members), 1, consumed)
 
 
-_TRUE = torch.ones(1, dtype=torch.bool)
+_TRUE = torch.ones(1, dtype=torch.bool)  # shared constants (never written to)
+_ZERO = torch.zeros(1, dtype=torch.long)
 
 
 def select_candidates(

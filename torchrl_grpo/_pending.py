@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, NamedTuple
 
+import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase, lazy_stack
 from torch import Tensor
@@ -236,8 +237,10 @@ def append(
         keys = group_ids
     else:
         keys = torch.cat([state.keys, group_ids.to(state.keys.dtype)])
-    if lengths.shape[0] == 1:  # one trajectory: its span straight from Python ints
-        span = torch.tensor([[len(state.chunks), int(offset), int(lengths), state.insertions]])
+    if lengths.shape[0] == 1:  # one trajectory: its span from Python ints (numpy builds a
+        # small tensor from a literal a few times faster than torch.tensor does)
+        row = [[len(state.chunks), int(offset), int(lengths), state.insertions]]
+        span = torch.from_numpy(np.array(row, dtype=np.int64))
     else:
         span = spans_of(len(state.chunks), offset, lengths, state.insertions)
     held = concat(returns_of(state), returns) if state.num_pending else returns
@@ -258,34 +261,42 @@ def drop(state: Pending, keep: Tensor) -> Pending:
     A chunk left with no pending trajectory is released (its slot set to ``None``, so chunk
     numbers stay valid); the list itself is compacted once most of its slots are empty.
     """
-    spans = state.spans[keep]
+    kept = keep.nonzero().squeeze(1)  # (Q',) the trajectories that stay
+    spans = state.spans.index_select(0, kept)
+    alive = torch.bincount(spans[:, CHUNK], minlength=len(state.chunks))  # (C,) left in each
     chunks, sizes = list(state.chunks), list(state.chunk_sizes)
-    alive = torch.bincount(spans[:, CHUNK], minlength=len(chunks))  # (C,) trajectories left
-    counts = alive.tolist()
-    for c in state.spans[~keep, CHUNK].tolist():
-        if not counts[c]:
-            chunks[c], sizes[c] = None, 0
-    if len(chunks) > 2 * int((alive > 0).sum()) + 64:  # mostly empty slots: renumber
+    for c in (alive == 0).logical_and_(_touched(state, keep)).nonzero().squeeze(1).tolist():
+        chunks[c], sizes[c] = None, 0  # no pending trajectory left in it
+    # A released slot has size 0 (a held chunk has steps); count with ints, not chunk == None.
+    if len(sizes) > 2 * (len(sizes) - sizes.count(0)) + 64:  # mostly empty slots: renumber
         renumber = torch.cumsum(alive > 0, 0) - 1  # (C,) new number of each live chunk
         spans[:, CHUNK] = renumber[spans[:, CHUNK]]  # a fresh tensor: ours to write
-        chunks = [chunk for chunk, n in zip(chunks, counts) if n]
-        sizes = [size for size, n in zip(sizes, counts) if n]
-    held = returns_of(state).take(keep)
+        chunks = [chunk for chunk, size in zip(chunks, sizes) if size]
+        sizes = [size for size in sizes if size]
     return evolve(
         state,
         chunks=chunks,
         chunk_sizes=sizes,
         spans=spans,
-        keys=_select(state.keys, keep),
-        returns=held.value,
-        torchrl_returns=held.torchrl,
+        keys=_select(state.keys, kept),
+        returns=state.returns.index_select(0, kept),
+        torchrl_returns=(
+            None if state.torchrl_returns is None else state.torchrl_returns.index_select(0, kept)
+        ),
     )
 
 
-def _select(group_ids: Tensor | list, keep: Tensor) -> Tensor | list:
+def _touched(state: Pending, keep: Tensor) -> Tensor:
+    """``(C,)`` bool: the chunks that held a trajectory now dropped."""
+    touched = torch.zeros(len(state.chunks), dtype=torch.bool)
+    return touched.index_fill_(0, state.chunk[~keep], True)
+
+
+def _select(group_ids: Tensor | list, index: Tensor) -> Tensor | list:
+    """The group ids at ``index`` (increasing positions)."""
     if isinstance(group_ids, list):
-        return [k for k, kept in zip(group_ids, keep.tolist()) if kept]
-    return group_ids[keep]
+        return [group_ids[i] for i in index.tolist()]
+    return group_ids.index_select(0, index)
 
 
 def remaining(
@@ -325,7 +336,7 @@ def remaining(
         else:
             piece = take(batch.data, ranges(batch.starts[keep_incoming], lengths))
             offset = torch.cumsum(lengths, 0) - lengths
-            group_ids = _select(batch.group_ids, keep_incoming)
+            group_ids = _select(batch.group_ids, keep_incoming.nonzero().squeeze(1))
         new = append(
             new,
             piece,

@@ -80,24 +80,27 @@ def read_insertion(tensordict: TensorDictBase, keys: Keys, state: Pending) -> In
             tensor ids of another width than the pending ones.
         TypeError: a group id that is neither a string nor a tensor, or strings mixed with tensors.
     """
-    if tensordict.ndim == 0:
+    if tensordict.batch_dims == 0:
         tensordict = tensordict.unsqueeze(0)
-    if tensordict.numel() == 0:
+    ragged = state.ragged
+    if isinstance(tensordict, LazyStackedTensorDict):
+        concrete = _materialize(tensordict)
+        ragged = ragged or concrete is None
+        tensordict = tensordict if concrete is None else concrete
+    shape = tensordict.batch_size
+    if shape.numel() == 0:
         return None
-    concrete = _materialize(tensordict)
-    ragged = state.ragged or concrete is None
-    tensordict = tensordict if concrete is None else concrete
     done = _get(tensordict, keys.done, "done")
     group_id = _get(tensordict, keys.group, "group id")  # checked before any work
-    done = _done_flags(done, tensordict, keys.done)  # (N,)
-    if tensordict.ndim > 1:
+    done = _done_flags(done, shape, keys.done)  # (N,)
+    if len(shape) > 1:
         flat = tensordict.reshape(-1)
         tensordict = lazy_stack(list(flat.unbind(0))) if ragged else flat
         group_id = None  # read again from the flat steps
     data = list(tensordict.unbind(0)) if ragged else tensordict
 
     starts, lengths, width = trajectory_bounds(done)
-    rewards, per_step = _reward_elements(tensordict, data, keys.reward)
+    rewards, per_step = _reward_elements(tensordict, data, done.shape[0], keys.reward)
     if isinstance(per_step, int):
         reward_lengths = lengths if per_step == 1 else lengths * per_step
         reward_width = width * per_step
@@ -130,9 +133,9 @@ def trajectory_bounds(done: Tensor) -> tuple[Tensor, Tensor, int]:
         when all have the same (else ``0``). The tensors of a lone trajectory are shared
         constants: never write to them.
     """
-    ends = done.nonzero().squeeze(1)  # (n,) last step of each trajectory
-    if ends.shape[0] == 1:  # one trajectory: nothing to compute
+    if int(done.count_nonzero()) == 1:  # one trajectory (the last step is done): nothing to find
         return _ZERO, _one_length(done.shape[0]), done.shape[0]
+    ends = done.nonzero().squeeze(1)  # (n,) last step of each trajectory
     lengths = torch.diff(ends, prepend=ends.new_full((1,), -1))
     shortest, longest = (int(v) for v in torch.aminmax(lengths))
     return ends - lengths + 1, lengths, shortest if shortest == longest else 0
@@ -148,10 +151,8 @@ def _get(tensordict: TensorDictBase, key: NestedKey, role: str):
     return value
 
 
-def _materialize(tensordict: TensorDictBase) -> TensorDictBase | None:
+def _materialize(tensordict: LazyStackedTensorDict) -> TensorDictBase | None:
     """A lazy stack as one contiguous TensorDict, or ``None`` if its steps are ragged."""
-    if not isinstance(tensordict, LazyStackedTensorDict):
-        return tensordict
     try:
         concrete = tensordict.contiguous()
     except RuntimeError:
@@ -163,40 +164,36 @@ def _materialize(tensordict: TensorDictBase) -> TensorDictBase | None:
     return concrete
 
 
-def _done_flags(done, tensordict: TensorDictBase, key: NestedKey) -> Tensor:
+def _done_flags(done, shape: torch.Size, key: NestedKey) -> Tensor:
     """The ``(N,)`` done flags, checked: one per step, and every row ends with one."""
-    if not isinstance(done, Tensor) or done.numel() != tensordict.numel():
+    if not isinstance(done, Tensor) or done.numel() != shape.numel():
         raise ValueError(
             f"MCAdvantage: the done key {key!r} must hold one flag per step, got shape "
-            f"{tuple(getattr(done, 'shape', ()))} for a batch of {tuple(tensordict.batch_size)}."
+            f"{tuple(getattr(done, 'shape', ()))} for a batch of {tuple(shape)}."
         )
     done = done.reshape(-1)
-    if tensordict.ndim == 1:
-        complete = bool(done[-1])
-    else:
-        row_ends = done.view(-1, tensordict.shape[-1])[:, -1]  # (rows,)
-        complete = bool(row_ends.all())
-    if not complete:
-        rows = done.view(-1, tensordict.shape[-1])[:, -1]
-        row = int((~rows.bool()).nonzero()[0])
+    row_ends = done[-1:] if len(shape) == 1 else done.view(-1, shape[-1])[:, -1]  # (rows,)
+    if not (bool(row_ends) if row_ends.shape[0] == 1 else bool(row_ends.all())):
+        row = int((~row_ends.bool()).nonzero()[0])
         raise RuntimeError(
             "MCAdvantage: expected complete trajectories, but the input's last step "
-            f"(row {row} of batch {tuple(tensordict.batch_size)}) has {key!r}=False."
+            f"(row {row} of batch {tuple(shape)}) has {key!r}=False."
         )
     return done if done.dtype == torch.bool else done.bool()
 
 
-def _reward_elements(tensordict, data, key: NestedKey) -> tuple[Tensor, int | Tensor]:
+def _reward_elements(
+    tensordict, data, num_steps: int, key: NestedKey
+) -> tuple[Tensor, int | Tensor]:
     """Every reward element, flat and checked finite, and the elements of each step (an int when
     every step has as many, else one count per step)."""
-    num_steps = tensordict.shape[0]
     if isinstance(data, list):
         rewards = [_get(step, key, "reward") for step in data]
         per_step = torch.tensor([r.numel() for r in rewards])  # (N,)
         values = torch.cat([r.reshape(-1) for r in rewards])
     else:
         reward = _get(tensordict, key, "reward")
-        if not isinstance(reward, Tensor) or reward.shape[:1] != (num_steps,):
+        if not isinstance(reward, Tensor) or reward.ndim == 0 or reward.shape[0] != num_steps:
             raise ValueError(
                 f"MCAdvantage: the reward under {key!r} must be a tensor with one entry per step "
                 f"({num_steps}), got {type(reward).__name__} of shape "

@@ -228,15 +228,13 @@ def release(
     Args:
         state: the pending trajectories before the insertion.
         batch: the insertion.
-        rounds: the released groups.
+        rounds: the released groups (at least one).
         returns: ``(Q + n,)`` the returns of pending ++ incoming.
         estimator: the advantage's options.
         group_filter: which released groups are written.
         keys: the reward and advantage keys.
     """
     members, member_round, num_rounds = rounds.members, rounds.member_round, rounds.num_rounds
-    if num_rounds == 0:
-        return Released(None, 0)
     q = state.num_pending
     everything = q == 0 and members.shape[0] == batch.num_trajectories
     if everything:

@@ -33,6 +33,7 @@ from torchrl_grpo._release import (
     STAT_NAMES,
     Estimator,
     GroupFilter,
+    Released,
     count,
     fresh_stats,
     release,
@@ -43,6 +44,8 @@ from torchrl_grpo.advantages import BASELINES, RETURN_REDUCTIONS, SCALES
 from torchrl_grpo.checkpoint import allow_empty_dumps
 
 __all__ = ["MCAdvantage", "MCAdvantageSelector"]
+
+_NOTHING_RELEASED = Released(out=None, written=0)
 
 
 def _integer(name: str, value) -> int:
@@ -465,31 +468,33 @@ class MCAdvantage(Transform):
         batch = read_insertion(tensordict, self._keys, state)
         if batch is None:  # no step
             return None, self._evict(evolve(state, insertions=state.insertions + 1))
-        estimator = self._estimator
+        estimator, selects = self._estimator, self._selects
         incoming = Returns(
             trajectory_returns(batch, estimator.trajectory_return),
             torchrl_returns(batch.rewards, batch.reward_lengths, estimator.trajectory_return)
-            if self._compares_torchrl_returns
+            if selects or self._filter.keep_return_bounds is not None
             else None,
         )
-        if self._selects:
+        if selects:
             returns = _pending.concat(_pending.returns_of(state), incoming)
             rounds = select_candidates(
                 state, batch, self._selection, self.grpo_size, returns, self._filter
             )
         else:
             rounds = find_rounds(state, batch, self.grpo_size)
-            held = _pending.returns_of(state)
-            returns = _pending.concat(held, incoming) if rounds.num_rounds else incoming
-        released = release(
-            state,
-            batch,
-            rounds,
-            returns,
-            estimator=estimator,
-            group_filter=self._filter,
-            keys=self._keys,
-        )
+        released = _NOTHING_RELEASED
+        if rounds.num_rounds:
+            if not selects:
+                returns = _pending.concat(_pending.returns_of(state), incoming)
+            released = release(
+                state,
+                batch,
+                rounds,
+                returns,
+                estimator=estimator,
+                group_filter=self._filter,
+                keys=self._keys,
+            )
         stats = count(
             state.stats,
             batch,
@@ -512,11 +517,11 @@ class MCAdvantage(Transform):
     @property
     def _selects(self) -> bool:
         """Whether candidate selection runs (torchrl uses the selector with returns only)."""
-        return self.trajectory_return is not None and self._selection.needed(self.grpo_size)
-
-    @property
-    def _compares_torchrl_returns(self) -> bool:
-        return self.keep_return_bounds is not None or self._selects
+        selection = self._selection
+        return self._estimator.trajectory_return is not None and (
+            selection.candidate_group_size > self.grpo_size
+            or type(selection.selector) is not MCAdvantageSelector
+        )
 
     def _evict(self, state: Pending) -> Pending:
         """``max_pending_groups`` / ``max_pending_age``: count and warn about evicted groups."""
