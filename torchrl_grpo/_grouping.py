@@ -32,7 +32,8 @@ class Rounds(NamedTuple):
     consumed: Tensor | None  # (Q + n,) bool: leave the pending store; None: none does
     given_up: int = 0  # candidate groups full without an accepted subset (torchrl: dropped)
     rescued: int = 0  # accepted only thanks to oversampling (torchrl's rescued_groups)
-    unselected: int = 0  # candidates of accepted groups left out (torchrl's counter)
+    unselected: int = 0  # candidates of selected groups left out (torchrl's counter)
+    selected: int = 0  # groups the candidate selection selected (each attempt, as torchrl)
     filtered: bool = False  # the group filters were applied when the rounds were chosen
 
 
@@ -102,7 +103,7 @@ def group_codes(
         return torch.unique(keys, dim=0, return_inverse=True)[1], None
     keys = keys.reshape(-1)
     if not keys.is_floating_point() and keys.dtype != torch.bool and keys.numel():
-        low, high = int(keys.min()), int(keys.max())
+        low, high = (int(v) for v in torch.aminmax(keys))
         if high - low <= 4 * keys.numel() + 1024:  # compact ids (seeds, indices): no sort
             shifted = keys - low
             present = torch.zeros(high - low + 1, dtype=torch.bool).index_fill_(0, shifted, True)
@@ -203,7 +204,7 @@ def select_candidates(
         queues.setdefault(code, []).append(j)
     consumed = torch.zeros(codes.shape[0], dtype=torch.bool)
     picks: list[list[int]] = []
-    given_up = rescued = unselected = 0
+    given_up = rescued = unselected = selected = 0
     for j, code in enumerate(codes[num_pending:].tolist(), start=num_pending):
         queue = queues.setdefault(code, [])
         queue.append(j)
@@ -219,14 +220,16 @@ def select_candidates(
             keep_return_bounds=group_filter.keep_return_bounds,
         )
         pick = None if picked is None else [queue[i] for i in picked]
-        if pick is not None and group_filter.accepts(returns.value[pick], returns.torchrl[pick]):
+        if pick is not None and group_filter.selects(returns.value[pick], returns.torchrl[pick]):
+            selected += 1  # torchrl counts these before its last test, at every attempt
             if len(queue) > size:
                 first = queue[:size]
-                first_kept = group_filter.accepts(
-                    returns.value[first], returns.torchrl[first], first_check_only=True
-                )
-                rescued += int(not first_kept)
+                first_ok = group_filter.selects(returns.value[first], returns.torchrl[first])
+                rescued += int(not first_ok)
                 unselected += len(queue) - size
+        else:
+            pick = None
+        if pick is not None and group_filter.keeps_selected(returns.torchrl[pick]):
             picks.append(pick)
         elif len(queue) == selection.candidate_group_size:
             given_up += 1
@@ -245,6 +248,7 @@ def select_candidates(
         given_up=given_up,
         rescued=rescued,
         unselected=unselected,
+        selected=selected,
         filtered=True,
     )
 

@@ -133,11 +133,11 @@ def trajectory_bounds(done: Tensor) -> tuple[Tensor, Tensor, int]:
         when all have the same (else ``0``). The tensors of a lone trajectory are shared
         constants: never write to them.
     """
-    if int(done.count_nonzero()) == 1:  # one trajectory (the last step is done): nothing to find
-        return _ZERO, _one_length(done.shape[0]), done.shape[0]
     ends = done.nonzero().squeeze(1)  # (n,) last step of each trajectory
-    lengths = torch.diff(ends, prepend=ends.new_full((1,), -1))
-    shortest, longest = (int(v) for v in torch.aminmax(lengths))
+    if ends.shape[0] == 1:  # one trajectory (the last step is done): nothing to compute
+        return _ZERO, _one_length(done.shape[0]), done.shape[0]
+    lengths = torch.diff(ends, prepend=_MINUS_ONE)
+    shortest, longest = _bounds(lengths)
     return ends - lengths + 1, lengths, shortest if shortest == longest else 0
 
 
@@ -271,6 +271,13 @@ def _all_finite(x: Tensor) -> bool:
 
 
 _ZERO = torch.zeros(1, dtype=torch.long)  # the start of a lone trajectory (never written to)
+_MINUS_ONE = torch.full((1,), -1, dtype=torch.long)  # the end before the first step (read-only)
+
+
+def _bounds(x: Tensor) -> tuple[int, int]:
+    """``(min, max)`` of a non-empty integer tensor as Python ints (one reduction)."""
+    low, high = torch.aminmax(x)
+    return int(low), int(high)
 
 
 @functools.lru_cache(maxsize=4096)

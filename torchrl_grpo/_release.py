@@ -65,13 +65,19 @@ class Estimator(NamedTuple):
 
 
 class GroupFilter(NamedTuple):
-    """Which released groups are written: dynamic sampling and the std threshold.
+    """Which complete groups are written: dynamic sampling and the std threshold.
 
-    ``keep_return_bounds`` is decided exactly as torchrl 0.14.1 decides it: on the returns as
-    torchrl computes them (the reward's dtype, see :func:`torchrl_returns`), a group is kept when
-    both its mean taken as Python floats, left to right (``MCAdvantageSelector``), and its mean
-    taken in the reward's dtype (``returns.mean()``) lie strictly inside the bounds.
-    ``std_threshold`` (not in torchrl) compares the float64 std of the advantage's samples.
+    ``keep_return_bounds`` is decided as torchrl 0.14.1 decides it, in two tests on the returns
+    as torchrl computes them (in the reward's dtype, see :func:`torchrl_returns`):
+
+    1. *selection*: ``MCAdvantageSelector`` takes the group if the mean of its returns as Python
+       floats, summed left to right, lies strictly inside the bounds;
+    2. *keeping*: the selected group is then dropped unless ``float(returns.mean())``, the mean in
+       the reward's dtype, lies strictly inside them too.
+
+    torchrl counts a group in ``selected_trajectories`` after the first test. ``std_threshold``
+    (not in torchrl) is part of selection: a group whose float64 std of the advantage's samples
+    is at or below it is neither selected nor written.
     """
 
     keep_return_bounds: tuple[float, float] | None
@@ -81,7 +87,7 @@ class GroupFilter(NamedTuple):
     def active(self) -> bool:
         return self.keep_return_bounds is not None or self.std_threshold is not None
 
-    def keep(
+    def apply(
         self,
         x: Tensor,
         group_index: Tensor,
@@ -89,8 +95,8 @@ class GroupFilter(NamedTuple):
         *,
         runs: Tensor | None = None,
         torchrl_returns: Tensor | None = None,
-    ) -> Tensor:
-        """Per group, whether it is written.
+    ) -> tuple[Tensor, Tensor]:
+        """Per group, whether it is selected, and whether it is written.
 
         Args:
             x: the advantage's samples, ``(S,)``; with ``runs``, contiguous runs of one group.
@@ -101,52 +107,53 @@ class GroupFilter(NamedTuple):
                 the order torchrl sees them; needed with ``keep_return_bounds``.
 
         Returns:
-            ``(G,)`` bool.
+            ``(selected, kept)``, each ``(G,)`` bool; ``kept`` implies ``selected``.
         """
-        keep = torch.ones(num_groups, dtype=torch.bool)
-        if self.keep_return_bounds is not None:
-            keep &= bounds_keep(torchrl_returns, self.keep_return_bounds)
+        selected = torch.ones(num_groups, dtype=torch.bool)
+        kept = selected
         if self.std_threshold is not None:
-            std = group_std(x, group_index, num_groups, lengths=runs)
-            keep &= std > self.std_threshold
-        return keep
-
-    def accepts(self, returns: Tensor, torchrl_returns: Tensor, *, first_check_only=False) -> bool:
-        """Whether one group of trajectories passes (candidate selection).
-
-        ``first_check_only``: the bounds as ``MCAdvantageSelector`` checks them (the Python mean
-        only), which is how torchrl decides whether oversampling rescued a group.
-        """
+            selected = group_std(x, group_index, num_groups, lengths=runs) > self.std_threshold
+            kept = selected
         if self.keep_return_bounds is not None:
-            low, high = self.keep_return_bounds
-            values = torchrl_returns.tolist()
-            if not low < sum(values) / len(values) < high:
-                return False
-            if not first_check_only and not bool(bounds_keep(torchrl_returns[None], (low, high))):
-                return False
+            python_mean, dtype_mean = _means(torchrl_returns)
+            selected = selected & _inside(python_mean, self.keep_return_bounds)
+            kept = selected & _inside(dtype_mean, self.keep_return_bounds)
+        return selected, kept
+
+    def selects(self, returns: Tensor, torchrl_returns: Tensor) -> bool:
+        """Whether one group passes selection (see the class); ``(size,)`` returns each."""
         if self.std_threshold is not None:
             zeros = torch.zeros(returns.shape[0], dtype=torch.long)
-            return bool(group_std(returns, zeros, 1) > self.std_threshold)
-        return True
+            if not bool(group_std(returns, zeros, 1) > self.std_threshold):
+                return False
+        if self.keep_return_bounds is None:
+            return True
+        low, high = self.keep_return_bounds
+        values = torchrl_returns.tolist()
+        return low < sum(values) / len(values) < high
+
+    def keeps_selected(self, torchrl_returns: Tensor) -> bool:
+        """Whether a selected group is written: its mean in the reward's dtype in the bounds."""
+        if self.keep_return_bounds is None:
+            return True
+        return bool(_inside(_means(torchrl_returns[None])[1], self.keep_return_bounds))
 
 
-def bounds_keep(returns: Tensor, bounds: tuple[float, float]) -> Tensor:
-    """torchrl's dynamic-sampling test, for ``G`` groups at once.
+def _means(returns: Tensor) -> tuple[Tensor, Tensor]:
+    """The two means torchrl compares with the bounds, for ``(G, size)`` returns, as float64.
 
-    Args:
-        returns: ``(G, size)`` each group's returns, in the reward's dtype.
-        bounds: exclusive ``(low, high)``.
-
-    Returns:
-        ``(G,)`` bool: both means strictly inside the bounds. One is ``sum(values) / size`` over
-        Python floats, left to right (a float64 running sum, ``cumsum``); the other is
-        ``float(returns.mean())`` in the reward's dtype (the row mean of a ``(G, size)`` tensor
-        rounds as each row's ``mean()`` does).
+    ``sum(values) / size`` over Python floats, left to right, is a float64 running sum
+    (``cumsum``); ``float(returns.mean())`` in the reward's dtype is a row mean (a row of a
+    ``(G, size)`` tensor rounds as the row alone does).
     """
-    low, high = bounds
-    python_mean = torch.cumsum(returns.double(), 1)[:, -1] / returns.shape[1]  # (G,)
-    dtype_mean = (returns if returns.is_floating_point() else returns.double()).mean(1).double()
-    return (low < python_mean) & (python_mean < high) & (low < dtype_mean) & (dtype_mean < high)
+    python_mean = torch.cumsum(returns.double(), 1)[:, -1] / returns.shape[1]
+    dtype_mean = (returns if returns.is_floating_point() else returns.double()).mean(1)
+    return python_mean, dtype_mean.double()
+
+
+def _inside(mean: Tensor, bounds: tuple[float, float]) -> Tensor:
+    low, high = bounds  # compared as Python floats compare: in float64
+    return (low < mean) & (mean < high)
 
 
 # --- returns ------------------------------------------------------------------------------------
@@ -207,6 +214,8 @@ def torchrl_returns(rewards: Tensor, lengths: Tensor, trajectory_return: str) ->
 class Released(NamedTuple):
     out: TensorDictBase | None  # the steps to store, advantages written (None: nothing)
     written: int  # released groups that passed the filters
+    selected: int  # released groups that passed selection (see GroupFilter); 0 for rounds
+    # chosen by candidate selection, which counts its own
 
 
 def release(
@@ -268,15 +277,16 @@ def release(
         x, runs = values, elems
     else:  # every trajectory's return is a sample
         x, runs = released_returns.value, None
-    keep = None
+    keep, selected = None, 0 if rounds.filtered else num_rounds
     if group_filter.active and not rounds.filtered:
-        keep = group_filter.keep(
+        selection, keep = group_filter.apply(
             x,
             member_round,
             num_rounds,
             runs=runs,
             torchrl_returns=_by_round(released_returns.torchrl, member_round, num_rounds),
         )
+        selected = int(selection.sum())
     adv = group_relative_advantage(
         x,
         member_round,
@@ -302,13 +312,13 @@ def release(
     else:
         out.set(keys.advantage, adv.reshape(reward.shape))
     if keep is None or bool(keep.all()):
-        return Released(lazy_stack(out) if isinstance(out, list) else out, num_rounds)
+        return Released(lazy_stack(out) if isinstance(out, list) else out, num_rounds, selected)
     written = int(keep.sum())
     keep_step = by_steps().expand(keep[member_round])  # (S,)
     if isinstance(out, list):
         out = [step for step, k in zip(out, keep_step.tolist()) if k]
-        return Released(lazy_stack(out) if out else None, written)
-    return Released(out[keep_step] if written else None, written)
+        return Released(lazy_stack(out) if out else None, written, selected)
+    return Released(out[keep_step] if written else None, written, selected)
 
 
 def _by_round(values: Tensor | None, member_round: Tensor, num_rounds: int) -> Tensor | None:
@@ -328,7 +338,7 @@ def count(
     batch: Insertion,
     returns: Tensor,
     rounds: Rounds,
-    written: int,
+    released: Released,
     *,
     trajectory_return: str | None,
     group_size: int,
@@ -339,8 +349,8 @@ def count(
         stats: before the insertion.
         batch: the insertion.
         returns: ``(n,)`` the incoming trajectories' float64 returns.
-        rounds: the groups it released.
-        written: how many of them passed the filters.
+        rounds: the groups it completed.
+        released: how many of them were selected and written.
         trajectory_return: the return mode (``None``: per-step samples).
         group_size: ``grpo_size``.
     """
@@ -362,10 +372,10 @@ def count(
         stats["trajectory_return_sum"] += total
         stats["trajectory_return_max"] = max(stats["trajectory_return_max"], most)
         stats["successful_trajectories"] += successful
-        stats["selected_trajectories"] += written * group_size
-    dropped = rounds.num_rounds - written + rounds.given_up
+        stats["selected_trajectories"] += (rounds.selected + released.selected) * group_size
+    dropped = rounds.num_rounds - released.written + rounds.given_up
     stats["completed_groups"] += rounds.num_rounds + rounds.given_up
-    stats["written_groups"] += written
+    stats["written_groups"] += released.written
     stats["dropped_groups"] += dropped
     stats["rescued_groups"] += rounds.rescued
     stats["unselected_trajectories"] += rounds.unselected

@@ -45,7 +45,7 @@ from torchrl_grpo.checkpoint import allow_empty_dumps
 
 __all__ = ["MCAdvantage", "MCAdvantageSelector"]
 
-_NOTHING_RELEASED = Released(out=None, written=0)
+_NOTHING_RELEASED = Released(out=None, written=0, selected=0)
 
 
 def _integer(name: str, value) -> int:
@@ -500,7 +500,7 @@ class MCAdvantage(Transform):
             batch,
             incoming.value,
             rounds,
-            released.written,
+            released,
             trajectory_return=estimator.trajectory_return,
             group_size=self.grpo_size,
         )
