@@ -605,19 +605,19 @@ class TestDynamicSamplingBounds:
         return [trajectory(0, [r / steps] * steps) for r in rewards]
 
     @pytest.mark.parametrize(
-        "rewards, bounds, kept",
+        "rewards, steps, bounds, kept",
         [
             # float32 sums of 0.1 three times (0.3f) put the mean just above 0.1, as torchrl sees it
-            ((0.3, -0.1), (0.1, 2.5), True),
-            ((0.3, -0.1), (-1.0, 0.1), False),
-            ((0.7, -0.1), (-1.0, 0.1), False),  # bounds are exclusive
+            ((0.3, -0.1), 3, (0.1, 2.5), True),
+            ((0.3, -0.1), 3, (-1.0, 0.1), False),
+            ((0.25, 0.75), 1, (0.5, 2.0), False),  # a mean on a bound: exclusive bounds
         ],
     )
-    def test_float32_returns_on_a_bound(self, rewards, bounds, kept):
+    def test_float32_returns_on_a_bound(self, rewards, steps, bounds, kept):
         kw = dict(grpo_size=2, prompt_key="seed", trajectory_return="sum")
         ours = MCAdvantage(**kw, keep_return_bounds=bounds)
         ref = TorchRLMCAdvantage(**kw, keep_return_bounds=bounds)
-        trajs = self.group(rewards, 3)
+        trajs = self.group(rewards, steps)
         outs = [(ours.inv(t.clone()), ref.inv(t.clone())) for t in trajs]
         assert (outs[-1][1] is not None) == kept  # torchrl's decision, as the case says
         assert (outs[-1][0] is not None) == kept
