@@ -1,6 +1,7 @@
 """Which trajectories form complete groups: group codes, rounds, candidate selection, eviction.
 
-No advantage math and no TensorDict here. Trajectories are numbered pending first (``0 .. Q-1``,
+No advantage math here, and no TensorDict but the table of candidates that torchrl's selector
+reads. Trajectories are numbered pending first (``0 .. Q-1``,
 in arrival order) then incoming (``Q .. Q+n-1``); a group id becomes a dense integer *code*. The
 result of an insertion is a :class:`Rounds` record: the trajectories released, the released
 group ("round") of each, and the trajectories that leave the pending store.
@@ -42,18 +43,22 @@ NOTHING = Rounds(members=_NONE, member_round=_NONE, num_rounds=0, consumed=None)
 
 
 class Selection(NamedTuple):
-    """torchrl's oversampling: collect candidates, let a selector pick a group among them.
-
-    It runs only where it can differ from taking each group's first ``grpo_size`` arrivals:
-    more candidates than ``grpo_size``, or a selector of another type (with as many candidates
-    as the group size, torchrl's own selector keeps them all, in order, or rejects them by
-    ``keep_return_bounds``, a filter applied when the group is released). torchrl consults the
-    selector only with ``trajectory_return``.
-    """
+    """torchrl's oversampling: collect candidates, let a selector pick a group among them."""
 
     candidate_group_size: int
     min_size: int  # candidates needed before the first attempt
     selector: MCAdvantageSelector
+
+    def runs(self, group_size: int, trajectory_return: str | None) -> bool:
+        """Whether selection can differ from taking each group's first ``group_size`` arrivals.
+
+        torchrl consults the selector only with a ``trajectory_return``; and with as many
+        candidates as the group size, its own selector keeps them all, in order, or rejects them
+        by ``keep_return_bounds`` (a filter applied when the group is released instead).
+        """
+        return trajectory_return is not None and (
+            self.candidate_group_size > group_size or type(self.selector) is not MCAdvantageSelector
+        )
 
 
 class Limits(NamedTuple):

@@ -235,6 +235,8 @@ def append(
         keys = as_list(state.keys) + group_ids
     elif state.keys is None or state.keys.numel() == 0:
         keys = group_ids
+    elif group_ids.dtype == state.keys.dtype:
+        keys = torch.cat([state.keys, group_ids])
     else:
         keys = torch.cat([state.keys, group_ids.to(state.keys.dtype)])
     if lengths.shape[0] == 1:  # one trajectory: its span from Python ints (numpy builds a

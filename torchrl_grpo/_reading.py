@@ -41,17 +41,14 @@ class Keys(NamedTuple):
 class Insertion(NamedTuple):
     """One insertion, flattened and split into trajectories (every tensor is 1-D or ``(n, k)``)."""
 
-    data: (
-        TensorDictBase | list
-    )  # the steps: a flat TensorDict, or a list of step TensorDicts (ragged)
+    data: TensorDictBase | list  # (N,) steps: a flat TensorDict, or step TensorDicts if ragged
     starts: Tensor  # (n,) first step of each trajectory
     lengths: Tensor  # (n,) steps of each trajectory
     width: int  # the steps of every trajectory when all have as many, else 0
     group_ids: Tensor | list  # (n, k) tensor ids, or n strings
     rewards: Tensor  # (E,) every reward element, trajectory after trajectory
     reward_lengths: Tensor  # (n,) reward elements of each trajectory
-    reward_width: int | None  # the reward elements of every trajectory when all have as many,
-    # else 0; None: not known (found where needed)
+    reward_width: int | None  # the same for reward elements; None: not known (found on use)
     num_steps: int  # N
 
     @property
@@ -133,9 +130,10 @@ def trajectory_bounds(done: Tensor) -> tuple[Tensor, Tensor, int]:
         when all have the same (else ``0``). The tensors of a lone trajectory are shared
         constants: never write to them.
     """
-    ends = done.nonzero().squeeze(1)  # (n,) last step of each trajectory
+    ends = done.nonzero()  # (n, 1) last step of each trajectory
     if ends.shape[0] == 1:  # one trajectory (the last step is done): nothing to compute
         return _ZERO, _one_length(done.shape[0]), done.shape[0]
+    ends = ends.squeeze(1)  # (n,)
     lengths = torch.diff(ends, prepend=_MINUS_ONE)
     shortest, longest = _bounds(lengths)
     return ends - lengths + 1, lengths, shortest if shortest == longest else 0

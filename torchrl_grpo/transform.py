@@ -94,8 +94,12 @@ class MCAdvantage(Transform):
     is one sample; otherwise each trajectory is reduced to one return and its advantage is
     broadcast to all its steps.
 
+    What is held back is in :attr:`queues` (a live view: clearing it drops it), in
+    ``state_dict()``, and in the statistics of :meth:`get_stats`. Appended to a buffer, the
+    transform lets ``rb.dumps`` save the storage while nothing is stored yet.
+
     Args:
-        grpo_size: trajectories per group.
+        grpo_size: trajectories per group (an integer, as every size below).
         prompt_key: key of the group id. Defaults to ``"query"``.
         rewards_key: key of the rewards. Defaults to ``("next", "reward")``.
         advantage_key: key written with the advantages. Defaults to ``"advantage"``.
@@ -107,7 +111,8 @@ class MCAdvantage(Transform):
             its return: ``"sum"``, ``"max"``, ``"mean"`` (torchrl) or ``"last"`` (step-wise GRPO:
             the final reward is broadcast to every step).
         keep_return_bounds: exclusive ``(low, high)`` bounds on a group's mean return; a group
-            outside them is dropped (DAPO dynamic sampling). Requires ``trajectory_return``.
+            outside them is dropped (DAPO dynamic sampling), decided as torchrl decides it.
+            Requires ``trajectory_return``.
         candidate_group_size: trajectories to collect before giving up on a group (oversampling).
             Defaults to ``grpo_size``; larger values require ``trajectory_return``.
         candidate_selection_min_size: candidates needed before the first selection attempt.
@@ -128,6 +133,7 @@ class MCAdvantage(Transform):
 
     Raises:
         ValueError: for inconsistent arguments (same conditions as torchrl).
+        TypeError: for a size that is not an integer (``2.7``, ``True``).
 
     Examples:
         >>> import torch
@@ -476,7 +482,7 @@ class MCAdvantage(Transform):
             else None,
         )
         if selects:
-            returns = _pending.concat(_pending.returns_of(state), incoming)
+            returns = _pending.concat(_pending.returns_of(state), incoming)  # pending ++ incoming
             rounds = select_candidates(
                 state, batch, self._selection, self.grpo_size, returns, self._filter
             )
@@ -484,13 +490,11 @@ class MCAdvantage(Transform):
             rounds = find_rounds(state, batch, self.grpo_size)
         released = _NOTHING_RELEASED
         if rounds.num_rounds:
-            if not selects:
-                returns = _pending.concat(_pending.returns_of(state), incoming)
             released = release(
                 state,
                 batch,
                 rounds,
-                returns,
+                _pending.concat(_pending.returns_of(state), incoming),
                 estimator=estimator,
                 group_filter=self._filter,
                 keys=self._keys,
@@ -516,12 +520,8 @@ class MCAdvantage(Transform):
 
     @property
     def _selects(self) -> bool:
-        """Whether candidate selection runs (torchrl uses the selector with returns only)."""
-        selection = self._selection
-        return self._estimator.trajectory_return is not None and (
-            selection.candidate_group_size > self.grpo_size
-            or type(selection.selector) is not MCAdvantageSelector
-        )
+        """Whether candidate selection runs (see :meth:`Selection.runs`)."""
+        return self._selection.runs(self.grpo_size, self._estimator.trajectory_return)
 
     def _evict(self, state: Pending) -> Pending:
         """``max_pending_groups`` / ``max_pending_age``: count and warn about evicted groups."""
