@@ -73,6 +73,25 @@ class TestStateDict:
         a, b = released(t.inv(last)), released(u.inv(last))
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
+    def test_the_checkpoint_is_torchs_extra_state(self):
+        t = MCAdvantage(2, prompt_key="seed")
+        t.inv(trajectory(0, [1.0]))
+        assert list(t.state_dict()) == ["_extra_state"]
+        state = t.state_dict()["_extra_state"]
+        assert state["grpo_size"] == 2 and state["pending"]["lengths"].tolist() == [1]
+
+    def test_checkpoints_of_the_earlier_layout_load(self):
+        """torchrl_grpo 0.1.0 saved ``pending`` and ``grpo_size`` entries of its own."""
+        first, second = halves()
+        t = MCAdvantage(4, prompt_key="seed", trajectory_return="sum")
+        t.inv(first)
+        earlier = {"pending": t.get_extra_state()["pending"], "grpo_size": 4}
+        u = MCAdvantage(4, prompt_key="seed", trajectory_return="sum")
+        u.load_state_dict(earlier)
+        assert u.get_stats() == t.get_stats() and u.queued_trajectories == 8
+        a, b = released(t.inv(second.clone())), released(u.inv(second.clone()))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
     def test_group_size_mismatch_is_an_error(self):
         t = MCAdvantage(4, prompt_key="seed")
         t.inv(trajectory(0, [1.0]))

@@ -21,7 +21,7 @@ from collections.abc import Iterator, MutableMapping
 import torch
 from tensordict import NestedKey, TensorDictBase
 from torchrl import torchrl_logger
-from torchrl.envs.transforms.transforms import Transform
+from torchrl.envs.transforms import Transform
 from torchrl.objectives.llm import MCAdvantageSelector
 
 from torchrl_grpo import _pending
@@ -291,6 +291,7 @@ class MCAdvantage(Transform):
         self._lock = _NoLock()
         self._manager = None
         self._buffer_searched = False  # looked for the buffer writing through this transform
+        self.register_load_state_dict_pre_hook(_read_earlier_checkpoints)
 
     prompt_key = _setting("_keys", "group", "Key of the group id.")
     rewards_key = _setting("_keys", "reward", "Key of the rewards.")
@@ -351,31 +352,28 @@ class MCAdvantage(Transform):
 
     # --- checkpoints: the pending groups and counters travel in state_dict() ----------------------
 
-    def _save_to_state_dict(self, destination, prefix, keep_vars):
-        super()._save_to_state_dict(destination, prefix, keep_vars)
+    def get_extra_state(self) -> dict:
+        """What ``state_dict()`` holds under ``"_extra_state"``: every pending trajectory, the
+        group ids, returns, counters and insertion clock, as tensors and plain Python values (so
+        that ``torch.load(..., weights_only=True)`` reads it)."""
         with self._lock:
-            destination[prefix + "pending"] = _pending.to_plain(self._load())
-        destination[prefix + "grpo_size"] = self.grpo_size
+            return {"pending": _pending.to_plain(self._load()), "grpo_size": self.grpo_size}
 
-    def _load_from_state_dict(
-        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
-    ):
-        plain = state_dict.get(prefix + "pending")
-        if plain is None:
-            if strict:
-                missing_keys.append(prefix + "pending")
-            return
-        saved_size = state_dict.get(prefix + "grpo_size", self.grpo_size)
-        if saved_size != self.grpo_size:
-            error_msgs.append(
-                f"MCAdvantage: the checkpoint holds groups of grpo_size={saved_size}, this "
-                f"transform has grpo_size={self.grpo_size}."
+    def set_extra_state(self, state: dict) -> None:
+        """Restore what :meth:`get_extra_state` saved (``load_state_dict()`` calls it).
+
+        Raises:
+            RuntimeError: the checkpoint holds groups of another ``grpo_size``.
+        """
+        if state["grpo_size"] != self.grpo_size:
+            raise RuntimeError(
+                f"MCAdvantage: the checkpoint holds groups of grpo_size={state['grpo_size']}, "
+                f"this transform has grpo_size={self.grpo_size}."
             )
-            return
         stats = fresh_stats()
-        stats.update(plain["stats"])
+        stats.update(state["pending"]["stats"])
         with self._lock:
-            self._store(evolve(_pending.from_plain(plain), stats=stats))
+            self._store(evolve(_pending.from_plain(state["pending"]), stats=stats))
 
     def set_container(self, container) -> None:
         """torchrl's hook when the transform is appended; also lets the buffer's storage be saved
@@ -663,6 +661,16 @@ def _stat_property(name: str) -> property:
 for _name in STAT_NAMES:
     setattr(MCAdvantage, _name, _stat_property(_name))
 del _name
+
+
+def _read_earlier_checkpoints(module, state_dict, prefix, *args) -> None:
+    """Checkpoints of torchrl_grpo 0.1.0 before its extra state: ``pending`` and ``grpo_size``
+    entries, moved to ``_extra_state`` before ``load_state_dict`` reads it."""
+    if prefix + "pending" in state_dict and prefix + "_extra_state" not in state_dict:
+        state_dict[prefix + "_extra_state"] = {
+            "pending": state_dict.pop(prefix + "pending"),
+            "grpo_size": state_dict.pop(prefix + "grpo_size", module.grpo_size),
+        }
 
 
 class _NoLock:
