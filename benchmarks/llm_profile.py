@@ -10,7 +10,8 @@ step is timed in the phases below, by wrapping the pipeline's own calls with a c
 ``time.perf_counter``, one torch thread, the garbage collector frozen as in the example):
 
 * sampling: the env's reset (a batch of prompts), the sampling ``TransformersWrapper`` and the
-  env's step (the reward), plus what the ``LLMCollector`` does around them;
+  env's step (the reward), plus what the ``LLMCollector`` does around them; each of the four is
+  also shown on its own (the env's ``reset`` and ``step`` and the collector's policy, wrapped);
 * scoring: the two ``RetrieveLogProb`` passes (sampling policy and reference), the collector's
   ``postproc``;
 * buffer: ``rb.extend`` (``MCAdvantage``, storage) and drawing the minibatches;
@@ -45,6 +46,8 @@ from torchrl.envs import Transform
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "llm_grpo.py"
 PHASES = ("sampling", "scoring", "buffer", "loss", "evaluation")
+# the sampling phase, part by part: the env's reset, the sampler, the env's step, the rest
+SAMPLING_PARTS = ("env reset", "sampler", "env step", "collector, rest")
 
 
 def load_example():
@@ -102,6 +105,9 @@ def profile_pipeline(ex, cfg, steps: int, contiguous: bool) -> dict[str, float]:
     clock = Clock()
     collector.postproc = clock.wrap("scoring", collector.postproc)
     rb.extend = clock.wrap("extend", rb.extend)
+    collector.env.reset = clock.wrap("env reset", collector.env.reset)
+    collector.env.step = clock.wrap("env step", collector.env.step)  # the reset is not in it
+    collector.policy = clock.wrap("sampler", collector.policy)
     batches = iter(collector)
     gc.collect()
     gc.freeze()  # as the example does before training
@@ -132,9 +138,13 @@ def profile_pipeline(ex, cfg, steps: int, contiguous: bool) -> dict[str, float]:
         eval_accuracy()
         evaluation = time.perf_counter() - start
         scoring, extend = clock.times["scoring"], clock.times["extend"]
+        sampling = collect - scoring - extend
+        parts = {name: clock.times.get(name, 0.0) for name in SAMPLING_PARTS[:-1]}
         rows.append(
             {
-                "sampling": collect - scoring - extend,
+                "sampling": sampling,
+                **parts,
+                "collector, rest": sampling - sum(parts.values()),
                 "scoring": scoring,
                 "buffer": extend + draw,
                 "loss": update,
@@ -142,7 +152,8 @@ def profile_pipeline(ex, cfg, steps: int, contiguous: bool) -> dict[str, float]:
             }
         )
     gc.unfreeze()
-    return {phase: 1000 * statistics.median(r[phase] for r in rows[1:]) for phase in PHASES}
+    names = (*PHASES, *SAMPLING_PARTS)
+    return {name: 1000 * statistics.median(r[name] for r in rows[1:]) for name in names}
 
 
 def best_ms(fn, repeats: int = 7) -> float:
@@ -251,6 +262,9 @@ def main(argv=None):
     for phase in PHASES:
         label = phase if phase != "evaluation" else "evaluation (each)"
         print(f"{label:<22}" + "".join(f"{p[phase]:>14.0f}" for p in profiles.values()))
+        if phase == "sampling":
+            for part in SAMPLING_PARTS:
+                print(f"  {part:<20}" + "".join(f"{p[part]:>14.0f}" for p in profiles.values()))
     step_ms = {name: sum(p[k] for k in PHASES[:-1]) for name, p in profiles.items()}
     print(f"{'step (w/o evaluation)':<22}" + "".join(f"{v:>14.0f}" for v in step_ms.values()))
     print()
