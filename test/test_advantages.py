@@ -649,6 +649,41 @@ class TestAnchorStepGroups:
         with pytest.raises(ValueError, match="one entry per step"):
             anchor_step_groups(torch.zeros(3, dtype=torch.long), torch.zeros(2, 4))
 
+    def test_a_hash_collision_is_caught(self):
+        p = 1099511628211  # the multiplier of the hash: rows (0, p) and (1, 0) both hash to p
+        codes, num = anchor_step_groups(
+            torch.zeros(3, dtype=torch.long), torch.tensor([[0, p], [1, 0], [0, p]])
+        )
+        assert num == 2 and codes[0] == codes[2] != codes[1]
+
+    def test_signed_zero_is_zero(self):
+        codes, num = anchor_step_groups(torch.zeros(2, dtype=torch.long), torch.tensor([0.0, -0.0]))
+        assert num == 1
+
+    @settings(max_examples=60, deadline=None)
+    @given(
+        kind=st.sampled_from(["small ids", "hashes", "float vectors", "int vectors"]),
+        steps=st.integers(1, 60),
+        seed=st.integers(0, 2**16),
+    )
+    def test_equal_iff_group_and_state_are(self, kind, steps, seed):
+        gen = torch.Generator().manual_seed(seed)
+        group = torch.randint(0, 3, (steps,), generator=gen)
+        choice = torch.randint(0, 4, (steps,), generator=gen)  # 4 distinct states, repeated
+        states = {
+            "small ids": torch.tensor([3, -1, 7, 0]),
+            "hashes": torch.tensor([2**62, -(2**61), 12345, -7]),
+            "float vectors": torch.randn(4, 3, generator=gen),
+            "int vectors": torch.randint(-5, 5, (4, 2), generator=gen),
+        }[kind]
+        anchor = states[choice]
+        codes, num = anchor_step_groups(group, anchor)
+        pairs = list(zip(group.tolist(), map(tuple, anchor.reshape(steps, -1).tolist())))
+        assert num == len(set(pairs))
+        for i in range(steps):
+            for j in range(steps):
+                assert (codes[i] == codes[j]) == (pairs[i] == pairs[j])
+
 
 class TestGiGPO:
     @staticmethod

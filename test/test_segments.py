@@ -38,6 +38,28 @@ class TestDiscountedSuffixSum:
         out = discounted_suffix_sum(x, torch.tensor(lengths), gamma)
         torch.testing.assert_close(out, backward_loop(x.tolist(), lengths, gamma))
 
+    @pytest.mark.parametrize(
+        "lengths, gamma",
+        [
+            ([8] * 5, 0.9),  # one width: the scaled cumsum over rows
+            ([60] * 3, 0.01),  # one width, gamma^59 < 1e-100: the scan
+            ([3, 5, 4, 6], 0.9),  # ragged, padded rows: the scaled cumsum
+            ([1] * 20 + [100], 0.9),  # ragged, padding would be 17x the samples: the scan
+            ([3, 60, 5], 0.01),  # ragged, gamma^59 < 1e-100: the scan
+        ],
+    )
+    def test_each_form(self, lengths, gamma):
+        x = torch.randn(sum(lengths), generator=torch.Generator().manual_seed(1)).double()
+        want = backward_loop(x.tolist(), lengths, gamma)
+        width = lengths[0] if len(set(lengths)) == 1 else 0
+        got = discounted_suffix_sum(x, torch.tensor(lengths), gamma, width=width)
+        torch.testing.assert_close(got, want)
+
+    def test_large_rewards_stay_finite(self):
+        x = torch.tensor([1e200, -1e200, 1e200], dtype=torch.float64)
+        got = discounted_suffix_sum(x, torch.tensor([3]), 0.5, width=3)
+        torch.testing.assert_close(got, backward_loop(x.tolist(), [3], 0.5))
+
     @settings(max_examples=40, deadline=None)
     @given(
         width=st.integers(1, 33),

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["Segments", "discounted_suffix_sum"]
+__all__ = ["Segments", "dense_codes", "discounted_suffix_sum"]
 
 
 def _num_segments(index: Tensor, num: int | None) -> int:
@@ -195,18 +195,22 @@ class Segments:
 def discounted_suffix_sum(x: Tensor, lengths: Tensor, gamma: float, *, width: int = 0) -> Tensor:
     r"""Within each run, :math:`y_t = \sum_{k \ge t} \gamma^{k - t} x_k` (the run's samples in order).
 
-    A scan by doubling (Hillis and Steele, 1986): after the pass of stride ``s``, ``y_t`` holds the
-    discounted sum of the ``2 s`` samples from ``t`` on (cut at the end of its run), so
-    ``ceil(log2(longest run))`` vectorized passes cover every run, whatever the number of runs.
-    Every weight is :math:`\gamma^s \le 1` for :math:`\gamma \le 1`: no :math:`\gamma^{-t}` factor
-    that over- or underflows on long runs, as the one-``cumsum`` form would.
+    Two vectorized forms, the same numbers up to rounding, neither a Python loop over samples:
+
+    * runs laid out as the rows of a ``(R, L)`` table (directly when every run has length ``L``,
+      zero-padded when the table is at most four times the samples): :math:`y_t = \gamma^{-t}
+      \sum_{k \ge t} \gamma^k x_k`, one reversed ``cumsum`` along the rows. Used while
+      :math:`\gamma^{L-1} \ge 10^{-100}`, so that neither factor leaves float64's range;
+    * otherwise a scan by doubling (Hillis and Steele, 1986): after the pass of stride ``s``,
+      ``y_t`` holds the discounted sum of the ``2 s`` samples from ``t`` on (cut at the end of
+      its run), so ``ceil(log2(longest run))`` passes cover every run, with weights
+      :math:`\gamma^s \le 1` only.
 
     Args:
         x: samples, shape ``(S,)``, runs one after the other.
         lengths: samples per run, shape ``(R,)``, summing to ``S``.
-        gamma: the discount.
-        width: the length every run has when they all have one (``0``: they differ, or unknown);
-            the runs are then the rows of a ``(R, width)`` view and need no per-sample mask.
+        gamma: the discount, in ``[0, 1]``.
+        width: the length every run has when they all have one (``0``: they differ, or unknown).
 
     Returns:
         ``y``, shape ``(S,)``, in the dtype of ``x``.
@@ -216,9 +220,18 @@ def discounted_suffix_sum(x: Tensor, lengths: Tensor, gamma: float, *, width: in
         >>> discounted_suffix_sum(torch.tensor([1.0, 1.0, 1.0, 2.0]), torch.tensor([3, 1]), 0.5)
         tensor([1.7500, 1.5000, 1.0000, 2.0000])
     """
-    if x.numel() == 0:
+    if x.numel() == 0 or gamma == 0.0:
         return x.clone()
     longest = width or int(lengths.max())
+    if gamma ** (longest - 1) >= 1e-100 and (width or lengths.numel() * longest <= 4 * x.numel()):
+        if width:
+            return _scaled_suffix_sum(x.reshape(-1, width), gamma).reshape(-1)
+        starts = torch.cumsum(lengths, 0) - lengths  # (R,)
+        run = torch.arange(lengths.numel(), device=x.device).repeat_interleave(lengths)  # (S,)
+        slot = run * longest + torch.arange(x.numel(), device=x.device) - starts[run]  # (S,)
+        table = x.new_zeros(lengths.numel() * longest)
+        table[slot] = x  # (R * L,) zero-padded rows
+        return _scaled_suffix_sum(table.view(-1, longest), gamma).reshape(-1)[slot]
     if width:
         rows = x.reshape(-1, width)  # (R, L)
         s = 1
@@ -236,3 +249,39 @@ def discounted_suffix_sum(x: Tensor, lengths: Tensor, gamma: float, *, width: in
         y = y + gamma**s * shifted.masked_fill_(ahead < s, 0)
         s *= 2
     return y
+
+
+def _scaled_suffix_sum(rows: Tensor, gamma: float) -> Tensor:
+    """``(R, L)`` rows: ``gamma^-t * reversed cumsum(gamma^k x_k)`` along each row."""
+    scale = gamma ** torch.arange(rows.shape[1], dtype=rows.dtype, device=rows.device)  # (L,)
+    return (rows * scale).flip(1).cumsum(1).flip(1).div_(scale)
+
+
+def dense_codes(keys: Tensor) -> tuple[Tensor, int]:
+    """A code in ``[0, num)`` per key, equal iff the keys are, numbered in increasing key order.
+
+    Keys within a compact range (ids, seeds, small states: at most ``4 n + 1024`` apart) are coded
+    through a table of the range, with no sort; others through one sort (``torch.unique``).
+
+    Args:
+        keys: integer keys, shape ``(n,)``.
+
+    Returns:
+        ``(codes, num)``: int64 codes, shape ``(n,)``, and the number of distinct keys.
+
+    Examples:
+        >>> import torch
+        >>> dense_codes(torch.tensor([7, 3, 7, 10]))
+        (tensor([1, 0, 1, 2]), 3)
+    """
+    if keys.numel() == 0:
+        return keys.long(), 0
+    low, high = (int(v) for v in torch.aminmax(keys))
+    if high - low <= 4 * keys.numel() + 1024:  # a table of the range: no sort
+        shifted = (keys - low).long()
+        present = torch.zeros(high - low + 1, dtype=torch.bool, device=keys.device)
+        present.index_fill_(0, shifted, True)
+        table = torch.cumsum(present, 0) - 1
+        return table.index_select(0, shifted), int(table[-1]) + 1
+    uniques, codes = torch.unique(keys, return_inverse=True)
+    return codes, uniques.numel()

@@ -41,7 +41,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from torchrl_grpo._segments import Segments, discounted_suffix_sum
+from torchrl_grpo._segments import Segments, dense_codes, discounted_suffix_sum
 
 __all__ = [
     "BASELINES",
@@ -663,11 +663,18 @@ def anchor_step_groups(group_index: Tensor, anchor: Tensor) -> tuple[Tensor, int
     Two steps share a step group when they belong to the same (episode-level) group and their
     anchor states are equal in every entry (GiGPO, Feng et al., 2025, arXiv:2505.10978, Eq. 6:
     :math:`G^S(\tilde s) = \{(a_t^{(i)}, G_t^{(i)}) \mid s_t^{(i)} = \tilde s\}`), whichever
-    trajectory and time step they come from. Equality is exact; pass a hash or an id to compare
-    anything else (text observations: a code per distinct string).
+    trajectory and time step they come from. Equality is exact (``-0.0`` equals ``0.0``; a ``nan``
+    equals only the same ``nan``); pass a hash or an id to compare anything else (text
+    observations: a code per distinct string).
+
+    Cost: integer ids within a compact range (a state index, a cell of a grid) are paired with
+    the group through a table, with no sort; anything else (state vectors, 64-bit hashes) is
+    hashed with the group to one integer per step and coded with one sort, and the result is
+    checked against the states themselves (a hash collision falls back to an exact row-wise
+    comparison: the grouping is exact either way).
 
     Args:
-        group_index: group of each step, shape ``(N,)``, integer.
+        group_index: group of each step, shape ``(N,)``, integer, values in ``[0, G)``.
         anchor: anchor state of each step, shape ``(N,)`` or ``(N, ...)``: the observation the
             step acted on, or a hash of it.
 
@@ -691,17 +698,39 @@ def anchor_step_groups(group_index: Tensor, anchor: Tensor) -> tuple[Tensor, int
             f"anchor must have one entry per step, {group_index.numel()}, got shape "
             f"{tuple(anchor.shape)}."
         )
-    if group_index.numel() == 0:
+    n = group_index.numel()
+    if n == 0:
         return group_index.long(), 0
-    rows = anchor.reshape(group_index.numel(), -1)  # (N, d)
-    if rows.shape[1] == 1:  # one value per step (an id, a hash): a plain sort
-        anchor_code = torch.unique(rows.reshape(-1), return_inverse=True)[1]  # (N,)
-    else:  # a state vector: compared row by row
-        anchor_code = torch.unique(rows, dim=0, return_inverse=True)[1]  # (N,)
-    # (group, anchor) as one integer: both codes are below N, so the product fits in int64.
-    pair = group_index.long() * group_index.numel() + anchor_code
-    codes = torch.unique(pair, return_inverse=True)[1]  # (N,) dense, by (group, anchor)
-    return codes, int(codes.max()) + 1
+    group = group_index.long()
+    rows = anchor.reshape(n, -1)  # (N, d)
+    if rows.shape[1] == 1 and not (rows.is_floating_point() or rows.is_complex()):
+        ids = rows.reshape(-1).long()  # (N,)
+        low, high = (int(v) for v in torch.aminmax(ids))
+        width = high - low + 1
+        if (int(group.max()) + 1) * width <= 4 * n + 1024:  # (group, id) in a small table
+            return dense_codes(group * width + (ids - low))
+    bits = _state_bits(rows)  # (N, d) int64, equal iff the states are
+    key = group
+    for column in bits.unbind(1):  # a few columns: one pass each
+        key = key * 1099511628211 + column  # wraps around: a hash, checked below
+    codes, num = dense_codes(key)
+    first = torch.full((num,), n, dtype=torch.long).scatter_reduce(
+        0, codes, torch.arange(n), reduce="amin"
+    )[codes]  # (N,) the first step of each step's code
+    if bool((group[first] == group).all()) and bool((bits[first] == bits).all()):
+        return codes, num
+    exact = torch.unique(torch.cat([group[:, None], bits], 1), dim=0, return_inverse=True)[1]
+    return exact, int(exact.max()) + 1
+
+
+def _state_bits(rows: Tensor) -> Tensor:
+    """``(N, d)`` states as int64 bit patterns, equal iff the values are (``-0.0`` as ``0.0``)."""
+    if rows.is_complex():
+        rows = torch.view_as_real(rows).reshape(rows.shape[0], -1)
+    if not rows.is_floating_point():
+        return rows.long()
+    as_int = {2: torch.int16, 4: torch.int32, 8: torch.int64}[rows.element_size()]
+    return (rows + 0.0).view(as_int).long()  # + 0.0 turns -0.0 into 0.0
 
 
 def step_level_advantage(
