@@ -21,7 +21,7 @@ from torchrl._utils import logger as torchrl_logger
 from torchrl.envs.transforms.transforms import Transform
 from torchrl.objectives.llm import MCAdvantageSelector
 
-from torchrl_grpo import _pending
+from torchrl_grpo import _estimators, _pending
 from torchrl_grpo._pending import Insertion, Pending, append, as_list, evolve, gather
 from torchrl_grpo.advantages import (
     BASELINES,
@@ -31,6 +31,7 @@ from torchrl_grpo.advantages import (
     group_mean,
     group_relative_advantage,
     group_std,
+    multi_reward_advantage,
 )
 
 __all__ = ["MCAdvantage", "MCAdvantageSelector"]
@@ -117,7 +118,29 @@ class MCAdvantage(Transform):
         candidate_selector: an :class:`MCAdvantageSelector` choosing ``grpo_size`` candidates.
         scale_rewards: ``"group"`` (default: per-group std), ``"batch"`` (std over every sample
             released by the same insertion, mean still per group) or ``"none"`` (Dr. GRPO).
-        baseline: ``"mean"`` (default) or ``"leave_one_out"`` (RLOO).
+        baseline: ``"mean"`` (default), ``"leave_one_out"`` (RLOO) or ``"pass_at_k"`` (GRPO
+            pass@k, verl ``grpo_passk``: a group's unique best sample gets its gap to the
+            runner-up, every other sample ``0``).
+        whiten: after the baseline and the scale, whiten the advantages over every sample
+            released by the same insertion: subtract their mean, divide by their std
+            (REINFORCE++-baseline with ``scale_rewards="none"``). ``None`` (default): on with
+            ``reward_weights`` (GDPO's batch normalization, as TRL), off otherwise.
+        reward_weights: ``{reward key: weight}``, several rewards (GDPO, TRL's
+            ``multi_objective_aggregation="normalize_then_sum"``): each is normalized within its
+            group by ``baseline`` and ``scale_rewards``, then the weighted sum is taken (and
+            whitened, see ``whiten``). Its keys replace ``rewards_key``; the group filters,
+            candidate selection and statistics see the weighted sum of the rewards. ``None``
+            (default): the one reward under ``rewards_key``.
+        anchor_key: key of each step's anchor state (an observation tensor compared by value, a
+            hash, or a string), for GiGPO's step-level groups: the steps of a released group with
+            equal anchors form a step group, and the advantage of each step becomes
+            ``episode_reward_weight * A_episode + step_reward_weight * A_step``, where ``A_step``
+            normalizes the step's discounted return (``step_reward_gamma``) within its step
+            group by ``baseline`` and ``scale_rewards``. ``None`` (default): no step groups.
+        episode_reward_weight: weight of the group-level advantage with ``anchor_key``
+            (default ``1.0``, ROLL's).
+        step_reward_weight: weight of the step-level advantage (default ``1.0``, ROLL's).
+        step_reward_gamma: discount of the step-level returns (default ``0.95``, ROLL's).
         std_threshold: groups whose sample std is at or below it are dropped and counted in
             ``dropped_groups`` (Trinity-RFT). ``None`` (default) keeps every group.
         step_norm: divide each trajectory's advantages by its number of steps.
@@ -174,6 +197,12 @@ class MCAdvantage(Transform):
         std_threshold: float | None = None,
         step_norm: bool = False,
         epsilon: float = 1e-6,
+        whiten: bool | None = None,
+        reward_weights: dict[NestedKey, float] | None = None,
+        anchor_key: NestedKey | None = None,
+        episode_reward_weight: float | None = None,
+        step_reward_weight: float | None = None,
+        step_reward_gamma: float | None = None,
         max_pending_groups: int | None = None,
         max_pending_age: int | None = None,
         on_overflow: str = "drop_oldest",
@@ -247,8 +276,21 @@ class MCAdvantage(Transform):
                 raise ValueError(f"{name} must be at least 1 or None, got {limit}.")
         if on_overflow not in ("drop_oldest", "raise"):
             raise ValueError(f"on_overflow must be 'drop_oldest' or 'raise', got {on_overflow!r}.")
+        estimators = _estimators.settings(
+            rewards_key,
+            reward_weights,
+            whiten,
+            anchor_key,
+            episode_reward_weight,
+            step_reward_weight,
+            step_reward_gamma,
+        )
+        if estimators.reward_weights:  # the first reward key gives the advantage its shape
+            rewards_key = estimators.reward_keys[0]
 
-        self.in_keys = [prompt_key, rewards_key, done_key]
+        self.in_keys = [prompt_key, *(estimators.reward_keys or [rewards_key]), done_key]
+        if anchor_key is not None:
+            self.in_keys.append(anchor_key)
         self.out_keys = [advantage_key]
         self.prompt_key = prompt_key
         self.rewards_key = rewards_key
@@ -271,6 +313,7 @@ class MCAdvantage(Transform):
         self.max_pending_groups = max_pending_groups
         self.max_pending_age = max_pending_age
         self.on_overflow = on_overflow
+        self.estimators = estimators
         self._state = Pending(stats=_fresh_stats())
         self._shared = None  # a manager Namespace holding the Pending once share_memory_() ran
         self._lock = _NoLock()
@@ -595,7 +638,15 @@ class MCAdvantage(Transform):
         lengths = torch.diff(ends, prepend=ends.new_full((1,), -1))
         starts = ends - lengths + 1
 
-        elements, per_step = self._reward_elements(tensordict, data, ragged)
+        if self.estimators.reward_weights:  # several rewards: their weighted sum is "the reward"
+            elements, per_step = _estimators.weighted_elements(
+                lambda key: self._reward_elements(tensordict, data, ragged, key),
+                self.estimators.reward_weights,
+            )
+        else:
+            elements, per_step = self._reward_elements(tensordict, data, ragged)
+        if self.estimators.anchor_key is not None:
+            _estimators.check_anchors(tensordict, data, self.estimators.anchor_key, done.numel())
         if not _all_finite(elements):
             bad = ~torch.isfinite(elements)
             first = int(bad.nonzero()[0])
@@ -629,18 +680,21 @@ class MCAdvantage(Transform):
             element_width,
         )
 
-    def _reward_elements(self, tensordict, data, ragged: bool) -> tuple[Tensor, int | Tensor]:
+    def _reward_elements(
+        self, tensordict, data, ragged: bool, key: NestedKey | None = None
+    ) -> tuple[Tensor, int | Tensor]:
         """Every reward element, flat, and the elements per step (an int, or one per step)."""
         num_steps = tensordict.shape[0]
+        key = self.rewards_key if key is None else key
         if ragged:
-            rewards = [self._get(step, self.rewards_key, "reward") for step in data]
+            rewards = [self._get(step, key, "reward") for step in data]
             counts = torch.tensor([r.numel() for r in rewards])
             values = torch.cat([r.reshape(-1) for r in rewards]) if rewards else torch.zeros(0)
         else:
-            reward = self._get(tensordict, self.rewards_key, "reward")
+            reward = self._get(tensordict, key, "reward")
             if not isinstance(reward, Tensor) or reward.shape[:1] != (num_steps,):
                 raise ValueError(
-                    f"MCAdvantage: the reward under {self.rewards_key!r} must be a tensor with one "
+                    f"MCAdvantage: the reward under {key!r} must be a tensor with one "
                     f"entry per step ({num_steps}), got {type(reward).__name__} of shape "
                     f"{tuple(getattr(reward, 'shape', ()))}."
                 )
@@ -651,9 +705,7 @@ class MCAdvantage(Transform):
                 return reward.reshape(-1), per_step
         if (counts == 0).any():
             step = int((counts == 0).nonzero()[0])
-            raise ValueError(
-                f"MCAdvantage: the reward under {self.rewards_key!r} is empty at step {step}."
-            )
+            raise ValueError(f"MCAdvantage: the reward under {key!r} is empty at step {step}.")
         return values, counts
 
     def _read_keys(self, tensordict, data, starts: Tensor, ragged: bool, state: Pending):
@@ -882,28 +934,65 @@ class MCAdvantage(Transform):
             per_step = math.prod(reward.shape[1:])
             elems = steps if per_step == 1 else steps * per_step  # (M,)
 
+        est, ragged = self.estimators, isinstance(reward, list)
+        per_key = None
+        if est.reward_weights:  # GDPO: each reward's elements, and their weighted sum
+            per_key = [_estimators.released_elements(out, key).double() for key in est.reward_keys]
+            values = sum(w * v for (_, w), v in zip(est.reward_weights, per_key))  # (E,)
         if self.trajectory_return is None:  # every reward element is a sample; runs: members
             x, runs = values, elems
         else:  # every trajectory's return is a sample
             x, runs = (returns if everything else returns[members]), None
+            if per_key is not None:  # each reward's returns
+                reduce = RETURN_REDUCTIONS[self.trajectory_return]
+                per_key = [reduce(v, by_elems()) for v in per_key]  # K x (M,)
         keep_event = self._keep_groups(x, member_event, num_events, runs)
-        adv = group_relative_advantage(
-            x,
-            member_event,
-            num_events,
-            baseline=self.baseline,
-            scale_rewards=self.scale_rewards,
-            epsilon=self.epsilon,
-            lengths=runs,
-        )
-        if self.step_norm:  # per trajectory: on its return, or on each of its elements
+        kw = dict(baseline=self.baseline, scale_rewards=self.scale_rewards, epsilon=self.epsilon)
+        if per_key is None:
+            adv = group_relative_advantage(
+                x, member_event, num_events, whiten=est.whiten, lengths=runs, **kw
+            )
+        else:
+            weights = torch.tensor([w for _, w in est.reward_weights], dtype=torch.float64)
+            adv = multi_reward_advantage(
+                torch.stack(per_key, 1), member_event, num_events, weights=weights,
+                whiten=est.whiten, lengths=runs, **kw,
+            )  # fmt: skip
+        # adv is per trajectory (a return mode) or per reward element; GiGPO makes it per step.
+        per_step_adv = est.anchor_key is not None and self.trajectory_return is not None
+        if est.anchor_key is not None:  # GiGPO: each step's advantage within its step group
+            per_elem = counts if ragged else per_step  # elements of each step
+            if ragged:
+                step_rewards = Segments(None, lengths=counts).sum(values.double())  # (S,)
+            else:
+                step_rewards = values.double().view(-1, per_step).sum(1)  # (S,)
+            term = _estimators.step_term(
+                step_rewards,
+                steps,
+                by_steps().expand(member_event),
+                _estimators.released_anchors(out, est.anchor_key),
+                est,
+                **kw,
+            )  # (S,)
+            if per_step_adv:
+                adv = by_steps().expand(adv)  # (S,)
+            elif ragged or per_step > 1:
+                term = term.repeat_interleave(per_elem)  # (E,)
+            adv = est.episode_reward_weight * adv + est.step_reward_weight * term
+        if self.step_norm:  # per trajectory: on its return, its steps or its elements
             norm = steps.to(adv.dtype)  # (M,)
-            adv = adv / (norm if self.trajectory_return is not None else by_elems().expand(norm))
+            if per_step_adv:
+                norm = by_steps().expand(norm)
+            elif self.trajectory_return is None:
+                norm = by_elems().expand(norm)
+            adv = adv / norm
         adv = adv.to(dtype if dtype.is_floating_point else torch.get_default_dtype())
-        if self.trajectory_return is not None and isinstance(reward, list):
+        if per_step_adv and ragged:
+            adv = adv.repeat_interleave(counts)  # each step's advantage on its elements
+        elif self.trajectory_return is not None and ragged:
             adv = by_elems().expand(adv)  # each trajectory's advantage on its elements
         elif self.trajectory_return is not None:  # on its steps, then on the reward's shape
-            adv = by_steps().expand(adv)
+            adv = adv if per_step_adv else by_steps().expand(adv)
             adv = adv.reshape(-1, *[1] * (reward.ndim - 1)).expand(reward.shape)
 
         if isinstance(out, list):
@@ -941,6 +1030,7 @@ class MCAdvantage(Transform):
             or tensordict.ndim != 1
             or isinstance(tensordict, LazyStackedTensorDict)
             or self._needs_selection()
+            or self.estimators.reward_weights  # several rewards: read by _read_batch
         ):
             return None
         num_steps = tensordict.shape[0]
@@ -950,6 +1040,10 @@ class MCAdvantage(Transform):
         done = done.reshape(-1)
         if not done[-1] or int(done.sum()) != 1:  # no end, or several trajectories
             return None
+        if self.estimators.anchor_key is not None:
+            anchor = tensordict.get(self.estimators.anchor_key, None)
+            if not (isinstance(anchor, Tensor) and anchor.shape[:1] == (num_steps,)):
+                return None
         reward = tensordict.get(self.rewards_key, None)
         key = tensordict.get(self.prompt_key, None)
         if not (
