@@ -108,16 +108,12 @@ def weighted_elements(
     """The weighted sum of the reward keys' elements, float64, and the elements per step.
 
     ``read(key)`` returns one key's flat elements and its elements per step (and raises for a
-    missing, empty or misshapen reward). Every key must have as many elements at every step.
+    missing, empty or misshapen reward). Every key must have as many elements at every step, and
+    every element must be finite (the error names the key).
     """
-    total, first_key, first_per_step = None, None, None
+    total, first_key, first_per_step, read_values = None, None, None, []
     for key, weight in weights:
         values, per_step = read(key)
-        if not bool(torch.isfinite(values).all()):
-            raise ValueError(
-                f"MCAdvantage: {int((~torch.isfinite(values)).sum())} non-finite reward value(s) "
-                f"under {key!r}."
-            )
         if first_key is None:
             first_key, first_per_step = key, per_step
         elif not _same_counts(per_step, first_per_step):
@@ -125,8 +121,16 @@ def weighted_elements(
                 f"MCAdvantage: the rewards under {key!r} and {first_key!r} must have as many "
                 "elements at every step."
             )
-        term = weight * values.double()
-        total = term if total is None else total + term
+        term = values.double() * weight
+        total = term if total is None else total.add_(term)
+        read_values.append((key, values))
+    if not math.isfinite(total.sum().item()):  # a nan or inf under some key (or an overflow)
+        for key, values in read_values:
+            bad = ~torch.isfinite(values)
+            if bool(bad.any()):
+                raise ValueError(
+                    f"MCAdvantage: {int(bad.sum())} non-finite reward value(s) under {key!r}."
+                )
     return total, first_per_step
 
 
@@ -218,6 +222,7 @@ def step_term(
     baseline: str,
     scale_rewards: str,
     epsilon: float,
+    width: int | None = None,
 ) -> Tensor:
     """GiGPO's step-level advantage of every released step, ``(N,)`` float64.
 
@@ -227,6 +232,7 @@ def step_term(
         steps: ``(M,)`` steps of each released trajectory, in order.
         step_round: ``(N,)`` the released group of each step.
         anchors: ``(N, ...)`` each step's anchor state.
+        width: the steps of every released trajectory if they all have as many (``0``: not).
     """
     step_group, num = anchor_step_groups(step_round, anchors)
     return step_level_advantage(
@@ -238,4 +244,5 @@ def step_term(
         baseline=baseline,
         scale_rewards=scale_rewards,
         epsilon=epsilon,
+        width=width,
     )

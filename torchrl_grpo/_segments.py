@@ -257,7 +257,7 @@ def _scaled_suffix_sum(rows: Tensor, gamma: float) -> Tensor:
     return (rows * scale).flip(1).cumsum(1).flip(1).div_(scale)
 
 
-def dense_codes(keys: Tensor) -> tuple[Tensor, int]:
+def dense_codes(keys: Tensor, *, span: int | None = None) -> tuple[Tensor, int]:
     """A code in ``[0, num)`` per key, equal iff the keys are, numbered in increasing key order.
 
     Keys within a compact range (ids, seeds, small states: at most ``4 n + 1024`` apart) are coded
@@ -265,6 +265,8 @@ def dense_codes(keys: Tensor) -> tuple[Tensor, int]:
 
     Args:
         keys: integer keys, shape ``(n,)``.
+        span: when the caller knows that every key lies in ``[0, span)``, a compact range: the
+            table is used without looking for the range.
 
     Returns:
         ``(codes, num)``: int64 codes, shape ``(n,)``, and the number of distinct keys.
@@ -276,7 +278,7 @@ def dense_codes(keys: Tensor) -> tuple[Tensor, int]:
     """
     if keys.numel() == 0:
         return keys.long(), 0
-    low, high = (int(v) for v in torch.aminmax(keys))
+    low, high = (0, span - 1) if span is not None else (int(v) for v in torch.aminmax(keys))
     if high - low <= 4 * keys.numel() + 1024:  # a table of the range: no sort
         shifted = (keys - low).long()
         present = torch.zeros(high - low + 1, dtype=torch.bool, device=keys.device)

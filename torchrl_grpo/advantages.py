@@ -667,11 +667,12 @@ def anchor_step_groups(group_index: Tensor, anchor: Tensor) -> tuple[Tensor, int
     equals only the same ``nan``); pass a hash or an id to compare anything else (text
     observations: a code per distinct string).
 
-    Cost: integer ids within a compact range (a state index, a cell of a grid) are paired with
-    the group through a table, with no sort; anything else (state vectors, 64-bit hashes) is
-    hashed with the group to one integer per step and coded with one sort, and the result is
-    checked against the states themselves (a hash collision falls back to an exact row-wise
-    comparison: the grouping is exact either way).
+    Cost: integer states whose entries span a compact range (a state index, a cell of a grid)
+    are numbered with the group in mixed radix and coded through a table of that range, with no
+    sort; anything else (float vectors, 64-bit hashes) is hashed with the group to one integer
+    per step and coded with one sort, and the result is checked against the states themselves (a
+    hash collision falls back to an exact row-wise comparison: the grouping is exact either
+    way).
 
     Args:
         group_index: group of each step, shape ``(N,)``, integer, values in ``[0, G)``.
@@ -703,12 +704,17 @@ def anchor_step_groups(group_index: Tensor, anchor: Tensor) -> tuple[Tensor, int
         return group_index.long(), 0
     group = group_index.long()
     rows = anchor.reshape(n, -1)  # (N, d)
-    if rows.shape[1] == 1 and not (rows.is_floating_point() or rows.is_complex()):
-        ids = rows.reshape(-1).long()  # (N,)
-        low, high = (int(v) for v in torch.aminmax(ids))
-        width = high - low + 1
-        if (int(group.max()) + 1) * width <= 4 * n + 1024:  # (group, id) in a small table
-            return dense_codes(group * width + (ids - low))
+    if not (rows.is_floating_point() or rows.is_complex()):  # ids, or cells of a grid
+        low, high = (v.tolist() for v in torch.aminmax(rows.long(), dim=0))  # each entry's range
+        widths = [top - bottom + 1 for bottom, top in zip(low, high)]  # Python ints: no overflow
+        span = int(group.max()) + 1
+        for width in widths:
+            span *= width
+        if span <= 4 * n + 1024:  # (group, state) numbered in mixed radix: a small table
+            key = group
+            for column, lowest, width in zip(rows.long().unbind(1), low, widths):
+                key = key * width + (column - lowest)
+            return dense_codes(key, span=span)
     bits = _state_bits(rows)  # (N, d) int64, equal iff the states are
     key = group
     for column in bits.unbind(1):  # a few columns: one pass each
@@ -743,6 +749,7 @@ def step_level_advantage(
     baseline: str = "mean",
     scale_rewards: str = "group",
     epsilon: float = 1e-6,
+    width: int | None = None,
 ) -> Tensor:
     r"""GiGPO's step-level advantage: each step's discounted return against its step group.
 
@@ -763,6 +770,8 @@ def step_level_advantage(
         baseline: a key of :data:`BASELINES`.
         scale_rewards: a key of :data:`SCALES`.
         epsilon: floor of the scale.
+        width: the length of every trajectory if they all have one (``0``: they differ); found
+            from ``lengths`` when ``None``.
 
     Returns:
         Step-level advantages, shape ``(N,)``, float64.
@@ -774,7 +783,7 @@ def step_level_advantage(
         >>> step_level_advantage(r, torch.tensor([2, 2]), same_start, gamma=0.5, scale_rewards="none")
         tensor([ 0.2500,  0.0000, -0.2500,  0.0000], dtype=torch.float64)
     """
-    returns = discounted_returns(rewards, lengths, gamma)  # (N,)
+    returns = discounted_returns(rewards, lengths, gamma, width=width)  # (N,)
     return group_relative_advantage(
         returns,
         step_group,

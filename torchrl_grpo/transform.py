@@ -964,14 +964,18 @@ class MCAdvantage(Transform):
             per_elem = counts if ragged else per_step  # elements of each step
             if ragged:
                 step_rewards = Segments(None, lengths=counts).sum(values.double())  # (S,)
-            else:
+            elif per_step > 1:
                 step_rewards = values.double().view(-1, per_step).sum(1)  # (S,)
+            else:
+                step_rewards = values  # (S,)
+            trajectories = by_steps()
             term = _estimators.step_term(
                 step_rewards,
                 steps,
-                by_steps().expand(member_event),
+                trajectories.expand(member_event),
                 _estimators.released_anchors(out, est.anchor_key),
                 est,
+                width=trajectories.width,
                 **kw,
             )  # (S,)
             if per_step_adv:
