@@ -5,6 +5,17 @@ from __future__ import annotations
 import pytest
 import torch
 
+#: Every device tests run on: the CPU, and CUDA whenever a GPU is present (CI has none, so its
+#: suite is the CPU one, complete; the device machine runs both).
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.fixture(params=DEVICES)
+def device(request) -> torch.device:
+    """Each available device in turn."""
+    return torch.device(request.param)
+
+
 # --------------------------------------------------------------------------------------------
 # a tiny language model for torchrl's LLM stack, built locally (nothing is downloaded)
 # --------------------------------------------------------------------------------------------

@@ -10,11 +10,14 @@ tokens, and calls the math of :mod:`torchrl_grpo.loss_terms`. Two kinds of polic
   ``("tokens", "full")`` with torchrl's masking strategies.
 
 Everything that varies between the published variants is one keyword: the clip band
-(``clip_epsilon``), the dual clip (``clip_ratio_c``), the surrogate (``objective``), the level of
-the importance ratio (``ratio_level``), the aggregation, the KL estimators, the KL trust region
-(``kl_mask_threshold``) and the truncated importance sampling cap (``tis_cap``).
-:class:`DAPOLoss`, :class:`DrGRPOLoss`, :class:`GSPOLoss` and :class:`CISPOLoss` are the same
-class with the papers' defaults.
+(``clip_epsilon``), the dual clip (``clip_ratio_c``), the surrogate (``objective``: PPO's clip,
+CISPO, SAPO), the level of the importance ratio (``ratio_level``), the aggregation, the KL
+estimators, the KL trust region (``kl_mask_threshold``), the correction against the inference
+engine (``inference_correction``, or ``tis_cap``), off-policy sequence masking
+(``off_policy_mask_threshold``), decoupled PPO (``decoupled``), high-entropy token selection
+(``top_entropy_quantile``) and the masking of truncated completions
+(``mask_truncated_completions``). :class:`DAPOLoss`, :class:`DrGRPOLoss`, :class:`GSPOLoss`,
+:class:`CISPOLoss` and :class:`SAPOLoss` are the same class with the papers' defaults.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
-from tensordict import TensorClass, TensorDictBase
+from tensordict import TensorClass, TensorDictBase, unravel_key
 from tensordict.nn import CompositeDistribution, ProbabilisticTensorDictSequential
 from tensordict.utils import NestedKey
 from torchrl.modules.llm import LLMWrapperBase
@@ -36,16 +39,20 @@ from torchrl.objectives import AUTO_LOSS_MASK_KEYS, ClipPPOLoss
 from torchrl_grpo import _compat
 from torchrl_grpo.loss_terms import (
     AGGREGATIONS,
+    INFERENCE_CORRECTIONS,
     KL_ESTIMATORS,
     cispo_loss,
     clip_fractions,
+    decoupled_behaviour_weight,
     dual_clip_loss,
     effective_sample_size,
+    high_entropy_token_mask,
     kl_trust_region_mask,
     masked_mean,
+    off_policy_sequence_mask,
     ppo_clip_loss,
+    sapo_loss,
     sequence_log_ratio,
-    truncated_is_weight,
 )
 from torchrl_grpo.token_dist import token_log_prob_entropy
 
@@ -56,6 +63,7 @@ __all__ = [
     "GRPOLoss",
     "GRPOLossOutput",
     "GSPOLoss",
+    "SAPOLoss",
 ]
 
 #: ``objective(log_ratio, advantage, log_prob, log_clip_low, log_clip_high) -> per-token loss``
@@ -71,11 +79,27 @@ def _clip_objective(log_ratio, advantage, log_prob, log_clip_low, log_clip_high)
     return ppo_clip_loss(log_ratio, advantage, log_clip_low, log_clip_high)
 
 
+def _sapo_objective(
+    log_ratio, advantage, log_prob, log_clip_low, log_clip_high, *, temperature_pos, temperature_neg
+):
+    # SAPO's soft gate replaces the clip: the clip band is not used (it still sets the metrics)
+    return sapo_loss(log_ratio, advantage, temperature_pos, temperature_neg)
+
+
 def _token_log_ratio(log_ratio, mask):
     return log_ratio
 
 
-OBJECTIVES: dict[str, Objective] = {"clip": _clip_objective, "cispo": cispo_loss}
+OBJECTIVES: dict[str, Objective] = {
+    "clip": _clip_objective,
+    "cispo": cispo_loss,
+    "sapo": _sapo_objective,
+}
+#: SAPO's temperatures (tau_pos, tau_neg) when none are given: the paper's and TRL's.
+SAPO_TEMPERATURES = (1.0, 1.05)
+#: The inference band when ``inference_correction`` is set without bounds: TRL's
+#: ``vllm_importance_sampling_clip_min`` / ``_clip_max`` defaults.
+INFERENCE_CORRECTION_BOUNDS = (None, 3.0)
 RATIO_LEVELS: dict[str, RatioLevel] = {"token": _token_log_ratio, "sequence": sequence_log_ratio}
 #: torchrl's ``GRPOLoss(aggregation=...)`` names, as this loss's aggregations.
 TORCHRL_AGGREGATIONS = {"prompt_mean": "seq_mean_token_mean"}
@@ -140,6 +164,10 @@ class GRPOLossOutput(TensorClass["nocast"]):
     loss_kl_to_ref: torch.Tensor | None = None
     kl_to_inference: torch.Tensor | None = None
     loss_kl_to_inference: torch.Tensor | None = None
+    inference_masked_fraction: torch.Tensor | None = None
+    off_policy_masked_fraction: torch.Tensor | None = None
+    behaviour_masked_fraction: torch.Tensor | None = None
+    truncated_fraction: torch.Tensor | None = None
 
     def __getitem__(self, index):
         # out["loss_objective"], as a ClipPPOLoss TensorDict output is read
@@ -191,6 +219,15 @@ GRPOLossOutput.__doc__ = """What :class:`GRPOLoss` returns: the terms to sum (``
         loss_kl_to_ref: ``kl_to_ref_coeff`` times the aggregated estimate.
         kl_to_inference: mean KL estimate to the sampling policy.
         loss_kl_to_inference: ``kl_to_inference_coeff`` times the aggregated estimate.
+        inference_masked_fraction: share of real tokens the correction against the inference
+            engine leaves out (weight 0: outside the band in the ``*_mask`` modes; 0 in the
+            truncating ones). With ``inference_correction`` or ``tis_cap``.
+        off_policy_masked_fraction: share of real tokens dropped by off-policy sequence masking
+            (with ``off_policy_mask_threshold``).
+        behaviour_masked_fraction: share of real tokens whose decoupled-PPO behaviour weight
+            exceeds ``behaviour_weight_cap`` (with ``decoupled=True``; 0 without a cap).
+        truncated_fraction: share of the sequences flagged truncated, which leave the loss
+            (with ``mask_truncated_completions``).
 
     Examples:
         >>> import torch
@@ -212,13 +249,25 @@ class _Inputs(NamedTuple):
     """One batch read and lined up: every tensor ``(B, T)``, finite zeros where ``mask`` is False."""
 
     log_prob: torch.Tensor  # current policy, differentiable
-    old_log_prob: torch.Tensor  # the policy the ratio is taken against
+    old_log_prob: torch.Tensor  # sample_log_prob: the ratio's anchor, or the behaviour policy
     advantage: torch.Tensor
     mask: torch.Tensor  # bool, True on real tokens
-    entropy: torch.Tensor | None  # differentiable, with entropy_bonus
+    entropy: torch.Tensor | None  # differentiable; with entropy_bonus or top_entropy_quantile
     ref_log_prob: torch.Tensor | None  # with kl_to_ref_coeff
-    inference_log_prob: torch.Tensor | None  # with tis_cap or kl_to_inference_coeff
+    inference_log_prob: torch.Tensor | None  # inference correction, KL to inference, OPSM
+    proximal_log_prob: torch.Tensor | None  # with decoupled: the ratio's anchor
+    truncated: torch.Tensor | None  # bool, True on the tokens of truncated completions
     shape: torch.Size  # the policy log-prob's own shape (reduction="none" returns it)
+
+
+class _Stored(NamedTuple):
+    """The entries of the batch that are data, as stored (read before the policy runs)."""
+
+    advantage: torch.Tensor
+    old: torch.Tensor
+    ref: torch.Tensor | None
+    inference: torch.Tensor | None
+    proximal: torch.Tensor | None
 
 
 class GRPOLoss(ClipPPOLoss):
@@ -256,9 +305,12 @@ class GRPOLoss(ClipPPOLoss):
     policy the ratio is taken against, as in ClipPPOLoss; resolved from the actor), ``mask``
     (``"mask"``; absent means every entry is real), ``ref_log_prob`` (``"ref_log_prob"``, read
     only with ``kl_to_ref_coeff``; ``ref_log_probs``, torchrl's name, is accepted by
-    ``set_keys``) and ``inference_log_prob`` (``"inference_log_prob"``: the sampler's
-    log-probs, read by ``tis_cap`` and by the KL to inference; when absent that KL is taken
-    against ``sample_log_prob``, torchrl's behaviour). torchrl's ``loss_mask_key`` entries
+    ``set_keys``), ``inference_log_prob`` (``"inference_log_prob"``: the sampler's
+    log-probs, read by ``inference_correction`` / ``tis_cap``, by the KL to inference and by
+    ``off_policy_mask_threshold``; when absent the last two take ``sample_log_prob`` instead,
+    torchrl's behaviour), ``proximal_log_prob`` (``"proximal_log_prob"``, read only with
+    ``decoupled=True``) and ``truncated`` (``"truncated"``: a per-sequence boolean, read only
+    with ``mask_truncated_completions``). torchrl's ``loss_mask_key`` entries
     (``("collector", "mask")``...) are honoured too, and-ed with ``mask``.
 
     **Inputs: a torchrl LLM wrapper.** With an
@@ -282,6 +334,16 @@ class GRPOLoss(ClipPPOLoss):
     are replaced by zeros with ``torch.where`` before any arithmetic (so ``nan`` pads are fine),
     and every mean divides by the number of real tokens or non-empty sequences.
 
+    **Leaving a token out, two ways.** Tokens *excluded* from the loss are not counted by the
+    aggregation: those outside the KL trust region (``kl_mask_threshold``, as torchrl) and
+    those of truncated completions (``mask_truncated_completions``, as TRL and DAPO, where they
+    leave the batch). Tokens *zeroed* keep their place in the aggregation's denominator, as the
+    papers write them (a factor ``M_{i,t}`` or ``w_t`` inside the sum): off-policy sequence
+    masking, the masking modes of ``inference_correction``, the behaviour-weight cap of
+    decoupled PPO and high-entropy token selection. Metrics (ESS, clip fractions, KL means,
+    entropy) describe every real token either way. Only ``loss_objective`` is zeroed or
+    weighted; ``loss_entropy`` and the KL terms cover every token left in the loss.
+
     **Degenerate cases.** A batch with no real token raises ``ValueError`` (there is nothing to
     average, and a silent zero loss would hide a broken pipeline). A sequence with no real token
     inside a batch is ignored: it is not counted by the per-sequence aggregations. A
@@ -302,9 +364,14 @@ class GRPOLoss(ClipPPOLoss):
         entropy_coeff (float): ``c_H``, a schedulable buffer. Defaults to ``0.01`` (ClipPPOLoss).
         objective (str or callable): ``"clip"`` (PPO's clipped surrogate,
             :func:`~torchrl_grpo.loss_terms.ppo_clip_loss`), ``"cispo"``
-            (:func:`~torchrl_grpo.loss_terms.cispo_loss`), or a callable
+            (:func:`~torchrl_grpo.loss_terms.cispo_loss`), ``"sapo"`` (SAPO's soft gate,
+            :func:`~torchrl_grpo.loss_terms.sapo_loss`), or a callable
             ``(log_ratio, advantage, log_prob, log_clip_low, log_clip_high) -> per-token loss``.
             Defaults to ``"clip"``.
+        sapo_temperature_pos (float, optional): SAPO's ``tau_pos`` (tokens with ``A > 0``),
+            only with ``objective="sapo"``. Defaults to ``1.0`` there (TRL's and the paper's).
+        sapo_temperature_neg (float, optional): SAPO's ``tau_neg`` (``A <= 0``). Defaults to
+            ``1.05`` with ``objective="sapo"``.
         ratio_level (str or callable): ``"token"`` or ``"sequence"`` (GSPO's length-normalised
             sequence ratio, :func:`~torchrl_grpo.loss_terms.sequence_log_ratio`), or a callable
             ``(log_ratio, mask) -> log_ratio``. Defaults to ``"token"``.
@@ -329,10 +396,50 @@ class GRPOLoss(ClipPPOLoss):
             ``loss_kl_to_inference``. Schedulable buffer.
         kl_to_inference_estimator (str or callable): as ``kl_to_ref_estimator``.
             Defaults to ``"k3"``.
+        inference_correction (str or callable, optional): correct the trainer/inference
+            mismatch with the importance weight ``rho = pi_old / pi_inference`` (TRL's
+            ``vllm_importance_sampling_mode``), a key of
+            :data:`~torchrl_grpo.loss_terms.INFERENCE_CORRECTIONS`: ``"token_truncate"``
+            (TIS), ``"sequence_truncate"``, ``"token_mask"`` (IcePop with the band
+            ``(0.5, 5.0)``), ``"sequence_mask"`` (TRL's default mode); or a callable
+            ``(log_weight, mask, low, high) -> (weight, keep)``. The per-token objective is
+            multiplied by the weight (0 where masked). Reads ``inference_log_prob``. The share
+            of tokens masked is ``inference_masked_fraction``. Defaults to ``None`` (off).
+        inference_correction_bounds (tuple, optional): ``(low, high)``, either ``None`` for no
+            bound; the band outside which ``rho`` is truncated or masked. Defaults to
+            ``(None, 3.0)`` (TRL's ``vllm_importance_sampling_clip_min`` / ``_clip_max``).
+            Schedulable buffers ``inference_correction_low`` / ``inference_correction_high``.
         tis_cap (float, optional): truncated importance sampling: multiply each token's loss by
             ``min(pi_old / pi_inference, tis_cap)``, without gradient
-            (:func:`~torchrl_grpo.loss_terms.truncated_is_weight`; Yao et al., 2025, use 2).
-            Reads ``inference_log_prob``. Schedulable buffer.
+            (:func:`~torchrl_grpo.loss_terms.truncated_is_weight`; Yao et al., 2025, use 2):
+            the same as ``inference_correction="token_truncate"`` with bounds
+            ``(None, tis_cap)``, kept as a shorthand. Reads ``inference_log_prob``. Schedulable
+            buffer.
+        off_policy_mask_threshold (float, optional): DeepSeek-V3.2's off-policy sequence
+            masking: a sequence with a negative advantage whose mean
+            ``log pi_inference - log pi_theta`` over its real tokens exceeds this ``delta`` is
+            zeroed in ``loss_objective``
+            (:func:`~torchrl_grpo.loss_terms.off_policy_sequence_mask`; TRL's
+            ``off_policy_mask_threshold``, slime's ``--opsm-delta``). Reads
+            ``inference_log_prob`` (or ``sample_log_prob`` when absent). Schedulable buffer.
+        decoupled (bool): decoupled PPO (AReaL): the ratio and its clip are taken against
+            ``proximal_log_prob`` (the policy before this update), and each token's objective
+            is weighted by ``pi_prox / pi_behav``, ``sample_log_prob`` being the behaviour
+            policy that sampled it (:func:`~torchrl_grpo.loss_terms.decoupled_behaviour_weight`).
+            Defaults to ``False``.
+        behaviour_weight_cap (float, optional): with ``decoupled``, tokens whose behaviour
+            weight exceeds it are zeroed (AReaL's ``behav_imp_weight_cap``, ``> 1``).
+            Schedulable buffer.
+        top_entropy_quantile (float, optional): ``rho``: ``loss_objective`` only on the real
+            tokens whose entropy is in the top ``rho`` quantile of the batch
+            (:func:`~torchrl_grpo.loss_terms.high_entropy_token_mask`; TRL's
+            ``top_entropy_quantile``, ``0.2`` in Wang et al., 2025). The entropy is computed
+            even with ``entropy_bonus=False``. ``1.0`` keeps every token. Schedulable buffer.
+        mask_truncated_completions (bool): sequences flagged truncated leave the loss (TRL's
+            ``mask_truncated_completions``, DAPO's overlong filtering). The flag is the
+            ``truncated`` entry (per sequence, e.g. ``[B]``, ``[B, 1]``, or per token); with
+            an LLM wrapper and no such entry, a completion is truncated when its last token is
+            neither the tokenizer's EOS nor its pad token (TRL's rule). Defaults to ``False``.
         kl_mask_threshold (float, optional): torchrl's KL-Mask: tokens whose
             ``0.5 * (log pi_theta - log pi_old)**2`` exceeds it are left out of the ``loss_*``
             terms (:func:`~torchrl_grpo.loss_terms.kl_trust_region_mask`); the metrics still
@@ -353,8 +460,10 @@ class GRPOLoss(ClipPPOLoss):
 
     Raises:
         ValueError: for an unknown variant name, an invalid coefficient, ``reduction="sum"``,
-            a ``max_length`` that does not match the aggregation, or a ``masking_strategy``
-            for an actor that is not an LLM wrapper.
+            a ``max_length`` that does not match the aggregation, a ``masking_strategy``
+            for an actor that is not an LLM wrapper, or a variant's setting given without the
+            variant (SAPO temperatures without SAPO, a behaviour cap without ``decoupled``,
+            bounds without ``inference_correction``, ``tis_cap`` with ``inference_correction``).
         TypeError: for a ClipPPOLoss or torchrl ``GRPOLoss`` argument that has no meaning
             without a critic (``critic_network``, ``clip_value``, ``gamma``...); the message
             names what replaces it.
@@ -411,17 +520,35 @@ class GRPOLoss(ClipPPOLoss):
             ref_log_prob (NestedKey): reference-policy log-probs of the sampled tokens, read
                 when ``kl_to_ref_coeff`` is set. Defaults to ``"ref_log_prob"``.
             inference_log_prob (NestedKey): sampler (inference engine) log-probs, read by
-                ``tis_cap`` and the KL to inference. Defaults to ``"inference_log_prob"``.
+                ``inference_correction`` / ``tis_cap``, the KL to inference and off-policy
+                sequence masking. Defaults to ``"inference_log_prob"``.
+            proximal_log_prob (NestedKey): log-probs of the proximal policy of decoupled PPO,
+                read only with ``decoupled=True``. Defaults to ``"proximal_log_prob"``.
+            truncated (NestedKey): per-sequence boolean, ``True`` for a truncated completion,
+                read only with ``mask_truncated_completions``. Defaults to ``"truncated"``.
         """
 
         mask: NestedKey = "mask"
         ref_log_prob: NestedKey = "ref_log_prob"
         inference_log_prob: NestedKey = "inference_log_prob"
+        proximal_log_prob: NestedKey = "proximal_log_prob"
+        truncated: NestedKey = "truncated"
 
     default_keys = _AcceptedKeys
     tensor_keys: _AcceptedKeys
     _schedulable_buffers = frozenset(
-        {"clip_ratio_c", "kl_to_ref_coeff", "kl_to_inference_coeff", "kl_mask_threshold", "tis_cap"}
+        {
+            "clip_ratio_c",
+            "kl_to_ref_coeff",
+            "kl_to_inference_coeff",
+            "kl_mask_threshold",
+            "tis_cap",
+            "inference_correction_low",
+            "inference_correction_high",
+            "off_policy_mask_threshold",
+            "behaviour_weight_cap",
+            "top_entropy_quantile",
+        }
     )
 
     def __init__(
@@ -443,6 +570,15 @@ class GRPOLoss(ClipPPOLoss):
         kl_to_inference_estimator: str | Callable = "k3",
         kl_mask_threshold: float | None = None,
         tis_cap: float | None = None,
+        sapo_temperature_pos: float | None = None,
+        sapo_temperature_neg: float | None = None,
+        inference_correction: str | Callable | None = None,
+        inference_correction_bounds: tuple[float | None, float | None] | None = None,
+        off_policy_mask_threshold: float | None = None,
+        decoupled: bool = False,
+        behaviour_weight_cap: float | None = None,
+        top_entropy_quantile: float | None = None,
+        mask_truncated_completions: bool = False,
         masking_strategy: str | None = None,
         ref_log_prob_padding_side: str = "left",
         ref_log_prob_padding_value: float = 0.0,
@@ -486,17 +622,35 @@ class GRPOLoss(ClipPPOLoss):
             )
         if isinstance(entropy_coeff, dict):
             raise TypeError("GRPOLoss takes a scalar entropy_coeff (single-head policies only).")
-        objective_fn = _lookup(OBJECTIVES, objective, "objective")
+        objective_fn = self._make_objective(objective, sapo_temperature_pos, sapo_temperature_neg)
         if clip_ratio_c is not None:
-            if objective_fn is cispo_loss:
+            is_sapo = getattr(objective_fn, "func", None) is _sapo_objective
+            if objective_fn is cispo_loss or is_sapo:
                 raise ValueError(
-                    "clip_ratio_c (dual clip) applies to the PPO surrogate, not CISPO."
+                    "clip_ratio_c (dual clip) applies to the PPO surrogate, not "
+                    f"{'SAPO' if is_sapo else 'CISPO'}."
                 )
             if clip_ratio_c <= 1.0:
                 raise ValueError(f"clip_ratio_c must be greater than 1, got {clip_ratio_c}.")
-        for name, value in (("tis_cap", tis_cap), ("kl_mask_threshold", kl_mask_threshold)):
+        for name, value in (
+            ("tis_cap", tis_cap),
+            ("kl_mask_threshold", kl_mask_threshold),
+            ("off_policy_mask_threshold", off_policy_mask_threshold),
+        ):
             if value is not None and value <= 0:
                 raise ValueError(f"{name} must be positive, got {value}.")
+        inference_fn, inference_bounds = self._make_inference_correction(
+            inference_correction, inference_correction_bounds, tis_cap
+        )
+        if behaviour_weight_cap is not None:
+            if not decoupled:
+                raise ValueError("behaviour_weight_cap applies to decoupled=True only.")
+            if behaviour_weight_cap <= 1.0:
+                raise ValueError(
+                    f"behaviour_weight_cap must be greater than 1, got {behaviour_weight_cap}."
+                )
+        if top_entropy_quantile is not None and not 0.0 <= top_entropy_quantile <= 1.0:
+            raise ValueError(f"top_entropy_quantile must be in [0, 1], got {top_entropy_quantile}.")
         for name, coeff in (
             ("kl_to_ref_coeff", kl_to_ref_coeff),
             ("kl_to_inference_coeff", kl_to_inference_coeff),
@@ -539,10 +693,76 @@ class GRPOLoss(ClipPPOLoss):
         self.register_coeff_buffer("kl_to_inference_coeff", kl_to_inference_coeff, device=device)
         self.register_coeff_buffer("kl_mask_threshold", kl_mask_threshold, device=device)
         self.register_coeff_buffer("tis_cap", tis_cap, device=device)
+        self._inference_correction = inference_fn
+        self.register_coeff_buffer("inference_correction_low", inference_bounds[0], device=device)
+        self.register_coeff_buffer("inference_correction_high", inference_bounds[1], device=device)
+        self.register_coeff_buffer(
+            "off_policy_mask_threshold", off_policy_mask_threshold, device=device
+        )
+        self.decoupled = bool(decoupled)
+        self.register_coeff_buffer("behaviour_weight_cap", behaviour_weight_cap, device=device)
+        self.register_coeff_buffer("top_entropy_quantile", top_entropy_quantile, device=device)
+        self.mask_truncated_completions = bool(mask_truncated_completions)
         if is_llm:  # torchrl's LLM layout (torchrl.objectives.llm.GRPOLoss's keys)
             self.set_keys(**LLM_KEYS)
         self._in_keys = None
         self._out_keys = None
+
+    @staticmethod
+    def _make_objective(objective, temperature_pos, temperature_neg):
+        fn = _lookup(OBJECTIVES, objective, "objective")
+        if fn is not _sapo_objective:
+            if temperature_pos is not None or temperature_neg is not None:
+                raise ValueError(
+                    f"sapo_temperature_pos / sapo_temperature_neg apply to objective='sapo', "
+                    f"not {objective!r}."
+                )
+            return fn
+        taus = [
+            default if tau is None else tau
+            for tau, default in zip((temperature_pos, temperature_neg), SAPO_TEMPERATURES)
+        ]
+        if min(taus) <= 0:
+            raise ValueError(f"SAPO temperatures must be positive, got {tuple(taus)}.")
+        return functools.partial(fn, temperature_pos=taus[0], temperature_neg=taus[1])
+
+    @staticmethod
+    def _make_inference_correction(correction, bounds, tis_cap):
+        """``(fn, (low, high))``: the correction and its band (``None`` fn for none)."""
+        if tis_cap is not None:
+            if correction is not None or bounds is not None:
+                raise ValueError(
+                    "tis_cap is inference_correction='token_truncate' with bounds "
+                    "(None, tis_cap): pass one or the other."
+                )
+            return None, (None, None)  # read from the tis_cap buffer
+        if correction is None:
+            if bounds is not None:
+                raise ValueError("inference_correction_bounds needs an inference_correction.")
+            return None, (None, None)
+        fn = _lookup(INFERENCE_CORRECTIONS, correction, "inference_correction")
+        low, high = INFERENCE_CORRECTION_BOUNDS if bounds is None else bounds
+        if (low is not None and low < 0) or (high is not None and high <= 0):
+            raise ValueError(
+                f"inference_correction_bounds must be a low >= 0 and a high > 0, got {bounds}."
+            )
+        if low is not None and high is not None and low >= high:
+            raise ValueError(f"inference_correction_bounds must have low < high, got {bounds}.")
+        return fn, (low, high)
+
+    @property
+    def inference_correction(self) -> Callable | None:
+        """The correction against the inference engine (``tis_cap``: token truncation)."""
+        if self.tis_cap is not None:
+            return INFERENCE_CORRECTIONS["token_truncate"]
+        return self._inference_correction
+
+    @property
+    def inference_correction_bounds(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """``(low, high)`` of the inference band, read from the schedulable buffers."""
+        if self.tis_cap is not None:
+            return None, self.tis_cap
+        return self.inference_correction_low, self.inference_correction_high
 
     @staticmethod
     def _make_aggregation(aggregation, max_length):
@@ -581,8 +801,12 @@ class GRPOLoss(ClipPPOLoss):
         keys = [*self.actor_network.in_keys, tk.action, tk.sample_log_prob, tk.advantage, tk.mask]
         if getattr(self, "kl_to_ref_coeff", None) is not None:
             keys.append(tk.ref_log_prob)
-        if getattr(self, "tis_cap", None) is not None:
+        if getattr(self, "tis_cap", None) is not None or getattr(self, "_inference_correction", None) is not None:  # fmt: skip
             keys.append(tk.inference_log_prob)
+        if getattr(self, "decoupled", False):
+            keys.append(tk.proximal_log_prob)
+        if getattr(self, "mask_truncated_completions", False):
+            keys.append(tk.truncated)
         self._in_keys = list(dict.fromkeys(keys))
 
     @property
@@ -602,6 +826,14 @@ class GRPOLoss(ClipPPOLoss):
                 keys += ["kl_to_ref", "loss_kl_to_ref"]
             if self.kl_to_inference_coeff is not None:
                 keys += ["kl_to_inference", "loss_kl_to_inference"]
+            if self.inference_correction is not None:
+                keys.append("inference_masked_fraction")
+            if self.off_policy_mask_threshold is not None:
+                keys.append("off_policy_masked_fraction")
+            if self.decoupled:
+                keys.append("behaviour_masked_fraction")
+            if self.mask_truncated_completions:
+                keys.append("truncated_fraction")
             self._out_keys = keys
         return self._out_keys
 
@@ -667,9 +899,10 @@ class GRPOLoss(ClipPPOLoss):
         log_prob = dist.log_prob(self._get_input(tensordict, tk.action, "the sampled action"))
         if not log_prob.shape:
             raise ValueError("The policy's log-prob is a scalar; expected a batch [N] or [B, T].")
-        entropy = self._entropy(dist) if self.entropy_bonus else None
+        entropy = self._entropy(dist) if self._needs_entropy else None
         mask = self._token_mask(tensordict, log_prob.shape, log_prob.device)
-        return self._line_up(log_prob, mask, entropy, *stored)
+        truncated = self._truncated(tensordict, log_prob.shape)
+        return self._line_up(log_prob, mask, entropy, stored, truncated)
 
     def _read_llm(self, tensordict: TensorDictBase) -> _Inputs:
         """A torchrl LLM wrapper: masked token distribution over ``("tokens", "full")``.
@@ -701,14 +934,13 @@ class GRPOLoss(ClipPPOLoss):
                 f"logits under masking_strategy={self.masking_strategy!r} cover "
                 f"{tuple(mask.shape)}: the tokens and the wrapper's input disagree."
             )
-        old_log_prob = _match_shape(stored[1], mask.shape, tk.sample_log_prob)
+        old_log_prob = _match_shape(stored.old, mask.shape, tk.sample_log_prob)
         mask = mask & torch.isfinite(old_log_prob)
         mask = mask & self._token_mask(tensordict, mask.shape, mask.device)
+        truncated = self._truncated(tensordict, mask.shape, last_tokens=tokens[:, -1])
         log_prob, entropy = token_log_prob_entropy(logits, tokens.masked_fill(~mask, -100))
-        return self._line_up(
-            log_prob, mask, entropy if self.entropy_bonus else None, stored[0], old_log_prob,
-            *stored[2:],
-        )  # fmt: skip
+        entropy = entropy if self._needs_entropy else None
+        return self._line_up(log_prob, mask, entropy, stored._replace(old=old_log_prob), truncated)
 
     def _get_input(
         self, tensordict: TensorDictBase, key: NestedKey, why: str, padding: float = 0.0
@@ -735,24 +967,55 @@ class GRPOLoss(ClipPPOLoss):
             )
         return value
 
-    def _stored(self, tensordict: TensorDictBase) -> tuple:
-        """``(advantage, old, ref, inference)`` as stored, read before the policy runs."""
+    @property
+    def _needs_entropy(self) -> bool:
+        return bool(self.entropy_bonus) or self.top_entropy_quantile is not None
+
+    def _stored(self, tensordict: TensorDictBase) -> _Stored:
+        """The data entries of the batch, as stored, read before the policy runs."""
         tk = self.tensor_keys
         advantage = self._get_input(tensordict, tk.advantage, "the advantage")
         old = self._get_input(tensordict, tk.sample_log_prob, "the sampling log-probs")
-        ref = inference = None
+        ref = inference = proximal = None
         if self.kl_to_ref_coeff is not None:
             ref = self._get_input(tensordict, tk.ref_log_prob, "for kl_to_ref_coeff")
-        if self.tis_cap is not None:
-            inference = self._get_input(tensordict, tk.inference_log_prob, "for tis_cap")
-        elif self.kl_to_inference_coeff is not None:
+        if self.inference_correction is not None:
+            why = "for tis_cap" if self.tis_cap is not None else "for inference_correction"
+            inference = self._get_input(tensordict, tk.inference_log_prob, why)
+        elif self.kl_to_inference_coeff is not None or self.off_policy_mask_threshold is not None:
             # torchrl's convention: without the sampler's own log-probs, the KL to inference
-            # is taken against the log-probs the ratio uses
+            # (and OPSM's drift, as TRL) is taken against sample_log_prob
             key = tk.inference_log_prob
-            if tensordict.get(key, None) is None:
+            if not _has(tensordict, key):
                 key = tk.sample_log_prob
-            inference = self._get_input(tensordict, key, "for kl_to_inference_coeff")
-        return advantage, old, ref, inference
+            why = "for kl_to_inference_coeff" if self.kl_to_inference_coeff is not None else "for off_policy_mask_threshold"  # fmt: skip
+            inference = self._get_input(tensordict, key, why)
+        if self.decoupled:
+            proximal = self._get_input(tensordict, tk.proximal_log_prob, "for decoupled=True")
+        return _Stored(advantage=advantage, old=old, ref=ref, inference=inference, proximal=proximal)  # fmt: skip
+
+    def _truncated(self, tensordict, shape: torch.Size, last_tokens=None) -> torch.Tensor | None:
+        """Per-token flags of truncated completions, with ``mask_truncated_completions``.
+
+        The ``truncated`` entry when present; for an LLM wrapper without it, TRL's rule on the
+        last token of each (left-padded) sequence: neither EOS nor the pad token.
+        """
+        if not self.mask_truncated_completions:
+            return None
+        key = self.tensor_keys.truncated
+        if _has(tensordict, key) or last_tokens is None:
+            entry = self._get_input(tensordict, key, "for mask_truncated_completions", padding=False)  # fmt: skip
+            return _per_token(entry, shape, key).bool()
+        tokenizer = getattr(self.actor_network, "tokenizer", None)
+        ends = [getattr(tokenizer, name, None) for name in ("eos_token_id", "pad_token_id")]
+        ends = [end for end in ends if end is not None]
+        if not ends:
+            raise KeyError(
+                f"mask_truncated_completions needs {key!r} in the batch: the wrapper has no "
+                "tokenizer with an EOS or pad token to tell truncated completions apart."
+            )
+        finished = torch.isin(last_tokens, torch.tensor(ends, device=last_tokens.device))
+        return (~finished).unsqueeze(-1).expand(shape)
 
     def _token_mask(self, tensordict: TensorDictBase, shape: torch.Size, device) -> torch.Tensor:
         """``mask`` and-ed with torchrl's loss-mask entries (``loss_mask_key``); all True if none."""
@@ -777,7 +1040,7 @@ class GRPOLoss(ClipPPOLoss):
         sample = dist.rsample(sample_shape) if dist.has_rsample else dist.sample(sample_shape)
         return -dist.log_prob(sample).mean(0)
 
-    def _line_up(self, log_prob, mask, entropy, advantage, old, ref, inference) -> _Inputs:
+    def _line_up(self, log_prob, mask, entropy, stored: _Stored, truncated) -> _Inputs:
         """Every entry as ``(B, T)``, checked against the log-prob's shape, zeros on padding."""
         tk = self.tensor_keys
         shape = log_prob.shape
@@ -792,8 +1055,9 @@ class GRPOLoss(ClipPPOLoss):
             return None if x is None else torch.where(mask, _as_sequences(_match_shape(x, shape, key)), 0.0)  # fmt: skip
 
         for name, key, value in (
-            ("reference", tk.ref_log_prob, ref),
-            ("inference", tk.inference_log_prob, inference),
+            ("reference", tk.ref_log_prob, stored.ref),
+            ("inference", tk.inference_log_prob, stored.inference),
+            ("proximal", tk.proximal_log_prob, stored.proximal),
         ):
             if value is not None and not bool(torch.isfinite(tokens(value, key)).all()):
                 raise ValueError(
@@ -802,41 +1066,53 @@ class GRPOLoss(ClipPPOLoss):
                 )
         return _Inputs(
             log_prob=tokens(log_prob, "log_prob"),
-            old_log_prob=tokens(old, tk.sample_log_prob),
+            old_log_prob=tokens(stored.old, tk.sample_log_prob),
             advantage=torch.where(
-                mask, _as_sequences(_per_token(advantage, shape, tk.advantage)), 0.0
+                mask, _as_sequences(_per_token(stored.advantage, shape, tk.advantage)), 0.0
             ),  # fmt: skip
             mask=mask,
             entropy=tokens(entropy, "entropy"),
-            ref_log_prob=tokens(ref, tk.ref_log_prob),
-            inference_log_prob=tokens(inference, tk.inference_log_prob),
+            ref_log_prob=tokens(stored.ref, tk.ref_log_prob),
+            inference_log_prob=tokens(stored.inference, tk.inference_log_prob),
+            proximal_log_prob=tokens(stored.proximal, tk.proximal_log_prob),
+            truncated=None if truncated is None else _as_sequences(truncated),
             shape=shape,
         )
 
     # --- terms: the math of loss_terms on the lined-up batch ------------------------------------
 
     def _terms(self, x: _Inputs) -> dict:
-        mask, lp, old = x.mask, x.log_prob, x.old_log_prob
-        # the KL trust region (kl_mask_threshold) keeps drifted tokens out of the loss terms;
-        # the metrics describe every real token
+        mask, lp = x.mask, x.log_prob
+        # the policy the ratio and its clip are taken against: the proximal one (decoupled PPO)
+        # or the one that sampled the data
+        anchor = x.old_log_prob if x.proximal_log_prob is None else x.proximal_log_prob
+        # tokens excluded from the loss terms (not counted by the aggregation): those outside
+        # the KL trust region and those of truncated completions; the metrics describe every
+        # real token
         loss_mask = mask
         if self.kl_mask_threshold is not None:
-            loss_mask = mask & kl_trust_region_mask(lp - old, self.kl_mask_threshold)
+            loss_mask = mask & kl_trust_region_mask(lp - anchor, self.kl_mask_threshold)
+        if x.truncated is not None:
+            loss_mask = loss_mask & ~x.truncated
 
         def reduce(per_token):  # (B, T) -> a scalar, or the per-token tensor
             if self.reduction == "none":
                 return torch.where(loss_mask, per_token, 0.0).reshape(x.shape)
-            if not loss_mask.any():  # every token outside the trust region: no gradient
+            if not loss_mask.any():  # every token excluded: no gradient
                 return (per_token * 0.0).sum()
             return self._aggregate(per_token, loss_mask)
 
         log_clip_low, log_clip_high = self.clip_bounds
-        log_ratio = self._ratio_level(lp - old, mask)  # (B, T)
+        log_ratio = self._ratio_level(lp - anchor, mask)  # (B, T)
         per_token = self._objective(log_ratio, x.advantage, lp, log_clip_low, log_clip_high)
         if self.clip_ratio_c is not None:
             per_token = dual_clip_loss(per_token, x.advantage, self.clip_ratio_c)
-        if self.tis_cap is not None:
-            per_token = per_token * truncated_is_weight(old, x.inference_log_prob, self.tis_cap)
+        # tokens weighted or zeroed in the objective (they stay in the aggregation's denominator)
+        weight, keep, fractions = self._objective_factors(x, loss_mask)
+        if weight is not None:
+            per_token = per_token * weight
+        if keep is not None:
+            per_token = torch.where(keep, per_token, 0.0)
         clip_fraction, clip_low, clip_high = clip_fractions(
             log_ratio, mask, log_clip_low, log_clip_high
         )
@@ -845,10 +1121,14 @@ class GRPOLoss(ClipPPOLoss):
             "clip_fraction": clip_fraction,
             "clip_fraction_low": clip_low,
             "clip_fraction_high": clip_high,
-            "kl_approx": masked_mean(old - lp, mask).detach(),
+            "kl_approx": masked_mean(anchor - lp, mask).detach(),
             "ESS": effective_sample_size(log_ratio, mask),
+            **fractions,
         }
-        if x.entropy is not None:
+        if x.truncated is not None:
+            nonempty = mask.any(-1)  # (B,)
+            out["truncated_fraction"] = ((x.truncated & mask).any(-1).sum() / nonempty.sum()).to(lp.dtype)  # fmt: skip
+        if self.entropy_bonus:
             out["entropy"] = masked_mean(x.entropy, mask).detach()
             out["loss_entropy"] = -self.entropy_coeff * reduce(x.entropy)
         for name, coeff, other, estimator in (
@@ -866,6 +1146,42 @@ class GRPOLoss(ClipPPOLoss):
                 out["loss_" + name] = coeff * reduce(kl)
         return out
 
+    def _objective_factors(self, x: _Inputs, loss_mask: torch.Tensor):
+        """What multiplies each token's objective: ``(weight, keep, masked fractions)``.
+
+        Each enabled variant gives a detached weight and/or the tokens it keeps (one function
+        of :mod:`torchrl_grpo.loss_terms` each); ``weight`` and ``keep`` are ``None`` when no
+        variant is on, so the default loss runs no extra operation.
+        """
+        factors = []  # (weight or None, keep, name of its masked fraction or None)
+        if x.proximal_log_prob is not None:
+            w, k = decoupled_behaviour_weight(
+                x.proximal_log_prob, x.old_log_prob, self.behaviour_weight_cap
+            )
+            factors.append((w, k, "behaviour_masked_fraction"))
+        if self.inference_correction is not None:
+            low, high = self.inference_correction_bounds
+            log_weight = x.old_log_prob - x.inference_log_prob  # (B, T)
+            w, k = self.inference_correction(log_weight, x.mask, low, high)
+            factors.append((w, k, "inference_masked_fraction"))
+        if self.off_policy_mask_threshold is not None:
+            k = off_policy_sequence_mask(
+                x.log_prob, x.inference_log_prob, x.advantage, x.mask, self.off_policy_mask_threshold
+            )  # fmt: skip
+            factors.append((None, k, "off_policy_masked_fraction"))
+        if self.top_entropy_quantile is not None:
+            k = high_entropy_token_mask(x.entropy, loss_mask, self.top_entropy_quantile)
+            factors.append((None, k, None))
+        weight = keep = None
+        fractions = {}
+        for w, k, name in factors:
+            if name is not None:
+                fractions[name] = masked_mean((~k).to(x.log_prob.dtype), x.mask)
+            if w is not None:
+                weight = w if weight is None else weight * w
+            keep = k if keep is None else keep & k
+        return weight, keep, fractions
+
 
 #: torchrl's keys for LLM-wrapper batches (those of ``torchrl.objectives.llm.GRPOLoss``).
 LLM_KEYS = {
@@ -873,6 +1189,11 @@ LLM_KEYS = {
     "sample_log_prob": ("log_probs", "full"),
     "ref_log_prob": ("next", "ref_log_probs", "full"),
 }
+
+
+def _has(tensordict: TensorDictBase, key: NestedKey) -> bool:
+    # a membership test that never stacks a ragged entry (``get`` would)
+    return unravel_key(key) in tensordict.keys(include_nested=True)
 
 
 def _as_sequences(x: torch.Tensor) -> torch.Tensor:
@@ -1115,6 +1436,68 @@ class CISPOLoss(GRPOLoss):
             actor_network,
             clip_epsilon=clip_epsilon,
             objective=objective,
+            aggregation=aggregation,
+            entropy_coeff=entropy_coeff,
+            **kwargs,
+        )
+
+
+class SAPOLoss(GRPOLoss):
+    """GRPOLoss with SAPO's objective: a soft, temperature-controlled gate instead of the clip.
+
+    SAPO (Gao et al., 2025, "Soft Adaptive Policy Optimization", arXiv:2511.20347) replaces the
+    hard clip of the ratio by a sigmoid gate whose temperature depends on the advantage's sign
+    (:func:`~torchrl_grpo.loss_terms.sapo_loss`), and keeps GRPO's sequence-level averaging:
+
+    .. math:: L = -\\frac{1}{G} \\sum_{i=1}^{G} \\frac{1}{|o_i|} \\sum_{t=1}^{|o_i|}
+        \\frac{4}{\\tau_{i,t}}\\, \\sigma\\big(\\tau_{i,t} (r_{i,t} - 1)\\big) A_{i,t}, \\qquad
+        \\tau_{i,t} = \\tau_{pos} \\text{ if } A_{i,t} > 0 \\text{ else } \\tau_{neg}
+
+    with ``tau_pos = 1.0`` and ``tau_neg = 1.05`` (the paper's and TRL's defaults). Tokens far
+    off-policy get a smoothly vanishing gradient rather than none past a bound; on-policy the
+    gradient is GRPO's. ``clip_epsilon`` only sets the reported clip fractions.
+
+    Args:
+        actor_network (ProbabilisticTensorDictSequential or LLMWrapperBase): the policy.
+
+    Keyword Args:
+        sapo_temperature_pos: ``tau_pos``, defaults to ``1.0``.
+        sapo_temperature_neg: ``tau_neg``, defaults to ``1.05``.
+        aggregation: defaults to ``"seq_mean_token_mean"``.
+        entropy_coeff: defaults to ``0.0``.
+        **kwargs: any other :class:`GRPOLoss` keyword.
+
+    Examples:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> from tensordict.nn import TensorDictModule
+        >>> from torchrl.modules import ProbabilisticActor
+        >>> net = TensorDictModule(torch.nn.Linear(3, 5), ["hidden"], ["logits"])
+        >>> policy = ProbabilisticActor(net, in_keys=["logits"], out_keys=["tokens"],
+        ...     distribution_class=torch.distributions.Categorical, return_log_prob=True)
+        >>> batch = policy(TensorDict(hidden=torch.randn(2, 4, 3), batch_size=[2])).detach()
+        >>> batch["advantage"] = torch.tensor([1.0, -1.0])
+        >>> out = SAPOLoss(policy)(batch)  # on-policy: -(4 / tau) * sigmoid(0) * A per sequence
+        >>> round(out.loss_objective.item(), 4)  # (-2 / 1.0 + 2 / 1.05) / 2
+        -0.0476
+    """
+
+    def __init__(
+        self,
+        actor_network=None,
+        *,
+        sapo_temperature_pos=SAPO_TEMPERATURES[0],
+        sapo_temperature_neg=SAPO_TEMPERATURES[1],
+        objective="sapo",
+        aggregation="seq_mean_token_mean",
+        entropy_coeff=0.0,
+        **kwargs,
+    ):
+        super().__init__(
+            actor_network,
+            objective=objective,
+            sapo_temperature_pos=sapo_temperature_pos,
+            sapo_temperature_neg=sapo_temperature_neg,
             aggregation=aggregation,
             entropy_coeff=entropy_coeff,
             **kwargs,
