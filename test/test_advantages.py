@@ -140,6 +140,27 @@ class TestGroupRelativeAdvantage:
         adv = group_relative_advantage(torch.full((5,), 3.0), torch.zeros(5, dtype=torch.long))
         assert adv.tolist() == [0.0] * 5
 
+    @settings(max_examples=60, deadline=None)
+    @given(
+        values=st.lists(
+            st.floats(-1e6, 1e6, allow_nan=False, allow_subnormal=False), min_size=1, max_size=6
+        ),
+        size=st.integers(1, 2000),
+        seed=st.integers(0, 2**16),
+    )
+    def test_large_constant_groups_give_exact_zeros(self, values, size, seed):
+        """A constant group gives exactly 0 in every form (index, runs), however large."""
+        x = torch.tensor(values, dtype=torch.float64).repeat_interleave(size)  # group k: values[k]
+        g = torch.arange(len(values)).repeat_interleave(size)
+        perm = torch.randperm(x.numel(), generator=torch.Generator().manual_seed(seed))
+        for scale in ("group", "batch", "none"):
+            assert (group_relative_advantage(x[perm], g[perm], scale_rewards=scale) == 0).all()
+            runs = torch.full((len(values),), size)
+            got = group_relative_advantage(
+                x, torch.arange(len(values)), lengths=runs, scale_rewards=scale
+            )
+            assert (got == 0).all()
+
     def test_group_of_one_gives_zero(self):
         for baseline in ("mean", "leave_one_out"):
             adv = group_relative_advantage(

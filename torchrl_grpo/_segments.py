@@ -137,7 +137,7 @@ class Segments:
             return x.sum().reshape(1)
         zeros = torch.zeros(self.num, dtype=x.dtype, device=x.device)
         if self.lengths is None:
-            return zeros.index_add_(0, self.index, x)
+            return zeros.scatter_add_(0, self.index, x)
         return self._runs_to_segments(self._per_run(x, "sum"), zeros)
 
     def amax(self, x: Tensor) -> Tensor:

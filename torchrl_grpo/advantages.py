@@ -189,9 +189,17 @@ def group_mean(
 def _mean(x: Tensor, seg: Segments) -> tuple[Tensor, Tensor]:
     """Group means and sizes of samples ``x`` (given as ``seg.view(x)``)."""
     count = seg.count  # (G,)
-    # Sum the deviations from a member of the group: exact for a constant group, where
-    # sum(x) / n can round, and better conditioned whenever |mean| >> std.
-    ref = seg.member(x)  # (G,)
+    # Sum the deviations from a reference close to the mean: exact for a constant group, where
+    # sum(x) / n can round, and better conditioned whenever |mean| >> std. With runs the
+    # reference is a member (a run's first sample: no pass over the samples); with an index, the
+    # rounded mean itself (a sum is cheaper than a maximum by index), which is corrected to the
+    # same effect: for a constant group each x - ref is the same small multiple of the ulp, summed
+    # and divided exactly, so that ref + correction is the constant (the corrected two-pass
+    # algorithm; Chan, Golub and LeVeque, 1983).
+    if seg.lengths is None and not seg.single:
+        ref = seg.sum(x) / count  # (G,)
+    else:
+        ref = seg.member(x)  # (G,)
     return ref + seg.sum(x - seg.spread(ref)) / count, count
 
 
