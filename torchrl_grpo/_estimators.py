@@ -223,6 +223,7 @@ def step_term(
     scale_rewards: str,
     epsilon: float,
     width: int | None = None,
+    num_rounds: int | None = None,
 ) -> Tensor:
     """GiGPO's step-level advantage of every released step, ``(N,)`` float64.
 
@@ -233,8 +234,9 @@ def step_term(
         step_round: ``(N,)`` the released group of each step.
         anchors: ``(N, ...)`` each step's anchor state.
         width: the steps of every released trajectory if they all have as many (``0``: not).
+        num_rounds: the number of released groups (found from ``step_round`` when ``None``).
     """
-    step_group, num = anchor_step_groups(step_round, anchors)
+    step_group, num = anchor_step_groups(step_round, anchors, num_rounds)
     return step_level_advantage(
         step_rewards,
         steps,

@@ -280,7 +280,7 @@ def dense_codes(keys: Tensor, *, span: int | None = None) -> tuple[Tensor, int]:
         return keys.long(), 0
     low, high = (0, span - 1) if span is not None else (int(v) for v in torch.aminmax(keys))
     if high - low <= 4 * keys.numel() + 1024:  # a table of the range: no sort
-        shifted = (keys - low).long()
+        shifted = (keys - low).long() if low else keys.long()
         present = torch.zeros(high - low + 1, dtype=torch.bool, device=keys.device)
         present.index_fill_(0, shifted, True)
         table = torch.cumsum(present, 0) - 1

@@ -665,7 +665,9 @@ def discounted_returns(
     return discounted_suffix_sum(rewards.double(), lengths, float(gamma), width=width or 0)
 
 
-def anchor_step_groups(group_index: Tensor, anchor: Tensor) -> tuple[Tensor, int]:
+def anchor_step_groups(
+    group_index: Tensor, anchor: Tensor, num_groups: int | None = None
+) -> tuple[Tensor, int]:
     r"""GiGPO's step groups: the steps of one group whose anchor states are equal.
 
     Two steps share a step group when they belong to the same (episode-level) group and their
@@ -686,6 +688,7 @@ def anchor_step_groups(group_index: Tensor, anchor: Tensor) -> tuple[Tensor, int
         group_index: group of each step, shape ``(N,)``, integer, values in ``[0, G)``.
         anchor: anchor state of each step, shape ``(N,)`` or ``(N, ...)``: the observation the
             step acted on, or a hash of it.
+        num_groups: ``G``; defaults to ``group_index.max() + 1``.
 
     Returns:
         ``(step_group, num_step_groups)``: a dense code per step, shape ``(N,)`` int64, equal
@@ -715,13 +718,15 @@ def anchor_step_groups(group_index: Tensor, anchor: Tensor) -> tuple[Tensor, int
     if not (rows.is_floating_point() or rows.is_complex()):  # ids, or cells of a grid
         low, high = (v.tolist() for v in torch.aminmax(rows.long(), dim=0))  # each entry's range
         widths = [top - bottom + 1 for bottom, top in zip(low, high)]  # Python ints: no overflow
-        span = int(group.max()) + 1
+        span = int(group.max()) + 1 if num_groups is None else int(num_groups)
         for width in widths:
             span *= width
         if span <= 4 * n + 1024:  # (group, state) numbered in mixed radix: a small table
             key = group
             for column, lowest, width in zip(rows.long().unbind(1), low, widths):
-                key = key * width + (column - lowest)
+                key = column.add(key, alpha=width)  # key * width + column
+                if lowest:
+                    key = key.sub_(lowest)
             return dense_codes(key, span=span)
     bits = _state_bits(rows)  # (N, d) int64, equal iff the states are
     key = group

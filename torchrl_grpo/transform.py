@@ -976,6 +976,7 @@ class MCAdvantage(Transform):
                 _estimators.released_anchors(out, est.anchor_key),
                 est,
                 width=trajectories.width,
+                num_rounds=num_events,
                 **kw,
             )  # (S,)
             if per_step_adv:
