@@ -983,7 +983,9 @@ class MCAdvantage(Transform):
                 adv = by_steps().expand(adv)  # (S,)
             elif ragged or per_step > 1:
                 term = term.repeat_interleave(per_elem)  # (E,)
-            adv = est.episode_reward_weight * adv + est.step_reward_weight * term
+            if est.episode_reward_weight != 1.0:
+                adv = est.episode_reward_weight * adv
+            adv = adv.add(term, alpha=est.step_reward_weight)
         if self.step_norm:  # per trajectory: on its return, its steps or its elements
             norm = steps.to(adv.dtype)  # (M,)
             if per_step_adv:
