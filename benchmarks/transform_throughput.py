@@ -29,6 +29,7 @@ import warnings
 import torch
 from tensordict import TensorDict
 from torchrl.data import LazyTensorStorage, ReplayBuffer
+from torchrl.envs.transforms import Transform
 from torchrl.objectives.llm import MCAdvantage as TorchRLMCAdvantage
 
 from torchrl_grpo import MCAdvantage
@@ -117,6 +118,35 @@ def one_at_a_time(groups: int, size: int, steps: int, make_transform, limit: int
     return best
 
 
+def waiting_and_completing(groups: int, size: int, steps: int, make_transform, limit: int):
+    """Mean seconds of the calls that hold their trajectory back, and of those that complete a
+    group, in the pass of :func:`one_at_a_time`'s stream with the least total time."""
+    data = shuffled_groups(groups, size, steps, seed=1)
+    trajs = data.split(steps)[:limit]
+    best = None
+    for _ in range(5):
+        transform, waiting, completing = make_transform(), [], []
+        gc.disable()
+        try:
+            for traj in trajs:
+                start = time.process_time()
+                out = transform.inv(traj)
+                (waiting if out is None else completing).append(time.process_time() - start)
+        finally:
+            gc.enable()
+        total = sum(waiting) + sum(completing)
+        if best is None or total < best[0]:
+            best = (total, sum(waiting) / len(waiting), sum(completing) / len(completing))
+    return best[1:]
+
+
+class _DoNothing(Transform):
+    """A transform whose insertion does nothing: the cost of ``Transform.inv`` itself."""
+
+    def _inv_call(self, tensordict):
+        return None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small shapes, few repeats")
@@ -161,14 +191,26 @@ def main() -> None:
     print()
     print("one trajectory per call, mean over the stream, fastest of 5 passes")
     print("(64 groups x 8 trajectories x 16 steps, shuffled; up to ~450 trajectories pending):")
+    limit = 128 if args.quick else 512
+    floor = one_at_a_time(64, 8, 16, _DoNothing, limit)
     for mode in (None, "sum"):
         kw = dict(grpo_size=8, prompt_key="seed", trajectory_return=mode)
-        limit = 128 if args.quick else 512
         ours = one_at_a_time(64, 8, 16, lambda kw=kw: MCAdvantage(**kw), limit)
         ref = one_at_a_time(64, 8, 16, lambda kw=kw: TorchRLMCAdvantage(**kw), limit)
         print(
             f"  mode={mode or 'step':<5} ours {ours * 1e3:.3f} ms/call, torchrl {ref * 1e3:.3f} "
             f"ms/call, torchrl/ours {ref / ours:.2f}x"
+        )
+    print(f"where the time goes (ms/call; Transform.inv itself, doing nothing: {floor * 1e3:.3f}):")
+    for mode in (None, "sum"):
+        kw = dict(grpo_size=8, prompt_key="seed", trajectory_return=mode)
+        # the whole stream: its first calls alone may complete no group
+        ours = waiting_and_completing(64, 8, 16, lambda kw=kw: MCAdvantage(**kw), 512)
+        ref = waiting_and_completing(64, 8, 16, lambda kw=kw: TorchRLMCAdvantage(**kw), 512)
+        print(
+            f"  mode={mode or 'step':<5} held back: ours {ours[0] * 1e3:.3f}, torchrl "
+            f"{ref[0] * 1e3:.3f}; completing a group: ours {ours[1] * 1e3:.3f}, torchrl "
+            f"{ref[1] * 1e3:.3f}"
         )
 
 

@@ -4,9 +4,9 @@ import io
 
 import pytest
 import torch
+from conftest import released, trajectory
 from tensordict import NonTensorData, TensorDict, lazy_stack
-from test_transform import released, trajectory
-from torchrl.data import LazyTensorStorage, ReplayBuffer
+from torchrl.data import LazyMemmapStorage, LazyTensorStorage, ReplayBuffer
 
 from torchrl_grpo import MCAdvantage
 from torchrl_grpo.checkpoint import EmptyStorageCheckpointer, allow_empty_dumps
@@ -27,10 +27,12 @@ def halves(num_groups=4, size=4, seed=0):
     return torch.cat(first), torch.cat(second)
 
 
-def make_buffer(**kw):
+def make_buffer(storage=LazyTensorStorage, through_constructor=False, **kw):
+    """A buffer built as a user builds one: no call other than torchrl's."""
     transform = MCAdvantage(4, prompt_key="seed", trajectory_return="sum", **kw)
-    rb = ReplayBuffer(storage=LazyTensorStorage(1000))
-    return allow_empty_dumps(rb.append_transform(transform)), transform
+    if through_constructor:
+        return ReplayBuffer(storage=storage(1000), transform=transform), transform
+    return ReplayBuffer(storage=storage(1000)).append_transform(transform), transform
 
 
 def stored(rb):
@@ -71,6 +73,25 @@ class TestStateDict:
         a, b = released(t.inv(last)), released(u.inv(last))
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
+    def test_the_checkpoint_is_torchs_extra_state(self):
+        t = MCAdvantage(2, prompt_key="seed")
+        t.inv(trajectory(0, [1.0]))
+        assert list(t.state_dict()) == ["_extra_state"]
+        state = t.state_dict()["_extra_state"]
+        assert state["grpo_size"] == 2 and state["pending"]["lengths"].tolist() == [1]
+
+    def test_checkpoints_of_the_earlier_layout_load(self):
+        """torchrl_grpo 0.1.0 saved ``pending`` and ``grpo_size`` entries of its own."""
+        first, second = halves()
+        t = MCAdvantage(4, prompt_key="seed", trajectory_return="sum")
+        t.inv(first)
+        earlier = {"pending": t.get_extra_state()["pending"], "grpo_size": 4}
+        u = MCAdvantage(4, prompt_key="seed", trajectory_return="sum")
+        u.load_state_dict(earlier)
+        assert u.get_stats() == t.get_stats() and u.queued_trajectories == 8
+        a, b = released(t.inv(second.clone())), released(u.inv(second.clone()))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
     def test_group_size_mismatch_is_an_error(self):
         t = MCAdvantage(4, prompt_key="seed")
         t.inv(trajectory(0, [1.0]))
@@ -80,7 +101,13 @@ class TestStateDict:
 
 class TestReplayBufferDumps:
     @pytest.mark.parametrize("complete_first", [False, True])
-    def test_restart_between_halves_changes_nothing(self, tmp_path, complete_first):
+    @pytest.mark.parametrize("through_constructor", [False, True])
+    @pytest.mark.parametrize("storage", [LazyTensorStorage, LazyMemmapStorage])
+    def test_restart_between_halves_changes_nothing(
+        self, tmp_path, complete_first, through_constructor, storage
+    ):
+        """``rb.dumps`` / ``rb.loads`` between two halves of every group, with no call beyond
+        torchrl's: at step 0 (nothing stored yet, every group pending) or later."""
         first, second = halves()
         if complete_first:  # one group complete before the restart: the storage holds data
             first = torch.cat([first, halves(1, 4, seed=1)[0], halves(1, 4, seed=1)[1]])
@@ -88,25 +115,45 @@ class TestReplayBufferDumps:
         reference.extend(first.clone())
         reference.extend(second.clone())
 
-        rb, transform = make_buffer()
+        rb, transform = make_buffer(storage, through_constructor)
         rb.extend(first.clone())
         assert (len(rb) == 0) != complete_first and transform.queued_trajectories == 8
-        rb.dumps(tmp_path)
-        restored, restored_transform = make_buffer()
-        restored.loads(tmp_path)
-        assert restored_transform.get_stats() == transform.get_stats()
+        rb.dumps(tmp_path / "checkpoint")
+        restored, restored_transform = make_buffer(storage, through_constructor)
+        restored.loads(tmp_path / "checkpoint")
+        assert restored_transform.get_stats() == transform.get_stats() and len(restored) == len(rb)
         restored.extend(second.clone())
         want, got = stored(reference), stored(restored)
         assert got.keys() == want.keys() and len(got) == first.numel() + second.numel()
         assert all(torch.equal(got[k], want[k]) for k in want)
         assert restored_transform.get_stats() == reference.transform[0].get_stats()
 
+    def test_appending_is_enough_for_a_dump_before_any_insertion(self, tmp_path):
+        rb, _ = make_buffer()
+        rb.dumps(tmp_path)
+        restored, transform = make_buffer(through_constructor=True)  # storage not wrapped
+        assert not isinstance(restored.storage.checkpointer, EmptyStorageCheckpointer)
+        restored.loads(tmp_path)  # torchrl's own checkpointer reads the empty record
+        assert len(restored) == 0 and transform.queued_trajectories == 0
+
     def test_plain_torchrl_storage_refuses_an_empty_dump(self, tmp_path):
-        rb = ReplayBuffer(storage=LazyTensorStorage(10))
-        rb.append_transform(MCAdvantage(2, prompt_key="seed"))
-        rb.extend(trajectory(0, [1.0]))
+        """What the transform spares its buffer: torchrl alone cannot save an empty storage."""
+        rb = ReplayBuffer(storage=LazyTensorStorage(10))  # no MCAdvantage in it
         with pytest.raises(RuntimeError, match="non-initialized"):
             rb.dumps(tmp_path)
+        allow_empty_dumps(rb).dumps(tmp_path)  # the explicit way, for such a buffer
+
+    def test_the_first_insertion_finds_the_buffer(self, tmp_path):
+        """A transform put in a buffer torchrl's way without ``append_transform`` (here a
+        ``Compose`` built first) finds its buffer when data first goes through it."""
+        from torchrl.envs.transforms import Compose
+
+        transform = MCAdvantage(2, prompt_key="seed")
+        rb = ReplayBuffer(storage=LazyTensorStorage(10), transform=Compose(transform))
+        assert not isinstance(rb.storage.checkpointer, EmptyStorageCheckpointer)
+        rb.extend(trajectory(0, [1.0]))
+        assert isinstance(rb.storage.checkpointer, EmptyStorageCheckpointer)
+        rb.dumps(tmp_path)
 
     def test_loading_an_empty_dump_empties_a_filled_storage(self, tmp_path):
         storage = LazyTensorStorage(10)

@@ -1,15 +1,92 @@
-"""Each private name of torch/torchrl/tensordict that torchrl_grpo relies on, checked by name.
+"""Tests of torchrl_grpo/_compat.py: one test per reliance on torch/torchrl/tensordict internals.
 
-A failure here means an upgrade moved something ``torchrl_grpo._compat`` reaches into: the
-message says which reliance, so that the fix is one function in ``_compat.py``.
+Each failure message names the reliance that an upgrade broke, and what depends on it.
 """
 
-from __future__ import annotations
+import json
 
 import pytest
 import torch
+from tensordict import TensorDict
+from torchrl.data import LazyTensorStorage, ReplayBuffer, TensorStorageCheckpointer
+from torchrl.envs.transforms import Transform
 
 from torchrl_grpo import _compat
+
+
+class _Probe(Transform):
+    """Records the buffer :func:`_compat.calling_replay_buffer` finds at each hook."""
+
+    def __init__(self):
+        super().__init__()
+        self.found = {}
+
+    def set_container(self, container):
+        super().set_container(container)
+        self.found["append_transform"] = _compat.calling_replay_buffer(self)
+
+    def _inv_call(self, tensordict):
+        self.found.setdefault("insertions", []).append(_compat.calling_replay_buffer(self))
+        return tensordict
+
+
+class TestCallingReplayBuffer:
+    MESSAGE = (
+        "torchrl_grpo._compat.calling_replay_buffer: torchrl no longer calls a buffer's "
+        "transforms from inside the buffer's own methods ({}), so MCAdvantage cannot find the "
+        "storage to let it be saved while empty (torchrl_grpo.checkpoint)."
+    )
+
+    def test_found_from_append_extend_and_add(self):
+        probe = _Probe()
+        rb = ReplayBuffer(storage=LazyTensorStorage(10))
+        rb.append_transform(probe)
+        assert probe.found["append_transform"] is rb, self.MESSAGE.format("append_transform")
+        rb.extend(TensorDict(x=torch.zeros(2), batch_size=[2]))
+        rb.add(TensorDict(x=torch.zeros(())))
+        assert probe.found["insertions"] == [rb, rb], self.MESSAGE.format("extend, add")
+
+    def test_only_the_buffer_holding_the_transform(self):
+        probe = _Probe()
+        assert _compat.calling_replay_buffer(probe) is None  # no buffer on the stack
+        other = ReplayBuffer(storage=LazyTensorStorage(10))
+        other.append_transform(_Probe())
+
+        def extend_through(rb, transform):  # a buffer on the stack that does not hold it
+            return _compat.calling_replay_buffer(transform)
+
+        assert extend_through(other, probe) is None
+        probe.inv(TensorDict(x=torch.zeros(2), batch_size=[2]))  # called directly
+        assert probe.found["insertions"] == [None]
+
+
+class TestEmptyTensorStorageRecord:
+    MESSAGE = (
+        "torchrl_grpo._compat.write_empty_tensor_storage: torchrl's TensorStorageCheckpointer no "
+        "longer reads {record} as an empty storage, so checkpoints of a buffer whose groups are "
+        "all pending (torchrl_grpo.checkpoint) no longer load."
+    )
+
+    def test_torchrl_loads_it_as_empty(self, tmp_path):
+        _compat.write_empty_tensor_storage(tmp_path / "storage")
+        record = json.loads((tmp_path / "storage" / "storage_metadata.json").read_text())
+        message = self.MESSAGE.format(record=record)
+        fresh = LazyTensorStorage(10)
+        TensorStorageCheckpointer().loads(fresh, tmp_path / "storage")
+        assert len(fresh) == 0, message
+        filled = LazyTensorStorage(10)
+        filled.set(range(3), TensorDict(x=torch.ones(3), batch_size=[3]))
+        TensorStorageCheckpointer().loads(filled, tmp_path / "storage")
+        assert len(filled) == 0, message
+        filled.set(range(2), TensorDict(x=torch.full((2,), 2.0), batch_size=[2]))  # usable
+        assert len(filled) == 2 and filled[:2]["x"].tolist() == [2.0, 2.0], message
+
+    def test_a_storage_loads_it_through_its_own_checkpointer(self, tmp_path):
+        _compat.write_empty_tensor_storage(tmp_path)
+        rb = ReplayBuffer(storage=LazyTensorStorage(10))
+        rb.extend(TensorDict(x=torch.ones(4), batch_size=[4]))
+        rb.storage.loads(tmp_path)  # Storage.loads: its default checkpointer, then its revision
+        assert len(rb) == 0, self.MESSAGE.format(record=_compat.EMPTY_TENSOR_STORAGE_METADATA)
 
 
 class TestLLMMaskedDist:

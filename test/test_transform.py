@@ -1,11 +1,21 @@
 """Tests of torchrl_grpo/transform.py: parity with torchrl, estimators, inputs, errors."""
 
 import random
+import re
 import warnings
 
 import pytest
 import torch
-from tensordict import LazyStackedTensorDict, NonTensorData, NonTensorStack, TensorDict, lazy_stack
+from conftest import (
+    assert_same_releases,
+    bad_inputs,
+    next_uid,
+    random_chunks,
+    random_stream,
+    released,
+    trajectory,
+)
+from tensordict import NonTensorData, NonTensorStack, TensorDict, lazy_stack
 from torchrl.data import LazyStackStorage, LazyTensorStorage, ReplayBuffer
 from torchrl.objectives.llm import MCAdvantage as TorchRLMCAdvantage
 
@@ -17,89 +27,6 @@ from torchrl_grpo.advantages import (
     reinforce_pp_baseline_advantage,
     step_level_advantage,
 )
-
-_uid = iter(range(10**9))
-
-
-def trajectory(group, rewards, key="seed", width=1, **extra):
-    """One trajectory: ``len(rewards)`` steps, the last one done; every step has a unique uid.
-
-    ``extra``: more per-step entries, ``name=values`` (a tensor with one row per step, or a list
-    of strings); a name starting with ``next_`` goes under ``"next"``.
-    """
-    rewards = torch.as_tensor(rewards, dtype=torch.float32).reshape(len(rewards), -1)
-    steps = rewards.shape[0]
-    done = torch.zeros(steps, 1, dtype=torch.bool)
-    done[-1] = True
-    if isinstance(group, str):
-        gid = NonTensorData(group, batch_size=[steps])
-    else:
-        gid = torch.full((steps, width), group, dtype=torch.long).squeeze(-1)
-    td = TensorDict(
-        uid=torch.tensor([next(_uid) for _ in range(steps)]),
-        next=TensorDict(reward=rewards, done=done, batch_size=[steps]),
-        batch_size=[steps],
-    )
-    td.set(key, gid)
-    for name, values in extra.items():
-        where = ("next", name[len("next_") :]) if name.startswith("next_") else name
-        if isinstance(values, list) and isinstance(values[0], str):
-            td.set(where, NonTensorStack(*values, batch_size=[steps]))
-        else:
-            td.set(
-                where, torch.as_tensor(values).reshape(steps, *torch.as_tensor(values).shape[1:])
-            )
-    return td
-
-
-def random_stream(num_groups, size, seed, *, max_len=5, binary=False, strings=False, key="seed"):
-    """``num_groups * size`` trajectories of random lengths, interleaved at random."""
-    rng = random.Random(seed)
-    trajs = []
-    for g in range(num_groups):
-        gid = f"prompt {g}" if strings else g
-        for _ in range(size):
-            length = rng.randint(1, max_len)
-            if binary:
-                rewards = [0.0] * (length - 1) + [float(rng.random() < 0.5)]
-            else:
-                rewards = [rng.gauss(0, 1) for _ in range(length)]
-            trajs.append(trajectory(gid, rewards, key=key))
-    rng.shuffle(trajs)
-    return trajs
-
-
-def random_chunks(trajs, seed):
-    """Cut a stream of trajectories into flat ``extend`` batches of random sizes."""
-    rng = random.Random(seed)
-    chunks, i = [], 0
-    while i < len(trajs):
-        j = min(len(trajs), i + rng.randint(1, 12))
-        chunks.append(torch.cat(trajs[i:j]))
-        i = j
-    return chunks
-
-
-def released(out):
-    """uid -> advantage row, for one output (or {} for None)."""
-    if out is None:
-        return {}
-    if isinstance(out, LazyStackedTensorDict):
-        return {int(step["uid"]): step["advantage"] for step in out.unbind(0)}
-    return dict(zip(out["uid"].tolist(), out["advantage"].unbind(0)))
-
-
-def assert_same_releases(chunks, kwargs):
-    """Feed both implementations; each call must release the same steps, same advantages."""
-    ours, ref = MCAdvantage(**kwargs), TorchRLMCAdvantage(**kwargs)
-    for chunk in chunks:
-        got, want = released(ours.inv(chunk)), released(ref.inv(chunk))
-        assert got.keys() == want.keys()
-        for uid, adv in want.items():
-            torch.testing.assert_close(got[uid], adv, atol=1e-6, rtol=1e-6)
-    for name, value in ref.get_stats().items():
-        assert ours.get_stats()[name] == pytest.approx(value, rel=1e-5), name
-    return ours
 
 
 class TestParityWithTorchRL:
@@ -175,7 +102,7 @@ class TestParityWithTorchRL:
                 steps = [
                     TensorDict(
                         query=NonTensorData(f"prompt {g}"),
-                        uid=torch.tensor(next(_uid)),
+                        uid=torch.tensor(next_uid()),
                         tokens=torch.arange(n := rng.randint(1, 6)),
                         next=TensorDict(
                             reward=torch.randn(n, 1), done=torch.tensor([t == turns - 1])
@@ -267,30 +194,623 @@ class TestEstimators:
         assert adv.tolist() == [[0.0]]
 
     def test_validation_mirrors_torchrl(self):
-        bad = [
-            dict(trajectory_return="median"),
-            dict(trajectory_return="sum", grpo_size=1),
-            dict(candidate_group_size=2),
-            dict(candidate_group_size=6),
-            dict(candidate_selection_min_size=3),
-            dict(trajectory_return="sum", candidate_selection_min_size=6),
-            dict(keep_return_bounds=(0.1, 0.9)),
-            dict(trajectory_return="sum", keep_return_bounds=(0.9, 0.1)),
+        bad = [  # (arguments, what both messages say)
+            (dict(trajectory_return="median"), "trajectory_return must be one of"),
+            (dict(trajectory_return="sum", grpo_size=1), "trajectory_return requires grpo_size"),
+            (dict(candidate_group_size=2), "candidate_group_size must be greater than or equal"),
+            (dict(candidate_group_size=6), "candidate_group_size > grpo_size requires"),
+            (dict(candidate_selection_min_size=3), "candidate_selection_min_size must be greater"),
+            (
+                dict(trajectory_return="sum", candidate_selection_min_size=6),
+                "candidate_selection_min_size must be less than or equal",
+            ),
+            (
+                dict(keep_return_bounds=(0.1, 0.9)),
+                re.escape("keep_return_bounds (dynamic sampling)"),
+            ),
+            (
+                dict(trajectory_return="sum", keep_return_bounds=(0.9, 0.1)),
+                "keep_return_bounds must be an increasing",
+            ),
         ]
-        for kw in bad:
+        for kw, message in bad:
             kw = {"grpo_size": 4, **kw}
-            with pytest.raises(ValueError):
+            with pytest.raises(ValueError, match=message):
                 TorchRLMCAdvantage(**kw)
-            with pytest.raises(ValueError):
+            with pytest.raises(ValueError, match=message):
                 MCAdvantage(**kw)
-        for kw in [
-            dict(scale_rewards="std"),
-            dict(baseline="median"),
-            dict(std_threshold=-1.0),
-            dict(epsilon=0.0),
+        for kw, message in [
+            (dict(scale_rewards="std"), "scale_rewards must be one of"),
+            (dict(baseline="median"), "baseline must be one of"),
+            (dict(std_threshold=-1.0), "std_threshold must be non-negative"),
+            (dict(epsilon=0.0), "epsilon must be positive"),
         ]:
-            with pytest.raises(ValueError):
+            with pytest.raises(ValueError, match=message):
                 MCAdvantage(4, **kw)
+
+
+class TestBadInput:
+    @pytest.mark.parametrize("case", bad_inputs(), ids=lambda c: c[0])
+    def test_raises_clearly_and_changes_nothing(self, case):
+        _, batch, error, words = case
+        trajs = random_stream(5, 4, 9)
+        first, rest = torch.cat(trajs[:9]), torch.cat(trajs[9:])
+        clean = MCAdvantage(4, prompt_key="seed", trajectory_return="sum")
+        clean.inv(first)
+        t = MCAdvantage(4, prompt_key="seed", trajectory_return="sum")
+        t.inv(first)
+        before = t.get_stats()
+        with pytest.raises(error, match=re.escape(words[0])) as info:
+            t.inv(batch)
+        for word in words:
+            assert word in str(info.value)
+        assert t.get_stats() == before
+        got, want = released(t.inv(rest)), released(clean.inv(rest))
+        assert got.keys() == want.keys() and len(got) > 0
+        assert all(torch.equal(got[k], want[k]) for k in want)
+        assert t.get_stats() == clean.get_stats()
+
+
+class TestReplayBuffer:
+    def test_extend_holds_back_incomplete_groups(self):
+        rb = ReplayBuffer(storage=LazyTensorStorage(1000), batch_size=8)
+        t = MCAdvantage(3, prompt_key="seed", trajectory_return="sum")
+        rb.append_transform(t)
+        trajs = [trajectory(g, torch.randn(4)) for g in (0, 1, 0, 1, 0)]
+        rb.extend(torch.cat(trajs))
+        assert len(rb) == 12  # group 0 released, group 1 (2 of 3) pending
+        assert t.queued_groups == 1 and t.queued_trajectories == 2
+        assert list(t.queues) == [1] and len(t.queues[1]) == 2
+        rb.extend(trajectory(1, torch.randn(4)))
+        assert len(rb) == 24 and t.queued_trajectories == 0
+        sample = rb.sample()
+        assert sample["advantage"].shape == (8, 1)
+        assert set(rb[:]["seed"].tolist()) == {0, 1}
+
+    def test_single_steps_without_a_batch_dimension(self):
+        t = MCAdvantage(2, prompt_key="seed")
+        assert t.inv(trajectory(5, [1.0])[0]) is None
+        out = t.inv(trajectory(5, [3.0])[0])
+        assert out["advantage"].squeeze(-1).tolist() == pytest.approx([-0.7071, 0.7071], abs=1e-4)
+
+    def test_ragged_data_into_a_lazy_stack_storage(self):
+        rb = ReplayBuffer(storage=LazyStackStorage(100))
+        rb.append_transform(MCAdvantage(2))
+        steps = [
+            TensorDict(
+                query=NonTensorData("p"),
+                tokens=torch.arange(n),
+                next=TensorDict(reward=torch.full((n, 1), float(n)), done=torch.tensor([True])),
+            )
+            for n in (2, 5)
+        ]
+        rb.extend(lazy_stack(steps[:1]))
+        rb.extend(lazy_stack(steps[1:]))
+        assert len(rb) == 2
+        advs = [rb[i]["advantage"] for i in range(2)]
+        assert [a.shape for a in advs] == [(2, 1), (5, 1)]
+        values = torch.cat([torch.full((2,), 2.0), torch.full((5,), 5.0)])
+        want = (values - values.mean()) / values.std()
+        torch.testing.assert_close(torch.cat(advs).reshape(-1), want)
+
+    def test_stats_reset_and_clear(self):
+        t = MCAdvantage(2, prompt_key="seed", trajectory_return="sum")
+        t.inv(torch.cat([trajectory(0, [1.0]), trajectory(1, [0.0]), trajectory(0, [0.0])]))
+        stats = t.get_stats()
+        assert stats["completed_trajectories"] == 3 and stats["written_groups"] == 1
+        assert stats["trajectory_return_sum"] == 1.0 and stats["successful_trajectories"] == 1
+        assert stats["queued_groups"] == 1 and stats["max_queued_trajectories_per_group"] == 1
+        t.reset_stats()
+        assert t.completed_trajectories == 0 and t.queued_trajectories == 1
+        t.clear_queues()
+        assert t.queued_trajectories == 0 and t.queues == {}
+
+    def test_share_memory_keeps_working_in_process(self):
+        t = MCAdvantage(2, prompt_key="seed")
+        t.inv(trajectory(0, [1.0]))
+        assert not t.is_shared
+        t.share_memory_()
+        assert t.is_shared and t.queued_trajectories == 1
+        out = t.inv(trajectory(0, [3.0]))
+        assert out["advantage"].squeeze(-1).tolist() == pytest.approx([-0.7071, 0.7071], abs=1e-4)
+        assert t.get_stats()["written_groups"] == 1
+
+    def test_output_does_not_alias_the_input(self):
+        batch = torch.cat([trajectory(0, [1.0]), trajectory(0, [2.0])])
+        rb = ReplayBuffer(storage=LazyTensorStorage(10))
+        rb.append_transform(MCAdvantage(2, prompt_key="seed"))
+        rb.extend(batch)
+        assert "advantage" not in batch.keys()
+
+
+class TestMemoryLimits:
+    def test_drop_oldest_groups_past_max_pending_groups(self):
+        t = MCAdvantage(3, prompt_key="seed", max_pending_groups=2)
+        t.inv(trajectory(0, [1.0]))
+        t.inv(trajectory(1, [1.0]))
+        with pytest.warns(RuntimeWarning, match="max_pending_groups=2"):
+            t.inv(torch.cat([trajectory(2, [1.0]), trajectory(1, [2.0])]))
+        assert sorted(t.queues) == [1, 2]  # group 0 started first and was evicted
+        stats = t.get_stats()
+        assert stats["evicted_groups"] == 1 and stats["evicted_trajectories"] == 1
+        out = t.inv(trajectory(1, [3.0]))  # group 1 still completes normally
+        assert out["seed"].tolist() == [1, 1, 1]
+
+    def test_max_pending_age_in_insertions(self):
+        t = MCAdvantage(2, prompt_key="seed", max_pending_age=2)
+        t.inv(trajectory(0, [1.0]))  # insertion 0
+        t.inv(trajectory(1, [1.0]))  # insertion 1
+        with pytest.warns(RuntimeWarning):
+            t.inv(trajectory(2, [1.0]))  # insertion 2: group 0 is 2 insertions old
+        assert sorted(t.queues) == [1, 2]
+        assert t.get_stats()["evicted_groups"] == 1
+
+    def test_raise_rejects_the_insertion_and_changes_nothing(self):
+        t = MCAdvantage(3, prompt_key="seed", max_pending_groups=1, on_overflow="raise")
+        t.inv(trajectory(0, [1.0]))
+        before = t.get_stats()
+        with pytest.raises(RuntimeError, match="rejected"):
+            t.inv(trajectory(1, [1.0]))
+        assert t.get_stats() == before and list(t.queues) == [0]
+
+    @pytest.mark.parametrize("per_call", [1, 3])
+    def test_released_trajectories_are_not_held(self, per_call):
+        """What a released group used is let go: the steps held stay bounded by those pending."""
+        trajs = random_stream(200, 4, 0)  # 800 trajectories of 200 groups, interleaved
+        t = MCAdvantage(4, prompt_key="seed")
+        for i in range(0, len(trajs), per_call):
+            t.inv(torch.cat(trajs[i : i + per_call]))
+            state = t._load()
+            held = [chunk for chunk in state.chunks if chunk is not None]
+            live = int(state.lengths.sum())
+            assert sum(len(chunk) for chunk in held) <= 2 * live + 1024 + 5 * per_call
+            assert len(state.chunks) <= 2 * len(held) + 64 + per_call
+        assert t.queued_trajectories == 0 and not [c for c in t._load().chunks if c is not None]
+
+    def test_invalid_limits(self):
+        for kw, message in [
+            (dict(max_pending_groups=0), "max_pending_groups must be at least 1"),
+            (dict(max_pending_age=0), "max_pending_age must be at least 1"),
+            (dict(on_overflow="drop"), "on_overflow must be"),
+        ]:
+            with pytest.raises(ValueError, match=message):
+                MCAdvantage(2, **kw)
+
+
+def _write_from_process(rb, trajs):
+    for t in trajs:
+        rb.extend(t)
+
+
+class TestManyWriters:
+    def test_shared_replay_buffer_across_processes(self):
+        import multiprocessing as mp
+
+        transform = MCAdvantage(4, prompt_key="seed", trajectory_return="sum")
+        rb = ReplayBuffer(storage=LazyTensorStorage(1000, shared_init=True), shared=True)
+        rb.append_transform(transform)
+        assert transform.is_shared
+        trajs = [trajectory(g, [float(i), 1.0]) for g in range(5) for i in range(4)]
+        trajs = trajs[:-1]  # the last group stays one short
+        ctx = mp.get_context("spawn")
+        procs = [ctx.Process(target=_write_from_process, args=(rb, trajs[w::2])) for w in range(2)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout=120)
+        assert [p.exitcode for p in procs] == [0, 0]
+        # every group's trajectories came from both processes, and four groups completed
+        assert len(rb) == 4 * 4 * 2 and transform.queued_trajectories == 3
+        stats = transform.get_stats()
+        assert stats["completed_trajectories"] == len(trajs) and stats["written_groups"] == 4
+        assert sorted(set(rb[:]["seed"].tolist())) == [0, 1, 2, 3]
+
+    def test_inside_a_ray_replay_buffer(self):
+        ray = pytest.importorskip("ray", reason="the `dist` extra (ray) is not installed")
+        from functools import partial
+
+        from torchrl.data import RayReplayBuffer
+
+        rb = RayReplayBuffer(
+            storage=partial(LazyTensorStorage, 1000),
+            transform_factory=partial(MCAdvantage, 4, prompt_key="seed", trajectory_return="sum"),
+            ray_init_config={"num_cpus": 2, "include_dashboard": False, "log_to_driver": False},
+            remote_config={"num_cpus": 0},
+        )
+        try:
+
+            @ray.remote(num_cpus=1)
+            def write(client, trajs):
+                for t in trajs:
+                    client.extend(t)
+                return len(trajs)
+
+            trajs = [trajectory(g, [float(i), 1.0]) for g in range(5) for i in range(4)][:-1]
+            remote = ray.get(write.remote(rb.client(), trajs[1::2]))  # another process
+            for t in trajs[::2]:
+                rb.extend(t)
+            assert remote == len(trajs[1::2])
+            assert len(rb) == 4 * 4 * 2  # four groups completed across the two writers
+            sample = rb.sample(8)
+            assert sample["advantage"].shape == (8, 1)
+        finally:
+            rb.shutdown()
+            ray.shutdown()
+
+
+def _stream_outputs(t, chunks):
+    out = {}
+    for chunk in chunks:
+        out.update(released(t.inv(chunk)))
+    return out
+
+
+class TestProperties:
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    @settings(max_examples=25, deadline=None)
+    @given(
+        num_groups=st.integers(1, 6),
+        size=st.integers(2, 5),
+        mode=st.sampled_from([None, "sum", "mean", "max", "last"]),
+        strings=st.booleans(),
+        scale=st.sampled_from(["group", "batch"]),
+        seed=st.integers(0, 10**6),
+    )
+    def test_order_and_chunking_do_not_matter(self, num_groups, size, mode, strings, scale, seed):
+        """The same steps are released whatever the order and the chunking; with a per-group
+        scale, with the same advantages. With ``scale_rewards="batch"`` the scale is the std of
+        whatever one call releases, so a chunk changes it: each group's advantages are then the
+        same up to one positive factor, and one trajectory per call (one group per release) gives
+        the per-group scale exactly."""
+        key = "query" if strings else "seed"
+        trajs = random_stream(num_groups, size, seed, strings=strings, key=key)
+        kw = dict(grpo_size=size, prompt_key=key, trajectory_return=mode, scale_rewards=scale)
+        one_by_one = _stream_outputs(MCAdvantage(**kw), trajs)
+        shuffled = trajs[:]
+        random.Random(seed + 1).shuffle(shuffled)
+        chunked = _stream_outputs(MCAdvantage(**kw), random_chunks(shuffled, seed))
+        assert one_by_one.keys() == chunked.keys()
+        assert len(one_by_one) == sum(t.numel() for t in trajs)
+        if scale == "group":
+            for uid, adv in one_by_one.items():
+                torch.testing.assert_close(chunked[uid], adv, atol=1e-6, rtol=1e-6)
+            return
+        per_group = _stream_outputs(MCAdvantage(**{**kw, "scale_rewards": "group"}), trajs)
+        for uid, adv in one_by_one.items():
+            torch.testing.assert_close(per_group[uid], adv, atol=1e-6, rtol=1e-6)
+        groups: dict = {}
+        for t in trajs:
+            groups.setdefault(t[0][key] if strings else int(t[key][0]), []).extend(
+                t["uid"].tolist()
+            )
+        for uids in groups.values():
+            a = torch.cat([one_by_one[u].reshape(-1) for u in uids]).double()
+            b = torch.cat([chunked[u].reshape(-1) for u in uids]).double()
+            if a.abs().max() < 1e-6:  # a constant group: zero either way
+                assert b.abs().max() < 1e-6
+                continue
+            factor = float(a @ b / (a @ a))
+            assert factor > 0
+            torch.testing.assert_close(b, factor * a, atol=1e-5, rtol=1e-4)
+
+    @settings(max_examples=25, deadline=None)
+    @given(
+        size=st.integers(2, 5),
+        mode=st.sampled_from(["sum", "mean", "last"]),
+        constant=st.booleans(),
+        seed=st.integers(0, 10**6),
+    )
+    def test_written_groups_are_normalized(self, size, mode, constant, seed):
+        rng = random.Random(seed)
+        value = rng.gauss(0, 1)
+        trajs = [
+            trajectory(
+                0, [value if constant else rng.gauss(0, 3) for _ in range(rng.randint(1, 4))]
+            )
+            for _ in range(size)
+        ]
+        out = MCAdvantage(size, prompt_key="seed", trajectory_return=mode).inv(torch.cat(trajs))
+        per_traj = torch.stack([out["advantage"][out["uid"] == t["uid"][0]][0, 0] for t in trajs])
+        assert torch.isfinite(out["advantage"]).all()
+        returns = torch.tensor(
+            [
+                float(
+                    {
+                        "sum": t["next", "reward"].sum(),
+                        "mean": t["next", "reward"].mean(),
+                        "last": t["next", "reward"][-1, 0],
+                    }[mode]
+                )
+                for t in trajs
+            ]
+        )
+        assert abs(float(per_traj.mean())) < 1e-5
+        if (returns == returns[0]).all():
+            assert (per_traj == 0).all()
+        elif float(returns.std()) > 1e-3:
+            assert float(per_traj.std()) == pytest.approx(1.0, rel=1e-4)
+
+    @settings(max_examples=25, deadline=None)
+    @given(seed=st.integers(0, 10**6), limit=st.integers(1, 4), bounds=st.booleans())
+    def test_every_trajectory_is_accounted_for(self, seed, limit, bounds):
+        trajs = random_stream(8, 3, seed, binary=True)
+        t = MCAdvantage(
+            3,
+            prompt_key="seed",
+            trajectory_return="sum",
+            keep_return_bounds=(0.1, 0.9) if bounds else None,
+            max_pending_groups=limit,
+        )
+        stored = 0
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            for chunk in random_chunks(trajs, seed):
+                out = t.inv(chunk)
+                stored += (
+                    0
+                    if out is None
+                    else len(set(out["uid"].tolist()) & {int(tr["uid"][0]) for tr in trajs})
+                )
+        stats = t.get_stats()
+        dropped_by_rule = 3 * (stats["dropped_groups"]) + stats["evicted_trajectories"]
+        assert len(trajs) == stored + t.queued_trajectories + dropped_by_rule
+
+
+class TestBadInputUnderLoad:
+    def test_bad_calls_in_a_long_stream_change_nothing(self):
+        rng = random.Random(11)
+        trajs = random_stream(40, 4, 12)
+        chunks = random_chunks(trajs, 13)
+        bad = [case[1] for case in bad_inputs()]
+        clean = MCAdvantage(4, prompt_key="seed", trajectory_return="sum")
+        loaded = MCAdvantage(4, prompt_key="seed", trajectory_return="sum")
+        failures = 0
+        for chunk in chunks:
+            for _ in range(rng.randint(0, 2)):
+                with pytest.raises(
+                    (RuntimeError, KeyError, ValueError, TypeError), match="^'?MCAdvantage: "
+                ):
+                    loaded.inv(rng.choice(bad))
+                failures += 1
+            got, want = released(loaded.inv(chunk)), released(clean.inv(chunk))
+            assert got.keys() == want.keys()
+            assert all(torch.equal(got[k], want[k]) for k in want)
+        assert failures > 10 and loaded.get_stats() == clean.get_stats()
+
+
+class TestNumerics:
+    @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+    def test_half_precision_rewards(self, dtype):
+        trajs = [trajectory(0, [60000.0] * 4), trajectory(0, [-60000.0] * 4)]
+        for t in trajs:
+            t["next", "reward"] = t["next", "reward"].to(dtype)
+        out = MCAdvantage(2, prompt_key="seed", trajectory_return="sum").inv(torch.cat(trajs))
+        adv = out["advantage"]
+        assert adv.dtype == dtype and torch.isfinite(adv).all()  # sums of 2.4e5 overflow fp16
+        assert adv[:4].float().reshape(-1).tolist() == pytest.approx([0.7071] * 4, abs=1e-2)
+
+    @pytest.mark.parametrize("scale", [1e-20, 1e18])
+    def test_extreme_rewards(self, scale):
+        trajs = [trajectory(0, [r * scale]) for r in (1.0, 2.0, 3.0)]
+        for mode in (None, "sum"):
+            out = MCAdvantage(3, prompt_key="seed", trajectory_return=mode, epsilon=1e-30).inv(
+                torch.cat([t.clone() for t in trajs])
+            )
+            assert out["advantage"].squeeze(-1).tolist() == pytest.approx(
+                [-1.0, 0.0, 1.0], abs=1e-5
+            )
+
+
+class TestDynamicSamplingBounds:
+    """``keep_return_bounds`` keeps and drops exactly the groups torchrl keeps and drops."""
+
+    @staticmethod
+    def group(rewards, steps):
+        """Two trajectories of group 0: each return split evenly over ``steps`` steps."""
+        return [trajectory(0, [r / steps] * steps) for r in rewards]
+
+    @pytest.mark.parametrize(
+        "rewards, steps, bounds, kept",
+        [
+            # float32 sums of 0.1 three times (0.3f) put the mean just above 0.1, as torchrl sees it
+            ((0.3, -0.1), 3, (0.1, 2.5), True),
+            ((0.3, -0.1), 3, (-1.0, 0.1), False),
+            ((0.25, 0.75), 1, (0.5, 2.0), False),  # a mean on a bound: exclusive bounds
+        ],
+    )
+    def test_float32_returns_on_a_bound(self, rewards, steps, bounds, kept):
+        kw = dict(grpo_size=2, prompt_key="seed", trajectory_return="sum")
+        ours = MCAdvantage(**kw, keep_return_bounds=bounds)
+        ref = TorchRLMCAdvantage(**kw, keep_return_bounds=bounds)
+        trajs = self.group(rewards, steps)
+        outs = [(ours.inv(t.clone()), ref.inv(t.clone())) for t in trajs]
+        assert (outs[-1][1] is not None) == kept  # torchrl's decision, as the case says
+        assert (outs[-1][0] is not None) == kept
+        assert ours.get_stats()["dropped_groups"] == ref.get_stats()["dropped_groups"]
+
+    @pytest.mark.parametrize("mode", ["sum", "mean", "max"])
+    def test_same_decisions_as_torchrl_on_a_grid(self, mode):
+        values = [0.0, 0.1, 0.2, 0.3, 0.05, 0.15, 0.7, 1.1, -0.1]
+        bounds_list = [(0.1, 2.5), (0.05, 2.5), (0.15, 2.5), (-1.0, 0.1), (-1.0, 0.2)]
+        for steps in (1, 3):
+            for bounds in bounds_list:
+                chunks = []
+                for g, (a, b) in enumerate((a, b) for a in values for b in values):
+                    for r in (a, b):
+                        chunks.append(trajectory(g, [r / steps] * steps))
+                kw = dict(
+                    grpo_size=2,
+                    prompt_key="seed",
+                    trajectory_return=mode,
+                    keep_return_bounds=bounds,
+                )
+                assert_same_releases(chunks, kw)
+                assert_same_releases([torch.cat(chunks)], kw)  # all groups in one call
+
+
+class TestPendingGroupsView:
+    """``queues`` is a live view: what torchrl users do with it changes the transform."""
+
+    def filled(self, **kw):
+        t = MCAdvantage(3, prompt_key="seed", trajectory_return="sum", **kw)
+        t.inv(torch.cat([trajectory(g, [float(g), 1.0]) for g in (4, 2, 4, 7)]))
+        return t
+
+    def test_clear_drops_every_pending_trajectory(self):
+        t = self.filled()
+        stats = t.get_stats()
+        t.queues.clear()
+        assert t.queued_trajectories == 0 and t.queued_groups == 0 and len(t.queues) == 0
+        stats.update(queued_groups=0, queued_trajectories=0, max_queued_trajectories_per_group=0)
+        assert t.get_stats() == stats  # statistics are kept, as in torchrl
+        assert t.inv(trajectory(4, [1.0])) is None  # group 4 starts over
+
+    def test_same_view_as_torchrl_queues(self):
+        chunks = random_chunks(random_stream(6, 5, 3), 3)
+        ours, ref = MCAdvantage(4, prompt_key="seed"), TorchRLMCAdvantage(4, prompt_key="seed")
+        for chunk in chunks:
+            ours.inv(chunk)
+            ref.inv(chunk)
+        assert sorted(ours.queues) == sorted(ref.queues)
+        for group in ref.queues:
+            mine, theirs = ours.queues[group], list(ref.queues[group])
+            assert len(mine) == len(theirs)
+            for a, b in zip(mine, theirs):
+                assert torch.equal(a["uid"], b["uid"])
+
+    def test_delete_and_pop_one_group(self):
+        t = self.filled()
+        assert list(t.queues) == [4, 2, 7] and 4 in t.queues and 5 not in t.queues
+        assert [len(t.queues[g]) for g in t.queues] == [2, 1, 1]
+        del t.queues[2]
+        assert list(t.queues) == [4, 7] and t.queued_trajectories == 3
+        popped = t.queues.pop(7)
+        assert len(popped) == 1 and int(popped[0]["seed"][0]) == 7
+        assert t.queues.pop(7, None) is None and list(t.queues) == [4]
+        out = t.inv(trajectory(4, [3.0]))  # group 4 completes as if nothing else was there
+        want = MCAdvantage(3, prompt_key="seed", trajectory_return="sum")
+        want.inv(torch.cat([trajectory(4, [4.0, 1.0]), trajectory(4, [4.0, 1.0])]))
+        expected = want.inv(trajectory(4, [3.0]))
+        torch.testing.assert_close(out["advantage"], expected["advantage"])
+
+    def test_missing_groups_and_writes_raise(self):
+        t = self.filled()
+        with pytest.raises(KeyError, match="5"):
+            t.queues[5]
+        with pytest.raises(KeyError, match="5"):
+            del t.queues[5]
+        with pytest.raises(KeyError, match="5"):
+            t.queues.pop(5)
+        with pytest.raises(TypeError, match="filled by inserting trajectories"):
+            t.queues[4] = []
+        with pytest.raises(TypeError, match="filled by inserting trajectories"):
+            t.queues.update({9: []})
+        with pytest.raises(AttributeError, match="append"):
+            t.queues[4].append(trajectory(4, [1.0]))  # a tuple: not a silent no-op
+        assert t.queued_trajectories == 4
+
+    def test_string_prompts_and_shared_state(self):
+        t = MCAdvantage(2)
+        t.inv(trajectory("a prompt", [1.0], key="query"))
+        t.share_memory_()
+        t.inv(trajectory("another", [1.0], key="query"))
+        assert list(t.queues) == ["a prompt", "another"]
+        del t.queues["a prompt"]
+        assert list(t.queues) == ["another"] and t.queued_trajectories == 1
+        assert repr(t.queues) == "PendingGroups({'another': 1})"
+
+
+class TestIntegerArguments:
+    @pytest.mark.parametrize(
+        "kw, name",
+        [
+            (dict(grpo_size=2.7), "grpo_size"),
+            (dict(grpo_size=2.0), "grpo_size"),
+            (dict(grpo_size=True), "grpo_size"),
+            (dict(grpo_size="4"), "grpo_size"),
+            (dict(grpo_size=2, candidate_group_size=3.5), "candidate_group_size"),
+            (dict(grpo_size=2, candidate_selection_min_size=False), "candidate_selection_min_size"),
+            (dict(grpo_size=2, max_pending_groups=1.5), "max_pending_groups"),
+            (dict(grpo_size=2, max_pending_age=True), "max_pending_age"),
+        ],
+    )
+    def test_non_integers_are_rejected(self, kw, name):
+        with pytest.raises(TypeError, match=f"{name} must be an integer, got"):
+            MCAdvantage(**kw)
+
+    def test_integer_types_are_converted(self):
+        import numpy as np
+
+        t = MCAdvantage(
+            np.int64(4),
+            trajectory_return="sum",
+            candidate_group_size=torch.tensor(6),
+            max_pending_groups=np.int32(3),
+        )
+        assert (t.grpo_size, t.candidate_group_size, t.max_pending_groups) == (4, 6, 3)
+        assert all(type(v) is int for v in (t.grpo_size, t.candidate_group_size))
+
+
+class _CountingLock:
+    """A lock that counts how often it is taken (as the manager's RLock would be)."""
+
+    def __init__(self):
+        self.entered = 0
+
+    def __enter__(self):
+        self.entered += 1
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+class TestSharedStateReadsTakeTheLock:
+    @pytest.mark.parametrize(
+        "read",
+        [
+            lambda t: t.queued_groups,
+            lambda t: t.queued_trajectories,
+            lambda t: t.max_queued_trajectories_per_group,
+            lambda t: t.completed_trajectories,
+            lambda t: t.get_stats(),
+            lambda t: list(t.queues),
+            lambda t: len(t.queues),
+            lambda t: t.queues[0],
+            lambda t: 0 in t.queues,
+        ],
+    )
+    def test_reads(self, read):
+        t = MCAdvantage(2, prompt_key="seed")
+        t.inv(trajectory(0, [1.0]))
+        t._lock = lock = _CountingLock()
+        read(t)
+        assert lock.entered >= 1
+
+    def test_writes(self):
+        t = MCAdvantage(2, prompt_key="seed")
+        t.inv(trajectory(0, [1.0]))
+        t._lock = lock = _CountingLock()
+        t.written_groups = 5
+        del t.queues[0]
+        assert lock.entered >= 2 and t.written_groups == 5 and t.queued_trajectories == 0
+
+
+class TestSelectorInPerStepMode:
+    def test_ignored_as_in_torchrl(self):
+        """torchrl consults the selector only with a trajectory return."""
+
+        class Never(MCAdvantageSelector):
+            def select(self, candidates, *, group_size, keep_return_bounds=None):
+                return None
+
+        chunks = random_chunks(random_stream(5, 3, 4), 4)
+        ours = assert_same_releases(
+            chunks, dict(grpo_size=3, prompt_key="seed", candidate_selector=Never())
+        )
+        assert ours.get_stats()["written_groups"] == 5
 
 
 GDPO_KEYS = {("next", "reward"): 1.0, ("next", "format"): 0.5}
@@ -617,376 +1137,3 @@ class TestEstimatorsBeyondTorchRL:
         got, want = released(t.inv(torch.cat(trajs[2:]))), released(clean.inv(torch.cat(trajs[2:])))
         assert got.keys() == want.keys() and len(got) > 0
         assert all(torch.equal(got[k], want[k]) for k in want)
-
-
-def bad_inputs():
-    """(description, batch, exception, words the message must contain)."""
-    good = trajectory(0, [1.0, 2.0])
-    not_done = good.clone()
-    not_done["next", "done"][-1] = False
-    nan = good.clone()
-    nan["next", "reward"][0] = float("nan")
-    inf = good.clone()
-    inf["next", "reward"][1] = float("inf")
-    two_flags = good.clone()
-    two_flags["next", "done"] = torch.ones(2, 2, dtype=torch.bool)
-    empty_reward = good.clone()
-    empty_reward["next", "reward"] = torch.zeros(2, 0)
-    unhashable = good.clone()
-    unhashable["seed"] = NonTensorData({"a": 1}, batch_size=[2])
-    stringy = trajectory("a prompt", [1.0], key="seed")
-    return [
-        ("no done at the end", not_done, RuntimeError, ["done"]),
-        ("missing group id", good.exclude("seed"), KeyError, ["seed"]),
-        ("missing reward", good.exclude(("next", "reward")), KeyError, ["reward"]),
-        ("missing done", good.exclude(("next", "done")), KeyError, ["done"]),
-        ("nan reward", nan, ValueError, ["reward", "nan", "step 0"]),
-        ("inf reward", inf, ValueError, ["reward", "inf", "step 1"]),
-        ("two done flags per step", two_flags, ValueError, ["done", "(2, 2)"]),
-        ("empty reward", empty_reward, ValueError, ["reward", "empty"]),
-        ("unhashable group id", unhashable, TypeError, ["seed", "dict"]),
-        ("string id among tensor ids", stringy, TypeError, ["seed", "strings"]),
-    ]
-
-
-class TestBadInput:
-    @pytest.mark.parametrize("case", bad_inputs(), ids=lambda c: c[0])
-    def test_raises_clearly_and_changes_nothing(self, case):
-        _, batch, error, words = case
-        trajs = random_stream(5, 4, 9)
-        first, rest = torch.cat(trajs[:9]), torch.cat(trajs[9:])
-        clean = MCAdvantage(4, prompt_key="seed", trajectory_return="sum")
-        clean.inv(first)
-        t = MCAdvantage(4, prompt_key="seed", trajectory_return="sum")
-        t.inv(first)
-        before = t.get_stats()
-        with pytest.raises(error) as info:
-            t.inv(batch)
-        for word in words:
-            assert word in str(info.value)
-        assert t.get_stats() == before
-        got, want = released(t.inv(rest)), released(clean.inv(rest))
-        assert got.keys() == want.keys() and len(got) > 0
-        assert all(torch.equal(got[k], want[k]) for k in want)
-        assert t.get_stats() == clean.get_stats()
-
-
-class TestReplayBuffer:
-    def test_extend_holds_back_incomplete_groups(self):
-        rb = ReplayBuffer(storage=LazyTensorStorage(1000), batch_size=8)
-        t = MCAdvantage(3, prompt_key="seed", trajectory_return="sum")
-        rb.append_transform(t)
-        trajs = [trajectory(g, torch.randn(4)) for g in (0, 1, 0, 1, 0)]
-        rb.extend(torch.cat(trajs))
-        assert len(rb) == 12  # group 0 released, group 1 (2 of 3) pending
-        assert t.queued_groups == 1 and t.queued_trajectories == 2
-        assert list(t.queues) == [1] and len(t.queues[1]) == 2
-        rb.extend(trajectory(1, torch.randn(4)))
-        assert len(rb) == 24 and t.queued_trajectories == 0
-        sample = rb.sample()
-        assert sample["advantage"].shape == (8, 1)
-        assert set(rb[:]["seed"].tolist()) == {0, 1}
-
-    def test_single_steps_without_a_batch_dimension(self):
-        t = MCAdvantage(2, prompt_key="seed")
-        assert t.inv(trajectory(5, [1.0])[0]) is None
-        out = t.inv(trajectory(5, [3.0])[0])
-        assert out["advantage"].squeeze(-1).tolist() == pytest.approx([-0.7071, 0.7071], abs=1e-4)
-
-    def test_ragged_data_into_a_lazy_stack_storage(self):
-        rb = ReplayBuffer(storage=LazyStackStorage(100))
-        rb.append_transform(MCAdvantage(2))
-        steps = [
-            TensorDict(
-                query=NonTensorData("p"),
-                tokens=torch.arange(n),
-                next=TensorDict(reward=torch.full((n, 1), float(n)), done=torch.tensor([True])),
-            )
-            for n in (2, 5)
-        ]
-        rb.extend(lazy_stack(steps[:1]))
-        rb.extend(lazy_stack(steps[1:]))
-        assert len(rb) == 2
-        advs = [rb[i]["advantage"] for i in range(2)]
-        assert [a.shape for a in advs] == [(2, 1), (5, 1)]
-        values = torch.cat([torch.full((2,), 2.0), torch.full((5,), 5.0)])
-        want = (values - values.mean()) / values.std()
-        torch.testing.assert_close(torch.cat(advs).reshape(-1), want)
-
-    def test_stats_reset_and_clear(self):
-        t = MCAdvantage(2, prompt_key="seed", trajectory_return="sum")
-        t.inv(torch.cat([trajectory(0, [1.0]), trajectory(1, [0.0]), trajectory(0, [0.0])]))
-        stats = t.get_stats()
-        assert stats["completed_trajectories"] == 3 and stats["written_groups"] == 1
-        assert stats["trajectory_return_sum"] == 1.0 and stats["successful_trajectories"] == 1
-        assert stats["queued_groups"] == 1 and stats["max_queued_trajectories_per_group"] == 1
-        t.reset_stats()
-        assert t.completed_trajectories == 0 and t.queued_trajectories == 1
-        t.clear_queues()
-        assert t.queued_trajectories == 0 and t.queues == {}
-
-    def test_share_memory_keeps_working_in_process(self):
-        t = MCAdvantage(2, prompt_key="seed")
-        t.inv(trajectory(0, [1.0]))
-        assert not t.is_shared
-        t.share_memory_()
-        assert t.is_shared and t.queued_trajectories == 1
-        out = t.inv(trajectory(0, [3.0]))
-        assert out["advantage"].squeeze(-1).tolist() == pytest.approx([-0.7071, 0.7071], abs=1e-4)
-        assert t.get_stats()["written_groups"] == 1
-
-    def test_output_does_not_alias_the_input(self):
-        batch = torch.cat([trajectory(0, [1.0]), trajectory(0, [2.0])])
-        rb = ReplayBuffer(storage=LazyTensorStorage(10))
-        rb.append_transform(MCAdvantage(2, prompt_key="seed"))
-        rb.extend(batch)
-        assert "advantage" not in batch.keys()
-
-
-class TestMemoryLimits:
-    def test_drop_oldest_groups_past_max_pending_groups(self):
-        t = MCAdvantage(3, prompt_key="seed", max_pending_groups=2)
-        t.inv(trajectory(0, [1.0]))
-        t.inv(trajectory(1, [1.0]))
-        with pytest.warns(RuntimeWarning, match="max_pending_groups=2"):
-            t.inv(torch.cat([trajectory(2, [1.0]), trajectory(1, [2.0])]))
-        assert sorted(t.queues) == [1, 2]  # group 0 started first and was evicted
-        stats = t.get_stats()
-        assert stats["evicted_groups"] == 1 and stats["evicted_trajectories"] == 1
-        out = t.inv(trajectory(1, [3.0]))  # group 1 still completes normally
-        assert out["seed"].tolist() == [1, 1, 1]
-
-    def test_max_pending_age_in_insertions(self):
-        t = MCAdvantage(2, prompt_key="seed", max_pending_age=2)
-        t.inv(trajectory(0, [1.0]))  # insertion 0
-        t.inv(trajectory(1, [1.0]))  # insertion 1
-        with pytest.warns(RuntimeWarning):
-            t.inv(trajectory(2, [1.0]))  # insertion 2: group 0 is 2 insertions old
-        assert sorted(t.queues) == [1, 2]
-        assert t.get_stats()["evicted_groups"] == 1
-
-    def test_raise_rejects_the_insertion_and_changes_nothing(self):
-        t = MCAdvantage(3, prompt_key="seed", max_pending_groups=1, on_overflow="raise")
-        t.inv(trajectory(0, [1.0]))
-        before = t.get_stats()
-        with pytest.raises(RuntimeError, match="rejected"):
-            t.inv(trajectory(1, [1.0]))
-        assert t.get_stats() == before and list(t.queues) == [0]
-
-    @pytest.mark.parametrize("per_call", [1, 3])
-    def test_released_trajectories_are_not_held(self, per_call):
-        """What a released group used is let go: the steps held stay bounded by those pending."""
-        trajs = random_stream(200, 4, 0)  # 800 trajectories of 200 groups, interleaved
-        t = MCAdvantage(4, prompt_key="seed")
-        for i in range(0, len(trajs), per_call):
-            t.inv(torch.cat(trajs[i : i + per_call]))
-            state = t._load()
-            held = [chunk for chunk in state.chunks if chunk is not None]
-            live = int(state.lengths.sum())
-            assert sum(len(chunk) for chunk in held) <= 2 * live + 1024 + 5 * per_call
-            assert len(state.chunks) <= 2 * len(held) + 64 + per_call
-        assert t.queued_trajectories == 0 and not [c for c in t._load().chunks if c is not None]
-
-    def test_invalid_limits(self):
-        for kw in [dict(max_pending_groups=0), dict(max_pending_age=0), dict(on_overflow="drop")]:
-            with pytest.raises(ValueError):
-                MCAdvantage(2, **kw)
-
-
-def _write_from_process(rb, trajs):
-    for t in trajs:
-        rb.extend(t)
-
-
-class TestManyWriters:
-    def test_shared_replay_buffer_across_processes(self):
-        import multiprocessing as mp
-
-        transform = MCAdvantage(4, prompt_key="seed", trajectory_return="sum")
-        rb = ReplayBuffer(storage=LazyTensorStorage(1000, shared_init=True), shared=True)
-        rb.append_transform(transform)
-        assert transform.is_shared
-        trajs = [trajectory(g, [float(i), 1.0]) for g in range(5) for i in range(4)]
-        trajs = trajs[:-1]  # the last group stays one short
-        ctx = mp.get_context("spawn")
-        procs = [ctx.Process(target=_write_from_process, args=(rb, trajs[w::2])) for w in range(2)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(timeout=120)
-        assert [p.exitcode for p in procs] == [0, 0]
-        # every group's trajectories came from both processes, and four groups completed
-        assert len(rb) == 4 * 4 * 2 and transform.queued_trajectories == 3
-        stats = transform.get_stats()
-        assert stats["completed_trajectories"] == len(trajs) and stats["written_groups"] == 4
-        assert sorted(set(rb[:]["seed"].tolist())) == [0, 1, 2, 3]
-
-    def test_inside_a_ray_replay_buffer(self):
-        ray = pytest.importorskip("ray", reason="the `dist` extra (ray) is not installed")
-        from functools import partial
-
-        from torchrl.data import RayReplayBuffer
-
-        rb = RayReplayBuffer(
-            storage=partial(LazyTensorStorage, 1000),
-            transform_factory=partial(MCAdvantage, 4, prompt_key="seed", trajectory_return="sum"),
-            ray_init_config={"num_cpus": 2, "include_dashboard": False, "log_to_driver": False},
-            remote_config={"num_cpus": 0},
-        )
-        try:
-
-            @ray.remote(num_cpus=1)
-            def write(client, trajs):
-                for t in trajs:
-                    client.extend(t)
-                return len(trajs)
-
-            trajs = [trajectory(g, [float(i), 1.0]) for g in range(5) for i in range(4)][:-1]
-            remote = ray.get(write.remote(rb.client(), trajs[1::2]))  # another process
-            for t in trajs[::2]:
-                rb.extend(t)
-            assert remote == len(trajs[1::2])
-            assert len(rb) == 4 * 4 * 2  # four groups completed across the two writers
-            sample = rb.sample(8)
-            assert sample["advantage"].shape == (8, 1)
-        finally:
-            rb.shutdown()
-            ray.shutdown()
-
-
-def _stream_outputs(t, chunks):
-    out = {}
-    for chunk in chunks:
-        out.update(released(t.inv(chunk)))
-    return out
-
-
-class TestProperties:
-    from hypothesis import given, settings
-    from hypothesis import strategies as st
-
-    @settings(max_examples=25, deadline=None)
-    @given(
-        num_groups=st.integers(1, 6),
-        size=st.integers(2, 5),
-        mode=st.sampled_from([None, "sum", "mean", "max", "last"]),
-        strings=st.booleans(),
-        seed=st.integers(0, 10**6),
-    )
-    def test_order_and_chunking_do_not_matter(self, num_groups, size, mode, strings, seed):
-        key = "query" if strings else "seed"
-        trajs = random_stream(num_groups, size, seed, strings=strings, key=key)
-        kw = dict(grpo_size=size, prompt_key=key, trajectory_return=mode)
-        one_by_one = _stream_outputs(MCAdvantage(**kw), trajs)
-        shuffled = trajs[:]
-        random.Random(seed + 1).shuffle(shuffled)
-        chunked = _stream_outputs(MCAdvantage(**kw), random_chunks(shuffled, seed))
-        assert one_by_one.keys() == chunked.keys()
-        assert len(one_by_one) == sum(t.numel() for t in trajs)
-        for uid, adv in one_by_one.items():
-            torch.testing.assert_close(chunked[uid], adv, atol=1e-6, rtol=1e-6)
-
-    @settings(max_examples=25, deadline=None)
-    @given(
-        size=st.integers(2, 5),
-        mode=st.sampled_from(["sum", "mean", "last"]),
-        constant=st.booleans(),
-        seed=st.integers(0, 10**6),
-    )
-    def test_written_groups_are_normalized(self, size, mode, constant, seed):
-        rng = random.Random(seed)
-        value = rng.gauss(0, 1)
-        trajs = [
-            trajectory(
-                0, [value if constant else rng.gauss(0, 3) for _ in range(rng.randint(1, 4))]
-            )
-            for _ in range(size)
-        ]
-        out = MCAdvantage(size, prompt_key="seed", trajectory_return=mode).inv(torch.cat(trajs))
-        per_traj = torch.stack([out["advantage"][out["uid"] == t["uid"][0]][0, 0] for t in trajs])
-        assert torch.isfinite(out["advantage"]).all()
-        returns = torch.tensor(
-            [
-                float(
-                    {
-                        "sum": t["next", "reward"].sum(),
-                        "mean": t["next", "reward"].mean(),
-                        "last": t["next", "reward"][-1, 0],
-                    }[mode]
-                )
-                for t in trajs
-            ]
-        )
-        assert abs(float(per_traj.mean())) < 1e-5
-        if (returns == returns[0]).all():
-            assert (per_traj == 0).all()
-        elif float(returns.std()) > 1e-3:
-            assert float(per_traj.std()) == pytest.approx(1.0, rel=1e-4)
-
-    @settings(max_examples=25, deadline=None)
-    @given(seed=st.integers(0, 10**6), limit=st.integers(1, 4), bounds=st.booleans())
-    def test_every_trajectory_is_accounted_for(self, seed, limit, bounds):
-        trajs = random_stream(8, 3, seed, binary=True)
-        t = MCAdvantage(
-            3,
-            prompt_key="seed",
-            trajectory_return="sum",
-            keep_return_bounds=(0.1, 0.9) if bounds else None,
-            max_pending_groups=limit,
-        )
-        stored = 0
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)
-            for chunk in random_chunks(trajs, seed):
-                out = t.inv(chunk)
-                stored += (
-                    0
-                    if out is None
-                    else len(set(out["uid"].tolist()) & {int(tr["uid"][0]) for tr in trajs})
-                )
-        stats = t.get_stats()
-        dropped_by_rule = 3 * (stats["dropped_groups"]) + stats["evicted_trajectories"]
-        assert len(trajs) == stored + t.queued_trajectories + dropped_by_rule
-
-
-class TestBadInputUnderLoad:
-    def test_bad_calls_in_a_long_stream_change_nothing(self):
-        rng = random.Random(11)
-        trajs = random_stream(40, 4, 12)
-        chunks = random_chunks(trajs, 13)
-        bad = [case[1] for case in bad_inputs()]
-        clean = MCAdvantage(4, prompt_key="seed", trajectory_return="sum")
-        loaded = MCAdvantage(4, prompt_key="seed", trajectory_return="sum")
-        failures = 0
-        for chunk in chunks:
-            for _ in range(rng.randint(0, 2)):
-                with pytest.raises((RuntimeError, KeyError, ValueError, TypeError)):
-                    loaded.inv(rng.choice(bad))
-                failures += 1
-            got, want = released(loaded.inv(chunk)), released(clean.inv(chunk))
-            assert got.keys() == want.keys()
-            assert all(torch.equal(got[k], want[k]) for k in want)
-        assert failures > 10 and loaded.get_stats() == clean.get_stats()
-
-
-class TestNumerics:
-    @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-    def test_half_precision_rewards(self, dtype):
-        trajs = [trajectory(0, [60000.0] * 4), trajectory(0, [-60000.0] * 4)]
-        for t in trajs:
-            t["next", "reward"] = t["next", "reward"].to(dtype)
-        out = MCAdvantage(2, prompt_key="seed", trajectory_return="sum").inv(torch.cat(trajs))
-        adv = out["advantage"]
-        assert adv.dtype == dtype and torch.isfinite(adv).all()  # sums of 2.4e5 overflow fp16
-        assert adv[:4].float().reshape(-1).tolist() == pytest.approx([0.7071] * 4, abs=1e-2)
-
-    @pytest.mark.parametrize("scale", [1e-20, 1e18])
-    def test_extreme_rewards(self, scale):
-        trajs = [trajectory(0, [r * scale]) for r in (1.0, 2.0, 3.0)]
-        for mode in (None, "sum"):
-            out = MCAdvantage(3, prompt_key="seed", trajectory_return=mode, epsilon=1e-30).inv(
-                torch.cat([t.clone() for t in trajs])
-            )
-            assert out["advantage"].squeeze(-1).tolist() == pytest.approx(
-                [-1.0, 0.0, 1.0], abs=1e-5
-            )

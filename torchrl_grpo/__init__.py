@@ -3,6 +3,8 @@
 * :class:`MCAdvantage`: a replay-buffer transform that queues trajectories by group and writes
   group-relative advantages when a group is complete (a drop-in for torchrl's).
 * :class:`GRPOLoss` and its presets: a critic-free ``ClipPPOLoss`` with the published variants.
+* :class:`SameStartGroups`: a torchrl env transform that resets every seed G times and stamps
+  each step with it, so that collectors deliver same-start groups for control tasks.
 * :class:`TokenCategorical`: token log-probs and entropy for large vocabularies, memory-lean;
   :class:`HiddenTokenCategorical`: the same from hidden states and the output layer, chunk by
   chunk, without the logits.
@@ -16,6 +18,7 @@ from torchrl_grpo.advantages import (
     group_std,
     trajectory_returns,
 )
+from torchrl_grpo.envs import SameStartGroups
 from torchrl_grpo.loss import (
     CISPOLoss,
     DAPOLoss,
@@ -48,6 +51,7 @@ __all__ = [
     "MCAdvantageSelector",
     "OverlongPenalty",
     "SAPOLoss",
+    "SameStartGroups",
     "TokenCategorical",
     "group_mean",
     "group_relative_advantage",

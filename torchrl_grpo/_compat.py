@@ -1,15 +1,91 @@
-"""Every private name of torch, torchrl or tensordict that torchrl_grpo relies on, in one place.
+"""Every reliance of torchrl_grpo on a private name or an undocumented behaviour of torch, torchrl
+or tensordict, one small function each.
 
-The package uses public APIs wherever they exist. What remains has no public equivalent in the
-supported torchrl release (``setup.py``); each reliance is one small function here, and
-``test/test_compat.py`` checks each one by name, so that an upgrade that moves it fails there,
-with a message that says what changed, instead of somewhere deep in a training run.
+Each function here has a test in ``test/test_compat.py`` whose failure message names it, so that
+an upgrade that changes one of them fails in one known place. Everything else in the package uses
+public APIs only.
 """
 
 from __future__ import annotations
 
+import inspect
+import json
+from pathlib import Path
+
 from tensordict import TensorDictBase
 from torch.distributions import Distribution
+from torchrl.data import ReplayBuffer
+from torchrl.envs.transforms import Compose, Transform
+
+# The public methods of a replay buffer that hand data to (or append) its transforms; inside them
+# the buffer is fully built, so reading its ``transform`` and ``storage`` is safe.
+_BUFFER_METHODS = frozenset(
+    {"extend", "add", "__setitem__", "append_transform", "insert_transform"}
+)
+
+
+def calling_replay_buffer(transform: Transform, depth: int = 16) -> ReplayBuffer | None:
+    """The torchrl ``ReplayBuffer`` that is calling into ``transform``, if any.
+
+    torchrl gives a transform no handle on its buffer: ``Transform.container`` is the buffer's
+    ``Compose``, and that ``Compose`` has no container. The buffer is found instead as ``self`` of
+    the buffer method that called into the transform (``extend``, ``add``, ``append_transform``...)
+    a few frames up the call stack, and only if ``transform`` is one of its transforms.
+
+    Reliance (torchrl 0.14.1): a buffer calls its transforms, and ``Compose.append``, from inside
+    its own methods.
+
+    Args:
+        transform: the transform looking for its buffer.
+        depth: how many frames up to look.
+
+    Returns:
+        The buffer, or ``None`` when the call does not come from a buffer holding ``transform``.
+    """
+    frame = inspect.currentframe()
+    try:
+        for _ in range(depth):
+            frame = frame.f_back if frame is not None else None
+            if frame is None:
+                return None
+            if frame.f_code.co_name not in _BUFFER_METHODS:
+                continue
+            buffer = frame.f_locals.get("self")
+            if isinstance(buffer, ReplayBuffer) and _holds(buffer.transform, transform):
+                return buffer
+        return None
+    finally:
+        del frame  # frames reference their locals: do not keep them alive
+
+
+def _holds(container: Transform, transform: Transform) -> bool:
+    if container is transform:
+        return True
+    return isinstance(container, Compose) and any(_holds(t, transform) for t in container)
+
+
+EMPTY_TENSOR_STORAGE_METADATA = {"metadata": {}, "is_pytree": True, "len": 0}
+
+
+def write_empty_tensor_storage(path: str | Path) -> None:
+    """Write at ``path`` what torchrl's ``TensorStorageCheckpointer.loads`` reads as an empty
+    storage.
+
+    torchrl's tensor storages refuse to save before their first write. The record written here
+    is the one its checkpointer writes for a storage of no leaves: ``storage_metadata.json`` saying
+    a pytree of no leaves and length 0. Loading it loads nothing and sets the storage's length to
+    0, into a fresh storage or over a filled one.
+
+    Reliance (torchrl 0.14.1): the format of ``storage_metadata.json`` and how
+    ``TensorStorageCheckpointer.loads`` reads a pytree record.
+
+    Args:
+        path: the storage's checkpoint folder (created if missing).
+    """
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "storage_metadata.json").write_text(json.dumps(EMPTY_TENSOR_STORAGE_METADATA))
+
 
 # --- torchrl.modules.llm: the masked token distribution of an LLM wrapper -------------------------
 

@@ -8,11 +8,16 @@ insertion (so a rejected insertion changes nothing).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, NamedTuple
 
+import numpy as np
 import torch
-from tensordict import TensorDictBase
+from tensordict import TensorDict, TensorDictBase, lazy_stack
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from torchrl_grpo._reading import Insertion
 
 # The empty state's tensors, shared: a state's tensors are never written in place (every change
 # builds a new Pending), so one empty tensor of each kind serves every fresh state.
@@ -39,7 +44,10 @@ class Pending:
     # (Q, 4): chunk, offset, length, arrival of each pending trajectory
     spans: Tensor = field(default_factory=lambda: _NO_SPANS)
     keys: Tensor | list | None = None
-    returns: Tensor = field(default_factory=lambda: _NO_RETURN)
+    returns: Tensor = field(default_factory=lambda: _NO_RETURN)  # (Q,) float64
+    # (Q,) the returns in the reward's dtype, reduced as torchrl does; None: not kept (only
+    # ``keep_return_bounds`` and candidate selection compare them)
+    torchrl_returns: Tensor | None = None
     stats: dict = field(default_factory=dict)
     ragged: bool = False
     insertions: int = 0  # successful insertions so far: the clock of ``arrival``
@@ -63,27 +71,47 @@ def spans_of(chunk, offset, lengths, arrival) -> Tensor:
     return out
 
 
+_FIELDS = frozenset(f.name for f in fields(Pending))
+
+
 def evolve(state: Pending, **changes) -> Pending:
-    """``dataclasses.replace`` without its per-call field introspection (the hot path's copy)."""
+    """``dataclasses.replace`` without its per-call introspection (the hot path's copy).
+
+    Raises:
+        TypeError: for a name that is not a field of :class:`Pending`.
+    """
+    if not _FIELDS.issuperset(changes):
+        unknown = sorted(set(changes) - _FIELDS)
+        raise TypeError(f"Pending has no field {unknown[0]!r} (fields: {sorted(_FIELDS)}).")
     new = object.__new__(Pending)
     new.__dict__.update(state.__dict__, **changes)
     return new
 
 
-@dataclass
-class Insertion:
-    """One insertion, flattened and split into trajectories (all tensors are 1-D)."""
+class Returns(NamedTuple):
+    """The returns of some trajectories, in the two precisions the transform uses."""
 
-    data: TensorDictBase | list  # dense flat TensorDict, or list of step TensorDicts (ragged)
-    starts: Tensor  # (n,) first step of each trajectory
-    lengths: Tensor  # (n,) steps per trajectory
-    keys: Tensor | list  # (n, k) tensor ids or n strings
-    elements: Tensor  # (E,) every reward element, in order (trajectory by trajectory)
-    element_lengths: Tensor  # (n,) reward elements of each trajectory
-    num_steps: int  # N
-    # steps of every trajectory when all have as many, else 0; None: not known (found on use)
-    width: int | None = None
-    element_width: int | None = None  # the same for reward elements
+    value: Tensor  # (n,) float64: what the advantage is computed from
+    torchrl: Tensor | None  # (n,) reward dtype, reduced as torchrl does; None: not needed
+
+    def take(self, index: Tensor) -> Returns:
+        return Returns(self.value[index], None if self.torchrl is None else self.torchrl[index])
+
+
+def returns_of(state: Pending) -> Returns:
+    """The pending trajectories' returns."""
+    return Returns(state.returns, state.torchrl_returns)
+
+
+def concat(pending: Returns, incoming: Returns) -> Returns:
+    """Returns of pending ++ incoming (``pending.torchrl`` may be missing when nothing is held)."""
+    if pending.value.shape[0] == 0:
+        return incoming
+    torchrl = None
+    if incoming.torchrl is not None:  # (a checkpoint without them: their float64 values)
+        held = pending.value if pending.torchrl is None else pending.torchrl
+        torchrl = torch.cat([held.to(incoming.torchrl.dtype), incoming.torchrl])
+    return Returns(torch.cat([pending.value, incoming.value]), torchrl)
 
 
 def ranges(starts: Tensor, lengths: Tensor) -> Tensor:
@@ -184,26 +212,48 @@ def gather(state: Pending, batch: Insertion | None, members: Tensor):
     return [step.copy() for piece in pieces for step in steps_of(piece)]
 
 
-def append(state: Pending, piece, offset, lengths, keys, returns, stats=None) -> Pending:
-    """``state`` with the trajectories of ``piece`` (a new chunk) queued after the others."""
-    if isinstance(keys, list):
-        all_keys = as_list(state.keys) + keys
+def trajectory(state: Pending, batch: Insertion | None, j: int) -> TensorDictBase:
+    """Trajectory ``j`` of pending ++ incoming, as one TensorDict (a lazy stack if ragged)."""
+    out = gather(state, batch, torch.tensor([j]))
+    return lazy_stack(out) if isinstance(out, list) else out
+
+
+def append(
+    state: Pending,
+    piece: TensorDictBase | list,
+    *,
+    offset: Tensor,
+    lengths: Tensor,
+    group_ids: Tensor | list,
+    returns: Returns,
+) -> Pending:
+    """``state`` with the trajectories of ``piece`` (a new chunk) queued after the others.
+
+    Trajectory ``i`` is steps ``offset[i] : offset[i] + lengths[i]`` of ``piece``.
+    """
+    if isinstance(group_ids, list):
+        keys = as_list(state.keys) + group_ids
     elif state.keys is None or state.keys.numel() == 0:
-        all_keys = keys
+        keys = group_ids
+    elif group_ids.dtype == state.keys.dtype:
+        keys = torch.cat([state.keys, group_ids])
     else:
-        all_keys = torch.cat([state.keys, keys.to(state.keys.dtype)])
-    if lengths.numel() == 1:  # one trajectory: its span straight from Python ints
-        span = torch.tensor([[len(state.chunks), int(offset), int(lengths), state.insertions]])
+        keys = torch.cat([state.keys, group_ids.to(state.keys.dtype)])
+    if lengths.shape[0] == 1:  # one trajectory: its span from Python ints (numpy builds a
+        # small tensor from a literal a few times faster than torch.tensor does)
+        row = [[len(state.chunks), int(offset), int(lengths), state.insertions]]
+        span = torch.from_numpy(np.array(row, dtype=np.int64))
     else:
         span = spans_of(len(state.chunks), offset, lengths, state.insertions)
+    held = concat(returns_of(state), returns) if state.num_pending else returns
     return evolve(
         state,
         chunks=[*state.chunks, piece],
         chunk_sizes=[*state.chunk_sizes, len(piece)],
         spans=torch.cat([state.spans, span]),
-        keys=all_keys,
-        returns=torch.cat([state.returns, returns]),
-        stats=state.stats if stats is None else stats,
+        keys=keys,
+        returns=held.value,
+        torchrl_returns=held.torchrl,
     )
 
 
@@ -213,57 +263,90 @@ def drop(state: Pending, keep: Tensor) -> Pending:
     A chunk left with no pending trajectory is released (its slot set to ``None``, so chunk
     numbers stay valid); the list itself is compacted once most of its slots are empty.
     """
-    spans = state.spans[keep]
+    kept = keep.nonzero().squeeze(1)  # (Q',) the trajectories that stay
+    spans = state.spans.index_select(0, kept)
+    alive = torch.bincount(spans[:, CHUNK], minlength=len(state.chunks))  # (C,) left in each
     chunks, sizes = list(state.chunks), list(state.chunk_sizes)
-    alive = torch.bincount(spans[:, CHUNK], minlength=len(chunks))  # (C,) trajectories left
-    counts = alive.tolist()
-    for c in state.spans[~keep, CHUNK].tolist():
-        if not counts[c]:
-            chunks[c], sizes[c] = None, 0
-    if len(chunks) > 2 * int((alive > 0).sum()) + 64:  # mostly empty slots: renumber
+    for c in (alive == 0).logical_and_(_touched(state, keep)).nonzero().squeeze(1).tolist():
+        chunks[c], sizes[c] = None, 0  # no pending trajectory left in it
+    # A released slot has size 0 (a held chunk has steps); count with ints, not chunk == None.
+    if len(sizes) > 2 * (len(sizes) - sizes.count(0)) + 64:  # mostly empty slots: renumber
         renumber = torch.cumsum(alive > 0, 0) - 1  # (C,) new number of each live chunk
         spans[:, CHUNK] = renumber[spans[:, CHUNK]]  # a fresh tensor: ours to write
-        chunks = [chunk for chunk, n in zip(chunks, counts) if n]
-        sizes = [size for size, n in zip(sizes, counts) if n]
-    keys = (
-        [k for k, kp in zip(state.keys, keep.tolist()) if kp]
-        if isinstance(state.keys, list)
-        else state.keys[keep]
-    )
+        chunks = [chunk for chunk, size in zip(chunks, sizes) if size]
+        sizes = [size for size in sizes if size]
     return evolve(
         state,
         chunks=chunks,
         chunk_sizes=sizes,
         spans=spans,
-        keys=keys,
-        returns=state.returns[keep],
+        keys=_select(state.keys, kept),
+        returns=state.returns.index_select(0, kept),
+        torchrl_returns=(
+            None if state.torchrl_returns is None else state.torchrl_returns.index_select(0, kept)
+        ),
     )
 
 
+def _touched(state: Pending, keep: Tensor) -> Tensor:
+    """``(C,)`` bool: the chunks that held a trajectory now dropped."""
+    touched = torch.zeros(len(state.chunks), dtype=torch.bool)
+    return touched.index_fill_(0, state.chunk[~keep], True)
+
+
+def _select(group_ids: Tensor | list, index: Tensor) -> Tensor | list:
+    """The group ids at ``index`` (increasing positions)."""
+    if isinstance(group_ids, list):
+        return [group_ids[i] for i in index.tolist()]
+    return group_ids.index_select(0, index)
+
+
 def remaining(
-    state: Pending, batch: Insertion, consumed: Tensor, returns: Tensor, stats
+    state: Pending, batch: Insertion, consumed: Tensor | None, incoming: Returns
 ) -> Pending:
-    """The next state: pending trajectories that no released group consumed, in order."""
+    """The next state: the pending and incoming trajectories that no released group consumed.
+
+    Args:
+        state: what was held before the insertion.
+        batch: the insertion.
+        consumed: ``(Q + n,)`` bool, the trajectories that leave (released or given up);
+            ``None``: none does.
+        incoming: the incoming trajectories' returns.
+    """
     q = state.num_pending
+    ragged = state.ragged or batch.ragged
+    if consumed is None:  # everything stays: queue the insertion as it came, no copy
+        new = state if ragged == state.ragged else evolve(state, ragged=ragged)
+        return append(
+            new,
+            batch.data,
+            offset=batch.starts,
+            lengths=batch.lengths,
+            group_ids=batch.group_ids,
+            returns=incoming,
+        )
     if q == 0 and bool(consumed.all()):  # everything released: nothing left to hold
-        ragged = state.ragged or isinstance(batch.data, list)
-        return Pending(stats=stats, ragged=ragged, insertions=state.insertions)
+        return Pending(stats=state.stats, ragged=ragged, insertions=state.insertions)
     keep_pending, keep_incoming = ~consumed[:q], ~consumed[q:]
-    new = state if keep_pending.all() else drop(state, keep_pending)
-    new = evolve(new, stats=stats, ragged=state.ragged or isinstance(batch.data, list))
+    new = state if bool(keep_pending.all()) else drop(state, keep_pending)
+    if ragged != new.ragged:
+        new = evolve(new, ragged=ragged)
     if keep_incoming.any():
         lengths = batch.lengths[keep_incoming]
         if keep_incoming.all():  # keep the insertion as it came: no copy
-            piece, offset, keys = batch.data, batch.starts, batch.keys
+            piece, offset, group_ids = batch.data, batch.starts, batch.group_ids
         else:
             piece = take(batch.data, ranges(batch.starts[keep_incoming], lengths))
             offset = torch.cumsum(lengths, 0) - lengths
-            keys = (
-                [k for k, kp in zip(batch.keys, keep_incoming.tolist()) if kp]
-                if isinstance(batch.keys, list)
-                else batch.keys[keep_incoming]
-            )
-        new = append(new, piece, offset, lengths, keys, returns[q:][keep_incoming])
+            group_ids = _select(batch.group_ids, keep_incoming.nonzero().squeeze(1))
+        new = append(
+            new,
+            piece,
+            offset=offset,
+            lengths=lengths,
+            group_ids=group_ids,
+            returns=incoming.take(keep_incoming),
+        )
     # Held-back chunks also hold released steps; compact once those outnumber the live ones.
     live = int(new.lengths.sum())
     if sum(new.chunk_sizes) > 2 * live + 1024:
@@ -292,6 +375,7 @@ def to_plain(state: Pending) -> dict:
         "lengths": state.lengths.clone(),
         "keys": list(state.keys) if isinstance(state.keys, list) else state.keys,
         "returns": state.returns.clone(),
+        "torchrl_returns": None if state.torchrl_returns is None else state.torchrl_returns.clone(),
         "arrival": state.arrival.clone(),
         "insertions": state.insertions,
         "stats": dict(state.stats),
@@ -300,14 +384,13 @@ def to_plain(state: Pending) -> dict:
 
 def from_plain(plain: dict) -> Pending:
     """Inverse of :func:`to_plain`."""
-    from tensordict import TensorDict
-
     lengths = plain["lengths"]
     offset = torch.cumsum(lengths, 0) - lengths
     state = Pending(
         spans=spans_of(0, offset, lengths, plain["arrival"]),
         keys=plain["keys"],
         returns=plain["returns"],
+        torchrl_returns=plain.get("torchrl_returns"),  # absent from older checkpoints
         stats=dict(plain["stats"]),
         ragged=plain["ragged"],
         insertions=plain["insertions"],

@@ -4,8 +4,11 @@
 the storage can be empty while the transform holds data. torchrl's tensor storages refuse to
 ``dumps`` before their first write ("Cannot save a non-initialized storage"), which makes
 ``ReplayBuffer.dumps`` fail before the transform is even asked for its state.
-:func:`allow_empty_dumps` wraps the storage's checkpointer so that an empty storage is recorded as
-empty, and everything else is delegated unchanged.
+:class:`EmptyStorageCheckpointer` records an empty storage as empty, in the form torchrl's own
+checkpointer loads back, and delegates everything else unchanged. ``MCAdvantage`` puts it on the
+storage of the buffer that inserts through it (at its first insertion, or when it is appended to
+the buffer), so no call is needed; :func:`allow_empty_dumps` does it by hand, e.g. for a buffer
+that no ``MCAdvantage`` has written through yet in this process.
 """
 
 from __future__ import annotations
@@ -13,7 +16,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from torchrl.data.replay_buffers.checkpointers import StorageCheckpointerBase
+from torchrl.data import StorageCheckpointerBase, TensorStorageCheckpointer
+
+from torchrl_grpo._compat import write_empty_tensor_storage
 
 __all__ = ["EmptyStorageCheckpointer", "allow_empty_dumps"]
 
@@ -29,6 +34,7 @@ class EmptyStorageCheckpointer(StorageCheckpointerBase):
     Examples:
         >>> import tempfile
         >>> from torchrl.data import LazyTensorStorage
+        >>> from torchrl_grpo.checkpoint import EmptyStorageCheckpointer
         >>> storage = LazyTensorStorage(10)
         >>> storage.checkpointer = EmptyStorageCheckpointer(storage.checkpointer)
         >>> with tempfile.TemporaryDirectory() as path:
@@ -52,25 +58,28 @@ class EmptyStorageCheckpointer(StorageCheckpointerBase):
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         marker = path / _MARKER
-        if not getattr(storage, "initialized", True):
+        if not getattr(storage, "initialized", True):  # nothing written yet
+            write_empty_tensor_storage(path)  # what torchrl's own checkpointer loads as empty
             marker.write_text(json.dumps({"empty": True}))
             return
         marker.unlink(missing_ok=True)
         self.inner.dumps(storage, path)
 
     def loads(self, storage, path):
-        if (Path(path) / _MARKER).exists():
-            if len(storage):
-                storage._empty()
+        path = Path(path)
+        if (path / _MARKER).exists():  # torchrl's reader of the empty record: length 0
+            TensorStorageCheckpointer().loads(storage, path)
             return
         self.inner.loads(storage, path)
 
 
 def allow_empty_dumps(replay_buffer):
-    """Let ``replay_buffer.dumps`` / ``loads`` work while its storage is still empty.
+    """Let ``replay_buffer.dumps`` work while its storage is still empty.
 
-    Wraps the storage's checkpointer in :class:`EmptyStorageCheckpointer` (once). Call it on the
-    buffer you save and on the buffer you load into.
+    Wraps the storage's checkpointer in :class:`EmptyStorageCheckpointer` (once).
+    ``MCAdvantage`` does this itself for the buffer it is appended to or writes through; call it
+    for a buffer saved before any insertion reached it in this process. A buffer built as usual
+    loads the result without it.
 
     Args:
         replay_buffer: a torchrl ``ReplayBuffer``.
@@ -80,25 +89,15 @@ def allow_empty_dumps(replay_buffer):
 
     Examples:
         >>> import tempfile
-        >>> import torch
-        >>> from tensordict import TensorDict
         >>> from torchrl.data import LazyTensorStorage, ReplayBuffer
-        >>> from torchrl_grpo import MCAdvantage
-        >>> def buffer():
-        ...     transform = MCAdvantage(grpo_size=2, prompt_key="seed")
-        ...     rb = ReplayBuffer(storage=LazyTensorStorage(10))
-        ...     return allow_empty_dumps(rb.append_transform(transform)), transform
-        >>> step = TensorDict(seed=torch.tensor([3]), next=TensorDict(
-        ...     reward=torch.ones(1, 1), done=torch.ones(1, 1, dtype=torch.bool), batch_size=[1]
-        ... ), batch_size=[1])
-        >>> rb, transform = buffer()
-        >>> _ = rb.extend(step)  # half a group: the storage is still empty
+        >>> from torchrl_grpo.checkpoint import allow_empty_dumps
+        >>> rb = allow_empty_dumps(ReplayBuffer(storage=LazyTensorStorage(10)))
         >>> with tempfile.TemporaryDirectory() as path:
-        ...     rb.dumps(path)
-        ...     restored, restored_transform = buffer()
-        ...     restored.loads(path)
-        >>> len(restored), restored_transform.queued_trajectories
-        (0, 1)
+        ...     rb.dumps(path)  # torchrl alone raises: nothing was ever written
+        ...     restored = ReplayBuffer(storage=LazyTensorStorage(10))
+        ...     restored.loads(path)  # a plain buffer reads it back
+        >>> len(restored)
+        0
     """
     storage = replay_buffer.storage
     if not isinstance(storage.checkpointer, EmptyStorageCheckpointer):

@@ -1,0 +1,220 @@
+"""Tests of torchrl_grpo/_reading.py: one insertion read and checked, whatever its shape."""
+
+import random
+import re
+
+import pytest
+import torch
+from conftest import bad_inputs, trajectory
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tensordict import NonTensorData, NonTensorStack, TensorDict, lazy_stack
+
+from torchrl_grpo._pending import Pending
+from torchrl_grpo._reading import Keys, read_insertion, trajectory_bounds
+
+KEYS = Keys(group="seed", reward=("next", "reward"), done=("next", "done"), advantage="advantage")
+EMPTY = Pending()
+
+
+def pending_with(keys, ragged=False):
+    """A store holding one trajectory per group id in ``keys`` (only the ids matter here)."""
+    n = len(keys)
+    return Pending(spans=torch.zeros(n, 4, dtype=torch.long), keys=keys, ragged=ragged)
+
+
+class TestTrajectoryBounds:
+    def test_one_trajectory(self):
+        starts, lengths, width = trajectory_bounds(torch.tensor([False, False, True]))
+        assert starts.tolist() == [0] and lengths.tolist() == [3] and width == 3
+
+    def test_several(self):
+        done = torch.tensor([True, False, True, False, False, True])
+        starts, lengths, width = trajectory_bounds(done)
+        assert starts.tolist() == [0, 1, 3] and lengths.tolist() == [1, 2, 3] and width == 0
+        starts, lengths, width = trajectory_bounds(torch.tensor([False, True] * 3))
+        assert starts.tolist() == [0, 2, 4] and lengths.tolist() == [2, 2, 2] and width == 2
+
+    @settings(max_examples=50, deadline=None)
+    @given(lengths=st.lists(st.integers(1, 6), min_size=1, max_size=20))
+    def test_matches_a_loop(self, lengths):
+        done = torch.cat([torch.arange(n) == n - 1 for n in lengths])
+        starts, got, width = trajectory_bounds(done)
+        assert got.tolist() == lengths
+        assert starts.tolist() == [sum(lengths[:i]) for i in range(len(lengths))]
+        assert width == (lengths[0] if len(set(lengths)) == 1 else 0)
+
+
+class TestReadInsertion:
+    def test_flat_steps(self):
+        td = torch.cat([trajectory(3, [1.0, 2.0]), trajectory(5, [4.0]), trajectory(3, [0.5, 0.5])])
+        batch = read_insertion(td, KEYS, EMPTY)
+        assert batch.data is td and batch.num_steps == 5 and batch.num_trajectories == 3
+        assert batch.starts.tolist() == [0, 2, 3] and batch.lengths.tolist() == [2, 1, 2]
+        assert batch.width == 0 and batch.group_ids.tolist() == [[3], [5], [3]]
+        assert batch.rewards.tolist() == [1.0, 2.0, 4.0, 0.5, 0.5]
+        assert batch.reward_lengths.tolist() == [2, 1, 2] and not batch.ragged
+
+    def test_every_shape_reads_the_same(self):
+        """``[B, T]`` rows, ``[N]`` steps, a dense lazy stack and a lone step: one reading."""
+        rows = torch.stack(
+            [torch.cat([trajectory(g, [1.0, float(g)]), trajectory(g + 1, [2.0])]) for g in (1, 7)]
+        )
+        flat = rows.reshape(-1)
+        expected = read_insertion(flat, KEYS, EMPTY)
+        for td in (rows, lazy_stack(list(flat.unbind(0)))):
+            batch = read_insertion(td, KEYS, EMPTY)
+            for name in ("starts", "lengths", "group_ids", "rewards", "reward_lengths"):
+                assert torch.equal(getattr(batch, name), getattr(expected, name)), name
+            assert (batch.width, batch.num_steps) == (expected.width, expected.num_steps)
+            assert (batch.data == flat).all()
+        step = read_insertion(trajectory(2, [3.0])[0], KEYS, EMPTY)  # no batch dimension
+        assert step.lengths.tolist() == [1] and step.group_ids.tolist() == [[2]]
+
+    def test_nothing_to_read(self):
+        assert read_insertion(trajectory(0, [1.0])[:0], KEYS, EMPTY) is None
+
+    def test_several_reward_elements_per_step(self):
+        td = torch.cat([trajectory(0, [[1.0, 2.0], [3.0, 4.0]]), trajectory(0, [[5.0, 6.0]])])
+        batch = read_insertion(td, KEYS, EMPTY)
+        assert batch.reward_lengths.tolist() == [4, 2] and batch.reward_width == 0
+        assert batch.rewards.tolist() == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
+
+    def test_string_and_multi_value_ids(self):
+        keys = KEYS._replace(group="query")
+        stacked = torch.cat(
+            [trajectory("a", [1.0], key="query"), trajectory("b", [1.0], key="query")]
+        )
+        assert isinstance(stacked.get("query"), NonTensorStack)
+        assert read_insertion(stacked, keys, EMPTY).group_ids == ["a", "b"]
+        one = trajectory("c", [1.0, 2.0], key="query")
+        assert isinstance(one.get("query"), NonTensorData)
+        assert read_insertion(one, keys, EMPTY).group_ids == ["c"]
+        wide = torch.cat([trajectory(4, [1.0], width=2), trajectory(6, [1.0, 1.0], width=2)])
+        assert read_insertion(wide, KEYS, EMPTY).group_ids.tolist() == [[4, 4], [6, 6]]
+
+    def test_ragged_steps(self):
+        steps = [
+            TensorDict(
+                query=NonTensorData("p"),
+                tokens=torch.arange(n),
+                next=TensorDict(reward=torch.full((n, 1), float(n)), done=torch.tensor([d])),
+            )
+            for n, d in ((2, False), (3, True), (1, True))
+        ]
+        batch = read_insertion(lazy_stack(steps), KEYS._replace(group="query"), EMPTY)
+        assert batch.ragged and len(batch.data) == 3
+        assert batch.lengths.tolist() == [2, 1] and batch.reward_lengths.tolist() == [5, 1]
+        assert batch.reward_width is None and batch.group_ids == ["p", "p"]
+        assert batch.rewards.tolist() == [2.0, 2.0, 3.0, 3.0, 3.0, 1.0]
+
+    def test_dense_steps_are_read_as_steps_once_the_store_is_ragged(self):
+        batch = read_insertion(trajectory(0, [1.0, 2.0]), KEYS, Pending(ragged=True))
+        assert batch.ragged and [int(step["seed"]) for step in batch.data] == [0, 0]
+
+    def test_the_input_is_not_modified(self):
+        td = torch.cat([trajectory(1, [1.0]), trajectory(1, [2.0])])
+        before = td.clone()
+        read_insertion(td, KEYS, EMPTY)
+        assert (td == before).all() and set(td.keys(True)) == set(before.keys(True))
+
+
+class TestBadInput:
+    @pytest.mark.parametrize("case", bad_inputs(), ids=lambda c: c[0])
+    def test_raises_with_a_clear_message(self, case):
+        _, batch, error, words = case
+        state = pending_with(torch.tensor([[1]]))  # tensor ids pending, as in the cases
+        with pytest.raises(error, match=re.escape(words[0])) as info:
+            read_insertion(batch, KEYS, state)
+        assert all(word in str(info.value) for word in words)
+
+    def test_ids_of_another_kind_or_width_than_the_pending_ones(self):
+        with pytest.raises(TypeError, match="pending groups are keyed by strings"):
+            read_insertion(trajectory(1, [1.0]), KEYS, pending_with(["a"]))
+        with pytest.raises(
+            ValueError, match="have 2 values per trajectory, but the pending ones have 1"
+        ):
+            read_insertion(trajectory(1, [1.0], width=2), KEYS, pending_with(torch.tensor([[1]])))
+        # with nothing pending, any kind is fine
+        assert read_insertion(trajectory(1, [1.0], width=2), KEYS, EMPTY) is not None
+
+    def test_rewards_of_the_wrong_shape(self):
+        td = trajectory(1, [1.0, 2.0])
+        td["next", "reward"] = torch.ones(3)[:2].reshape(2)  # fine: one entry per step
+        assert read_insertion(td, KEYS, EMPTY).rewards.tolist() == [1.0, 1.0]
+        bad = TensorDict(
+            seed=torch.ones(2, dtype=torch.long),
+            next=TensorDict(done=torch.tensor([False, True]), batch_size=[2]),
+            batch_size=[2],
+        )
+        bad["next", "reward"] = NonTensorStack("x", "y")
+        with pytest.raises(ValueError, match="must be a tensor with one entry per step"):
+            read_insertion(bad, KEYS, EMPTY)
+
+    def test_a_row_without_done(self):
+        rows = torch.stack([trajectory(1, [1.0, 2.0]), trajectory(2, [1.0, 2.0])])
+        rows["next", "done"][1, -1] = False
+        with pytest.raises(RuntimeError, match=re.escape("(row 1 of batch (2, 2))")):
+            read_insertion(rows, KEYS, EMPTY)
+
+    @settings(max_examples=30, deadline=None)
+    @given(seed=st.integers(0, 10**6))
+    def test_a_bad_step_anywhere_is_reported_where_it_is(self, seed):
+        rng = random.Random(seed)
+        trajs = [
+            trajectory(rng.randint(0, 3), [rng.random()] * rng.randint(1, 4)) for _ in range(5)
+        ]
+        td = torch.cat(trajs)
+        step = rng.randrange(td.shape[0])
+        td["next", "reward"][step] = float("nan")
+        with pytest.raises(ValueError, match=f"the first at step {step} "):
+            read_insertion(td, KEYS, EMPTY)
+
+
+class TestSeveralRewardsAndAnchors:
+    """The inputs of GDPO (several reward keys) and GiGPO (an anchor state per step)."""
+
+    GDPO = KEYS._replace(reward_weights=((("next", "reward"), 1.0), (("next", "format"), 0.5)))
+
+    def test_the_weighted_sum_is_the_reward(self):
+        td = torch.cat([trajectory(0, [1.0, 2.0], next_format=[[4.0], [0.0]])])
+        batch = read_insertion(td, self.GDPO, EMPTY)
+        assert batch.rewards.dtype == torch.float64
+        assert batch.rewards.tolist() == [1.0 + 2.0, 2.0 + 0.0]
+
+    def test_rewards_must_agree_and_stay_finite(self):
+        td = trajectory(0, [1.0, 2.0], next_format=[[4.0, 1.0], [0.0, 1.0]])
+        with pytest.raises(ValueError, match="as many elements at every step"):
+            read_insertion(td, self.GDPO, EMPTY)
+        td = trajectory(0, [1.0, 2.0], next_format=[[float("nan")], [0.0]])
+        with pytest.raises(
+            ValueError, match=r"non-finite reward value\(s\) under \('next', 'format'\)"
+        ):
+            read_insertion(td, self.GDPO, EMPTY)
+        td = trajectory(0, [1.0, 2.0])
+        td["next", "reward"] = td["next", "format"] = torch.tensor(
+            [[1e308], [0.0]], dtype=torch.float64
+        )
+        both = ((("next", "reward"), 1.0), (("next", "format"), 1.0))
+        with pytest.raises(ValueError, match="overflows"):
+            read_insertion(td, KEYS._replace(reward_weights=both), EMPTY)
+        with pytest.raises(KeyError, match="format"):
+            read_insertion(trajectory(0, [1.0]), self.GDPO, EMPTY)
+
+    def test_anchors_are_checked(self):
+        keys = KEYS._replace(anchor="obs")
+        assert (
+            read_insertion(trajectory(0, [1.0, 2.0], obs=[[0, 1], [1, 1]]), keys, EMPTY) is not None
+        )
+        assert read_insertion(trajectory(0, [1.0, 2.0], obs=["a", "b"]), keys, EMPTY) is not None
+        with pytest.raises(KeyError, match="anchor key .*obs"):
+            read_insertion(trajectory(0, [1.0, 2.0]), keys, EMPTY)
+        with pytest.raises(TypeError, match="tensor or a string, got int"):
+            read_insertion(trajectory(0, [1.0, 2.0]).set_non_tensor("obs", 3), keys, EMPTY)
+        bad = trajectory(0, [1.0, 2.0])
+        bad.set("obs", NonTensorStack(*[{"a": 1}] * 2))
+        with pytest.raises(TypeError, match="tensor or a string"):
+            read_insertion(bad, keys, EMPTY)
+        steps = [s.clone() for s in trajectory(0, [1.0, 2.0], obs=["a", "b"]).unbind(0)]
+        steps[0]["next", "reward"] = torch.ones(3)  # ragged
+        assert read_insertion(lazy_stack(steps), keys, EMPTY).ragged
