@@ -28,14 +28,15 @@ test: $(VENV)/.stamp-test+examples+llm+dist
 	$(PY) -m pytest -q test torchrl_grpo --doctest-modules
 
 # The site, with warnings as errors, and every example on it run by Sphinx's doctest builder.
-docs: $(VENV)/.stamp-docs+examples
+docs: $(VENV)/.stamp-docs+examples+llm
 	$(PY) -m sphinx -W --keep-going -q -b html docs docs/_build/html
 	$(PY) -m sphinx -W --keep-going -q -b doctest docs docs/_build/doctest
 
 # Benchmark tables (each a side-by-side comparison in one run); see docs/benchmarks.rst.
-bench: $(VENV)/.stamp-examples
+bench: $(VENV)/.stamp-examples+llm
 	$(PY) benchmarks/transform_throughput.py
 	$(PY) benchmarks/loss_memory.py
+	$(PY) benchmarks/llm_loss_memory.py
 	$(PY) benchmarks/cartpole_seeds.py
 
 # The LLM example at its defaults for seeds 0-2, one after the other (about 9 minutes).

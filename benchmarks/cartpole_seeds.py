@@ -1,28 +1,32 @@
-"""Run the CartPole GRPO demo for several seeds and print wall time, env steps and eval return.
+"""GRPO (the CartPole demo) and torchrl's PPO, seed by seed: steps and wall time to solve.
 
-Each run is ``examples/cartpole_grpo.py`` at its defaults in a fresh process, one after the other
-(runs do not share the machine's cores with each other). The tables are reStructuredText simple
-tables, ready for ``docs/tutorial_cartpole.rst``.
+Each run is a fresh process, one after the other (runs do not share the machine's cores with each
+other): ``examples/cartpole_grpo.py`` at its defaults, and ``benchmarks/cartpole_ppo.py``
+(torchrl's ``ClipPPOLoss`` with a critic and GAE, the same collector, network and budget rules)
+at its defaults. The tables are reStructuredText simple tables, ready for the docs.
 
-Runs table. ``wall_s`` is the demo's own count, from its first line (imports included) to its
+Runs table. ``wall_s`` is the script's own count, from its first line (imports included) to its
 RESULT line; ``process s`` is the whole process as timed from outside (interpreter start and exit
 included). The ``reference`` row is a fresh process that only imports the demo's stack
 (``torch``, ``torchrl``, ``tensordict``, ``gymnasium``, ``torchrl_grpo``), median of 3, measured
-in the same run: the share of each run that no training design can remove. The demo stops at the
-first greedy evaluation (20 fresh episodes) that reaches 475, and it evaluates after every batch,
-so a lucky evaluation could end a run early; ``recheck`` guards against that: each saved policy
-plays ``--recheck-episodes`` more fresh episodes (seeds the demo never uses), greedily.
+in the same run: the share of each run that no training design can remove. Both scripts stop at
+the first greedy evaluation (20 fresh episodes) that reaches 475, and they evaluate after every
+batch, so a lucky evaluation could end a run early; ``recheck`` guards against that: each saved
+policy plays ``--recheck-episodes`` more fresh episodes (seeds neither script uses), greedily.
+The side-by-side table puts the two algorithms' environment steps and wall time on one line per
+seed.
 
 Environment table. The cost of one environment step along the demo's path, against a bare
 gymnasium ``CartPole-v1`` step measured in the same process: a torchrl ``GymEnv`` stepping one
-env, the demo's ``GymWrapper`` around a ``SyncVectorEnv`` of 64, and the demo's
-``play_episodes`` (64 sub-envs, the untrained policy sampling actions, seeded partial resets).
+env, a ``GymWrapper`` around a ``SyncVectorEnv`` of 64, and a torchrl ``Collector`` with the
+untrained policy sampling actions, over several layouts (sub-envs, steps of each between two
+polls), with and without ``SameStartGroups`` (the demo's and PPO's layouts).
 
 Run::
 
-    python benchmarks/cartpole_seeds.py                               # seeds 0 1 2, defaults
-    python benchmarks/cartpole_seeds.py --advantage reward-to-go return   # both modes, side by side
-    python benchmarks/cartpole_seeds.py --seeds 0 1 2 3 4 -- --lr 3e-3   # extra demo arguments
+    python benchmarks/cartpole_seeds.py                               # seeds 0-4, GRPO and PPO
+    python benchmarks/cartpole_seeds.py --algorithms grpo --advantage reward-to-go return
+    python benchmarks/cartpole_seeds.py --seeds 0 1 2 -- --lr 3e-3   # extra demo arguments
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "cartpole_grpo.py"
+PPO = ROOT / "benchmarks" / "cartpole_ppo.py"
 RECHECK_SEED_OFFSET = 2**30 + 900_000_000  # above every seed the demo uses, for seeds < 100
 RESULT = re.compile(
     r"^RESULT solved=(?P<solved>true|false) wall_s=(?P<wall_s>[\d.]+) "
@@ -45,21 +50,27 @@ RESULT = re.compile(
     re.MULTILINE,
 )
 OUTPUTS = re.compile(r"^outputs: (?P<run_dir>.+)$", re.MULTILINE)
+SECONDS = re.compile(r"^seconds: (?P<phases>.+)$", re.MULTILINE)
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="seeds to run")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4], help="seeds to run")
+    p.add_argument(
+        "--algorithms",
+        nargs="+",
+        default=["grpo", "ppo"],
+        choices=["grpo", "ppo"],
+        help="the GRPO demo, torchrl's PPO (benchmarks/cartpole_ppo.py), or both",
+    )
     p.add_argument(
         "--advantage",
         nargs="+",
         default=[None],
         choices=["reward-to-go", "return"],
-        help="advantage modes to compare (default: the demo's default only)",
+        help="GRPO advantage modes to compare (default: the demo's default only)",
     )
-    p.add_argument(
-        "--output-dir", default="runs/cartpole_bench", help="output folder of the demo runs"
-    )
+    p.add_argument("--output-dir", default="runs/cartpole_bench", help="output folder of the runs")
     p.add_argument(
         "--recheck-episodes", type=int, default=100, help="fresh greedy episodes per saved policy"
     )
@@ -115,17 +126,21 @@ def import_time(repeats: int = 3) -> tuple[float, float]:
     return statistics.median(inside), statistics.median(outside)
 
 
-def run_demo(seed: int, advantage: str | None, output_dir: str, extra: list[str]) -> dict:
-    cmd = [sys.executable, str(EXAMPLE), "--seed", str(seed), "--output-dir", output_dir]
-    cmd += ["--no-progress", *([] if advantage is None else ["--advantage", advantage]), *extra]
+def run_script(script: Path, seed: int, output_dir: str, args: list[str]) -> dict:
+    cmd = [sys.executable, str(script), "--seed", str(seed), "--output-dir", output_dir]
+    cmd += ["--no-progress", *args]
     start = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     process_s = time.perf_counter() - start
     match, outputs = RESULT.search(proc.stdout), OUTPUTS.search(proc.stdout)
-    if proc.returncode != 0 or match is None or outputs is None:
+    phases = SECONDS.search(proc.stdout)
+    if proc.returncode != 0 or match is None or outputs is None or phases is None:
         raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    seconds = dict(phase.rsplit(" ", 1) for phase in phases["phases"].split(", "))
     return {
         "run_dir": (ROOT / outputs["run_dir"]).resolve(),
+        "train_s": float(seconds["play"]) + float(seconds["optimize"]),
+        "evaluate_s": float(seconds["evaluate"]),
         "solved": match["solved"] == "true",
         "wall_s": float(match["wall_s"]),
         "process_s": process_s,
@@ -138,25 +153,27 @@ def recheck(demo, rows: list[dict], episodes: int, demo_args: list[str]) -> None
     """Greedy mean return of each run's saved policy over ``episodes`` fresh episodes."""
     import torch
 
-    cfg = demo.parse_args(demo_args)  # the policy's width, if the runs changed it
-    env = demo.make_env(episodes)
+    hidden = demo.parse_args(demo_args).hidden  # the GRPO policy's width, if the runs changed it
     for row in rows:
-        actor = demo.make_actor(cfg.hidden)
+        actor = demo.make_actor(hidden if row["algorithm"] == "grpo" else 64)
         actor.load_state_dict(torch.load(row["run_dir"] / "policy.pt"))
         first = RECHECK_SEED_OFFSET + row["seed"] * episodes
-        row["recheck"] = demo.evaluate(env, actor, list(range(first, first + episodes)))
-    env.close()
+        env = demo.make_eval_env(episodes, range(first, first + episodes))
+        row["recheck"] = demo.evaluate(env, actor)
+        env.close()
 
 
 def runs_table(rows: list[dict], reference: tuple[float, float], episodes: int) -> None:
-    header = ["advantage", "seed", "solved", "wall_s", "process s", "env steps", "eval return"]
-    header.append(f"recheck ({episodes} ep.)")
+    header = ["run", "seed", "solved", "wall_s", "train s", "eval s", "process s", "env steps"]
+    header += ["eval return", f"recheck ({episodes} ep.)"]
     lines = [
         [
-            r["advantage"],
+            r["label"],
             str(r["seed"]),
             str(r["solved"]).lower(),
             f"{r['wall_s']:.1f}",
+            f"{r['train_s']:.1f}",
+            f"{r['evaluate_s']:.1f}",
             f"{r['process_s']:.1f}",
             str(r["env_steps"]),
             f"{r['eval_return']:.1f}",
@@ -164,14 +181,16 @@ def runs_table(rows: list[dict], reference: tuple[float, float], episodes: int) 
         ]
         for r in rows
     ]
-    for advantage in dict.fromkeys(r["advantage"] for r in rows):
-        mine = [r for r in rows if r["advantage"] == advantage]
+    for label in dict.fromkeys(r["label"] for r in rows):
+        mine = [r for r in rows if r["label"] == label]
         lines.append(
             [
-                advantage,
+                label,
                 "median",
                 f"{sum(r['solved'] for r in mine)}/{len(mine)}",
                 f"{statistics.median(r['wall_s'] for r in mine):.1f}",
+                f"{statistics.median(r['train_s'] for r in mine):.1f}",
+                f"{statistics.median(r['evaluate_s'] for r in mine):.1f}",
                 f"{statistics.median(r['process_s'] for r in mine):.1f}",
                 str(int(statistics.median(r["env_steps"] for r in mine))),
                 f"{statistics.median(r['eval_return'] for r in mine):.1f}",
@@ -180,9 +199,47 @@ def runs_table(rows: list[dict], reference: tuple[float, float], episodes: int) 
         )
     import_s, import_process_s = reference
     lines.append(
-        ["reference", "import", "", f"{import_s:.1f}", f"{import_process_s:.1f}", "", "", ""]
+        ["reference", "import", "", f"{import_s:.1f}", "", "", f"{import_process_s:.1f}"]
+        + ["", "", ""]
     )
     print_table(header, lines)
+
+
+def side_by_side(rows: list[dict], episodes: int) -> None:
+    """One line per seed: each run's environment steps, wall time and recheck, side by side."""
+    labels = list(dict.fromkeys(r["label"] for r in rows))
+    header = ["seed"]
+    for label in labels:
+        header += [f"{label} steps", f"{label} wall_s", f"{label} train s", f"{label} recheck"]
+    by_key = {(r["label"], r["seed"]): r for r in rows}
+
+    def cells(r: dict | None) -> list[str]:
+        if r is None:
+            return ["", "", "", ""]
+        steps = str(r["env_steps"]) if r["solved"] else f"({r['env_steps']}, unsolved)"
+        return [steps, f"{r['wall_s']:.1f}", f"{r['train_s']:.1f}", f"{r['recheck']:.1f}"]
+
+    lines = []
+    for seed in dict.fromkeys(r["seed"] for r in rows):
+        line = [str(seed)]
+        for label in labels:
+            line += cells(by_key.get((label, seed)))
+        lines.append(line)
+    line = ["median"]
+    for label in labels:
+        mine = [r for r in rows if r["label"] == label]
+        line += [
+            str(int(statistics.median(r["env_steps"] for r in mine))),
+            f"{statistics.median(r['wall_s'] for r in mine):.1f}",
+            f"{statistics.median(r['train_s'] for r in mine):.1f}",
+            f"{statistics.median(r['recheck'] for r in mine):.1f}",
+        ]
+    lines.append(line)
+    print_table(header, lines)
+    print(
+        f"# train s: playing and optimizing, without evaluation; recheck: greedy mean return of "
+        f"the saved policy over {episodes} fresh episodes"
+    )
 
 
 # --- the environment ------------------------------------------------------------------------------
@@ -192,7 +249,8 @@ def env_costs(demo) -> None:
     """Microseconds per environment step along the demo's path, against a bare gymnasium step."""
     import gymnasium as gym
     import torch
-    from torchrl.envs import ExplorationType, GymEnv, set_exploration_type
+    from torchrl.collectors import Collector
+    from torchrl.envs import GymEnv
 
     def per_step(fn, calls: int) -> float:
         """``fn()`` returns the environment steps it took; microseconds per step."""
@@ -219,23 +277,30 @@ def env_costs(demo) -> None:
 
         return step
 
-    single, batched = GymEnv("CartPole-v1", categorical_action_encoding=True), demo.make_env(64)
-    torch.manual_seed(0)
-    actor = demo.make_actor(64)
-    seeds = [g for g in range(16) for _ in range(4)]  # the demo's batch: 16 groups of 4
+    def collector_stepper(env, steps_per_poll: int):  # the untrained policy, sampling
+        torch.manual_seed(0)
+        frames = env.batch_size.numel() * steps_per_poll
+        collector = Collector(env, demo.make_actor(64), frames_per_batch=frames, total_frames=-1)
+        batches = iter(collector)
+        return (lambda: next(batches).numel()), collector
 
-    def play() -> int:
-        with set_exploration_type(ExplorationType.RANDOM):
-            return demo.play_episodes(batched, actor, seeds).shape[0]
-
+    single = GymEnv("CartPole-v1", categorical_action_encoding=True)
+    vector = demo.make_env(64, range(2**20), 4).base_env  # the demo's env without the transform
     costs = [
         ("bare gymnasium CartPole-v1 (reference)", per_step(bare_step, 20_000)),
         ("torchrl GymEnv, 1 env", per_step(torchrl_stepper(single), 2_000)),
-        ("torchrl GymWrapper(SyncVectorEnv), 64 envs", per_step(torchrl_stepper(batched), 300)),
-        ("play_episodes: 64 envs, policy, seeded resets", per_step(play, 20)),
+        ("torchrl GymWrapper(SyncVectorEnv), 64 envs", per_step(torchrl_stepper(vector), 300)),
     ]
     single.close()
-    batched.close()
+    layouts = [(64, 8, False), (16, 8, True), (32, 8, True), (64, 2, True), (64, 8, True)]
+    layouts += [(64, 32, True), (128, 8, True)]
+    for num_envs, steps_per_poll, grouped in layouts:
+        env = demo.make_env(num_envs, range(2**20), 4)
+        stepper, collector = collector_stepper(env if grouped else env.base_env, steps_per_poll)
+        name = f"Collector, {num_envs} envs x {steps_per_poll} steps a poll, policy"
+        name += ", SameStartGroups" if grouped else " (PPO's layout)"
+        costs.append((name, per_step(stepper, max(10, 20_000 // (num_envs * steps_per_poll)))))
+        collector.shutdown()
     reference = costs[0][1]
     lines = [[name, f"{us:.1f}", f"{us / reference:.1f}"] for name, us in costs]
     print_table(["one environment step", "us", "x bare"], lines)
@@ -243,17 +308,31 @@ def env_costs(demo) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args, extra = parse_args(argv)
+    import torch
+
+    torch.set_num_threads(1)  # as the runs do: tiny matrices on a shared 2-core machine
     reference = import_time()
+    runs = []
+    if "grpo" in args.algorithms:
+        for advantage in args.advantage:
+            label = "GRPO" if advantage is None else f"GRPO {advantage}"
+            grpo_args = [*([] if advantage is None else ["--advantage", advantage]), *extra]
+            runs.append(("grpo", label, EXAMPLE, grpo_args))
+    if "ppo" in args.algorithms:
+        runs.append(("ppo", "PPO", PPO, []))
     rows = []
-    for advantage in args.advantage:
+    for algorithm, label, script, script_args in runs:
+        output_dir = f"{args.output_dir}/{algorithm}"
         for seed in args.seeds:
-            result = run_demo(seed, advantage, args.output_dir, extra)
-            rows.append({"advantage": advantage or "default", "seed": seed, **result})
+            result = run_script(script, seed, output_dir, script_args)
+            rows.append({"algorithm": algorithm, "label": label, "seed": seed, **result})
             print(f"# done: {rows[-1]}", file=sys.stderr, flush=True)
     demo = load_demo()
     recheck(demo, rows, args.recheck_episodes, extra)
     runs_table(rows, reference, args.recheck_episodes)
     print(f"# extra demo arguments: {' '.join(extra) or '(none)'}")
+    print()
+    side_by_side(rows, args.recheck_episodes)
     if not args.no_env_costs:
         print()
         env_costs(demo)

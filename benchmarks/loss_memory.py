@@ -1,35 +1,44 @@
-"""Peak memory and time of GRPOLoss forward+backward: TokenCategorical vs torch's Categorical.
+"""Peak memory and time of GRPOLoss forward+backward: from logits, and from hidden states.
 
-Run (about a minute on one CPU thread, ~3 GB of RAM for the plain path)::
+Run (a few minutes on one CPU thread, ~3 GB of RAM for the plain path)::
 
     .venv/bin/python benchmarks/loss_memory.py
     .venv/bin/python benchmarks/loss_memory.py --batch 2 --length 128 --vocab 8192  # quick
 
-Both paths run the same :class:`torchrl_grpo.GRPOLoss` (entropy bonus on, so the entropy's
+From logits: three paths run :class:`torchrl_grpo.GRPOLoss` (entropy bonus on, so the entropy's
 gradient flows too) on the same ``[B, T, V]`` float32 logits, a leaf tensor standing for the
-output of an LLM head. Only the actor's ``distribution_class`` differs:
-``torch.distributions.Categorical`` (plain) or :class:`torchrl_grpo.token_dist.TokenCategorical`
-(lean).
+output of an LLM head. The actor's ``distribution_class`` is ``torch.distributions.Categorical``
+(plain) or :class:`torchrl_grpo.token_dist.TokenCategorical` (lean); the third path is the lean
+one with every loss variant of issue 14 switched on at once (SAPO's objective, the
+``sequence_mask`` inference correction, off-policy sequence masking, decoupled PPO with a
+behaviour cap, top-20% entropy tokens, masking of truncated completions), to check that the new
+terms stay within the memory budget.
+
+From hidden states: two paths start from the last hidden states ``[B, T, H]`` (a leaf) and an
+output layer ``W`` ``[V, H]`` (no bias). "head" applies the layer (``[B, T, V]`` logits) and then
+:class:`~torchrl_grpo.token_dist.TokenCategorical`; "hidden" uses
+:class:`~torchrl_grpo.token_dist.HiddenTokenCategorical`, which never builds the logits. Their
+values and their gradients with respect to the hidden states and ``W`` are compared.
 
 How memory is measured. PyTorch keeps no allocator statistics on CPU and tracemalloc does not
 see its buffers, so each path runs in a fresh subprocess and reads its peak resident set size
 (``getrusage(RUSAGE_SELF).ru_maxrss``, a high-water mark):
 
 1. warm up at a tiny size (library initialisation, thread pools);
-2. build the inputs (logits and the ``[B, T]`` tensors), allocate a buffer the size of the
-   logits, write to every page, free it: the high-water mark now covers the logits plus their
-   gradient;
+2. build the inputs (logits, or hidden states and ``W``, and the ``[B, T]`` tensors), allocate
+   a buffer the size of the differentiable inputs, write to every page, free it: the high-water
+   mark now covers the inputs plus their gradients;
 3. read the mark (the baseline), run one forward+backward, read the mark again.
 
-The difference is the *extra* peak memory beyond the logits and their gradient (0 if the run
+The difference is the *extra* peak memory beyond the inputs and their gradients (0 if the run
 never goes above the baseline; large buffers are ``mmap``-ed and returned to the system when
 freed, so step 2 does not leave a pool behind to hide later allocations). It is reported in MiB
-and as a multiple of the logits' size. A second, allocator-independent column sums the distinct
-storages autograd saves for backward (``torch.autograd.graph.saved_tensors_hooks``), the logits
-themselves excluded. Time is the median of ``--repeats`` forward+backward passes after the
-measured one, and is reported as a ratio to the plain path measured in the same run. Values are
-compared across the two processes: the loss terms, and the gradient on a strided subsample of
-the logits.
+and as a multiple of the logits' size (``B x T x V`` float32, built or not). A second,
+allocator-independent column sums the distinct storages autograd saves for backward
+(``torch.autograd.graph.saved_tensors_hooks``), the inputs themselves excluded. Time is the
+median of ``--repeats`` forward+backward passes after the measured one, as a ratio to the first
+path of its group (plain, or head) measured in the same run. Values are compared across the
+processes: the loss terms, and the gradients on a strided subsample of each input.
 """
 
 from __future__ import annotations
@@ -46,9 +55,30 @@ from pathlib import Path
 
 import torch
 
-PATHS = ("plain", "lean")
+#: Paths in two groups, each compared with its first path.
+GROUPS = {"logits": ("plain", "lean", "variants"), "hidden states": ("head", "hidden")}
+PATHS = tuple(path for group in GROUPS.values() for path in group)
+NAMES = {
+    "plain": "Categorical (plain)",
+    "lean": "TokenCategorical (lean)",
+    "variants": "lean + every new variant",
+    "head": "Linear + TokenCategorical",
+    "hidden": "HiddenTokenCategorical",
+}
+#: Pairs whose values and gradients must agree.
+SAME = (("plain", "lean"), ("head", "hidden"))
 VALUE_KEYS = ("loss_objective", "loss_entropy", "entropy", "ESS", "clip_fraction", "kl_approx")
 GRAD_STRIDE = 101
+#: Every variant of issue 14 at once (SAPO, inference correction, OPSM, decoupled, entropy, truncated).
+VARIANTS = {
+    "objective": "sapo",
+    "inference_correction": "sequence_mask",
+    "off_policy_mask_threshold": 0.05,
+    "decoupled": True,
+    "behaviour_weight_cap": 5.0,
+    "top_entropy_quantile": 0.2,
+    "mask_truncated_completions": True,
+}
 
 
 def parse_args(argv=None):
@@ -56,7 +86,14 @@ def parse_args(argv=None):
     parser.add_argument("--batch", type=int, default=8, help="B, sequences")
     parser.add_argument("--length", type=int, default=512, help="T, tokens per sequence")
     parser.add_argument("--vocab", type=int, default=32768, help="V, vocabulary size")
+    parser.add_argument("--hidden", type=int, default=1024, help="H, hidden size")
+    parser.add_argument(
+        "--chunk-size", type=int, default=None, help="positions per chunk (default: 2**20 // V)"
+    )
     parser.add_argument("--repeats", type=int, default=3, help="timed passes per path")
+    parser.add_argument(
+        "--paths", nargs="+", choices=PATHS, default=list(PATHS), help="paths to run (all)"
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--worker", choices=PATHS, help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
@@ -67,47 +104,80 @@ def max_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
-def make_loss(path: str):
-    from tensordict.nn import ProbabilisticTensorDictModule
+def make_case(path: str, b: int, t: int, v: int, h: int, chunk_size=None, seed: int = 0):
+    """``(loss, batch, leaves)``: the loss of a path, its batch, its differentiable inputs."""
+    from tensordict import TensorDict
+    from tensordict.nn import (
+        ProbabilisticTensorDictModule,
+        ProbabilisticTensorDictSequential,
+        TensorDictModule,
+    )
 
     from torchrl_grpo.loss import GRPOLoss
-    from torchrl_grpo.token_dist import TokenCategorical
-
-    dist = {"plain": torch.distributions.Categorical, "lean": TokenCategorical}[path]
-    actor = ProbabilisticTensorDictModule(
-        in_keys=["logits"], out_keys=["tokens"], distribution_class=dist
+    from torchrl_grpo.token_dist import (
+        HiddenTokenCategorical,
+        TokenCategorical,
+        token_log_prob_entropy,
+        token_log_prob_entropy_from_hidden,
     )
-    loss = GRPOLoss(actor, clip_epsilon=(0.2, 0.28), entropy_coeff=0.01, functional=False)
-    loss.set_keys(sample_log_prob="old_log_prob")
-    return loss
-
-
-def make_batch(b: int, t: int, v: int, seed: int = 0):
-    from tensordict import TensorDict
-
-    from torchrl_grpo.token_dist import token_log_prob_entropy
 
     g = torch.Generator().manual_seed(seed)
-    logits = torch.randn(b, t, v, generator=g).mul_(2.0).requires_grad_()
     tokens = torch.randint(v, (b, t), generator=g)
-    with torch.no_grad():
-        log_prob, _ = token_log_prob_entropy(logits, tokens)
     lengths = torch.randint(t // 2, t + 1, (b,), generator=g)
-    batch = TensorDict(
-        {
-            "logits": logits,
-            "tokens": tokens,
-            "old_log_prob": log_prob + 0.2 * torch.randn(b, t, generator=g),
-            "advantage": torch.randn(b, generator=g),
-            "mask": torch.arange(t) < lengths[:, None],
-        },
-        [b],
+    data = {
+        "tokens": tokens,
+        "advantage": torch.randn(b, generator=g),
+        "mask": torch.arange(t) < lengths[:, None],
+    }
+    if path in GROUPS["logits"]:
+        logits = torch.randn(b, t, v, generator=g).mul_(2.0).requires_grad_()
+        with torch.no_grad():
+            log_prob, _ = token_log_prob_entropy(logits, tokens)
+        data["logits"] = logits
+        leaves = {"logits": logits}
+        dist = torch.distributions.Categorical if path == "plain" else TokenCategorical
+        actor = ProbabilisticTensorDictModule(
+            in_keys=["logits"], out_keys=["tokens"], distribution_class=dist
+        )
+    else:
+        hidden = torch.randn(b, t, h, generator=g).requires_grad_()
+        head = torch.nn.Linear(h, v, bias=False)
+        with torch.no_grad():
+            head.weight.copy_(torch.randn(v, h, generator=g).mul_(2.0 / h**0.5))
+            log_prob, _ = token_log_prob_entropy_from_hidden(hidden, head.weight, tokens)
+        data["hidden"] = hidden
+        leaves = {"hidden": hidden, "weight": head.weight}
+        kwargs = {"chunk_size": chunk_size}
+        if path == "head":
+            actor = ProbabilisticTensorDictSequential(
+                TensorDictModule(head, ["hidden"], ["logits"]),
+                ProbabilisticTensorDictModule(
+                    in_keys=["logits"], out_keys=["tokens"],
+                    distribution_class=TokenCategorical, distribution_kwargs=kwargs,
+                ),
+            )  # fmt: skip
+        else:
+            actor = ProbabilisticTensorDictModule(
+                in_keys=["hidden"], out_keys=["tokens"],
+                distribution_class=HiddenTokenCategorical,
+                distribution_kwargs={"head": head, **kwargs},
+            )  # fmt: skip
+    data["old_log_prob"] = log_prob + 0.2 * torch.randn(b, t, generator=g)
+    variants = VARIANTS if path == "variants" else {}
+    if variants:
+        data["inference_log_prob"] = data["old_log_prob"] + 0.01 * torch.randn(b, t, generator=g)
+        data["proximal_log_prob"] = data["old_log_prob"] + 0.1 * torch.randn(b, t, generator=g)
+        data["truncated"] = torch.rand(b, generator=g) < 0.25
+    loss = GRPOLoss(
+        actor, clip_epsilon=(0.2, 0.28), entropy_coeff=0.01, functional=False, **variants
     )
-    return batch, logits
+    loss.set_keys(sample_log_prob="old_log_prob")
+    return loss, TensorDict(data, [b]), leaves
 
 
-def step(loss, batch, logits):
-    logits.grad = None
+def step(loss, batch, leaves):
+    for leaf in leaves.values():
+        leaf.grad = None
     out = loss(batch)
     (out.loss_objective + out.loss_entropy).backward()
     return out
@@ -115,37 +185,41 @@ def step(loss, batch, logits):
 
 def worker(args) -> None:
     torch.set_num_threads(args.threads)
-    loss = make_loss(args.worker)
-    step(loss, *make_batch(2, 8, 64))  # warm-up at a tiny size
+    step(*make_case(args.worker, 2, 8, 64, 16))  # warm-up at a tiny size
 
-    batch, logits = make_batch(args.batch, args.length, args.vocab)
-    grad_sized = torch.empty_like(logits).fill_(1.0)  # touch every page, then give it back
+    loss, batch, leaves = make_case(
+        args.worker, args.batch, args.length, args.vocab, args.hidden, args.chunk_size
+    )
+    numel = sum(leaf.numel() for leaf in leaves.values())
+    grad_sized = torch.empty(numel).fill_(1.0)  # touch every page, then give it back
     del grad_sized
     baseline = max_rss_bytes()
 
     saved = {}
+    inputs = {leaf.untyped_storage().data_ptr() for leaf in leaves.values()}
 
     def pack(x):
         storage = x.untyped_storage()
-        if storage.data_ptr() != logits.untyped_storage().data_ptr():
+        if storage.data_ptr() not in inputs:
             saved[storage.data_ptr()] = storage.nbytes()
         return x
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
         start = time.perf_counter()
-        out = step(loss, batch, logits)
+        out = step(loss, batch, leaves)
         first = time.perf_counter() - start
     peak = max_rss_bytes()
 
     times = []
     for _ in range(args.repeats):
         start = time.perf_counter()
-        step(loss, batch, logits)
+        step(loss, batch, leaves)
         times.append(time.perf_counter() - start)
 
-    torch.save(logits.grad.detach().flatten()[::GRAD_STRIDE].clone(), args.out)
+    grads = {k: leaf.grad.detach().flatten()[::GRAD_STRIDE].clone() for k, leaf in leaves.items()}
+    torch.save(grads, args.out)
     result = {
-        "logits_bytes": logits.numel() * logits.element_size(),
+        "logits_bytes": args.batch * args.length * args.vocab * 4,
         "extra_peak_bytes": max(0, peak - baseline),
         "saved_bytes": sum(saved.values()),
         "first_s": first,
@@ -157,8 +231,10 @@ def worker(args) -> None:
 
 def run_path(path: str, args, out: Path) -> dict:
     cmd = [sys.executable, __file__, "--worker", path, "--out", str(out)]
-    for name in ("batch", "length", "vocab", "repeats", "threads"):
+    for name in ("batch", "length", "vocab", "hidden", "repeats", "threads"):
         cmd += [f"--{name}", str(getattr(args, name))]
+    if args.chunk_size is not None:
+        cmd += ["--chunk-size", str(args.chunk_size)]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         raise RuntimeError(f"{path} worker failed:\n{proc.stderr}")
@@ -168,39 +244,51 @@ def run_path(path: str, args, out: Path) -> dict:
 def main(args) -> None:
     mib = 2**20
     with tempfile.TemporaryDirectory() as tmp:
-        results = {path: run_path(path, args, Path(tmp) / f"{path}.pt") for path in PATHS}
-        grads = {path: torch.load(Path(tmp) / f"{path}.pt") for path in PATHS}
+        paths = [path for path in PATHS if path in args.paths]
+        results = {path: run_path(path, args, Path(tmp) / f"{path}.pt") for path in paths}
+        grads = {path: torch.load(Path(tmp) / f"{path}.pt") for path in paths}
 
-    logits_bytes = results["plain"]["logits_bytes"]
-    plain_time = results["plain"]["median_s"]
+    logits_bytes = args.batch * args.length * args.vocab * 4
     print(
-        f"GRPOLoss forward+backward, B={args.batch} T={args.length} V={args.vocab} float32, "
-        f"logits {logits_bytes / mib:.0f} MiB, {args.threads} thread(s), "
-        f"median of {args.repeats}"
+        f"GRPOLoss forward+backward, B={args.batch} T={args.length} V={args.vocab} "
+        f"H={args.hidden} float32, logits {logits_bytes / mib:.0f} MiB, "
+        f"{args.threads} thread(s), median of {args.repeats}"
     )
     header = (
         f"{'path':<28} {'extra peak MiB':>15} {'x logits':>9} {'saved MiB':>10} "
         f"{'time s':>8} {'time ratio':>11}"
     )
-    print(header)
-    print("-" * len(header))
-    names = {"plain": "Categorical (plain)", "lean": "TokenCategorical (lean)"}
-    for path in PATHS:
-        r = results[path]
-        print(
-            f"{names[path]:<28} {r['extra_peak_bytes'] / mib:>15.1f} "
-            f"{r['extra_peak_bytes'] / logits_bytes:>9.3f} {r['saved_bytes'] / mib:>10.2f} "
-            f"{r['median_s']:>8.2f} {r['median_s'] / plain_time:>11.2f}"
-        )
-    diffs = {
-        k: abs(results["plain"]["values"][k] - results["lean"]["values"][k]) for k in VALUE_KEYS
-    }
-    grad_diff = (grads["plain"] - grads["lean"]).abs().max().item()
+    rows = args.chunk_size or max(1, 2**20 // args.vocab)
+    print(f"TokenCategorical / HiddenTokenCategorical chunks: {rows} positions")
+    for group, paths in GROUPS.items():
+        paths = [path for path in paths if path in results]
+        if not paths:
+            continue
+        inputs = "logits" if group == "logits" else "hidden states and W"
+        print(f"\nfrom {group} (extra peak beyond the {inputs} and their gradients)")
+        print(header)
+        print("-" * len(header))
+        reference = results[paths[0]]["median_s"]
+        for path in paths:
+            r = results[path]
+            print(
+                f"{NAMES[path]:<28} {r['extra_peak_bytes'] / mib:>15.1f} "
+                f"{r['extra_peak_bytes'] / logits_bytes:>9.3f} {r['saved_bytes'] / mib:>10.2f} "
+                f"{r['median_s']:>8.2f} {r['median_s'] / reference:>11.2f}"
+            )
     print()
-    print("max |plain - lean|: " + ", ".join(f"{k} {v:.1e}" for k, v in diffs.items()))
-    print(
-        f"max |plain - lean| on the logits' gradient (every {GRAD_STRIDE}th entry): {grad_diff:.1e}"
-    )
+    for a, b in SAME:
+        if a not in results or b not in results:
+            continue
+        diffs = {k: abs(results[a]["values"][k] - results[b]["values"][k]) for k in VALUE_KEYS}
+        print(f"max |{a} - {b}|: " + ", ".join(f"{k} {v:.1e}" for k, v in diffs.items()))
+        for name in grads[a]:
+            diff = (grads[a][name] - grads[b][name]).abs().max().item()
+            scale = grads[a][name].abs().max().item()
+            print(
+                f"max |{a} - {b}| on the gradient of the {name} (every {GRAD_STRIDE}th entry): "
+                f"{diff:.1e} (largest entry {scale:.1e})"
+            )
 
 
 if __name__ == "__main__":

@@ -60,6 +60,7 @@ from torchrl_grpo import *
 from torchrl_grpo.advantages import *
 from torchrl_grpo.loss import *
 from torchrl_grpo.loss_terms import *
+from torchrl_grpo.rewards import *
 from torchrl_grpo.token_dist import *
 """
 doctest_test_doctest_blocks = "default"

@@ -1,17 +1,22 @@
 """GRPO solves CartPole-v1 without a critic, built from torchrl parts and torchrl_grpo.
 
-GRPO compares trajectories that share a starting point. Here a group is ``G`` episodes reset with
-the same seed, so they start from the same initial state; the reset seed is stamped on every step
-as ``"seed"``, and :class:`torchrl_grpo.MCAdvantage`, appended to a torchrl ``ReplayBuffer``,
-groups the episodes by it and writes group-relative advantages when a group is complete.
-:class:`torchrl_grpo.GRPOLoss` (a ClipPPOLoss without critic) then optimizes a torchrl
-``ProbabilisticActor`` on the released steps for a few epochs; the buffer is emptied after each
-batch (on-policy). Every batch plays ``--groups`` x ``--group-size`` episodes on ``--num-envs``
-gymnasium sub-environments stepped together behind one torchrl ``GymWrapper``.
+GRPO compares episodes that share a starting point. Here a group is ``G`` episodes reset with the
+same seed, so they start from the same state: :class:`torchrl_grpo.SameStartGroups`, a torchrl
+env transform, hands each reset seed to ``G`` episodes and stamps it on every step as
+``"reset_seed"``. A torchrl ``Collector`` plays the policy on ``--num-envs`` gymnasium
+sub-environments stepped together behind one ``GymWrapper``, and yields batches of
+``--groups`` x ``--group-size`` complete episodes (``trajs_per_batch``).
+:class:`torchrl_grpo.MCAdvantage`, appended to a torchrl ``ReplayBuffer``, groups the episodes by
+seed and writes group-relative advantages once a group is complete (a group whose episodes are
+still running waits for the next batch). :class:`torchrl_grpo.GRPOLoss` (a ClipPPOLoss without
+critic) then optimizes a torchrl ``ProbabilisticActor`` on the released steps for a few epochs;
+the buffer is emptied after each batch (each step is used for one batch's epochs only).
 
-After every batch the greedy policy plays ``--eval-episodes`` fresh episodes; training stops when
-their mean return reaches ``--target-return``, or when ``--time-budget`` seconds have passed since
-the script started. The last line printed is parseable::
+After every batch the greedy policy plays ``--eval-episodes`` fresh episodes (``env.rollout``);
+when their mean return reaches ``--target-return``, ``--confirm-episodes`` more fresh episodes
+decide (gym's criterion is a mean over 100): training stops if their mean, less two standard
+errors, reaches it too, or when ``--time-budget`` seconds have passed since the script started.
+The last line printed is parseable::
 
     RESULT solved=<true|false> wall_s=<float> env_steps=<int> eval_return=<float>
 
@@ -26,97 +31,151 @@ Each run writes a fresh folder ``<output-dir>/seed<seed>-<date>-<time>/``: the l
 ``state_dict``). See ``docs/tutorial_cartpole.rst`` for the design choices and measurements.
 """
 
-from __future__ import annotations
-
+# ruff: noqa: E402  (the clock starts before the imports: wall_s covers the whole run)
 import time
 
 START = time.perf_counter()  # the time budget and wall_s count from here, imports included
 
-import argparse  # noqa: E402
-from pathlib import Path  # noqa: E402
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
 
-import gymnasium as gym  # noqa: E402
-import torch  # noqa: E402
-from tensordict import TensorDict  # noqa: E402
-from tensordict.nn import TensorDictModule  # noqa: E402
-from torchrl.data import LazyTensorStorage, ReplayBuffer, SamplerWithoutReplacement  # noqa: E402
-from torchrl.envs import ExplorationType, GymWrapper, set_exploration_type  # noqa: E402
-from torchrl.envs.utils import step_mdp  # noqa: E402
-from torchrl.modules import MLP, ProbabilisticActor  # noqa: E402
-from torchrl.objectives.value.functional import reward2go  # noqa: E402
-from torchrl.record.loggers import get_logger  # noqa: E402
-from tqdm import tqdm  # noqa: E402
+import gymnasium as gym
+import torch
+from tensordict.nn import TensorDictModule
+from torchrl.collectors import Collector
+from torchrl.data import LazyTensorStorage, ReplayBuffer, SamplerWithoutReplacement
+from torchrl.envs import ExplorationType, GymWrapper, TransformedEnv, set_exploration_type
+from torchrl.modules import MLP, ProbabilisticActor
+from torchrl.objectives.value.functional import reward2go
+from torchrl.record.loggers import get_logger
+from tqdm import tqdm
 
-from torchrl_grpo import GRPOLoss, MCAdvantage  # noqa: E402
+from torchrl_grpo import GRPOLoss, MCAdvantage, SameStartGroups
 
 MAX_EPISODE_STEPS = 500  # CartPole-v1 truncates here
+SEEDS_PER_RUN = 1_000_000  # run --seed s trains on reset seeds [s * 1e6, (s + 1) * 1e6)
 EVAL_SEED_OFFSET = 2**30  # evaluation seeds never collide with training seeds
+CONFIRM_SEED_OFFSET = EVAL_SEED_OFFSET + SEEDS_PER_RUN // 2  # nor with each other
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+@dataclass
+class Settings:
+    """Every setting of the run; each is a command-line flag (``--group-size 8``)."""
+
+    seed: int = field(default=0, metadata={"help": "seed of torch and of the reset seeds"})
+    group_size: int = field(default=4, metadata={"help": "G: episodes per group, one reset seed"})
+    groups: int = field(
+        default=16, metadata={"help": "episodes per batch, in groups: a batch is groups x G"}
+    )
+    num_envs: int = field(
+        default=64, metadata={"help": "gymnasium sub-environments stepped together"}
+    )
+    frames_per_batch: int = field(
+        default=512,
+        metadata={"help": "env steps (all sub-envs) between two looks for finished episodes"},
+    )
+    epochs: int = field(default=4, metadata={"help": "passes of GRPOLoss over each batch"})
+    minibatch_size: int = field(default=1024, metadata={"help": "steps per gradient step"})
+    lr: float = field(default=1e-2, metadata={"help": "Adam learning rate"})
+    clip_epsilon: float = field(default=0.2, metadata={"help": "PPO clip range of GRPOLoss"})
+    entropy_coeff: float = field(default=0.0, metadata={"help": "entropy bonus of GRPOLoss"})
+    advantage: str = field(
+        default="reward-to-go",
+        metadata={
+            "choices": ["reward-to-go", "return"],
+            "help": "what is compared within a group: each step's discounted reward-to-go, or "
+            "each episode's return (broadcast to its steps)",
+        },
+    )
+    gamma: float = field(default=0.99, metadata={"help": "discount of the reward-to-go"})
+    hidden: int = field(default=64, metadata={"help": "width of the policy's 2 hidden layers"})
+    eval_episodes: int = field(
+        default=20, metadata={"help": "fresh episodes per greedy evaluation"}
+    )
+    confirm_episodes: int = field(
+        default=100,
+        metadata={
+            "help": "when an evaluation reaches the target, these many more fresh episodes must "
+            "too before the run stops (gym's criterion: 100); 0 trusts the evaluation"
+        },
+    )
+    target_return: float = field(default=475.0, metadata={"help": "greedy return that solves"})
+    time_budget: float = field(
+        default=60.0,
+        metadata={
+            "help": "start no new batch after this many seconds since the script started "
+            "(imports included)"
+        },
+    )
+    max_env_steps: int | None = field(
+        default=None, metadata={"help": "also stop after this many env steps", "type": int}
+    )
+    output_dir: str = field(default="runs/cartpole", metadata={"help": "logs and plot go here"})
+    logger: str = field(
+        default="csv",
+        metadata={
+            "choices": ["csv", "tensorboard", "wandb", "none"],
+            "help": "torchrl logger; tensorboard and wandb need their extras: "
+            "pip install -e '.[tensorboard]'",
+        },
+    )
+    no_progress: bool = field(default=False, metadata={"help": "hide the tqdm progress bar"})
+
+
+def parse_args(argv: list[str] | None = None) -> Settings:
     """The settings of the run; ``--help`` documents each."""
-    p = argparse.ArgumentParser(
+    parser = argparse.ArgumentParser(
         description="GRPO (no critic) on gymnasium's CartPole-v1 with torchrl and torchrl_grpo.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--seed", type=int, default=0, help="seed of torch and of the reset seeds")
-    p.add_argument(
-        "--group-size", type=int, default=4, help="G: episodes per group, all reset with one seed"
-    )
-    p.add_argument("--groups", type=int, default=16, help="groups (distinct reset seeds) per batch")
-    p.add_argument(
-        "--num-envs", type=int, default=64, help="gymnasium sub-environments stepped together"
-    )
-    p.add_argument("--epochs", type=int, default=4, help="passes of GRPOLoss over each batch")
-    p.add_argument("--minibatch-size", type=int, default=1024, help="steps per gradient step")
-    p.add_argument("--lr", type=float, default=1e-2, help="Adam learning rate")
-    p.add_argument("--clip-epsilon", type=float, default=0.2, help="PPO clip range of GRPOLoss")
-    p.add_argument("--entropy-coeff", type=float, default=0.0, help="entropy bonus of GRPOLoss")
-    p.add_argument(
-        "--advantage",
-        choices=["reward-to-go", "return"],
-        default="reward-to-go",
-        help="what is compared within a group: each step's discounted reward-to-go, or each "
-        "episode's return (broadcast to its steps)",
-    )
-    p.add_argument("--gamma", type=float, default=0.99, help="discount of the reward-to-go")
-    p.add_argument("--hidden", type=int, default=64, help="width of the policy's 2 hidden layers")
-    p.add_argument(
-        "--eval-episodes", type=int, default=20, help="fresh episodes per greedy evaluation"
-    )
-    p.add_argument("--target-return", type=float, default=475.0, help="greedy return that solves")
-    p.add_argument(
-        "--time-budget",
-        type=float,
-        default=60.0,
-        help="start no new batch after this many seconds since the script started (imports "
-        "included)",
-    )
-    p.add_argument(
-        "--max-env-steps", type=int, default=None, help="also stop after this many env steps"
-    )
-    p.add_argument("--output-dir", default="runs/cartpole", help="logs and plot go here")
-    p.add_argument(
-        "--logger",
-        choices=["csv", "tensorboard", "wandb", "none"],
-        default="csv",
-        help="torchrl logger; tensorboard and wandb need their extras: pip install -e '.[tensorboard]'",
-    )
-    p.add_argument("--no-progress", action="store_true", help="hide the tqdm progress bar")
-    return p.parse_args(argv)
+    for f in dataclasses.fields(Settings):
+        flag = "--" + f.name.replace("_", "-")
+        if f.type is bool:
+            parser.add_argument(flag, action="store_true", help=f.metadata["help"])
+        else:
+            kind = f.metadata.get("type", type(f.default))
+            parser.add_argument(
+                flag,
+                type=kind,
+                default=f.default,
+                choices=f.metadata.get("choices"),
+                help=f.metadata["help"],
+            )
+    return Settings(**vars(parser.parse_args(argv)))
 
 
-def make_env(num_envs: int) -> GymWrapper:
-    """``num_envs`` CartPole-v1 in one gymnasium ``SyncVectorEnv``, behind one torchrl wrapper.
+def make_env(num_envs: int, seeds: range, group_size: int) -> TransformedEnv:
+    """``num_envs`` CartPole-v1 stepped together, each episode reset from a seed G times.
 
-    One torchrl step then steps every sub-env, so torchrl's per-step cost is paid once for all of
-    them. Auto-reset is disabled: finished sub-envs are reset explicitly, with a chosen seed.
+    One gymnasium ``SyncVectorEnv`` behind one torchrl ``GymWrapper``: one torchrl step steps
+    every sub-env, so torchrl's per-step cost is paid once for all of them. Auto-reset is
+    disabled: torchrl resets finished sub-envs, through :class:`~torchrl_grpo.SameStartGroups`,
+    which seeds each reset (``seeds[0]`` G times, then ``seeds[1]``, ...) and writes the seed of
+    every step as ``"reset_seed"``.
     """
     vector_env = gym.vector.SyncVectorEnv(
         [lambda: gym.make("CartPole-v1")] * num_envs,
         autoreset_mode=gym.vector.AutoresetMode.DISABLED,
     )
-    return GymWrapper(vector_env, categorical_action_encoding=True)
+    env = GymWrapper(vector_env, categorical_action_encoding=True)
+    return TransformedEnv(env, SameStartGroups(group_size, seeds=seeds))
+
+
+def make_eval_env(num_envs: int, seeds: range) -> TransformedEnv:
+    """``num_envs`` CartPole-v1 for greedy evaluation; every reset starts each from a fresh seed.
+
+    gymnasium's ``SAME_STEP`` auto-reset lets ``env.rollout(..., break_when_all_done=True)`` stop
+    stepping the sub-envs whose episode ended (a ``DISABLED`` vector env refuses that step), so a
+    rollout plays one episode per sub-env and lasts as long as the longest.
+    """
+    vector_env = gym.vector.SyncVectorEnv(
+        [lambda: gym.make("CartPole-v1")] * num_envs,
+        autoreset_mode=gym.vector.AutoresetMode.SAME_STEP,
+    )
+    env = GymWrapper(vector_env, categorical_action_encoding=True)  # + VecGymEnvTransform
+    return env.append_transform(SameStartGroups(1, seeds=seeds))
 
 
 def make_actor(hidden: int) -> ProbabilisticActor:
@@ -133,54 +192,43 @@ def make_actor(hidden: int) -> ProbabilisticActor:
 
 
 @torch.no_grad()
-def play_episodes(env: GymWrapper, policy, seeds: list[int]) -> TensorDict:
-    """Play one episode from each reset seed; return their steps, flat, episode after episode.
+def episode_returns(env: TransformedEnv, actor: ProbabilisticActor) -> torch.Tensor:
+    """Returns ``(N,)`` of the greedy (argmax) policy, one fresh episode per sub-env of ``env``."""
+    with set_exploration_type(ExplorationType.DETERMINISTIC):
+        steps = env.rollout(
+            MAX_EPISODE_STEPS, actor, break_when_any_done=False, break_when_all_done=True
+        )
+    done = steps["next", "done"].squeeze(-1).long()  # (N, T); finished rows repeat their end
+    first_episode = (done.cumsum(-1) - done) == 0  # steps up to each sub-env's first done
+    return (steps["next", "reward"].squeeze(-1) * first_episode).sum(-1)
 
-    The seeds form a queue over the env's sub-envs: a sub-env that finishes an episode is reset
-    with the next seed, so no sub-env idles while seeds remain. Every step carries the seed of
-    its episode under ``"seed"``. An episode ends at termination or at truncation (step 500);
-    both set ``("next", "done")``, which is where :class:`~torchrl_grpo.MCAdvantage` splits.
 
-    Args:
-        env: a batched env from :func:`make_env`, with ``N`` sub-envs.
-        policy: writes ``"action"`` into the tensordict of the ``N`` current steps.
-        seeds: one reset seed per episode to play.
+def evaluate(env: TransformedEnv, actor: ProbabilisticActor) -> float:
+    """Mean return of the greedy policy over one fresh episode per sub-env of ``env``."""
+    return float(episode_returns(env, actor).mean())
+
+
+def greedy_return(
+    actor: ProbabilisticActor, eval_env: TransformedEnv, confirm_env: TransformedEnv | None,
+    target: float,
+) -> tuple[float, bool]:  # fmt: skip
+    """The greedy policy's mean return on fresh episodes, and whether it solves the task.
+
+    One episode per sub-env of ``eval_env``; if their mean reaches ``target``, one per sub-env of
+    ``confirm_env`` decides (a few lucky episodes can pass; gym's criterion is a mean over 100):
+    solved if that mean, less two standard errors, still reaches ``target`` (a one-sided 97.7%
+    lower confidence bound): a policy whose true mean is exactly the target passes about once in
+    44 tries, where the plain mean would pass every other time.
 
     Returns:
-        A TensorDict of shape ``[S]``: all steps of all episodes, each episode contiguous and
-        ending with ``("next", "done")`` set.
+        ``(mean return of the last evaluation, solved)``.
     """
-    n = env.batch_size[0]
-    queue = list(seeds)
-    first, queue = queue[:n], queue[n:]
-    slot_seed = torch.full((n,), -1, dtype=torch.long)  # seed of each sub-env's episode, -1: idle
-    slot_seed[: len(first)] = torch.tensor(first, dtype=torch.long)
-    td = env.reset(seed=first + [None] * (n - len(first)))
-    steps, playing = [], []
-    while (slot_seed >= 0).any():
-        td["seed"] = slot_seed.clone()
-        td = env.step(policy(td))
-        steps.append(td)
-        playing.append(slot_seed >= 0)
-        done = td["next", "done"].squeeze(-1)  # (N,)
-        td = step_mdp(td)
-        if done.any():
-            new_seeds = [None] * n
-            for i in done.nonzero().squeeze(-1).tolist():
-                new_seeds[i] = queue.pop(0) if queue else None
-                slot_seed[i] = -1 if new_seeds[i] is None else new_seeds[i]
-            # idle sub-envs are reset too (a finished gymnasium env cannot be stepped) and ignored
-            td["_reset"] = done.unsqueeze(-1)
-            td = env.reset(td, seed=new_seeds)
-    steps = torch.stack(steps, dim=1)  # (N, T): each row holds its sub-env's episodes in order
-    return steps[torch.stack(playing, dim=1)]  # (S,), row after row
-
-
-def evaluate(env: GymWrapper, actor: ProbabilisticActor, seeds: list[int]) -> float:
-    """Mean return of the greedy (argmax) policy over one episode per seed."""
-    with set_exploration_type(ExplorationType.DETERMINISTIC):
-        steps = play_episodes(env, actor, seeds)
-    return float(steps["next", "reward"].sum()) / len(seeds)
+    returns = episode_returns(eval_env, actor)
+    if returns.mean() < target or confirm_env is None:
+        return float(returns.mean()), bool(returns.mean() >= target)
+    returns = episode_returns(confirm_env, actor)
+    lower = returns.mean() - 2 * returns.std() / len(returns) ** 0.5  # std: Bessel's correction
+    return float(returns.mean()), bool(lower >= target)
 
 
 def save_plot(history: list[dict], evals: list[dict], target: float, path: Path) -> None:
@@ -231,11 +279,20 @@ def main(argv: list[str] | None = None) -> dict:
         ) from error
     run_dir.mkdir(parents=True, exist_ok=True)
     if logger is not None:
-        logger.log_hparams(vars(cfg))
+        logger.log_hparams(dataclasses.asdict(cfg))
 
-    env = make_env(cfg.num_envs)
-    eval_env = make_env(cfg.eval_episodes)
-    actor = make_actor(cfg.hidden)
+    actor = make_actor(cfg.hidden)  # first: building envs draws from torch's generator too
+    first_seed = cfg.seed * SEEDS_PER_RUN
+    env = make_env(cfg.num_envs, range(first_seed, first_seed + SEEDS_PER_RUN), cfg.group_size)
+    eval_env = make_eval_env(
+        cfg.eval_episodes, range(EVAL_SEED_OFFSET + first_seed, CONFIRM_SEED_OFFSET + first_seed)
+    )
+    confirm_seeds = range(
+        CONFIRM_SEED_OFFSET + first_seed, EVAL_SEED_OFFSET + first_seed + SEEDS_PER_RUN
+    )
+    confirm_env = (
+        make_eval_env(cfg.confirm_episodes, confirm_seeds) if cfg.confirm_episodes else None
+    )
     loss_module = GRPOLoss(actor, clip_epsilon=cfg.clip_epsilon, entropy_coeff=cfg.entropy_coeff)
     optimizer = torch.optim.Adam(loss_module.parameters(), lr=cfg.lr)
 
@@ -243,46 +300,58 @@ def main(argv: list[str] | None = None) -> dict:
     if cfg.advantage == "reward-to-go":
         # every step is a sample: A = (reward-to-go - group mean) / group std, over the group's steps
         advantage = MCAdvantage(
-            grpo_size=cfg.group_size, prompt_key="seed", rewards_key=("next", "reward_to_go")
+            grpo_size=cfg.group_size, prompt_key="reset_seed", rewards_key=("next", "reward_to_go")
         )
     else:
         # every episode is a sample: A = (return - group mean) / group std, on all its steps
         advantage = MCAdvantage(
-            grpo_size=cfg.group_size, prompt_key="seed", trajectory_return="sum"
+            grpo_size=cfg.group_size, prompt_key="reset_seed", trajectory_return="sum"
         )
     episodes_per_batch = cfg.groups * cfg.group_size
+    # One extend releases at most this batch's episodes and those held back earlier: a pending
+    # group has a member still running on a sub-env (or is the group the seeds are at).
+    held_back = (cfg.group_size - 1) * (cfg.num_envs + 1)
     buffer = ReplayBuffer(
-        storage=LazyTensorStorage(episodes_per_batch * MAX_EPISODE_STEPS),
+        storage=LazyTensorStorage((episodes_per_batch + held_back) * MAX_EPISODE_STEPS),
         sampler=SamplerWithoutReplacement(),
         batch_size=cfg.minibatch_size,
     )
     buffer.append_transform(advantage)
 
-    def fresh_eval_seeds() -> list[int]:  # never used for training, never used twice
-        first = EVAL_SEED_OFFSET + cfg.seed * 1_000_000 + len(evals) * cfg.eval_episodes
-        return list(range(first, first + cfg.eval_episodes))
+    # The collector plays the policy (sampling actions) on every sub-env without pause: a finished
+    # sub-env is reset (by SameStartGroups, with the next seed) and plays on. Each batch it yields
+    # holds `episodes_per_batch` complete episodes, flat, one after the other; episodes still
+    # running wait for a later batch. Every environment step counts, finished or not.
+    polled = []  # env steps of every poll of the sub-envs
+    collector = Collector(
+        env,
+        actor,
+        frames_per_batch=cfg.frames_per_batch,
+        total_frames=-1,
+        trajs_per_batch=episodes_per_batch,
+        traj_format="cat",
+        exploration_type=ExplorationType.RANDOM,
+        post_collect_hook=lambda steps: polled.append(steps.numel()),
+    )
+    batches = iter(collector)
 
-    env_steps, batch_index, history, evals = 0, 0, [], []
+    history, evals, out = [], [], None
     eval_return = float("nan")
     seconds = {"setup": time.perf_counter() - START, "play": 0.0, "optimize": 0.0, "evaluate": 0.0}
     bar = tqdm(unit=" steps", unit_scale=True, disable=cfg.no_progress, dynamic_ncols=True)
-    while eval_return < cfg.target_return or not evals:
+    solved = False
+    while not solved:
         if time.perf_counter() - START >= cfg.time_budget or (
-            cfg.max_env_steps is not None and env_steps >= cfg.max_env_steps
+            cfg.max_env_steps is not None and sum(polled) >= cfg.max_env_steps
         ):
             break
-        # 1. play the batch: each of `groups` consecutive seeds is played `group_size` times
+        # 1. play until `episodes_per_batch` more episodes are complete
         tick = time.perf_counter()
-        first_seed = cfg.seed * 1_000_000 + batch_index * cfg.groups
-        seeds = [first_seed + g for g in range(cfg.groups) for _ in range(cfg.group_size)]
-        with set_exploration_type(ExplorationType.RANDOM):
-            steps = play_episodes(env, actor, seeds)
+        steps = next(batches)
         if cfg.advantage == "reward-to-go":
             steps["next", "reward_to_go"] = reward2go(
                 steps["next", "reward"], steps["next", "done"], cfg.gamma, time_dim=-2
             )
-        env_steps += steps.shape[0]
-        batch_index += 1
         train_return = float(steps["next", "reward"].sum()) / episodes_per_batch
 
         # 2. the transform writes the advantages and releases the complete groups to storage
@@ -290,7 +359,7 @@ def main(argv: list[str] | None = None) -> dict:
         seconds["play"] += tock - tick
         buffer.extend(steps)
         # 3. a few epochs of minibatches over the released steps, then forget them (on-policy)
-        for _ in range(cfg.epochs):
+        for _ in range(cfg.epochs if len(buffer) else 0):
             for batch in buffer:
                 out = loss_module(batch)
                 loss = out.loss_objective + out.loss_entropy
@@ -299,42 +368,47 @@ def main(argv: list[str] | None = None) -> dict:
                 optimizer.step()
         buffer.empty()
 
-        # 4. greedy evaluation on fresh seeds
+        # 4. greedy evaluation on fresh seeds (and its confirmation, if it reaches the target)
         tick = time.perf_counter()
         seconds["optimize"] += tick - tock
-        eval_return = evaluate(eval_env, actor, fresh_eval_seeds())
+        eval_return, solved = greedy_return(actor, eval_env, confirm_env, cfg.target_return)
         seconds["evaluate"] += time.perf_counter() - tick
-        wall = time.perf_counter() - START
+        env_steps, wall = sum(polled), time.perf_counter() - START
         history.append({"env_steps": env_steps, "wall_s": wall, "return": train_return})
         evals.append({"env_steps": env_steps, "wall_s": wall, "return": eval_return})
         if logger is not None:
-            out = out.detach()
             metrics = {
                 "train/return": train_return,
                 "eval/return": eval_return,
-                "train/loss_objective": out.loss_objective,
-                "train/entropy": out.entropy,
-                "train/kl_approx": out.kl_approx,
-                "train/clip_fraction": out.clip_fraction,
-                "train/ESS": out.ESS,
                 "time/wall_s": wall,
                 **{f"time/{phase}_s": value for phase, value in seconds.items()},
             }
+            if out is not None:  # no optimizer step yet (--epochs 0): no loss to log
+                out = out.detach()
+                metrics.update({
+                    "train/loss_objective": out.loss_objective,
+                    "train/entropy": out.entropy,
+                    "train/kl_approx": out.kl_approx,
+                    "train/clip_fraction": out.clip_fraction,
+                    "train/ESS": out.ESS,
+                })  # fmt: skip
             for name, value in metrics.items():
                 logger.log_scalar(name, float(value), step=env_steps)
-        bar.update(steps.shape[0])
+        bar.update(env_steps - bar.n)
         bar.set_postfix(ret=f"{train_return:.1f}", eval=f"{eval_return:.1f}")
     bar.close()
+    collector.shutdown()
+    env_steps = sum(polled)
     if not evals:  # the budget ran out before the first batch: report the untrained policy
-        eval_return = evaluate(eval_env, actor, fresh_eval_seeds())
+        eval_return, solved = greedy_return(actor, eval_env, confirm_env, cfg.target_return)
         evals.append({"env_steps": 0, "wall_s": time.perf_counter() - START, "return": eval_return})
 
     tick = time.perf_counter()
     torch.save(actor.state_dict(), run_dir / "policy.pt")
     save_plot(history, evals, cfg.target_return, run_dir / "returns.png")
-    env.close()
-    eval_env.close()
-    solved = eval_return >= cfg.target_return
+    for closing in (eval_env, confirm_env):
+        if closing is not None:
+            closing.close()
     seconds["outputs"] = time.perf_counter() - tick
     wall = time.perf_counter() - START
     print(f"outputs: {run_dir}", flush=True)

@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 from torchrl_grpo.loss_terms import (
     AGGREGATIONS,
+    INFERENCE_CORRECTIONS,
     KL_ESTIMATORS,
     aggregate_seq_mean_token_mean,
     aggregate_seq_mean_token_sum,
@@ -28,14 +29,21 @@ from torchrl_grpo.loss_terms import (
     aggregate_token_mean,
     cispo_loss,
     clip_fractions,
+    decoupled_behaviour_weight,
     dual_clip_loss,
     effective_sample_size,
+    high_entropy_token_mask,
     kl_k1,
     kl_k2,
     kl_k3,
+    mask_importance_weight,
     masked_mean,
+    masked_quantile,
+    off_policy_sequence_mask,
     ppo_clip_loss,
+    sapo_loss,
     sequence_log_ratio,
+    truncate_importance_weight,
     truncated_is_weight,
 )
 
@@ -285,3 +293,179 @@ class TestDiagnostics:
         close(low, 0.2)
         close(high, 0.4)
         close(total, 0.6)
+
+
+class TestSAPOLoss:
+    # -(4 / tau) sigmoid(tau (r - 1)) A, tau = 1 for A > 0 and 1.05 for A <= 0; by hand:
+    #   row 0 (A = +1, tau 1):    r = 1   -> -4 * 0.5                       = -2
+    #                             r = 1.1 -> -4 * sigmoid(0.1) = -4 * 0.524979 = -2.099917
+    #                             r = 1.5 -> -4 * sigmoid(0.5) = -4 * 0.622459 = -2.489836
+    #   row 1 (A = -1, tau 1.05): r = 0.5 -> (4 / 1.05) * sigmoid(-0.525) = 3.809524 * 0.371684
+    #                             r = 4   -> (4 / 1.05) * sigmoid(3.15)   = 3.809524 * 0.958909
+    def test_hand_values(self):
+        loss = sapo_loss(RATIO.log(), ADV)
+        close(loss[0], [-2.0, -2.099917, -2.489836], atol=2e-6)
+        close(loss[1, :2], [1.415939, 3.652987], atol=2e-6)
+
+    def test_temperatures_by_advantage_sign(self):
+        # the same ratio 1.5 gated with tau_pos = 2 for A > 0, tau_neg = 0.5 for A = 0 or A < 0
+        log_ratio = torch.full((1, 3), math.log(1.5))
+        adv = torch.tensor([[2.0, 0.0, -2.0]])
+        loss = sapo_loss(log_ratio, adv, 2.0, 0.5)
+        # A = 2: -(4/2) sigmoid(1) * 2 = -2.924234; A = -2: (4/0.5) sigmoid(0.25) * 2 = 8.994824
+        close(loss, [[-2.924234, 0.0, 8.994824]], atol=5e-6)
+
+    def test_gradient_is_ppo_on_policy_and_soft_off_policy(self):
+        log_ratio = torch.log(torch.tensor([[1.0, 1.5]])).requires_grad_()
+        sapo_loss(log_ratio, torch.ones(1, 2), 1.0, 1.05).sum().backward()
+        # d/dlog r = -r * 4 sigmoid(1 - sigmoid) A: -1 at r = 1 (PPO's -r A), and at r = 1.5
+        # -1.5 * 4 * 0.622459 * 0.377541 = -1.410021, where PPO's clip (0.2) gives 0
+        close(log_ratio.grad, [[-1.0, -1.410021]], atol=2e-6)
+
+    def test_rank_mismatch_fails(self):
+        with pytest.raises(ValueError, match=r"advantage has shape \(2,\).*same number of dim"):
+            sapo_loss(RATIO.log(), torch.ones(2))
+
+
+class TestInferenceCorrections:
+    # log pi_old - log pi_inference: row 0 ratios 2, 1, 0.25 | row 1 ratios 0.5, 8, (pad: 100)
+    LOG_W = torch.tensor([[2.0, 1.0, 0.25], [0.5, 8.0, 100.0]]).log()
+
+    def test_registry(self):
+        assert set(INFERENCE_CORRECTIONS) == {
+            "token_truncate",
+            "token_mask",
+            "sequence_truncate",
+            "sequence_mask",
+        }
+
+    def test_token_truncate(self):
+        weight, keep = INFERENCE_CORRECTIONS["token_truncate"](self.LOG_W, MASK, 0.5, 3.0)
+        close(weight[0], [2.0, 1.0, 0.5])
+        close(weight[1, :2], [0.5, 3.0])
+        assert torch.equal(keep, MASK)
+
+    def test_token_truncate_is_tis(self):
+        old = torch.tensor([0.6, 0.3, 0.1]).log()
+        inference = torch.tensor([0.2, 0.3, 0.5]).log()
+        weight, _ = truncate_importance_weight((old - inference)[None], torch.ones(1, 3, dtype=torch.bool), None, 2.0)  # fmt: skip
+        torch.testing.assert_close(weight[0], truncated_is_weight(old, inference, 2.0), rtol=0, atol=0)  # fmt: skip
+
+    def test_token_mask_icepop_band(self):
+        weight, keep = INFERENCE_CORRECTIONS["token_mask"](self.LOG_W, MASK, 0.5, 5.0)
+        # 0.25 < 0.5 and 8 > 5 leave; 0.5 (at the bound) stays; the pad is not kept
+        assert keep.tolist() == [[True, True, False], [True, False, False]]
+        close(weight, [[2.0, 1.0, 0.0], [0.5, 0.0, 0.0]])
+
+    def test_sequence_levels(self):
+        # products over the real tokens: row 0: 2 * 1 * 0.25 = 0.5; row 1: 0.5 * 8 = 4
+        weight, keep = INFERENCE_CORRECTIONS["sequence_truncate"](self.LOG_W, MASK, None, 3.0)
+        close(weight, [[0.5] * 3, [3.0] * 3])
+        assert torch.equal(keep, MASK)
+        weight, keep = INFERENCE_CORRECTIONS["sequence_mask"](self.LOG_W, MASK, None, 3.0)
+        close(weight, [[0.5] * 3, [0.0] * 3])
+        assert keep.tolist() == [[True, True, True], [False, False, False]]
+        _, keep = mask_importance_weight(self.LOG_W, MASK, 0.6, None, level="sequence")
+        assert keep.tolist() == [[False, False, False], [True, True, False]]
+
+    def test_equal_log_probs_give_weight_one(self):
+        for name, fn in INFERENCE_CORRECTIONS.items():
+            weight, keep = fn(torch.zeros(2, 3), MASK, 0.5, 3.0)
+            assert torch.equal(keep, MASK), name
+            close(weight[MASK], [1.0] * 5)
+
+    def test_weights_are_detached_and_shapes_checked(self):
+        log_w = self.LOG_W.clone().requires_grad_()
+        for fn in INFERENCE_CORRECTIONS.values():
+            assert not fn(log_w, MASK, None, 3.0)[0].requires_grad
+        with pytest.raises(ValueError, match=r"mask has shape \(2, 2\)"):
+            truncate_importance_weight(self.LOG_W, MASK[:, :2], None, 3.0)
+        with pytest.raises(ValueError, match="level must be one of"):
+            mask_importance_weight(self.LOG_W, MASK, None, 3.0, level="group")
+
+
+class TestOffPolicySequenceMask:
+    # per-token drift log pi_old - log pi_theta: row 0: 1, 1 | row 1: 2, 0, (pad) | row 2: 3, 1
+    LOGP = torch.tensor([[-2.0, -2.0, 0.0], [-3.0, -1.0, 5.0], [-4.0, -2.0, 0.0]])
+    OLD = torch.tensor([[-1.0, -1.0, 0.0], [-1.0, -1.0, float("nan")], [-1.0, -1.0, 0.0]])
+    MASK3 = torch.tensor([[True, True, False], [True, True, False], [True, True, False]])
+
+    def test_hand_values(self):
+        # sequence KLs (mean over real tokens): 1, 1, 2; only A < 0 and KL > 1.5 leaves: row 2
+        adv = torch.tensor([[-1.0], [1.0], [-0.5]])
+        keep = off_policy_sequence_mask(self.LOGP, self.OLD, adv, self.MASK3, 1.5)
+        assert keep.tolist() == [[True, True, False], [True, True, False], [False, False, False]]
+        # a threshold below 1 drops row 0 too; row 1 (A > 0) always stays
+        keep = off_policy_sequence_mask(self.LOGP, self.OLD, adv, self.MASK3, 0.5)
+        assert keep[:, 0].tolist() == [False, True, False]
+
+    def test_zero_advantage_stays_and_infinite_threshold_keeps_all(self):
+        adv = torch.tensor([[0.0], [-1.0], [-1.0]])
+        keep = off_policy_sequence_mask(self.LOGP, self.OLD, adv, self.MASK3, 0.5)
+        assert keep[:, 0].tolist() == [True, False, False]
+        keep = off_policy_sequence_mask(self.LOGP, self.OLD, adv, self.MASK3, math.inf)
+        assert torch.equal(keep, self.MASK3)
+
+    def test_per_token_advantage_sign(self):
+        adv = torch.tensor([[1.0, -1.0, 0.0], [1.0, 1.0, 0.0], [-1.0, 1.0, 0.0]])
+        keep = off_policy_sequence_mask(self.LOGP, self.OLD, adv, self.MASK3, 1.5)
+        assert keep.tolist() == [[True, True, False], [True, True, False], [False, True, False]]
+
+    def test_checks_shapes(self):
+        with pytest.raises(ValueError, match=r"advantage has shape \(3,\)"):
+            off_policy_sequence_mask(self.LOGP, self.OLD, torch.ones(3), self.MASK3, 1.0)
+
+
+class TestDecoupledBehaviourWeight:
+    def test_hand_values(self):
+        prox = torch.tensor([[0.3, 0.6, 0.9]]).log()
+        behav = torch.tensor([[0.6, 0.3, 0.1]]).log()
+        weight, keep = decoupled_behaviour_weight(prox, behav)
+        close(weight, [[0.5, 2.0, 9.0]], atol=1e-5)
+        assert keep.all()
+        weight, keep = decoupled_behaviour_weight(prox, behav, cap=3.0)  # 9 > 3 leaves
+        close(weight, [[0.5, 2.0, 0.0]], atol=1e-5)
+        assert keep.tolist() == [[True, True, False]]
+
+    def test_proximal_equal_to_behaviour_is_weight_one(self):
+        lp = torch.randn(2, 3)
+        weight, keep = decoupled_behaviour_weight(lp, lp.clone(), cap=1.5)
+        assert (weight == 1).all() and keep.all()
+
+    def test_detached(self):
+        prox = torch.zeros(2, requires_grad=True)
+        assert not decoupled_behaviour_weight(prox, torch.zeros(2))[0].requires_grad
+
+
+class TestHighEntropyTokenMask:
+    # real entropies 0.1, 2.0, 0.5 | 1.0, 0.2 (9.0 is padding)
+    H = torch.tensor([[0.1, 2.0, 0.5], [1.0, 0.2, 9.0]])
+
+    def test_hand_values(self):
+        # 1 - rho = 0.6: sorted 0.1 0.2 0.5 1.0 2.0, position 2.4 -> 0.5 + 0.4 * 0.5 = 0.7
+        assert high_entropy_token_mask(self.H, MASK, 0.4).tolist() == [
+            [False, True, False],
+            [True, False, False],
+        ]
+        # rho = 0.2: position 3.2 -> 1.0 + 0.2 * 1.0 = 1.2: only 2.0
+        assert high_entropy_token_mask(self.H, MASK, 0.2).sum() == 1
+
+    def test_extremes_and_ties(self):
+        assert torch.equal(high_entropy_token_mask(self.H, MASK, 1.0), MASK)  # every real token
+        top = high_entropy_token_mask(self.H, MASK, 0.0)  # the maximum (not the 9.0 pad)
+        assert top.tolist() == [[False, True, False], [False, False, False]]
+        ties = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+        assert torch.equal(high_entropy_token_mask(ties, MASK, 0.2), MASK)  # all at the threshold
+
+    def test_empty_mask_selects_nothing(self):
+        empty = torch.zeros(2, 3, dtype=torch.bool)
+        assert not high_entropy_token_mask(self.H, empty, 0.5).any()
+
+    @settings(max_examples=25, deadline=None)
+    @given(seed=st.integers(0, 1000), q=st.floats(0.0, 1.0))
+    def test_masked_quantile_matches_torch_quantile(self, seed, q):
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randn(5, 7, generator=g, dtype=torch.float64)
+        mask = torch.rand(5, 7, generator=g) > 0.3
+        mask[0, 0] = True
+        close(masked_quantile(x, mask, q), torch.quantile(x[mask], q), atol=1e-12)

@@ -8,7 +8,12 @@ from tensordict import TensorDict
 from tensordict.nn import TensorDictModule
 from torchrl.modules import ProbabilisticActor
 
-from torchrl_grpo.token_dist import TokenCategorical, token_log_prob_entropy
+from torchrl_grpo.token_dist import (
+    HiddenTokenCategorical,
+    TokenCategorical,
+    token_log_prob_entropy,
+    token_log_prob_entropy_from_hidden,
+)
 
 
 def logits_and_tokens(shape=(3, 5), vocab=13, dtype=torch.float32, seed=0):
@@ -150,3 +155,266 @@ class TestTokenCategorical:
         td = actor(TensorDict({"hidden": torch.randn(2, 3, 4)}, [2]))
         ref = torch.distributions.Categorical(logits=td["logits"]).log_prob(td["tokens"])
         torch.testing.assert_close(td["tokens_log_prob"], ref, atol=1e-5, rtol=0)
+
+    def test_entropy_has_a_gradient_after_a_no_grad_log_prob(self):
+        """torch's Categorical keeps the entropy's gradient whatever ran before; so must this."""
+        logits = torch.randn(2, 3, 7, requires_grad=True)
+        dist = TokenCategorical(logits)
+        with torch.no_grad():
+            dist.log_prob(torch.zeros(2, 3, dtype=torch.long))
+        entropy = dist.entropy()
+        assert entropy.requires_grad
+        (grad,) = torch.autograd.grad(entropy.sum(), logits)
+        (expected,) = torch.autograd.grad(
+            torch.distributions.Categorical(logits=logits).entropy().sum(), logits
+        )
+        torch.testing.assert_close(grad, expected)
+
+
+def hidden_head_tokens(shape=(3, 5), hidden=6, vocab=13, dtype=torch.float32, bias=True, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(*shape, hidden, generator=g).to(dtype)
+    weight = (torch.randn(vocab, hidden, generator=g) / 2).to(dtype)
+    b = torch.randn(vocab, generator=g).to(dtype) if bias else None
+    tokens = torch.randint(vocab, shape, generator=g)
+    return h, weight, b, tokens
+
+
+class TestTokenLogProbEntropyFromHidden:
+    """Against the logits path ``token_log_prob_entropy(hidden @ W.T + b)``: values and the
+    gradients of the hidden states, the weight and the bias."""
+
+    @pytest.mark.parametrize("chunk_size", [None, 1, 4, 100])
+    @pytest.mark.parametrize("bias", [True, False])
+    def test_values_and_gradients_match_the_logits_path(self, chunk_size, bias):
+        h, weight, b, tokens = hidden_head_tokens(bias=bias)
+        tokens[2, 3:] = -100  # padding
+        g = torch.Generator().manual_seed(1)
+        w_lp, w_h = torch.randn(3, 5, generator=g), torch.randn(3, 5, generator=g)
+        inputs = [t for t in (h, weight, b) if t is not None]
+
+        ours = [t.clone().requires_grad_() for t in inputs]
+        lp, ent = token_log_prob_entropy_from_hidden(
+            ours[0], ours[1], tokens, ours[2] if bias else None, chunk_size=chunk_size
+        )
+        (w_lp * lp + w_h * ent).sum().backward()
+
+        ref = [t.clone().requires_grad_() for t in inputs]
+        logits = torch.nn.functional.linear(ref[0], ref[1], ref[2] if bias else None)
+        ref_lp, ref_ent = token_log_prob_entropy(logits, tokens)
+        (w_lp * ref_lp + w_h * ref_ent).sum().backward()
+
+        torch.testing.assert_close(lp, ref_lp, rtol=0, atol=1e-5)
+        torch.testing.assert_close(ent, ref_ent, rtol=0, atol=1e-5)
+        assert (lp[2, 3:] == 0).all()
+        for a, r in zip(ours, ref, strict=True):
+            torch.testing.assert_close(a.grad, r.grad, rtol=1e-5, atol=1e-5)
+
+    def test_gradcheck_float64(self):
+        h, weight, b, tokens = hidden_head_tokens(shape=(2, 3), hidden=3, vocab=5, dtype=torch.float64)  # fmt: skip
+        w = torch.randn(2, 3, dtype=torch.float64)
+
+        def fn(h, weight, b):
+            lp, ent = token_log_prob_entropy_from_hidden(h, weight, tokens, b, chunk_size=2)
+            return (lp + w * ent).sum()
+
+        inputs = tuple(t.requires_grad_() for t in (h, weight, b))
+        assert torch.autograd.gradcheck(fn, inputs)
+
+    def test_only_what_needs_a_gradient_gets_one(self):
+        h, weight, b, tokens = hidden_head_tokens()
+        h.requires_grad_()  # a frozen head
+        lp, _ = token_log_prob_entropy_from_hidden(h, weight, tokens, b)
+        lp.sum().backward()
+        assert h.grad is not None and weight.grad is None and b.grad is None
+
+    def test_bfloat16_in_float32(self):
+        h, weight, b, tokens = hidden_head_tokens(dtype=torch.bfloat16)
+        h.requires_grad_(), weight.requires_grad_()
+        lp, ent = token_log_prob_entropy_from_hidden(h, weight, tokens, b)
+        assert lp.dtype == ent.dtype == torch.float32
+        lp.sum().backward()
+        assert h.grad.dtype == weight.grad.dtype == torch.bfloat16
+        ref = torch.nn.functional.linear(h.detach(), weight.detach(), b).float()
+        torch.testing.assert_close(lp, token_log_prob_entropy(ref, tokens)[0], rtol=0, atol=1e-5)
+
+    def test_never_builds_the_logits(self):
+        # autograd keeps the inputs and (N,)-sized vectors; no tensor the size of the logits
+        # exists at any point: every allocation on the way is at most a chunk of them
+        h, weight, b, tokens = hidden_head_tokens(shape=(4, 16), hidden=8, vocab=64)
+        h.requires_grad_(), weight.requires_grad_()
+        saved = []
+
+        def pack(t):
+            saved.append(t)
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            lp, ent = token_log_prob_entropy_from_hidden(h, weight, tokens, b, chunk_size=8)
+        own = [t for t in saved if t.data_ptr() not in (h.data_ptr(), weight.data_ptr(), b.data_ptr())]  # fmt: skip
+        assert sum(t.numel() for t in own) <= 4 * 64  # index, pad flags, lse, entropy
+
+        n_logits = 4 * 16 * 64
+        biggest = []
+
+        class Track(torch.overrides.TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                if isinstance(out, torch.Tensor):
+                    biggest.append(out.numel())
+                return out
+
+        with Track():
+            lp, ent = token_log_prob_entropy_from_hidden(h, weight, tokens, b, chunk_size=8)
+            (lp.sum() + ent.sum()).backward()
+        assert max(biggest) <= max(weight.numel(), 8 * 64) < n_logits
+
+    def test_errors(self):
+        h, weight, b, tokens = hidden_head_tokens()
+        with pytest.raises(ValueError, match=r"hidden \(3, 5, 6\) and weight \(13, 5\)"):
+            token_log_prob_entropy_from_hidden(h, weight[:, :5], tokens)
+        with pytest.raises(ValueError, match=r"bias has shape \(12,\)"):
+            token_log_prob_entropy_from_hidden(h, weight, tokens, b[:12])
+        with pytest.raises(ValueError, match=r"hidden \(3, 5, 6\) and tokens \(3, 4\)"):
+            token_log_prob_entropy_from_hidden(h, weight, tokens[:, :4])
+        tokens[0, 0] = 13
+        with pytest.raises(IndexError, match="token id 13 is out of range"):
+            token_log_prob_entropy_from_hidden(h, weight, tokens)
+
+
+class TestHiddenTokenCategorical:
+    def test_matches_token_categorical(self):
+        h, weight, b, tokens = hidden_head_tokens()
+        head = torch.nn.Linear(6, 13)
+        with torch.no_grad():
+            head.weight.copy_(weight), head.bias.copy_(b)
+        dist, ref = HiddenTokenCategorical(h, head, chunk_size=4), TokenCategorical(head(h))
+        torch.testing.assert_close(dist.log_prob(tokens), ref.log_prob(tokens), atol=1e-5, rtol=0)
+        torch.testing.assert_close(dist.entropy(), ref.entropy(), atol=1e-5, rtol=0)
+        torch.testing.assert_close(dist.logits, head(h))
+        assert dist.batch_shape == (3, 5)
+        assert (dist.mode == ref.mode).all() and (dist.deterministic_sample == ref.mode).all()
+
+    def test_sampling_follows_the_distribution(self):
+        torch.manual_seed(0)
+        head = torch.nn.Linear(2, 3, bias=False)
+        with torch.no_grad():
+            head.weight.copy_(torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.0, 0.0]]))
+        h = torch.tensor([[2.0, 0.0], [0.0, 0.0]])  # probs softmax(2, 0, 0) and uniform
+        samples = HiddenTokenCategorical(h, head, chunk_size=1).sample((20_000,))
+        assert samples.shape == (20_000, 2)
+        freq = torch.stack([(samples == k).float().mean(0) for k in range(3)], -1)
+        expected = torch.tensor([[2.0, 0.0, 0.0], [0.0, 0.0, 0.0]]).softmax(-1)
+        torch.testing.assert_close(freq, expected, atol=0.015, rtol=0)
+
+    def test_entropy_shares_the_log_prob_node(self):
+        h, _, _, tokens = hidden_head_tokens()
+        dist = HiddenTokenCategorical(h.requires_grad_(), torch.nn.Linear(6, 13))
+        log_prob = dist.log_prob(tokens)
+
+        def node(t):
+            return t.grad_fn.next_functions[0][0]
+
+        assert type(node(log_prob)).__name__ == "_TokenLogProbEntropyFromHiddenBackward"
+        assert node(dist.entropy()) is node(log_prob)
+        fresh = HiddenTokenCategorical(h, torch.nn.Linear(6, 13))
+        assert fresh.entropy().requires_grad  # before any log_prob: computed on its own
+
+    def test_errors(self):
+        h = torch.randn(2, 3, 6)
+        with pytest.raises(ValueError, match="2-d weight"):
+            HiddenTokenCategorical(h, torch.nn.Identity())
+        with pytest.raises(ValueError, match=r"expected hidden \[\.\.\., 4\]"):
+            HiddenTokenCategorical(h, torch.nn.Linear(4, 9))
+
+    def test_tiny_qwen2_actor_equals_the_logits_path(self, tiny_llm):
+        """A causal LM's backbone returns hidden states, its lm_head is the distribution's
+        head: GRPOLoss's values and every parameter's gradient equal the logits path's."""
+        from torchrl_grpo import GRPOLoss
+
+        model, _ = tiny_llm
+
+        class LastHidden(torch.nn.Module):
+            def __init__(self, lm):
+                super().__init__()
+                self.lm = lm
+
+            def forward(self, input_ids):
+                return self.lm.model(input_ids=input_ids).last_hidden_state
+
+        class Logits(LastHidden):
+            def forward(self, input_ids):
+                return self.lm(input_ids=input_ids).logits
+
+        g = torch.Generator().manual_seed(0)
+        ids = torch.randint(12, (3, 6), generator=g)
+        batch = TensorDict(
+            input_ids=ids,
+            tokens=torch.randint(14, (3, 6), generator=g),
+            tokens_log_prob=-2.5 + 0.3 * torch.randn(3, 6, generator=g),
+            advantage=torch.tensor([1.0, -0.5, 0.3]),
+            mask=torch.arange(6) < torch.tensor([[6], [4], [2]]),
+            batch_size=[3],
+        )
+        results = []
+        for net, dist_class, in_keys, kwargs in (
+            (
+                LastHidden(model),
+                HiddenTokenCategorical,
+                {"hidden": "h"},
+                {"head": model.lm_head, "chunk_size": 5},
+            ),
+            (Logits(model), TokenCategorical, {"logits": "h"}, {}),
+        ):
+            actor = ProbabilisticActor(
+                TensorDictModule(net, ["input_ids"], ["h"]),
+                in_keys=in_keys,
+                out_keys=["tokens"],
+                distribution_class=dist_class,
+                distribution_kwargs=kwargs,
+            )
+            model.zero_grad()
+            out = GRPOLoss(actor, entropy_coeff=0.1)(batch.clone())
+            out.total_loss().backward()
+            results.append((out, {n: p.grad.clone() for n, p in model.named_parameters()}))
+        (out, grads), (ref, ref_grads) = results
+        for key, value in ref.items():
+            torch.testing.assert_close(out.get(key), value, rtol=1e-5, atol=1e-6, msg=key)
+        assert ref_grads["lm_head.weight"].abs().sum() > 0
+        for name, grad in ref_grads.items():
+            torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+class TestDevices:
+    """Same values and gradients on every available device as on the CPU (float64 reference)."""
+
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+    def test_logits_path(self, device, dtype):
+        g = torch.Generator().manual_seed(0)
+        logits = torch.randn(3, 5, 97, generator=g)
+        tokens = torch.randint(97, (3, 5), generator=g)
+        tokens[0, -2:] = -100
+        ref = logits.double().requires_grad_()
+        lp_ref, ent_ref = token_log_prob_entropy(ref, tokens)
+        (lp_ref.sum() + ent_ref.sum()).backward()
+        x = logits.to(device, dtype).requires_grad_()
+        lp, ent = token_log_prob_entropy(x, tokens.to(device), chunk_size=4)
+        (lp.sum() + ent.sum()).backward()
+        assert lp.device == ent.device == x.grad.device == x.device
+        tol = dict(atol=5e-2, rtol=5e-2) if dtype == torch.bfloat16 else dict(atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(lp.double().cpu(), lp_ref.detach(), **tol)
+        torch.testing.assert_close(ent.double().cpu(), ent_ref.detach(), **tol)
+        torch.testing.assert_close(x.grad.double().cpu(), ref.grad, **tol)
+
+    def test_hidden_path(self, device):
+        g = torch.Generator().manual_seed(1)
+        hidden, weight = torch.randn(2, 4, 6, generator=g), torch.randn(31, 6, generator=g)
+        tokens = torch.randint(31, (2, 4), generator=g)
+        h, w = hidden.to(device).requires_grad_(), weight.to(device).requires_grad_()
+        lp, ent = token_log_prob_entropy_from_hidden(h, w, tokens.to(device), chunk_size=3)
+        (lp.sum() + ent.sum()).backward()
+        logits = (hidden @ weight.T).requires_grad_()
+        lp_ref, ent_ref = token_log_prob_entropy(logits, tokens)
+        torch.testing.assert_close(lp.cpu(), lp_ref.detach(), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(ent.cpu(), ent_ref.detach(), atol=1e-5, rtol=1e-5)
+        assert h.grad.device == h.device and w.grad.device == w.device

@@ -3,7 +3,12 @@
 * :class:`MCAdvantage`: a replay-buffer transform that queues trajectories by group and writes
   group-relative advantages when a group is complete (a drop-in for torchrl's).
 * :class:`GRPOLoss` and its presets: a critic-free ``ClipPPOLoss`` with the published variants.
-* :class:`TokenCategorical`: token log-probs and entropy for large vocabularies, memory-lean.
+* :class:`SameStartGroups`: a torchrl env transform that resets every seed G times and stamps
+  each step with it, so that collectors deliver same-start groups for control tasks.
+* :class:`TokenCategorical`: token log-probs and entropy for large vocabularies, memory-lean;
+  :class:`HiddenTokenCategorical`: the same from hidden states and the output layer, chunk by
+  chunk, without the logits.
+* :class:`OverlongPenalty`: DAPO's soft overlong penalty, a reward transform.
 * :mod:`torchrl_grpo.advantages` and :mod:`torchrl_grpo.loss_terms`: the math, as pure functions.
 """
 
@@ -13,6 +18,7 @@ from torchrl_grpo.advantages import (
     group_std,
     trajectory_returns,
 )
+from torchrl_grpo.envs import SameStartGroups
 from torchrl_grpo.loss import (
     CISPOLoss,
     DAPOLoss,
@@ -20,8 +26,15 @@ from torchrl_grpo.loss import (
     GRPOLoss,
     GRPOLossOutput,
     GSPOLoss,
+    SAPOLoss,
 )
-from torchrl_grpo.token_dist import TokenCategorical, token_log_prob_entropy
+from torchrl_grpo.rewards import OverlongPenalty
+from torchrl_grpo.token_dist import (
+    HiddenTokenCategorical,
+    TokenCategorical,
+    token_log_prob_entropy,
+    token_log_prob_entropy_from_hidden,
+)
 from torchrl_grpo.transform import MCAdvantage, MCAdvantageSelector
 
 __version__ = "0.1.0"
@@ -33,12 +46,17 @@ __all__ = [
     "GRPOLoss",
     "GRPOLossOutput",
     "GSPOLoss",
+    "HiddenTokenCategorical",
     "MCAdvantage",
     "MCAdvantageSelector",
+    "OverlongPenalty",
+    "SAPOLoss",
+    "SameStartGroups",
     "TokenCategorical",
     "group_mean",
     "group_relative_advantage",
     "group_std",
     "token_log_prob_entropy",
+    "token_log_prob_entropy_from_hidden",
     "trajectory_returns",
 ]

@@ -34,6 +34,7 @@ class EmptyStorageCheckpointer(StorageCheckpointerBase):
     Examples:
         >>> import tempfile
         >>> from torchrl.data import LazyTensorStorage
+        >>> from torchrl_grpo.checkpoint import EmptyStorageCheckpointer
         >>> storage = LazyTensorStorage(10)
         >>> storage.checkpointer = EmptyStorageCheckpointer(storage.checkpointer)
         >>> with tempfile.TemporaryDirectory() as path:
@@ -89,6 +90,7 @@ def allow_empty_dumps(replay_buffer):
     Examples:
         >>> import tempfile
         >>> from torchrl.data import LazyTensorStorage, ReplayBuffer
+        >>> from torchrl_grpo.checkpoint import allow_empty_dumps
         >>> rb = allow_empty_dumps(ReplayBuffer(storage=LazyTensorStorage(10)))
         >>> with tempfile.TemporaryDirectory() as path:
         ...     rb.dumps(path)  # torchrl alone raises: nothing was ever written

@@ -32,16 +32,31 @@ References:
 * KL estimators: Schulman, 2020, "Approximating KL Divergence", http://joschu.net/blog/kl-approx.html.
 * Truncated importance sampling: Yao et al., 2025, "Your Efficient RL Framework Secretly Brings
   You Off-Policy RL Training", https://fengyao.notion.site/off-policy-rl.
+* SAPO: Gao et al., 2025, "Soft Adaptive Policy Optimization", arXiv:2511.20347.
+* IcePop: Ling Team, 2025, "Every Step Evolves: Scaling Reinforcement Learning for Trillion-Scale
+  Thinking Model" (Ring-1T), arXiv:2510.18855.
+* Off-policy sequence masking: DeepSeek-AI, 2025, "DeepSeek-V3.2", arXiv:2512.02556, Eq. 9.
+* Decoupled PPO: Fu et al., 2025, "AReaL: A Large-Scale Asynchronous Reinforcement Learning
+  System for Language Reasoning", arXiv:2505.24298; Hilton et al., 2022, "Batch size-invariance
+  for policy optimization", arXiv:2110.00641.
+* High-entropy tokens: Wang et al., 2025, "Beyond the 80/20 Rule: High-Entropy Minority Tokens
+  Drive Effective Reinforcement Learning for LLM Reasoning", arXiv:2506.01939.
+
+Shapes are checked at the top of the functions that combine per-token and per-sequence tensors
+(rlax's habit): a ``(B,)`` advantage against a ``(B, T)`` ratio raises a ``ValueError`` instead
+of broadcasting into a ``(B, B)`` loss.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
 
 __all__ = [
     "AGGREGATIONS",
+    "INFERENCE_CORRECTIONS",
     "KL_ESTIMATORS",
     "aggregate_seq_mean_token_mean",
     "aggregate_seq_mean_token_sum",
@@ -49,16 +64,53 @@ __all__ = [
     "aggregate_token_mean",
     "cispo_loss",
     "clip_fractions",
+    "decoupled_behaviour_weight",
     "dual_clip_loss",
     "effective_sample_size",
+    "high_entropy_token_mask",
     "kl_k1",
     "kl_k2",
     "kl_k3",
+    "kl_trust_region_mask",
+    "mask_importance_weight",
     "masked_mean",
+    "masked_quantile",
+    "off_policy_sequence_mask",
     "ppo_clip_loss",
+    "sapo_loss",
     "sequence_log_ratio",
+    "truncate_importance_weight",
     "truncated_is_weight",
 ]
+
+
+def _check_same_rank(name: str, x: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:
+    # rlax's habit: a per-sequence (B,) tensor against per-token (B, T) ones would broadcast into
+    # (B, B) silently; require the same rank and broadcastable shapes instead
+    if x.ndim != ref.ndim:
+        raise ValueError(
+            f"{name} has shape {tuple(x.shape)} and {ref_name} has shape {tuple(ref.shape)}: "
+            f"they must have the same number of dimensions (a per-sequence value is (B, 1) "
+            f"against (B, T) tokens)."
+        )
+    try:
+        torch.broadcast_shapes(x.shape, ref.shape)
+    except RuntimeError:
+        raise ValueError(
+            f"{name} has shape {tuple(x.shape)}, which does not broadcast to {ref_name}'s "
+            f"{tuple(ref.shape)}."
+        ) from None
+
+
+def _check_same_shape(**tensors: torch.Tensor) -> None:
+    # every named tensor must have exactly the shape of the first one
+    (first, ref), *others = tensors.items()
+    for name, x in others:
+        if x.shape != ref.shape:
+            raise ValueError(
+                f"{name} has shape {tuple(x.shape)} but {first} has shape {tuple(ref.shape)}: "
+                "they must be equal."
+            )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -292,6 +344,180 @@ def truncated_is_weight(
     return (log_prob - inference_log_prob).detach().exp().clamp(max=cap)
 
 
+def _token_level(log_weight: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return log_weight
+
+
+def _sequence_level(log_weight: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    # log of the product of the token weights of each sequence, broadcast over its tokens
+    return torch.where(mask, log_weight, 0.0).sum(-1, keepdim=True).expand_as(log_weight)
+
+
+#: Levels of an importance weight: one per token, or one per sequence (the product of its tokens').
+_IS_LEVELS = {"token": _token_level, "sequence": _sequence_level}
+
+
+def _is_level(level: str):
+    try:
+        return _IS_LEVELS[level]
+    except KeyError:
+        raise ValueError(f"level must be one of {sorted(_IS_LEVELS)}, got {level!r}.") from None
+
+
+def truncate_importance_weight(
+    log_weight: torch.Tensor,
+    mask: torch.Tensor,
+    low: float | torch.Tensor | None,
+    high: float | torch.Tensor | None,
+    *,
+    level: str = "token",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Importance weight against the inference engine, truncated to ``[low, high]`` (TIS).
+
+    .. math:: w_t = \\operatorname{sg}\\big[\\operatorname{clip}(\\rho_t, C_{min}, C_{max})\\big],
+        \\qquad \\rho_t = \\frac{\\pi_{old}(a_t)}{\\pi_{inference}(a_t)}
+        \\ \\text{(token)} \\quad\\text{or}\\quad
+        \\rho_i = \\prod_{t \\in o_i} \\frac{\\pi_{old}(a_t)}{\\pi_{inference}(a_t)}
+        \\ \\text{(sequence)}
+
+    Truncated importance sampling (Yao et al., 2025) at the token level, and its sequence-level
+    form, TRL's ``vllm_importance_sampling_mode="token_truncate"`` / ``"sequence_truncate"``
+    (the sequence ratio is the product of the token ratios over the real tokens). Every token
+    stays in the loss; the weight carries no gradient.
+
+    Args:
+        log_weight (torch.Tensor): ``log pi_old - log pi_inference`` per token, ``(B, T)``.
+        mask (torch.Tensor): boolean ``(B, T)``, ``True`` on real tokens.
+        low (float or torch.Tensor, optional): ``C_min``; ``None`` for no lower bound.
+        high (float or torch.Tensor, optional): ``C_max``; ``None`` for no upper bound.
+        level (str): ``"token"`` or ``"sequence"``. Defaults to ``"token"``.
+
+    Returns:
+        tuple[torch.Tensor, torch.Tensor]: ``(weight, keep)``, both ``(B, T)``: the detached
+        weights, and ``mask`` (truncation keeps every real token).
+
+    Examples:
+        >>> import torch
+        >>> mask = torch.tensor([[True, True, False]])
+        >>> log_w = torch.tensor([[3.0, 1.0, 9.0]]).log()
+        >>> truncate_importance_weight(log_w, mask, None, 2.0)[0]  # min(rho_t, 2)
+        tensor([[2., 1., 2.]])
+        >>> truncate_importance_weight(log_w, mask, 0.5, 2.0, level="sequence")[0]  # 3 * 1
+        tensor([[2., 2., 2.]])
+    """
+    _check_same_shape(log_weight=log_weight, mask=mask)
+    ratio = _is_level(level)(log_weight.detach(), mask).exp()  # (B, T)
+    return ratio.clamp(low, high), mask
+
+
+def mask_importance_weight(
+    log_weight: torch.Tensor,
+    mask: torch.Tensor,
+    low: float | torch.Tensor | None,
+    high: float | torch.Tensor | None,
+    *,
+    level: str = "token",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Importance weight against the inference engine, zero outside ``[low, high]`` (MIS, IcePop).
+
+    .. math:: w_t = \\operatorname{sg}\\big[\\rho_t\\, \\mathbb{1}[C_{min} \\le \\rho_t \\le
+        C_{max}]\\big]
+
+    with ``rho`` per token or per sequence as in :func:`truncate_importance_weight`. Instead of
+    truncating a ratio that left the band, the token (or the whole sequence) leaves the
+    policy-gradient term: its weight is 0. Token level with the band ``[0.5, 5]`` is IcePop
+    (Ling Team, 2025, the Ring-1T report); TRL's ``vllm_importance_sampling_mode="token_mask"``
+    / ``"sequence_mask"`` (TRL's default, with ``C_min`` unset and ``C_max = 3``). The weight
+    carries no gradient.
+
+    Args:
+        log_weight (torch.Tensor): ``log pi_old - log pi_inference`` per token, ``(B, T)``.
+        mask (torch.Tensor): boolean ``(B, T)``, ``True`` on real tokens.
+        low (float or torch.Tensor, optional): ``C_min``; ``None`` for no lower bound.
+        high (float or torch.Tensor, optional): ``C_max``; ``None`` for no upper bound.
+        level (str): ``"token"`` or ``"sequence"``. Defaults to ``"token"``.
+
+    Returns:
+        tuple[torch.Tensor, torch.Tensor]: ``(weight, keep)``, both ``(B, T)``: the detached
+        weights (0 outside the band and on padding) and the boolean real tokens left in.
+
+    Examples:
+        >>> import torch
+        >>> mask = torch.tensor([[True, True, True], [True, True, False]])
+        >>> log_w = torch.tensor([[0.4, 1.0, 2.0], [1.5, 3.0, 1.0]]).log()
+        >>> weight, keep = mask_importance_weight(log_w, mask, 0.5, 5.0)  # IcePop's band
+        >>> weight
+        tensor([[0.0000, 1.0000, 2.0000],
+                [1.5000, 3.0000, 0.0000]])
+        >>> mask_importance_weight(log_w, mask, None, 3.0, level="sequence")[1]  # 0.8 | 4.5
+        tensor([[ True,  True,  True],
+                [False, False, False]])
+    """
+    _check_same_shape(log_weight=log_weight, mask=mask)
+    ratio = _is_level(level)(log_weight.detach(), mask).exp()  # (B, T)
+    keep = mask
+    if low is not None:
+        keep = keep & (ratio >= low)
+    if high is not None:
+        keep = keep & (ratio <= high)
+    return torch.where(keep, ratio, 0.0), keep
+
+
+#: Corrections of the trainer/inference mismatch by name, for
+#: ``GRPOLoss(inference_correction=...)``: TRL's ``vllm_importance_sampling_mode`` values. Each
+#: maps ``(log_weight, mask, low, high)``, ``log_weight = log pi_old - log pi_inference`` per token,
+#: to ``(weight, keep)``, all ``(B, T)``.
+INFERENCE_CORRECTIONS: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {
+    "token_truncate": truncate_importance_weight,
+    "token_mask": mask_importance_weight,
+    "sequence_truncate": functools.partial(truncate_importance_weight, level="sequence"),
+    "sequence_mask": functools.partial(mask_importance_weight, level="sequence"),
+}
+
+
+def decoupled_behaviour_weight(
+    proximal_log_prob: torch.Tensor,
+    behaviour_log_prob: torch.Tensor,
+    cap: float | torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Behaviour importance weight of decoupled PPO, zero above a cap.
+
+    .. math:: J(\\theta) = \\mathbb{E}_{a \\sim \\pi_{behav}}\\Big[
+        \\frac{\\pi_{prox}(a)}{\\pi_{behav}(a)} \\min\\big(r A,\\
+        \\operatorname{clip}(r, 1-\\varepsilon, 1+\\varepsilon) A\\big)\\Big], \\qquad
+        r = \\frac{\\pi_\\theta(a)}{\\pi_{prox}(a)}
+
+    Decoupled PPO (Hilton et al., 2022; AReaL, Fu et al., 2025) separates the policy
+    that *sampled* the data (behaviour: possibly several versions old, in asynchronous RL) from
+    the policy the trust region is centred on (proximal: the current weights before this
+    update, recomputed by the trainer). The clip acts on ``r = pi_theta / pi_prox``; this
+    function gives the off-policy correction ``w = pi_prox / pi_behav`` that multiplies each
+    token's loss. AReaL drops the tokens whose weight exceeds ``behav_imp_weight_cap`` (weight
+    0, still counted by the aggregation); ``cap=None`` keeps every token. The weight carries no
+    gradient.
+
+    Args:
+        proximal_log_prob (torch.Tensor): ``log pi_prox`` of the sampled tokens, any shape.
+        behaviour_log_prob (torch.Tensor): ``log pi_behav`` (the sampler's), same shape.
+        cap (float or torch.Tensor, optional): AReaL's ``behav_imp_weight_cap`` (``> 1``).
+
+    Returns:
+        tuple[torch.Tensor, torch.Tensor]: ``(weight, keep)``, same shape: the detached weights
+        (0 above the cap) and the boolean tokens left in.
+
+    Examples:
+        >>> import torch
+        >>> prox = torch.tensor([0.3, 0.6, 0.9]).log()
+        >>> behav = torch.tensor([0.6, 0.3, 0.1]).log()
+        >>> decoupled_behaviour_weight(prox, behav, cap=5.0)  # 0.5, 2, 9 > 5
+        (tensor([0.5000, 2.0000, 0.0000]), tensor([ True,  True, False]))
+    """
+    _check_same_shape(proximal_log_prob=proximal_log_prob, behaviour_log_prob=behaviour_log_prob)
+    weight = (proximal_log_prob - behaviour_log_prob).detach().exp()
+    keep = torch.ones_like(weight, dtype=torch.bool) if cap is None else weight <= cap
+    return torch.where(keep, weight, 0.0), keep
+
+
 # ---------------------------------------------------------------------------------------------
 # Surrogate objectives (per-token losses)
 # ---------------------------------------------------------------------------------------------
@@ -412,6 +638,55 @@ def cispo_loss(
     return -weight * advantage * log_prob
 
 
+def sapo_loss(
+    log_ratio: torch.Tensor,
+    advantage: torch.Tensor,
+    temperature_pos: float | torch.Tensor = 1.0,
+    temperature_neg: float | torch.Tensor = 1.05,
+) -> torch.Tensor:
+    """SAPO: a soft, temperature-controlled gate on the ratio in place of PPO's hard clip.
+
+    .. math:: \\ell_t = -\\frac{4}{\\tau_t}\\, \\sigma\\big(\\tau_t (r_t - 1)\\big)\\, A_t,
+        \\qquad \\tau_t = \\begin{cases} \\tau_{pos} & A_t > 0 \\\\ \\tau_{neg} & A_t \\le 0
+        \\end{cases}
+
+    Soft Adaptive Policy Optimization (Gao et al., 2025, arXiv:2511.20347). The gradient with
+    respect to ``r`` is ``-4 sigma(1 - sigma) A``: exactly PPO's ``-A`` on-policy (``r = 1``),
+    and smoothly decaying as ``r`` leaves 1, instead of dropping to 0 at the clip bound. A larger
+    temperature narrows the gate; ``tau_neg > tau_pos`` damps negative-advantage tokens faster,
+    which the paper finds stabilises training. Defaults ``tau_pos = 1.0``, ``tau_neg = 1.05``
+    (the paper's and TRL's ``sapo_temperature_pos`` / ``sapo_temperature_neg``). The value at
+    ``r = 1`` is ``-2A / tau``, not PPO's ``-A``: only the gradient is comparable.
+
+    Args:
+        log_ratio (torch.Tensor): ``log r`` per token, ``(B, T)``.
+        advantage (torch.Tensor): ``A``, same rank as ``log_ratio`` and broadcastable to it
+            (``(B, 1)`` or ``(B, T)``).
+        temperature_pos (float or torch.Tensor): ``tau_pos > 0``. Defaults to ``1.0``.
+        temperature_neg (float or torch.Tensor): ``tau_neg > 0``. Defaults to ``1.05``.
+
+    Returns:
+        torch.Tensor: the per-token loss, same shape as ``log_ratio``.
+
+    Raises:
+        ValueError: if ``advantage`` does not have the rank of ``log_ratio``.
+
+    Examples:
+        >>> import torch
+        >>> log_ratio = torch.zeros(1, 2, requires_grad=True)  # on-policy: r = 1
+        >>> loss = sapo_loss(log_ratio, torch.tensor([[1.0, -1.0]]), 1.0, 2.0)
+        >>> loss  # -(4 / tau) * 0.5 * A
+        tensor([[-2.,  1.]], grad_fn=<MulBackward0>)
+        >>> loss.sum().backward()
+        >>> log_ratio.grad  # PPO's -A
+        tensor([[-1.,  1.]])
+    """
+    _check_same_rank("advantage", advantage, "log_ratio", log_ratio)
+    tau = torch.where(advantage > 0, temperature_pos, temperature_neg)  # broadcast like A
+    gate = torch.sigmoid(tau * log_ratio.exp().sub(1.0)) * (4.0 / tau)  # (B, T)
+    return -gate * advantage
+
+
 # ---------------------------------------------------------------------------------------------
 # KL estimators
 # ---------------------------------------------------------------------------------------------
@@ -504,6 +779,161 @@ KL_ESTIMATORS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] =
     "k2": kl_k2,
     "k3": kl_k3,
 }
+
+
+def kl_trust_region_mask(log_ratio: torch.Tensor, threshold: float | torch.Tensor) -> torch.Tensor:
+    """Tokens inside a per-token KL trust region (torchrl's ``kl_mask_threshold``).
+
+    .. math:: m_t = \\big[\\tfrac{1}{2} (\\log \\pi_\\theta(a_t) - \\log \\pi_{old}(a_t))^2
+        \\le \\delta\\big]
+
+    ``0.5 * log_ratio**2`` is the second-order estimate of the per-token KL between the two
+    policies (Schulman's ``k2``); a token whose estimate exceeds ``delta`` has drifted too far
+    from the policy that sampled it and is left out of the loss. torchrl's
+    :class:`~torchrl.objectives.llm.GRPOLoss` calls this the KL-Mask.
+
+    Args:
+        log_ratio (torch.Tensor): ``log pi_theta - log pi_old`` per token, any shape.
+        threshold (float or torch.Tensor): ``delta > 0``.
+
+    Returns:
+        torch.Tensor: boolean, same shape, ``True`` where the token stays in the loss.
+
+    Examples:
+        >>> import torch
+        >>> kl_trust_region_mask(torch.tensor([0.0, 0.3, -0.5, 1.0]), 0.1)  # 0, .045, .125, .5
+        tensor([ True,  True, False, False])
+    """
+    with torch.no_grad():
+        return 0.5 * log_ratio.square() <= threshold
+
+
+# ---------------------------------------------------------------------------------------------
+# Token and sequence selection
+# ---------------------------------------------------------------------------------------------
+
+
+def off_policy_sequence_mask(
+    log_prob: torch.Tensor,
+    sampler_log_prob: torch.Tensor,
+    advantage: torch.Tensor,
+    mask: torch.Tensor,
+    threshold: float | torch.Tensor,
+) -> torch.Tensor:
+    """Off-policy sequence masking (OPSM): drop negative sequences that drifted from the sampler.
+
+    .. math:: M_{i,t} = 0 \\ \\text{if}\\ A_{i,t} < 0 \\ \\text{and}\\
+        \\frac{1}{|o_i|} \\sum_{t=1}^{|o_i|} \\log
+        \\frac{\\pi_{old}(o_{i,t})}{\\pi_\\theta(o_{i,t})} > \\delta, \\quad 1 \\
+        \\text{otherwise}
+
+    DeepSeek-V3.2 (DeepSeek-AI, 2025, Eq. 9): a sequence whose tokens the current policy now
+    finds much less likely than the policy that sampled it (``pi_old``: the inference engine)
+    and that carries a negative advantage teaches little and destabilises training; it leaves
+    the policy-gradient term. The sequence KL is the mean over the real tokens of
+    ``log pi_old - log pi_theta`` (the ``k1`` estimate of ``KL(pi_old || pi_theta)``), computed
+    without gradient, as TRL's ``off_policy_mask_threshold`` and slime's ``--use-opsm``. With a
+    per-token advantage the sign is read per token. ``delta`` is not published with the paper;
+    TRL suggests ``0.5`` (no default) and slime defaults to ``1e-4``.
+
+    Args:
+        log_prob (torch.Tensor): ``log pi_theta`` per token, ``(B, T)``.
+        sampler_log_prob (torch.Tensor): ``log pi_old`` of the sampler, ``(B, T)``.
+        advantage (torch.Tensor): ``A``, ``(B, 1)`` or ``(B, T)``.
+        mask (torch.Tensor): boolean ``(B, T)``, ``True`` on real tokens.
+        threshold (float or torch.Tensor): ``delta``.
+
+    Returns:
+        torch.Tensor: boolean ``(B, T)``, ``True`` on the real tokens that stay.
+
+    Examples:
+        >>> import torch
+        >>> mask = torch.tensor([[True, True], [True, False], [True, True]])
+        >>> log_prob = torch.tensor([[-2.0, -2.0], [-3.0, 0.0], [-3.0, -3.0]])
+        >>> old = torch.tensor([[-1.0, -1.0], [-1.0, 0.0], [-1.0, -1.0]])  # KL 1, 2, 2
+        >>> adv = torch.tensor([[-1.0], [-1.0], [1.0]])
+        >>> off_policy_sequence_mask(log_prob, old, adv, mask, 1.5)
+        tensor([[ True,  True],
+                [False, False],
+                [ True,  True]])
+    """
+    _check_same_shape(log_prob=log_prob, sampler_log_prob=sampler_log_prob, mask=mask)
+    _check_same_rank("advantage", advantage, "log_prob", log_prob)
+    with torch.no_grad():
+        drift = torch.where(mask, sampler_log_prob - log_prob, 0.0)  # (B, T)
+        seq_kl = drift.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp_min(1)  # (B, 1)
+        return mask & ((advantage >= 0) | (seq_kl <= threshold))
+
+
+def masked_quantile(x: torch.Tensor, mask: torch.Tensor, q: float | torch.Tensor) -> torch.Tensor:
+    """The ``q``-quantile of ``x`` over the entries where ``mask`` is ``True``.
+
+    Linear interpolation between the two nearest order statistics, as ``torch.quantile``
+    (whose input is limited to ``2**24`` elements; this one sorts, so it has no such limit):
+    with the ``N`` selected values sorted, the quantile sits at position ``q (N - 1)``.
+
+    Args:
+        x (torch.Tensor): values, any shape.
+        mask (torch.Tensor): boolean, same shape as ``x``, with at least one ``True``.
+        q (float or torch.Tensor): in ``[0, 1]``.
+
+    Returns:
+        torch.Tensor: a scalar.
+
+    Examples:
+        >>> import torch
+        >>> x = torch.tensor([[4.0, 1.0, 9.0], [2.0, 3.0, 0.0]])
+        >>> mask = torch.tensor([[True, True, False], [True, True, False]])
+        >>> masked_quantile(x, mask, 0.5)  # 1 2 3 4: halfway between 2 and 3
+        tensor(2.5000)
+    """
+    _check_same_shape(x=x, mask=mask)
+    values = x[mask].sort().values  # (N,)
+    position = torch.as_tensor(q, dtype=values.dtype, device=values.device) * (values.numel() - 1)
+    below = position.floor().long()
+    above = position.ceil().long()
+    return values[below] + (values[above] - values[below]) * (position - below)
+
+
+def high_entropy_token_mask(
+    entropy: torch.Tensor, mask: torch.Tensor, top_quantile: float | torch.Tensor
+) -> torch.Tensor:
+    """The real tokens in the top ``rho`` quantile of the batch by entropy.
+
+    .. math:: M_t = \\big[H_t \\ge \\tau_\\rho\\big], \\qquad
+        \\tau_\\rho = \\operatorname{quantile}_{1-\\rho}\\{H_s : s \\text{ real}\\}
+
+    Wang et al. (2025, "Beyond the 80/20 Rule") find that the policy gradient of the ~20% of
+    tokens with the highest entropy ("forking tokens") carries the learning; restricting the
+    policy-gradient term to them (``rho = 0.2``) matches or beats training on every token. As
+    TRL's ``top_entropy_quantile``: the threshold is the ``1 - rho`` quantile (linear
+    interpolation, :func:`masked_quantile`) of the entropies of *all* real tokens of the batch
+    (not per sequence), and a token is kept when its entropy is at or above it, so ties at the
+    threshold are all kept. ``rho = 1`` keeps every real token; ``rho = 0`` only those with the
+    largest entropy. Computed without gradient. A mask with no real token selects nothing.
+
+    Args:
+        entropy (torch.Tensor): per-token entropy of the policy, ``(B, T)``.
+        mask (torch.Tensor): boolean ``(B, T)``, ``True`` on the tokens to rank.
+        top_quantile (float or torch.Tensor): ``rho`` in ``[0, 1]``.
+
+    Returns:
+        torch.Tensor: boolean ``(B, T)``, ``True`` on the selected tokens.
+
+    Examples:
+        >>> import torch
+        >>> entropy = torch.tensor([[0.1, 2.0, 0.5], [1.0, 0.2, 9.0]])
+        >>> mask = torch.tensor([[True, True, True], [True, True, False]])
+        >>> high_entropy_token_mask(entropy, mask, 0.4)  # 0.6-quantile of the 5 real values: 0.7
+        tensor([[False,  True, False],
+                [ True, False, False]])
+    """
+    _check_same_shape(entropy=entropy, mask=mask)
+    with torch.no_grad():
+        if not mask.any():
+            return mask.clone()
+        threshold = masked_quantile(entropy, mask, 1.0 - torch.as_tensor(top_quantile))
+        return mask & (entropy >= threshold)
 
 
 # ---------------------------------------------------------------------------------------------

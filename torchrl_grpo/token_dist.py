@@ -10,6 +10,13 @@ vectors, and works through the vocabulary in row chunks, so that its temporaries
 distribution that torchrl actors and :class:`~torchrl_grpo.loss.GRPOLoss` use like
 ``Categorical``.
 
+One step further, :func:`token_log_prob_entropy_from_hidden` starts from the last hidden states
+``[B, T, H]`` and the output layer (weight ``[V, H]``, optional bias) and computes each chunk's
+logits on the fly, in the forward pass and again in the backward pass, so that the ``[B, T, V]``
+logits never exist (as Liger-Kernel's fused-linear losses). :class:`HiddenTokenCategorical`
+wraps it as a distribution for a torchrl actor whose network returns hidden states. The chunking
+lives in one helper, :func:`_chunk_rows`.
+
 The maths, for one position with logits ``x``, ``lse = log sum_v exp(x_v)``, ``p = softmax(x)``
 and sampled token ``a``:
 
@@ -27,18 +34,97 @@ import torch
 from torch.autograd.function import once_differentiable
 from torch.distributions import Distribution, constraints
 
-__all__ = ["TokenCategorical", "token_log_prob_entropy"]
+__all__ = [
+    "HiddenTokenCategorical",
+    "TokenCategorical",
+    "token_log_prob_entropy",
+    "token_log_prob_entropy_from_hidden",
+]
 
 #: Elements per chunk (rows x vocabulary) when no chunk size is given: 2**20 float32 = 4 MiB.
 _CHUNK_ELEMENTS = 2**20
+#: On an accelerator (CUDA...), at most this many chunks: a small chunk is launch-bound there,
+#: so each chunk holds ``1 / _ACCELERATOR_CHUNKS`` of the positions (at least
+#: ``_CHUNK_ELEMENTS``). The temporaries (about three float32 chunks in backward) then stay near
+#: ``3 * 4 / (128 * 2) = 0.05x`` of bf16 logits, ``0.02x`` of float32 ones.
+_ACCELERATOR_CHUNKS = 128
 
 
-def _chunk_rows(chunk_size: int | None, vocab: int) -> int:
+def _chunk_rows(
+    chunk_size: int | None, vocab: int, positions: int = 0, device: torch.device | None = None
+) -> int:
+    """Rows (positions) per chunk: ``chunk_size``, or the default for the device.
+
+    The one place that sizes the chunks of both the logits and the hidden-state paths. On the
+    CPU the default fills ``_CHUNK_ELEMENTS`` (a cache-friendly 4 MiB block); on an accelerator
+    it cuts the ``positions`` into at most ``_ACCELERATOR_CHUNKS`` chunks, because there each
+    chunk costs a dozen kernel launches whatever its size.
+
+    Examples:
+        >>> _chunk_rows(None, 32768)  # CPU: 32 positions of a 32k vocabulary
+        32
+        >>> _chunk_rows(None, 151936, 8192, torch.device("cuda"))  # 8192 positions, 128 chunks
+        64
+        >>> _chunk_rows(10, 151936, 8192, torch.device("cuda"))  # an explicit size wins
+        10
+    """
     if chunk_size is None:
-        return max(1, _CHUNK_ELEMENTS // vocab)
+        rows = max(1, _CHUNK_ELEMENTS // vocab)
+        if device is not None and device.type != "cpu":
+            rows = max(rows, -(-positions // _ACCELERATOR_CHUNKS))
+        return rows
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}.")
     return chunk_size
+
+
+def _chunks(n: int, rows: int):
+    """Slices of ``rows`` consecutive positions covering ``range(n)``."""
+    return (slice(start, start + rows) for start in range(0, n, rows))
+
+
+def _logits_stats(x: torch.Tensor, index: torch.Tensor):
+    """``(lse, entropy, log_prob)`` of one chunk of logits ``x`` ``(n, V)``, index ``(n, 1)``."""
+    lse = torch.logsumexp(x, -1)  # (n,)
+    p = (x - lse.unsqueeze(-1)).exp_()  # (n, V)
+    entropy = lse - p.mul_(x).sum(-1)
+    log_prob = x.gather(-1, index).squeeze(-1) - lse
+    return lse, entropy, log_prob
+
+
+def _logits_grad(
+    x, lse, entropy, index, grad_log_prob, grad_entropy, *, overwrite: bool = False
+) -> torch.Tensor:
+    """The gradient ``(n, V)`` reaching one chunk of logits ``x`` (float32 or wider).
+
+    ``d/dx`` of ``g_lp * log pi(a) + g_H * H`` is ``g_lp * ([v = a] - p) - g_H * p * (log p + H)``;
+    either upstream gradient may be ``None``. ``overwrite=True`` reuses ``x``'s buffer (when it
+    is a temporary, as the logits recomputed from hidden states are).
+    """
+    log_p = x.sub_(lse.unsqueeze(-1)) if overwrite else x - lse.unsqueeze(-1)  # (n, V)
+    p = log_p.exp()  # (n, V)
+    if grad_entropy is not None:
+        g = log_p.add_(entropy.unsqueeze(-1)).mul_(grad_entropy.unsqueeze(-1))
+        if grad_log_prob is not None:
+            g.add_(grad_log_prob.unsqueeze(-1))
+        g.mul_(p).neg_()
+    else:
+        g = p.mul_(grad_log_prob.unsqueeze(-1)).neg_()
+    if grad_log_prob is not None:
+        g.scatter_add_(-1, index, grad_log_prob.unsqueeze(-1))
+    return g
+
+
+def _check_tokens(tokens: torch.Tensor, batch_shape: torch.Size, vocab: int, what: str) -> None:
+    if batch_shape != tokens.shape:
+        raise ValueError(
+            f"{what} and tokens {tuple(tokens.shape)} do not match: expected {what} of shape "
+            "tokens.shape + (...)."
+        )
+    if tokens.numel() and int(tokens.max()) >= vocab:
+        raise IndexError(
+            f"token id {int(tokens.max())} is out of range for a vocabulary of {vocab}."
+        )
 
 
 class _TokenLogProbEntropy(torch.autograd.Function):
@@ -54,14 +140,9 @@ class _TokenLogProbEntropy(torch.autograd.Function):
         log_prob = torch.empty_like(lse)  # (N,)
         is_pad = tokens < 0  # (N,)
         index = tokens.clamp_min(0).unsqueeze(-1)  # (N, 1)
-        for start in range(0, n, rows):
-            rows_ = slice(start, start + rows)
+        for rows_ in _chunks(n, rows):
             x = logits[rows_].to(dtype)  # (n, V); a view when logits are float32
-            chunk_lse = torch.logsumexp(x, -1)  # (n,)
-            p = (x - chunk_lse.unsqueeze(-1)).exp_()  # (n, V)
-            entropy[rows_] = chunk_lse - p.mul_(x).sum(-1)
-            log_prob[rows_] = x.gather(-1, index[rows_]).squeeze(-1) - chunk_lse
-            lse[rows_] = chunk_lse
+            lse[rows_], entropy[rows_], log_prob[rows_] = _logits_stats(x, index[rows_])
         log_prob.masked_fill_(is_pad, 0.0)
         ctx.rows = rows
         ctx.save_for_backward(logits, index, is_pad, lse, entropy)
@@ -78,23 +159,21 @@ class _TokenLogProbEntropy(torch.autograd.Function):
         dtype = lse.dtype
         if grad_log_prob is not None:
             grad_log_prob = grad_log_prob.to(dtype).masked_fill(is_pad, 0.0)
-        for start in range(0, logits.shape[0], ctx.rows):
-            rows_ = slice(start, start + ctx.rows)
+        for rows_ in _chunks(logits.shape[0], ctx.rows):
             x = logits[rows_].to(dtype)  # (n, V)
-            log_p = x - lse[rows_].unsqueeze(-1)  # (n, V), a new buffer
-            p = log_p.exp()  # (n, V)
-            # d/dx of  g_lp * log pi(a) + g_H * H  =  g_lp * ([v = a] - p) - g_H * p * (log p + H)
-            if grad_entropy is not None:
-                g = log_p.add_(entropy[rows_].unsqueeze(-1)).mul_(grad_entropy[rows_].unsqueeze(-1))
-                if grad_log_prob is not None:
-                    g.add_(grad_log_prob[rows_].unsqueeze(-1))
-                g.mul_(p).neg_()
-            else:
-                g = p.mul_(grad_log_prob[rows_].unsqueeze(-1)).neg_()
-            if grad_log_prob is not None:
-                g.scatter_add_(-1, index[rows_], grad_log_prob[rows_].unsqueeze(-1))
-            grad[rows_] = g
+            grad[rows_] = _logits_grad(
+                x,
+                lse[rows_],
+                entropy[rows_],
+                index[rows_],
+                _rows(grad_log_prob, rows_),
+                _rows(grad_entropy, rows_),
+            )
         return grad, None, None
+
+
+def _rows(x: torch.Tensor | None, rows: slice) -> torch.Tensor | None:
+    return None if x is None else x[rows]
 
 
 def token_log_prob_entropy(
@@ -142,19 +221,148 @@ def token_log_prob_entropy(
         >>> logits.grad[1].abs().max()  # the pad sends no gradient
         tensor(0.)
     """
-    if logits.shape[:-1] != tokens.shape:
-        raise ValueError(
-            f"logits {tuple(logits.shape)} and tokens {tuple(tokens.shape)} do not match: "
-            "expected logits of shape tokens.shape + (V,)."
-        )
     vocab = logits.shape[-1]
-    if tokens.numel() and int(tokens.max()) >= vocab:
-        raise IndexError(
-            f"token id {int(tokens.max())} is out of range for a vocabulary of {vocab}."
-        )
-    rows = _chunk_rows(chunk_size, vocab)
+    _check_tokens(tokens, logits.shape[:-1], vocab, f"logits {tuple(logits.shape)}")
+    rows = _chunk_rows(chunk_size, vocab, tokens.numel(), logits.device)
     log_prob, entropy = _TokenLogProbEntropy.apply(
         logits.reshape(-1, vocab), tokens.reshape(-1).long(), rows
+    )
+    return log_prob.view(tokens.shape), entropy.view(tokens.shape)
+
+
+class _TokenLogProbEntropyFromHidden(torch.autograd.Function):
+    """Log-prob and entropy from hidden states and an output layer; no ``(N, V)`` tensor lives
+    beyond one chunk: each chunk's logits are computed in forward and recomputed in backward."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, tokens, rows):
+        # hidden (N, H), weight (V, H), bias (V,) or None, tokens (N,) int64 (< 0: padding)
+        n = hidden.shape[0]
+        dtype = torch.promote_types(hidden.dtype, torch.float32)
+        lse = torch.empty(n, dtype=dtype, device=hidden.device)  # (N,)
+        entropy = torch.empty_like(lse)  # (N,)
+        log_prob = torch.empty_like(lse)  # (N,)
+        is_pad = tokens < 0  # (N,)
+        index = tokens.clamp_min(0).unsqueeze(-1)  # (N, 1)
+        for rows_ in _chunks(n, rows):
+            x = torch.nn.functional.linear(hidden[rows_], weight, bias).to(dtype)  # (n, V)
+            lse[rows_], entropy[rows_], log_prob[rows_] = _logits_stats(x, index[rows_])
+        log_prob.masked_fill_(is_pad, 0.0)
+        ctx.rows = rows
+        ctx.save_for_backward(hidden, weight, bias, index, is_pad, lse, entropy)
+        ctx.set_materialize_grads(False)
+        return log_prob, entropy
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_log_prob, grad_entropy):
+        hidden, weight, bias, index, is_pad, lse, entropy = ctx.saved_tensors
+        needs_hidden, needs_weight, needs_bias = ctx.needs_input_grad[:3]
+        if grad_log_prob is None and grad_entropy is None:
+            return None, None, None, None, None
+        dtype = lse.dtype
+        if grad_log_prob is not None:
+            grad_log_prob = grad_log_prob.to(dtype).masked_fill(is_pad, 0.0)
+        # gradients of the parameters accumulate over chunks, in float32 at least
+        grad_hidden = torch.empty_like(hidden) if needs_hidden else None  # (N, H)
+        grad_weight = torch.zeros_like(weight, dtype=dtype) if needs_weight else None  # (V, H)
+        grad_bias = torch.zeros_like(bias, dtype=dtype) if needs_bias else None  # (V,)
+        for rows_ in _chunks(hidden.shape[0], ctx.rows):
+            h = hidden[rows_]  # (n, H)
+            x = torch.nn.functional.linear(h, weight, bias).to(dtype)  # (n, V), recomputed
+            g = _logits_grad(
+                x,
+                lse[rows_],
+                entropy[rows_],
+                index[rows_],
+                _rows(grad_log_prob, rows_),
+                _rows(grad_entropy, rows_),
+                overwrite=True,
+            )
+            if grad_hidden is not None:
+                grad_hidden[rows_] = g.to(weight.dtype) @ weight  # (n, H)
+            if grad_weight is not None:
+                grad_weight.addmm_(g.t(), h.to(dtype))  # (V, H)
+            if grad_bias is not None:
+                grad_bias += g.sum(0)
+        if grad_weight is not None:
+            grad_weight = grad_weight.to(weight.dtype)
+        if grad_bias is not None:
+            grad_bias = grad_bias.to(bias.dtype)
+        return grad_hidden, grad_weight, grad_bias, None, None
+
+
+def token_log_prob_entropy_from_hidden(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    tokens: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    chunk_size: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token log-probs and entropy from the last hidden states, the logits never materialised.
+
+    .. math:: x_t = W h_t + b, \\qquad \\log \\pi(a_t) = x_{t,a_t} - \\operatorname{logsumexp}_v
+        x_{t,v}, \\qquad H_t = \\operatorname{logsumexp}_v x_{t,v} - \\sum_v
+        \\operatorname{softmax}(x_t)_v\\, x_{t,v}
+
+    The values of :func:`token_log_prob_entropy` on ``logits = hidden @ weight.T + bias``, and
+    the same gradients with respect to ``hidden``, ``weight`` and ``bias``, computed chunk by
+    chunk over the positions: each chunk's ``chunk_size x V`` logits are built from the hidden
+    states, reduced to three numbers per position and dropped; the backward pass builds them
+    again, turns them into the chunk's gradient on the logits ``g`` and accumulates
+    ``grad_hidden = g W`` and ``grad_W += g^T h`` (as Liger-Kernel's fused linear losses do). The
+    ``[..., V]`` logits never exist: memory beyond the inputs and their gradients is a few
+    ``chunk_size x V`` blocks (and, for bf16/fp16 weights, a float32 accumulator of ``W``'s
+    size). The price is the head's matrix product computed twice. Computation is in float32 at
+    least; the outputs have that dtype, the gradients the inputs' dtypes.
+
+    Tokens below zero are padding: log-prob ``0`` and no gradient (their entropy is computed;
+    mask it downstream). Not twice differentiable.
+
+    Args:
+        hidden (torch.Tensor): last hidden states ``[..., H]``.
+        weight (torch.Tensor): the output layer's weight ``[V, H]`` (``nn.Linear`` layout).
+        tokens (torch.Tensor): integer token ids ``[...]`` (``hidden.shape[:-1]``), in
+            ``[0, V)`` or negative for padding.
+        bias (torch.Tensor, optional): the output layer's bias ``[V]``.
+        chunk_size (int, optional): positions per chunk. Defaults to ``2**20 // V``.
+
+    Returns:
+        tuple[torch.Tensor, torch.Tensor]: ``(log_prob, entropy)``, each ``[...]``.
+
+    Raises:
+        ValueError: if the shapes of ``hidden``, ``weight``, ``bias`` and ``tokens`` disagree.
+        IndexError: if a token id is ``>= V``.
+
+    Examples:
+        >>> import torch
+        >>> _ = torch.manual_seed(0)
+        >>> hidden = torch.randn(2, 3, 4, requires_grad=True)
+        >>> head = torch.nn.Linear(4, 7)
+        >>> tokens = torch.randint(7, (2, 3))
+        >>> log_prob, entropy = token_log_prob_entropy_from_hidden(
+        ...     hidden, head.weight, tokens, head.bias, chunk_size=2)
+        >>> ref_lp, ref_h = token_log_prob_entropy(head(hidden), tokens)
+        >>> torch.allclose(log_prob, ref_lp, atol=1e-6), torch.allclose(entropy, ref_h, atol=1e-6)
+        (True, True)
+        >>> (log_prob.sum() + entropy.sum()).backward()
+        >>> grad = torch.autograd.grad((ref_lp.sum() + ref_h.sum()), hidden)[0]
+        >>> torch.allclose(hidden.grad, grad, atol=1e-6)
+        True
+    """
+    if weight.ndim != 2 or hidden.shape[-1:] != weight.shape[1:]:
+        raise ValueError(
+            f"hidden {tuple(hidden.shape)} and weight {tuple(weight.shape)} do not match: "
+            "expected hidden [..., H] and weight [V, H]."
+        )
+    vocab = weight.shape[0]
+    if bias is not None and bias.shape != (vocab,):
+        raise ValueError(f"bias has shape {tuple(bias.shape)}, expected ({vocab},).")
+    _check_tokens(tokens, hidden.shape[:-1], vocab, f"hidden {tuple(hidden.shape)}")
+    rows = _chunk_rows(chunk_size, vocab, tokens.numel(), hidden.device)
+    log_prob, entropy = _TokenLogProbEntropyFromHidden.apply(
+        hidden.reshape(-1, hidden.shape[-1]), weight, bias, tokens.reshape(-1).long(), rows
     )
     return log_prob.view(tokens.shape), entropy.view(tokens.shape)
 
@@ -251,20 +459,173 @@ class TokenCategorical(Distribution):
         Returns:
             torch.Tensor: log-probs of the batch shape (float32 or float64).
         """
-        log_prob, self._entropy = token_log_prob_entropy(
-            self.logits, value, chunk_size=self.chunk_size
-        )
+        log_prob, entropy = token_log_prob_entropy(self.logits, value, chunk_size=self.chunk_size)
+        # kept for entropy() only if it is what entropy() would compute now (same grad mode)
+        self._entropy = (entropy, torch.is_grad_enabled())
         return log_prob
 
     def entropy(self) -> torch.Tensor:
-        """Entropy at each position; shares the autograd node of the last :meth:`log_prob`.
+        """Entropy at each position.
+
+        Shares the autograd node of the last :meth:`log_prob` when that call ran in the same
+        grad mode (one backward visit of the logits); otherwise it is computed again, so that
+        ``entropy()`` has a gradient whenever the logits do, as ``Categorical.entropy()``.
 
         Returns:
             torch.Tensor: entropies of the batch shape (float32 or float64).
         """
-        if self._entropy is None:
-            dummy = torch.zeros(self.batch_shape, dtype=torch.long, device=self.logits.device)
-            _, self._entropy = token_log_prob_entropy(
-                self.logits, dummy, chunk_size=self.chunk_size
+        if self._entropy is not None and self._entropy[1] == torch.is_grad_enabled():
+            return self._entropy[0]
+        dummy = torch.zeros(self.batch_shape, dtype=torch.long, device=self.logits.device)
+        _, entropy = token_log_prob_entropy(self.logits, dummy, chunk_size=self.chunk_size)
+        return entropy
+
+
+class HiddenTokenCategorical(Distribution):
+    """Categorical over a vocabulary, given the last hidden states and the output layer.
+
+    The distribution of :class:`TokenCategorical` with ``logits = head(hidden)``, but the
+    ``[..., V]`` logits are never built: :meth:`log_prob` and :meth:`entropy` go through
+    :func:`token_log_prob_entropy_from_hidden`, which computes them chunk by chunk, and share
+    one autograd node when both are asked for (as :class:`~torchrl_grpo.loss.GRPOLoss` does).
+    Use it as the ``distribution_class`` of a torchrl actor whose network returns hidden states,
+    with the output layer passed as ``distribution_kwargs={"head": lm_head}``; every term of
+    :class:`~torchrl_grpo.loss.GRPOLoss` then works unchanged. The head's parameters must belong
+    to the actor's network (e.g. the network holds the whole causal LM and returns its last
+    hidden states) so that the loss sees and trains them. Sampling and :attr:`mode` work chunk by
+    chunk too, without gradient.
+
+    .. math:: \\pi(a \\mid h) = \\operatorname{softmax}(W h + b)_a
+
+    Args:
+        hidden (torch.Tensor): last hidden states ``[..., H]``.
+        head (torch.nn.Module): the output layer: ``head.weight`` ``[V, H]`` and an optional
+            ``head.bias`` ``[V]`` (a ``torch.nn.Linear``), read when the distribution is built.
+        chunk_size (int, optional): positions per chunk, see
+            :func:`token_log_prob_entropy_from_hidden`.
+
+    Examples:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> from tensordict.nn import TensorDictModule
+        >>> from torchrl.modules import ProbabilisticActor
+        >>> class TinyLM(torch.nn.Module):  # returns hidden states; holds its head
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.body, self.lm_head = torch.nn.Linear(4, 8), torch.nn.Linear(8, 11)
+        ...     def forward(self, x):
+        ...         return torch.tanh(self.body(x))
+        >>> lm = TinyLM()
+        >>> actor = ProbabilisticActor(TensorDictModule(lm, ["x"], ["hidden"]),
+        ...     in_keys=["hidden"], out_keys=["tokens"], distribution_class=HiddenTokenCategorical,
+        ...     distribution_kwargs={"head": lm.lm_head}, return_log_prob=True)
+        >>> td = actor(TensorDict(x=torch.randn(2, 3, 4), batch_size=[2]))
+        >>> td["tokens"].shape, td["tokens_log_prob"].shape
+        (torch.Size([2, 3]), torch.Size([2, 3]))
+        >>> reference = TokenCategorical(lm.lm_head(td["hidden"]))
+        >>> torch.allclose(td["tokens_log_prob"], reference.log_prob(td["tokens"]), atol=1e-6)
+        True
+    """
+
+    arg_constraints = {}
+    has_rsample = False
+
+    def __init__(
+        self,
+        hidden: torch.Tensor,
+        head: torch.nn.Module,
+        chunk_size: int | None = None,
+        validate_args=None,
+    ):
+        weight = getattr(head, "weight", None)
+        if not isinstance(weight, torch.Tensor) or weight.ndim != 2:
+            raise ValueError(
+                f"head must have a 2-d weight [V, H] (a torch.nn.Linear); got {type(head).__name__}."
             )
-        return self._entropy
+        if hidden.ndim < 1 or hidden.shape[-1] != weight.shape[1]:
+            raise ValueError(
+                f"hidden {tuple(hidden.shape)} does not match the head's weight "
+                f"{tuple(weight.shape)}: expected hidden [..., {weight.shape[1]}]."
+            )
+        self.hidden = hidden
+        self.weight = weight
+        self.bias = getattr(head, "bias", None)
+        self.chunk_size = chunk_size
+        self._entropy = None
+        super().__init__(batch_shape=hidden.shape[:-1], validate_args=False)
+
+    @property
+    def support(self):
+        """Token ids ``0 .. V - 1``."""
+        return constraints.integer_interval(0, self.weight.shape[0] - 1)
+
+    @property
+    def logits(self) -> torch.Tensor:
+        """``head(hidden)``: a full ``[..., V]`` tensor, for inspection only."""
+        return torch.nn.functional.linear(self.hidden, self.weight, self.bias)
+
+    def _per_chunk(self, fn) -> torch.Tensor:
+        # fn(logits (n, V)) -> (..., n) ids, applied chunk by chunk without gradient
+        flat = self.hidden.reshape(-1, self.hidden.shape[-1])  # (N, H)
+        rows = _chunk_rows(self.chunk_size, self.weight.shape[0], flat.shape[0], flat.device)
+        with torch.no_grad():
+            parts = [
+                fn(torch.nn.functional.linear(flat[r], self.weight, self.bias))
+                for r in _chunks(flat.shape[0], rows)
+            ]
+        return torch.cat(parts, -1)
+
+    @property
+    def mode(self) -> torch.Tensor:
+        """The most likely token at each position."""
+        return self._per_chunk(lambda x: x.argmax(-1)).view(self.batch_shape)
+
+    @property
+    def deterministic_sample(self) -> torch.Tensor:
+        """Same as :attr:`mode` (torchrl's deterministic exploration)."""
+        return self.mode
+
+    def sample(self, sample_shape: torch.Size | tuple[int, ...] = ()) -> torch.Tensor:
+        """Sample token ids (without gradient), chunk by chunk.
+
+        Args:
+            sample_shape (torch.Size or tuple of int): extra leading dimensions.
+
+        Returns:
+            torch.Tensor: token ids, ``sample_shape + batch_shape``.
+        """
+        shape = torch.Size(sample_shape)
+
+        def draw(x):  # (n, V) -> (*shape, n)
+            return torch.distributions.Categorical(logits=x).sample(shape)
+
+        return self._per_chunk(draw).view(shape + self.batch_shape)
+
+    def log_prob(self, value: torch.Tensor) -> torch.Tensor:
+        """Log-probability of token ids (negative ids are padding and score 0).
+
+        Args:
+            value (torch.Tensor): token ids of the batch shape.
+
+        Returns:
+            torch.Tensor: log-probs of the batch shape (float32 or float64).
+        """
+        log_prob, entropy = token_log_prob_entropy_from_hidden(
+            self.hidden, self.weight, value, self.bias, chunk_size=self.chunk_size
+        )
+        self._entropy = (entropy, torch.is_grad_enabled())
+        return log_prob
+
+    def entropy(self) -> torch.Tensor:
+        """Entropy at each position; shares the node of the last :meth:`log_prob` (same grad mode).
+
+        Returns:
+            torch.Tensor: entropies of the batch shape (float32 or float64).
+        """
+        if self._entropy is not None and self._entropy[1] == torch.is_grad_enabled():
+            return self._entropy[0]
+        dummy = torch.zeros(self.batch_shape, dtype=torch.long, device=self.hidden.device)
+        _, entropy = token_log_prob_entropy_from_hidden(
+            self.hidden, self.weight, dummy, self.bias, chunk_size=self.chunk_size
+        )
+        return entropy

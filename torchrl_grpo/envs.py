@@ -1,0 +1,325 @@
+"""Environment transforms for GRPO on control tasks: groups of episodes that share their start.
+
+GRPO's baseline for an episode is the mean return of its group. That mean stands in for a critic's
+value of the starting state only if the episodes of a group start from the same state. A gymnasium
+``reset(seed=s)`` draws the initial state from ``s``, so ``G`` episodes reset with one seed form a
+group. :class:`SameStartGroups` is a torchrl env transform that does this under any torchrl
+collector: it hands out reset seeds, each ``group_size`` times, and stamps every step with the
+seed of its episode, the group id that :class:`~torchrl_grpo.MCAdvantage` reads.
+
+Decisions, in one place:
+
+* **A queue of seeds per transform.** Every (sub-)environment that resets takes the next seed of
+  the queue ``seeds[0]`` x G, ``seeds[1]`` x G, ...; sub-environments reset in the same call are
+  served in index order. So every seed is *started* exactly G times by one transform, whatever the
+  batch size, the episode lengths or which sub-environments reset together, and the G episodes of
+  a seed run at about the same time on neighbouring sub-environments.
+* **Several transforms (collector workers, sub-envs of a ParallelEnv) need disjoint seeds.** The
+  transforms of different processes share no state, so nothing counts seeds across them; each is
+  given its own stream, e.g. ``seeds=range(worker, 2**31, num_workers)``. With disjoint streams
+  every seed is still started exactly G times in total. Two transforms given overlapping seeds
+  would each start a shared seed G times: this cannot be detected inside one process and is the
+  caller's to avoid (the collector example below shows the worker index travelling through
+  ``create_env_kwargs``).
+* **The end of a run.** When collection stops, each transform's last group may have been started
+  fewer than G times, and episodes still running never finish. Their groups never complete:
+  :class:`~torchrl_grpo.MCAdvantage` holds them pending (``max_pending_*`` bound that) and writes
+  no advantage for them. Counted as *started*, no seed is ever played more than G times.
+* **How the seed reaches the environment.** torchrl gives a transform no way to add keyword
+  arguments to the base env's reset, so after the base env has reset the selected
+  sub-environments, this transform resets the same ones again through its parent with
+  ``seed=...`` (the pattern of torchrl's ``NoopResetEnv``, which also acts through its parent).
+  The first, unseeded reset is wasted work (about a third of a CartPole collector's time per
+  step with an untrained policy, whose short episodes reset often; less once episodes are long:
+  ``benchmarks/cartpole_seeds.py``); place the transform first, right on the base
+  env, so that no other transform runs twice per reset. Supported parents: a gymnasium env behind
+  ``GymEnv``/``GymWrapper``, a gymnasium vector env with ``autoreset_mode=DISABLED`` behind one
+  ``GymWrapper`` (one seed per sub-env), and ``SerialEnv``/``ParallelEnv`` of single gymnasium
+  envs (``list_of_kwargs``, one entry per worker). Anything else raises a ``TypeError`` rather
+  than be reset unseeded.
+* **Vector envs that reset themselves.** A gymnasium vector env in ``SAME_STEP`` mode (torchrl
+  wraps it in ``VecGymEnvTransform``, as it does ``GymEnv(..., num_envs=N)``) restarts a finished
+  sub-env by itself, from an unseeded state: a partial reset there cannot be seeded and raises.
+  Full resets (``env.reset()``, the start of ``env.rollout``) are seeded, which is enough for an
+  evaluation rollout with ``break_when_all_done=True``.
+* **The group id is an observation.** ``out_key`` is declared in the observation spec (int64,
+  one per sub-env, no trailing dim), written at reset and copied to ``("next", out_key)`` at
+  every step, so it survives ``step_mdp``, collectors' buffers and ``ParallelEnv`` pipes. The
+  number of episodes started is a buffer, saved by ``state_dict()``.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+
+import torch
+from tensordict import NestedKey, TensorDictBase
+from torchrl.data import Composite, Unbounded
+from torchrl.envs import GymWrapper, ParallelEnv, SerialEnv, TransformedEnv
+from torchrl.envs.transforms import Transform, VecGymEnvTransform
+
+__all__ = ["SameStartGroups"]
+
+DEFAULT_SEEDS = range(2**31)
+
+
+class SameStartGroups(Transform):
+    """Reset each (sub-)environment from a seed, every seed ``group_size`` times; stamp the seed.
+
+    Every reset takes the next seed of the queue ``seeds[0]``, ..., ``seeds[0]`` (``group_size``
+    times), ``seeds[1]``, ...; the sub-environments reset together are served in index order.
+    Each step carries its episode's seed under ``out_key``: pass that key to
+    :class:`~torchrl_grpo.MCAdvantage` as ``prompt_key`` and the G episodes of a seed form a
+    group. It works under ``env.rollout`` and every torchrl collector; with several collector
+    workers, give each worker its own seeds (below). The module docstring lists the decisions
+    (partial resets, the end of a run, the double reset).
+
+    Args:
+        group_size: G, the episodes started from each seed; an integer of at least 1.
+        seeds: the reset seeds, in the order they are used: a ``range`` or a sequence of distinct
+            non-negative integers. Defaults to ``range(2**31)``. Several transforms that feed one
+            buffer need disjoint seeds, e.g. ``range(worker, 2**31, num_workers)``.
+        out_key: the key of the group id written on every step. Defaults to ``"reset_seed"``.
+
+    Raises:
+        ValueError: ``group_size`` or ``seeds`` invalid (at construction), the seeds exhausted,
+            or a partial reset that cannot be seeded (a vector env that resets itself).
+        TypeError: a parent env whose reset takes no seed.
+        KeyError: a step whose input lacks ``out_key`` (a tensordict not from ``reset``).
+
+    Examples:
+        >>> import torch
+        >>> from torchrl.envs import GymEnv, SerialEnv, TransformedEnv
+        >>> from torchrl_grpo import SameStartGroups
+        >>> env = TransformedEnv(
+        ...     SerialEnv(3, lambda: GymEnv("CartPole-v1")), SameStartGroups(group_size=2)
+        ... )
+        >>> td = env.reset()
+        >>> td["reset_seed"]  # sub-envs 0 and 1 play seed 0, sub-env 2 the first episode of seed 1
+        tensor([0, 0, 1])
+        >>> torch.equal(td["observation"][0], td["observation"][1])  # one start per group
+        True
+        >>> steps = env.rollout(5, auto_reset=False, tensordict=td)
+        >>> steps["reset_seed"][:, 0], steps["next", "reset_seed"][:, -1]
+        (tensor([0, 0, 1]), tensor([0, 0, 1]))
+        >>> env.transform.episodes_started
+        3
+
+        With several collector workers, give each worker's env its own seeds
+        (``test/test_envs.py`` runs this layout)::
+
+            def make_env(worker, num_workers=2):
+                seeds = range(worker, 2**31, num_workers)
+                return TransformedEnv(GymEnv("CartPole-v1"), SameStartGroups(4, seeds))
+
+            collector = MultiSyncCollector(
+                [make_env, make_env], policy, frames_per_batch=400, total_frames=-1,
+                create_env_kwargs=[{"worker": 0}, {"worker": 1}])
+    """
+
+    def __init__(
+        self,
+        group_size: int,
+        seeds: Sequence[int] = DEFAULT_SEEDS,
+        out_key: NestedKey = "reset_seed",
+    ):
+        super().__init__(in_keys=[], out_keys=[out_key])
+        self._group_size = _check_group_size(group_size)
+        self._seeds = _check_seeds(seeds)
+        self.out_key = out_key
+        self.register_buffer("_episodes_started", torch.zeros((), dtype=torch.long))
+
+    # --- what a user reads ------------------------------------------------------------------
+
+    @property
+    def group_size(self) -> int:
+        """G: how many episodes start from each seed."""
+        return self._group_size
+
+    @property
+    def seeds(self) -> Sequence[int]:
+        """The reset seeds, in the order they are used."""
+        return self._seeds
+
+    @property
+    def episodes_started(self) -> int:
+        """How many (sub-)environment resets this transform has seeded so far."""
+        return int(self._episodes_started)
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(group_size={self.group_size}, seeds={self.seeds!r}, "
+            f"out_key={self.out_key!r})"
+        )
+
+    # --- the seed queue ---------------------------------------------------------------------
+
+    def _next_seeds(self, count: int) -> torch.Tensor:
+        """The seeds of the next ``count`` episodes, shape ``(count,)``; the queue stays put."""
+        first = self.episodes_started
+        ranks = range(first // self.group_size, (first + count - 1) // self.group_size + 1)
+        if ranks.stop > len(self.seeds):
+            raise ValueError(
+                f"{type(self).__name__} ran out of seeds: {count} more episode(s) after "
+                f"{first} started need seed number {ranks.stop - 1} (counting from 0) of "
+                f"{self.seeds!r}, which has {len(self.seeds)}; pass more seeds."
+            )
+        group_seeds = torch.tensor([self.seeds[r] for r in ranks], dtype=torch.long)
+        episode_rank = torch.arange(first, first + count) // self.group_size - ranks.start
+        return group_seeds[episode_rank]
+
+    # --- env hooks --------------------------------------------------------------------------
+
+    def _reset(
+        self, tensordict: TensorDictBase, tensordict_reset: TensorDictBase
+    ) -> TensorDictBase:
+        parent = self.parent
+        if parent is None:
+            raise RuntimeError(f"{type(self).__name__} must be appended to an environment.")
+        if list(parent.reset_keys) != ["_reset"]:
+            raise ValueError(
+                f"{type(self).__name__} supports envs with the single reset key '_reset', got "
+                f"reset keys {parent.reset_keys}."
+            )
+        batch = parent.batch_size
+        reset = tensordict.get("_reset", None)
+        if reset is None:
+            mask = torch.ones(batch, dtype=torch.bool)
+        else:
+            mask = reset.reshape(*batch, -1).any(-1) if batch else reset.any()
+        full = bool(mask.all())
+        if not full and _resets_itself(parent):
+            raise ValueError(
+                f"{type(self).__name__} cannot seed a partial reset of {parent.base_env}: its "
+                "vector env restarts finished sub-envs by itself, from unseeded states "
+                "(torchrl wraps it in VecGymEnvTransform). Build the gymnasium vector env with "
+                "autoreset_mode=gymnasium.vector.AutoresetMode.DISABLED, or only reset it whole."
+            )
+        count = int(mask.sum())
+        if count == 0:
+            return tensordict_reset
+        seeds = self._next_seeds(count)
+        kwargs = _seed_kwargs(parent, mask, seeds)
+        tensordict_reset = parent.reset(None if full else tensordict.select("_reset"), **kwargs)
+        self._episodes_started += count  # only once the seeded reset went through
+        seed = torch.full(batch, -1, dtype=torch.long, device=tensordict_reset.device)
+        seed[mask] = seeds.to(seed.device)
+        return tensordict_reset.set(self.out_key, seed)
+
+    def _reset_on_native_autoreset(
+        self, tensordict: TensorDictBase, tensordict_reset: TensorDictBase
+    ) -> TensorDictBase:
+        raise ValueError(
+            f"{type(self).__name__} cannot seed an env that resets itself inside step "
+            "(native auto-reset); use an env whose finished sub-envs torchrl resets."
+        )
+
+    def _step(self, tensordict: TensorDictBase, next_tensordict: TensorDictBase) -> TensorDictBase:
+        seed = tensordict.get(self.out_key, None)
+        if seed is None:
+            raise KeyError(
+                f"{type(self).__name__}: the step's input has no {self.out_key!r}: step the "
+                "tensordict that env.reset() returned (or the previous step's, after step_mdp), "
+                "as collectors and env.rollout do."
+            )
+        return next_tensordict.set(self.out_key, seed.clone())
+
+    def transform_observation_spec(self, observation_spec: Composite) -> Composite:
+        observation_spec[self.out_key] = Unbounded(
+            shape=observation_spec.shape, dtype=torch.long, device=observation_spec.device
+        )
+        return observation_spec
+
+    def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
+        raise RuntimeError(
+            f"{type(self).__name__} resets environments: append it to an env "
+            "(TransformedEnv(env, SameStartGroups(...))), not to a replay buffer or a module."
+        )
+
+
+# --- helpers ------------------------------------------------------------------------------------
+
+
+def _check_group_size(group_size) -> int:
+    try:
+        value = operator.index(group_size)  # 2.7 and "4" are refused, not rounded
+    except TypeError:
+        raise ValueError(f"group_size must be an integer, got {group_size!r}.") from None
+    if isinstance(group_size, bool) or value < 1:
+        raise ValueError(f"group_size must be an integer of at least 1, got {group_size!r}.")
+    return value
+
+
+def _check_seeds(seeds) -> Sequence[int]:
+    if isinstance(seeds, torch.Tensor):
+        seeds = seeds.tolist()
+    if isinstance(seeds, range):
+        if len(seeds) == 0 or min(seeds[0], seeds[-1]) < 0:
+            raise ValueError(f"seeds must be non-empty and non-negative, got {seeds!r}.")
+        return seeds
+    if not isinstance(seeds, Sequence) or isinstance(seeds, (str, bytes)):
+        raise ValueError(f"seeds must be a range or a sequence of integers, got {seeds!r}.")
+    values = []
+    for i, seed in enumerate(seeds):
+        try:
+            value = operator.index(seed)
+        except TypeError:
+            raise ValueError(f"seeds[{i}] must be an integer, got {seed!r}.") from None
+        if isinstance(seed, bool) or value < 0:
+            raise ValueError(f"seeds[{i}] must be a non-negative integer, got {seed!r}.")
+        values.append(value)
+    if not values:
+        raise ValueError("seeds must not be empty.")
+    if len(set(values)) != len(values):
+        twice = sorted({v for v in values if values.count(v) > 1})
+        raise ValueError(
+            f"seeds must be distinct (a repeated seed would be played more than group_size "
+            f"times), got {twice} more than once."
+        )
+    return tuple(values)
+
+
+def _base(env):
+    while isinstance(env, TransformedEnv):
+        env = env.base_env
+    return env
+
+
+def _resets_itself(env) -> bool:
+    """Whether ``env`` (or a transform in it) restarts finished sub-envs by itself."""
+    while isinstance(env, TransformedEnv):
+        transforms = getattr(env.transform, "transforms", [env.transform])
+        if any(isinstance(t, VecGymEnvTransform) for t in transforms):
+            return True
+        env = env.base_env
+    return False
+
+
+def _seed_kwargs(env, mask: torch.Tensor, seeds: torch.Tensor) -> dict:
+    """The keyword arguments of ``env.reset`` that seed the sub-envs selected by ``mask``.
+
+    Args:
+        env: the parent env, of batch size ``B`` (possibly ``()``).
+        mask: which sub-envs reset, shape ``B``.
+        seeds: their seeds, shape ``(mask.sum(),)``, in index order.
+    """
+    base = _base(env)
+    per_env = torch.full(mask.shape, -1, dtype=torch.long)
+    per_env[mask] = seeds
+    if isinstance(base, (SerialEnv, ParallelEnv)):  # one kwargs dict per worker
+        workers = per_env.reshape(base.num_workers, -1)
+        sub_batched = len(env.batch_size) > 1
+        return {"list_of_kwargs": [{"seed": _gym_seed(row, sub_batched)} for row in workers]}
+    if isinstance(base, GymWrapper):
+        return {"seed": _gym_seed(per_env.reshape(-1), len(env.batch_size) > 0)}
+    raise TypeError(
+        f"SameStartGroups needs an env whose reset takes a gymnasium seed (GymEnv, GymWrapper, "
+        f"or SerialEnv/ParallelEnv of those), got {type(base).__name__}."
+    )
+
+
+def _gym_seed(seeds: torch.Tensor, batched: bool):
+    """gymnasium's ``seed=``: an int for one env, a list (``None``: not reset) for a vector env."""
+    values = [s if s >= 0 else None for s in seeds.tolist()]
+    return values if batched else values[0]
