@@ -180,17 +180,16 @@ def gather(state: Pending, batch: Insertion | None, members: Tensor):
     from_pending = members < q
     pending = members[from_pending]
     pieces = []
-    if 0 < pending.numel() <= 32:  # a few trajectories: one slice (a view) each
-        spans = zip(
-            state.chunk[pending].tolist(),
-            state.offset[pending].tolist(),
-            state.lengths[pending].tolist(),
-        )
-        pieces = [  # a whole chunk as it is (one trajectory per insertion): no slicing
+    few = 0 < pending.numel() <= 32
+    chunk_list = state.chunk[pending].tolist() if few else None
+    if few and len(set(chunk_list)) == len(chunk_list):  # a few, each from its own chunk
+        spans = zip(chunk_list, state.offset[pending].tolist(), state.lengths[pending].tolist())
+        pieces = [  # one slice (a view) each; a whole chunk as it is (one trajectory per
+            # insertion): no slicing
             state.chunks[c] if n == state.chunk_sizes[c] else state.chunks[c][o : o + n]
             for c, o, n in spans
         ]
-    elif pending.numel():  # many: one take (or slice) per chunk
+    elif pending.numel():  # many, or several per chunk: one take (or slice) per chunk
         lengths = state.lengths[pending]
         step_chunk = torch.repeat_interleave(state.chunk[pending], lengths)  # (K,)
         step_pos = ranges(state.offset[pending], lengths)  # (K,)

@@ -202,8 +202,8 @@ def join(tails: Tails, tensordict: TensorDictBase, keys: TrajectoryKeys, inserti
     ended = piece_ids[done_pieces]
     complete = None
     if done_pieces.numel():
-        new_index = order[_ranges(starts[done_pieces], lengths[done_pieces])]
-        complete = _assemble(tails, flat[new_index], lengths[done_pieces], ended)
+        new_index = order[_ranges(starts[done_pieces], lengths[done_pieces])]  # (K,) in `flat`
+        complete = _assemble(tails, flat, new_index, lengths[done_pieces], ended)
 
     # the next tails: those not completed, extended by the unfinished pieces
     leaving = piece_ids[completes | given_up]
@@ -289,32 +289,51 @@ def _check_counts(count, starts, held, slot, tails, piece_ids, keys, skip) -> No
 
 
 def _gather(chunks: tuple, pieces: Tensor) -> TensorDictBase:
-    """The steps of ``pieces``, in that order (one slice per piece, one concatenation)."""
+    """The steps of ``pieces``, in that order: one indexing per chunk involved, then one
+    reordering (never one slice per piece)."""
+    if pieces.shape[0] == 1:
+        c, o, n = pieces[0, :3].tolist()
+        return chunks[c][o : o + n]
+    lengths = pieces[:, LENGTH]
+    step_chunk = torch.repeat_interleave(pieces[:, CHUNK], lengths)  # (K,) in output order
+    step_pos = _ranges(pieces[:, OFFSET], lengths)  # (K,) position in its chunk
+    by_chunk = torch.argsort(step_chunk, stable=True)
+    chunk_ids, counts = torch.unique_consecutive(step_chunk[by_chunk], return_counts=True)
     parts = [
-        chunks[c][o : o + n]
-        for c, o, n in zip(*(pieces[:, col].tolist() for col in (CHUNK, OFFSET, LENGTH)))
+        chunks[c][pos]
+        for c, pos in zip(chunk_ids.tolist(), step_pos[by_chunk].split(counts.tolist()))
     ]
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
+    data = parts[0] if len(parts) == 1 else torch.cat(parts)  # (K,) grouped by chunk
+    if bool((by_chunk[1:] > by_chunk[:-1]).all()):  # already in output order
+        return data
+    return data[torch.argsort(by_chunk)]
 
 
-def _assemble(tails: Tails, new: TensorDictBase, new_lengths: Tensor, ids: Tensor):
-    """Trajectories ``ids`` as held pieces then their new steps (``new``, trajectory after
-    trajectory, ``new_lengths`` each), one after the other."""
+def _assemble(tails: Tails, flat, new_index: Tensor, new_lengths: Tensor, ids: Tensor):
+    """Trajectories ``ids`` as their held pieces then their new steps (``flat[new_index]``,
+    trajectory after trajectory, ``new_lengths`` each), one after the other: one concatenation of
+    the chunks involved and the insertion, and one indexing."""
     held = torch.isin(tails.pieces[:, TRAJ], ids) if tails.num_tails else None
     if held is None or not bool(held.any()):
-        return new
+        return flat[new_index]
     pieces = tails.pieces[held]
     sorted_ids, rank = torch.sort(ids)
     position = rank[torch.searchsorted(sorted_ids, pieces[:, TRAJ].contiguous())]  # (P',)
     by_trajectory = torch.argsort(position, stable=True)  # arrival order kept within one
-    old = _gather(tails.chunks, pieces[by_trajectory])
+    pieces, position = pieces[by_trajectory], position[by_trajectory]
     old_lengths = torch.zeros_like(new_lengths).index_add_(0, position, pieces[:, LENGTH])
+    # the sources: the chunks the pieces are in, then the insertion
+    used, local = torch.unique(pieces[:, CHUNK], return_inverse=True)
+    sources = [tails.chunks[c] for c in used.tolist()]
+    sizes = torch.tensor([len(c) for c in sources])
+    base = torch.cumsum(sizes, 0) - sizes  # (u,) where each chunk starts in the concatenation
+    old_index = _ranges(base[local] + pieces[:, OFFSET], pieces[:, LENGTH])  # (K',)
     total = old_lengths + new_lengths  # (c,)
     out_start = torch.cumsum(total, 0) - total
     index = torch.empty(int(total.sum()), dtype=torch.long)
-    index[_ranges(out_start, old_lengths)] = torch.arange(old.shape[0])
-    index[_ranges(out_start + old_lengths, new_lengths)] = old.shape[0] + torch.arange(new.shape[0])  # fmt: skip
-    return torch.cat([old, new])[index]
+    index[_ranges(out_start, old_lengths)] = old_index
+    index[_ranges(out_start + old_lengths, new_lengths)] = int(sizes.sum()) + new_index
+    return torch.cat([*sources, flat])[index]
 
 
 def _next_tails(tails, *, leaving, chunk, ids, lengths, last_count, insertion, registry) -> Tails:
