@@ -7,9 +7,9 @@ import warnings
 import pytest
 import torch
 from conftest import (
-    collector_stream,
     assert_same_releases,
     bad_inputs,
+    collector_stream,
     next_uid,
     random_chunks,
     random_stream,
