@@ -147,6 +147,74 @@ class _DoNothing(Transform):
         return None
 
 
+def collector_batches(envs: int, steps: int, mean_len: int, batches: int, group: int, seed=0):
+    """A collector's ``[envs, steps]`` batches: episodes of random lengths (mean ``mean_len``)
+    run back to back on each env, cut every ``steps`` steps; ``("collector", "traj_ids")``
+    handed out as episodes start, ``"step_count"``, ``"seed"`` groups of ``group`` episodes.
+
+    Returns the batches and, for each, the episodes that end in it laid flat one after the other
+    (what inserting whole episodes would insert).
+    """
+    g = torch.Generator().manual_seed(seed)
+    horizon = steps * batches
+    ids = torch.empty(envs, horizon, dtype=torch.long)
+    count = torch.empty(envs, horizon, dtype=torch.long)
+    done = torch.zeros(envs, horizon, dtype=torch.bool)
+    starts = []  # (time, env, length) of every episode
+    for env in range(envs):
+        t = 0
+        while t < horizon:
+            n = int(torch.randint(1, 2 * mean_len, (1,), generator=g))
+            starts.append((t, env, min(n, horizon - t), n <= horizon - t))
+            t += n
+    starts.sort()
+    for traj, (t, env, n, ends) in enumerate(starts):
+        ids[env, t : t + n] = traj
+        count[env, t : t + n] = torch.arange(n)
+        done[env, t + n - 1] = ends
+    seeds = ids // group
+    timeline = TensorDict(
+        {
+            "seed": seeds,
+            "step_count": count.unsqueeze(-1),
+            "observation": torch.randn(envs, horizon, 4, generator=g),
+            ("collector", "traj_ids"): ids,
+            ("next", "reward"): torch.randn(envs, horizon, 1, generator=g),
+            ("next", "done"): done.unsqueeze(-1),
+        },
+        batch_size=[envs, horizon],
+    )
+    out, whole = [], []
+    for b in range(batches):
+        batch = timeline[:, b * steps : (b + 1) * steps].clone()
+        flat_done = batch["next", "done"].reshape(-1)
+        ended = batch["collector", "traj_ids"].reshape(-1)[flat_done]  # in last-step order
+        episodes = [timeline.reshape(-1)[(timeline["collector", "traj_ids"] == i).reshape(-1)] for i in ended.tolist()]  # fmt: skip
+        out.append(batch)
+        whole.append(torch.cat(episodes) if episodes else None)
+    return out, whole
+
+
+def time_stream(batches, make_transform) -> float:
+    """CPU seconds per ``rb.extend`` of a stream of batches (fastest of 3 passes)."""
+    best = float("inf")
+    for _ in range(3):
+        rb = ReplayBuffer(storage=LazyTensorStorage(sum(b.numel() for b in batches if b is not None)))  # fmt: skip
+        if make_transform is not None:
+            rb.append_transform(make_transform())
+        gc.disable()
+        try:
+            start = time.process_time()
+            for batch in batches:
+                if batch is not None:
+                    rb.extend(batch if make_transform is not None else batch.reshape(-1))
+            elapsed = time.process_time() - start
+        finally:
+            gc.enable()
+        best = min(best, elapsed)
+    return best / len(batches)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small shapes, few repeats")
@@ -202,6 +270,42 @@ def main() -> None:
             f"ms/call, torchrl/ours {ref / ours:.2f}x"
         )
     print(f"where the time goes (ms/call; Transform.inv itself, doing nothing: {floor * 1e3:.3f}):")
+    _where_the_time_goes()
+    print()
+    _streaming_table(args.quick)
+
+
+def _streaming_table(quick: bool) -> None:
+    """A collector's frames_per_batch batches, episodes crossing them (``traj_key``)."""
+    envs, steps = (16, 32) if quick else (64, 64)
+    print(
+        f"a collector's [{envs}, {steps}] batches (episodes cross batches, ids and step counts "
+        "checked), ms per batch, fastest of 3 passes over 12 batches:"
+    )
+    header = (
+        f"{'mean episode':>13} {'held steps':>11} {'plain':>7} {'streaming':>10} "
+        f"{'whole episodes':>15} {'streaming/plain':>16}"
+    )
+    print(header)
+    print("-" * len(header))
+    for mean_len in (16, 64, 256):
+        batches, whole = collector_batches(envs, steps, mean_len, 12, group=4)
+        kw = dict(grpo_size=4, prompt_key="seed", trajectory_return="sum")
+        plain = time_stream(batches, None)
+        streaming = time_stream(batches, lambda kw=kw: MCAdvantage(**kw))
+        episodes = time_stream(whole, lambda kw=kw: MCAdvantage(**kw, traj_key=None))
+        probe = MCAdvantage(**kw)
+        held = []
+        for batch in batches:
+            probe.inv(batch)
+            held.append(probe.get_stats()["held_steps"])
+        print(
+            f"{mean_len:>13} {sum(held) // len(held):>11} {plain * 1e3:>7.2f} "
+            f"{streaming * 1e3:>10.2f} {episodes * 1e3:>15.2f} {streaming / plain:>15.2f}x"
+        )
+
+
+def _where_the_time_goes() -> None:
     for mode in (None, "sum"):
         kw = dict(grpo_size=8, prompt_key="seed", trajectory_return=mode)
         # the whole stream: its first calls alone may complete no group

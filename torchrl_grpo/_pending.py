@@ -16,6 +16,8 @@ import torch
 from tensordict import TensorDict, TensorDictBase, lazy_stack
 from torch import Tensor
 
+from torchrl_grpo._tails import IdRegistry, Tails
+
 if TYPE_CHECKING:
     from torchrl_grpo._reading import Insertion
 
@@ -51,6 +53,8 @@ class Pending:
     stats: dict = field(default_factory=dict)
     ragged: bool = False
     insertions: int = 0  # successful insertions so far: the clock of ``arrival``
+    # trajectories not ended yet, whose first steps arrived (see torchrl_grpo._tails)
+    tails: Tails = field(default_factory=Tails)
 
     @property
     def num_pending(self) -> int:
@@ -176,17 +180,16 @@ def gather(state: Pending, batch: Insertion | None, members: Tensor):
     from_pending = members < q
     pending = members[from_pending]
     pieces = []
-    if 0 < pending.numel() <= 32:  # a few trajectories: one slice (a view) each
-        spans = zip(
-            state.chunk[pending].tolist(),
-            state.offset[pending].tolist(),
-            state.lengths[pending].tolist(),
-        )
-        pieces = [  # a whole chunk as it is (one trajectory per insertion): no slicing
+    few = 0 < pending.numel() <= 32
+    chunk_list = state.chunk[pending].tolist() if few else None
+    if few and len(set(chunk_list)) == len(chunk_list):  # a few, each from its own chunk
+        spans = zip(chunk_list, state.offset[pending].tolist(), state.lengths[pending].tolist())
+        pieces = [  # one slice (a view) each; a whole chunk as it is (one trajectory per
+            # insertion): no slicing
             state.chunks[c] if n == state.chunk_sizes[c] else state.chunks[c][o : o + n]
             for c, o, n in spans
         ]
-    elif pending.numel():  # many: one take (or slice) per chunk
+    elif pending.numel():  # many, or several per chunk: one take (or slice) per chunk
         lengths = state.lengths[pending]
         step_chunk = torch.repeat_interleave(state.chunk[pending], lengths)  # (K,)
         step_pos = ranges(state.offset[pending], lengths)  # (K,)
@@ -326,7 +329,9 @@ def remaining(
             returns=incoming,
         )
     if q == 0 and bool(consumed.all()):  # everything released: nothing left to hold
-        return Pending(stats=state.stats, ragged=ragged, insertions=state.insertions)
+        return Pending(
+            stats=state.stats, ragged=ragged, insertions=state.insertions, tails=state.tails
+        )
     keep_pending, keep_incoming = ~consumed[:q], ~consumed[q:]
     new = state if bool(keep_pending.all()) else drop(state, keep_pending)
     if ragged != new.ragged:
@@ -368,7 +373,16 @@ def to_plain(state: Pending) -> dict:
     if state.num_pending:
         data = gather(state, None, torch.arange(state.num_pending))
         steps = [step.to_dict() for step in data] if isinstance(data, list) else data.to_dict()
+    tail_steps, tail_lengths = state.tails.steps()
     return {
+        "tails": {
+            "steps": None if tail_steps is None else tail_steps.to_dict(),
+            "lengths": tail_lengths,
+            "meta": state.tails.meta.clone(),
+            "registry": None
+            if state.tails.registry is None
+            else state.tails.registry.marks.clone(),
+        },
         "steps": steps,
         "num_steps": int(state.lengths.sum()),
         "ragged": state.ragged,
@@ -395,6 +409,8 @@ def from_plain(plain: dict) -> Pending:
         ragged=plain["ragged"],
         insertions=plain["insertions"],
     )
+    if plain.get("tails") is not None:  # absent from checkpoints before streaming
+        state = evolve(state, tails=_tails_from_plain(plain["tails"]))
     if plain["steps"] is None:
         return state
     if plain["ragged"]:
@@ -402,3 +418,15 @@ def from_plain(plain: dict) -> Pending:
     else:
         data = TensorDict.from_dict(plain["steps"], batch_size=[plain["num_steps"]])
     return evolve(state, chunks=[data], chunk_sizes=[plain["num_steps"]])
+
+
+def _tails_from_plain(plain: dict) -> Tails:
+    registry = None if plain["registry"] is None else IdRegistry(plain["registry"])
+    meta = plain["meta"]
+    if plain["steps"] is None:
+        return Tails(meta=meta, registry=registry)
+    lengths = plain["lengths"]  # (H,) in meta order
+    steps = TensorDict.from_dict(plain["steps"], batch_size=[int(lengths.sum())])
+    offset = torch.cumsum(lengths, 0) - lengths
+    pieces = torch.stack([torch.zeros_like(offset), offset, lengths, meta[:, 0]], 1)
+    return Tails(chunks=(steps,), pieces=pieces, meta=meta, registry=registry)

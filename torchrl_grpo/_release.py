@@ -48,6 +48,8 @@ STAT_NAMES = (
     # beyond torchrl: groups given up on by the memory limits (``max_pending_*``)
     "evicted_groups",
     "evicted_trajectories",
+    # beyond torchrl: steps of unfinished trajectories given up (``traj_key``), held or arriving
+    "evicted_steps",
 )
 
 

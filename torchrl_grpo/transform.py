@@ -20,7 +20,7 @@ import warnings
 from collections.abc import Iterator, Mapping, MutableMapping
 
 import torch
-from tensordict import NestedKey, TensorDictBase
+from tensordict import LazyStackedTensorDict, NestedKey, TensorDictBase
 from torchrl import torchrl_logger
 from torchrl.envs.transforms import Transform
 from torchrl.objectives.llm import MCAdvantageSelector
@@ -42,6 +42,8 @@ from torchrl_grpo._release import (
     torchrl_returns,
     trajectory_returns,
 )
+from torchrl_grpo._tails import ENDED, GIVEN_UP, TrajectoryKeys, join
+from torchrl_grpo._tails import drop as drop_tails
 from torchrl_grpo.advantages import BASELINES, RETURN_REDUCTIONS, SCALES
 from torchrl_grpo.checkpoint import allow_empty_dumps
 
@@ -138,7 +140,11 @@ class MCAdvantage(Transform):
     :class:`~torchrl.data.ReplayBuffer`; every ``extend``/``add`` then
 
     1. flattens the input and splits it into trajectories at the done flags (each row of a
-       ``[B, T]`` input must end with done);
+       ``[B, T]`` input must end with done), or, when the steps carry a trajectory id
+       (``traj_key``, torchrl's ``("collector", "traj_ids")``), by id: a trajectory whose last
+       step in the insertion is not done is held and joined with its continuation in later
+       insertions, so that a collector's batches cut every ``frames_per_batch`` steps can be
+       inserted as they come;
     2. reads each trajectory's group id at its first step: a string (the prompt) or a tensor
        (e.g. an environment seed), compared by value;
     3. queues trajectories by group id; when a group holds ``grpo_size`` trajectories it writes
@@ -209,6 +215,22 @@ class MCAdvantage(Transform):
         on_overflow: what happens past a limit: ``"drop_oldest"`` (default) evicts the groups that
             started first, counts them in ``evicted_groups`` / ``evicted_trajectories`` and warns;
             ``"raise"`` rejects the insertion with a ``RuntimeError``, changing nothing.
+        traj_key: key of the trajectory id of every step. When the input has it, trajectories
+            may cross insertions: the unfinished ones are held (:attr:`held_trajectories`) and
+            completed by later insertions, with the same advantages as inserting each whole
+            trajectory when its last step arrives (in the order of the last steps in the
+            row-major flattened input). Ids must be unique across everything written through the
+            transform (torchrl's collectors, multi-worker ones included, guarantee it); an id
+            that comes back after its trajectory ended raises ``ValueError``. A held trajectory
+            older than ``max_pending_age`` insertions is given up, and the steps of its id that
+            arrive later are left out (``evicted_steps``). Negative ids (torchrl's frames a
+            preemptive collector did not fill) are not data. Defaults to
+            ``("collector", "traj_ids")``; ``None`` always splits at the done flags (torchrl's
+            behaviour).
+        step_count_key: key of a step counter (torchrl's ``StepCounter`` writes
+            ``"step_count"``), read with ``traj_key`` when the input has it: a trajectory must
+            start at 0 and count up by one across insertions, so that a continuation whose
+            earlier part is missing raises ``ValueError``. ``None``: not checked.
 
     Raises:
         ValueError: for inconsistent arguments (same conditions as torchrl), and for the added
@@ -268,6 +290,8 @@ class MCAdvantage(Transform):
         max_pending_groups: int | None = None,
         max_pending_age: int | None = None,
         on_overflow: str = "drop_oldest",
+        traj_key: NestedKey | None = ("collector", "traj_ids"),
+        step_count_key: NestedKey | None = "step_count",
     ):
         super().__init__()
         grpo_size = _integer("grpo_size", grpo_size)
@@ -389,6 +413,9 @@ class MCAdvantage(Transform):
         self._limits = Limits(
             max_groups=max_pending_groups, max_age=max_pending_age, on_overflow=on_overflow
         )
+        self._trajectory_keys = TrajectoryKeys(
+            traj=traj_key, done=done_key, count=step_count_key if traj_key is not None else None
+        )
         self._state = Pending(stats=fresh_stats())
         self._shared = None  # a manager Namespace holding the Pending once share_memory_() ran
         self._lock = _NoLock()
@@ -426,6 +453,8 @@ class MCAdvantage(Transform):
     max_pending_groups = _setting("_limits", "max_groups", "Most incomplete groups held.")
     max_pending_age = _setting("_limits", "max_age", "Most insertions a group may wait.")
     on_overflow = _setting("_limits", "on_overflow", "``drop_oldest`` or ``raise``.")
+    traj_key = _setting("_trajectory_keys", "traj", "Key of the trajectory ids.")
+    step_count_key = _setting("_trajectory_keys", "count", "Key of the step counter.")
 
     # --- state: local, or behind a multiprocessing manager ------------------------------------
 
@@ -512,9 +541,17 @@ class MCAdvantage(Transform):
             self._store(evolve(self._load(), stats=fresh_stats()))
 
     def clear_queues(self) -> None:
-        """Forget every pending trajectory (statistics are kept)."""
+        """Forget every pending trajectory, held unfinished ones included (statistics are kept).
+
+        The ids of the held trajectories are given up: their steps that arrive later are left
+        out (counted in ``evicted_steps``), rather than taken for new trajectories.
+        """
         with self._lock:
-            self._store(Pending(stats=self._load().stats))
+            state = self._load()
+            tails = state.tails
+            if tails.num_tails:
+                tails.registry.mark(tails.ids, GIVEN_UP)
+            self._store(Pending(stats=state.stats, tails=type(tails)(registry=tails.registry)))
 
     def get_stats(self) -> dict[str, float | int]:
         """A snapshot of the counters and of the pending queues' sizes.
@@ -535,8 +572,16 @@ class MCAdvantage(Transform):
                 queued_groups=len(counts),
                 queued_trajectories=state.num_pending,
                 max_queued_trajectories_per_group=max(counts, default=0),
+                held_trajectories=state.tails.num_tails,
+                held_steps=state.tails.num_steps,
             )
             return stats
+
+    @property
+    def held_trajectories(self) -> int:
+        """Number of trajectories whose first steps arrived but not their last (``traj_key``)."""
+        with self._lock:
+            return self._load().tails.num_tails
 
     @property
     def queued_groups(self) -> int:
@@ -574,20 +619,38 @@ class MCAdvantage(Transform):
             self._find_buffer()
             object.__setattr__(self, "_buffer_searched", True)
         with self._lock:
-            out, state = self._insert(self._load(), tensordict)
+            out, state, marks = self._insert(self._load(), tensordict)
+            for ids, status in marks:  # the insertion went through: record the ids it ended
+                state.tails.registry.mark(ids, status)
             self._store(state)
         return out
 
     def _insert(self, state: Pending, tensordict: TensorDictBase):
         """One insertion against ``state``: read it, find the complete groups, release them, hold
-        the rest, apply the limits. Returns the steps to store (or ``None``) and the next state.
+        the rest, apply the limits. Returns the steps to store (or ``None``), the next state, and
+        the trajectory ids to mark as ended or given up once it is stored.
 
         Everything that can be wrong with the input raises before a new state exists, so a
         rejected call leaves the transform exactly as it was.
         """
+        marks = []
+        dense = self._streams(state, tensordict)
+        if dense is not None:
+            keys = self._trajectory_keys._replace(done=self._keys.done)
+            joined = join(state.tails, dense, keys, state.insertions)
+            marks.append((joined.ended, ENDED))
+            if joined.dropped_steps:
+                stats = dict(state.stats)
+                stats["evicted_steps"] += joined.dropped_steps
+                state = evolve(state, stats=stats)
+            state = evolve(state, tails=joined.tails)
+            tensordict = joined.complete
+            if tensordict is None:  # nothing completes: only the tails changed
+                new = evolve(state, insertions=state.insertions + 1)
+                return None, *self._evict(new, marks)
         batch = read_insertion(tensordict, self._keys, state)
         if batch is None:  # no step
-            return None, self._evict(evolve(state, insertions=state.insertions + 1))
+            return None, *self._evict(evolve(state, insertions=state.insertions + 1), marks)
         estimator, selects = self._estimator, self._selects
         incoming = Returns(
             trajectory_returns(batch, estimator.trajectory_return),
@@ -630,32 +693,71 @@ class MCAdvantage(Transform):
                 f"MCAdvantage: {batch.num_trajectories} trajectories in, {released.written} "
                 f"groups written, {dropped} dropped, {new.num_pending} trajectories pending."
             )
-        return released.out, self._evict(new)
+        return released.out, *self._evict(new, marks)
+
+    def _streams(self, state: Pending, tensordict: TensorDictBase) -> TensorDictBase | None:
+        """The insertion as dense steps if it is read by trajectory id (``traj_key``), else
+        ``None`` (split at the done flags)."""
+        key = self._trajectory_keys.traj
+        if key is None or key not in tensordict.keys(include_nested=True):
+            return None
+        if isinstance(tensordict, LazyStackedTensorDict):
+            try:
+                return tensordict.contiguous()
+            except RuntimeError:  # ragged steps (token sequences): complete trajectories only
+                if state.tails.num_tails:
+                    raise NotImplementedError(
+                        "MCAdvantage: trajectories that cross insertions need dense steps; this "
+                        "insertion is a ragged lazy stack while unfinished trajectories are held."
+                    ) from None
+                return None
+        return tensordict
 
     @property
     def _selects(self) -> bool:
         """Whether candidate selection runs (see :meth:`Selection.runs`)."""
         return self._selection.runs(self.grpo_size, self._estimator.trajectory_return)
 
-    def _evict(self, state: Pending) -> Pending:
-        """``max_pending_groups`` / ``max_pending_age``: count and warn about evicted groups."""
+    def _evict(self, state: Pending, marks: list) -> tuple[Pending, list]:
+        """``max_pending_groups`` / ``max_pending_age``: count and warn about evicted groups and
+        held trajectories; returns the state and the ids to mark."""
         if not self._limits.active:
-            return state
+            return state, marks
         eviction = evict(state, self._limits)
-        if not eviction.groups:
-            return state
+        groups, trajectories = eviction.groups, eviction.trajectories
+        state = eviction.state
+        tails, steps = state.tails, 0
+        if self._limits.max_age is not None and tails.num_tails:
+            old = state.insertions - 1 - tails.meta[:, 1] >= self._limits.max_age  # (H,)
+            if bool(old.any()):
+                if self._limits.on_overflow == "raise":
+                    raise RuntimeError(
+                        f"MCAdvantage: {int(old.sum())} unfinished trajectories are older than "
+                        f"max_pending_age={self.max_pending_age}; the insertion was rejected and "
+                        "nothing changed."
+                    )
+                steps = tails.num_steps
+                tails, gone = drop_tails(tails, ~old)
+                steps -= tails.num_steps
+                trajectories += gone.shape[0]
+                marks = [*marks, (gone, GIVEN_UP)]
+                state = evolve(state, tails=tails)
+        if not groups and not steps:
+            return state, marks
+        unfinished = f" and {trajectories - eviction.trajectories} unfinished trajectories" if steps else ""  # fmt: skip
         warnings.warn(
-            f"MCAdvantage: {eviction.groups} incomplete group(s) ({eviction.trajectories} "
-            f"trajectories) exceed max_pending_groups={self.max_pending_groups} / "
+            f"MCAdvantage: {groups} incomplete group(s) ({eviction.trajectories} trajectories)"
+            f"{unfinished} exceed max_pending_groups={self.max_pending_groups} / "
             f"max_pending_age={self.max_pending_age}; the oldest were dropped (see "
             "evicted_groups).",
             RuntimeWarning,
             stacklevel=5,
         )
-        stats = dict(eviction.state.stats)
-        stats["evicted_groups"] += eviction.groups
-        stats["evicted_trajectories"] += eviction.trajectories
-        return evolve(eviction.state, stats=stats)
+        stats = dict(state.stats)
+        stats["evicted_groups"] += groups
+        stats["evicted_trajectories"] += trajectories
+        stats["evicted_steps"] += steps
+        return evolve(state, stats=stats), marks
 
 
 class PendingGroups(MutableMapping):
