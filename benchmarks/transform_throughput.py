@@ -10,6 +10,10 @@ repeatedly, and each keeps its fastest time (as ``timeit`` advises). Ratios are
 within one run. ``torchrl/ours`` compares whole ``extend`` calls; ``own cost`` compares what each
 transform adds to the plain copy, ``(torchrl - plain) / (ours - plain)``.
 
+A second table times the estimators beyond torchrl's (REINFORCE++-baseline's whitening, pass@k,
+GDPO with two rewards, GiGPO with a state id or a grid cell as anchor) on the same batches, which
+then also carry a second reward and the anchors, against the plain copy and GRPO of that data.
+
     python benchmarks/transform_throughput.py            # the full table
     python benchmarks/transform_throughput.py --quick    # smaller shapes, for a smoke run
 """
@@ -34,15 +38,21 @@ SHAPES = [(512, 8, 4), (64, 8, 32), (128, 16, 64)]
 QUICK_SHAPES = [(64, 8, 4), (16, 8, 16)]
 
 
-def shuffled_groups(groups: int, size: int, steps: int, seed: int = 0) -> TensorDict:
-    """Flat steps of ``groups * size`` trajectories of ``steps`` steps, trajectories shuffled."""
+def shuffled_groups(
+    groups: int, size: int, steps: int, seed: int = 0, *, agent: bool = False
+) -> TensorDict:
+    """Flat steps of ``groups * size`` trajectories of ``steps`` steps, trajectories shuffled.
+
+    ``agent``: each step also has a second reward ``("next", "format")``, a discrete state id
+    ``state`` (one of 16) and a grid cell ``cell`` (two coordinates in ``[0, 4)``), as anchors.
+    """
     gen = torch.Generator().manual_seed(seed)
     n = groups * size
     ids = torch.arange(groups).repeat_interleave(size)[torch.randperm(n, generator=gen)]
     num = n * steps
     done = torch.zeros(n, steps, 1, dtype=torch.bool)
     done[:, -1] = True
-    return TensorDict(
+    td = TensorDict(
         seed=ids.repeat_interleave(steps),
         observation=torch.randn(num, 4, generator=gen),
         action=torch.randint(0, 2, (num,), generator=gen),
@@ -56,6 +66,11 @@ def shuffled_groups(groups: int, size: int, steps: int, seed: int = 0) -> Tensor
         ),
         batch_size=[num],
     )
+    if agent:
+        td["next", "format"] = torch.rand(num, 1, generator=gen)
+        td["state"] = torch.randint(0, 16, (num,), generator=gen)
+        td["cell"] = torch.randint(0, 4, (num, 2), generator=gen)
+    return td
 
 
 def time_extend(data: TensorDict, make_transform) -> float:
@@ -240,6 +255,7 @@ def main() -> None:
                 f"{ours / plain:>10.2f}x {ref / ours:>12.0f}x "
                 f"{(ref - plain) / max(ours - plain, 1e-9):>8.0f}x"
             )
+    estimator_table(shapes, repeats)
     print()
     print("one trajectory per call, mean over the stream, fastest of 5 passes")
     print("(64 groups x 8 trajectories x 16 steps, shuffled; up to ~450 trajectories pending):")
@@ -300,6 +316,43 @@ def _where_the_time_goes() -> None:
             f"{ref[0] * 1e3:.3f}; completing a group: ours {ours[1] * 1e3:.3f}, torchrl "
             f"{ref[1] * 1e3:.3f}"
         )
+
+
+ESTIMATORS = {
+    "whiten": dict(scale_rewards="none", whiten=True),  # REINFORCE++-baseline
+    "pass@k": dict(baseline="pass_at_k"),
+    "GDPO x2": dict(reward_weights={("next", "reward"): 1.0, ("next", "format"): 1.0}),
+    "GiGPO id": dict(anchor_key="state"),
+    "GiGPO cell": dict(anchor_key="cell"),
+}
+
+
+def estimator_table(shapes, repeats: int) -> None:
+    """Each estimator beyond torchrl's against the plain copy and GRPO, same batches."""
+    print()
+    print("estimators beyond torchrl (trajectory_return='sum'); batches with a second reward and")
+    print("anchors; est/GRPO: over this package's GRPO on the same batch")
+    header = (
+        f"{'estimator':<11} {'groups x G x T':>15} {'steps':>7} {'plain ms':>9} {'GRPO ms':>8} "
+        f"{'est ms':>8} {'est/plain':>10} {'est/GRPO':>9}"
+    )
+    print(header)
+    print("-" * len(header))
+    for groups, size, steps in shapes:
+        data = shuffled_groups(groups, size, steps, agent=True)
+        kw = dict(grpo_size=size, prompt_key="seed", trajectory_return="sum")
+        candidates = {"plain": None, "GRPO": lambda kw=kw: MCAdvantage(**kw)}
+        for name, extra in ESTIMATORS.items():
+            candidates[name] = lambda kw=kw, extra=extra: MCAdvantage(**kw, **extra)
+        times = fastest(data, candidates, dict.fromkeys(candidates, repeats))
+        plain, grpo = times["plain"], times["GRPO"]
+        for name in ESTIMATORS:
+            est = times[name]
+            print(
+                f"{name:<11} {f'{groups}x{size}x{steps}':>15} {data.numel():>7} "
+                f"{plain * 1e3:>9.2f} {grpo * 1e3:>8.2f} {est * 1e3:>8.2f} "
+                f"{est / plain:>9.2f}x {est / grpo:>8.2f}x"
+            )
 
 
 if __name__ == "__main__":

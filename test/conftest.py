@@ -11,7 +11,7 @@ import random
 
 import pytest
 import torch
-from tensordict import LazyStackedTensorDict, NonTensorData, TensorDict
+from tensordict import LazyStackedTensorDict, NonTensorData, NonTensorStack, TensorDict
 from torchrl.objectives.llm import MCAdvantage as TorchRLMCAdvantage
 
 from torchrl_grpo import MCAdvantage
@@ -24,8 +24,12 @@ def next_uid() -> int:
     return next(_uid)
 
 
-def trajectory(group, rewards, key="seed", width=1):
-    """One trajectory: ``len(rewards)`` steps, the last one done; every step has a unique uid."""
+def trajectory(group, rewards, key="seed", width=1, **extra):
+    """One trajectory: ``len(rewards)`` steps, the last one done; every step has a unique uid.
+
+    ``extra``: more per-step entries, ``name=values`` (a tensor with one row per step, or a list
+    of strings); a name starting with ``next_`` goes under ``"next"``.
+    """
     rewards = torch.as_tensor(rewards, dtype=torch.float32).reshape(len(rewards), -1)
     steps = rewards.shape[0]
     done = torch.zeros(steps, 1, dtype=torch.bool)
@@ -40,6 +44,12 @@ def trajectory(group, rewards, key="seed", width=1):
         batch_size=[steps],
     )
     td.set(key, gid)
+    for name, values in extra.items():
+        where = ("next", name[len("next_") :]) if name.startswith("next_") else name
+        if isinstance(values, list) and isinstance(values[0], str):
+            td.set(where, NonTensorStack(*values, batch_size=[steps]))
+        else:
+            td.set(where, torch.as_tensor(values))
     return td
 
 

@@ -16,11 +16,18 @@ from conftest import (
     released,
     trajectory,
 )
-from tensordict import NonTensorData, TensorDict, lazy_stack
+from tensordict import NonTensorData, NonTensorStack, TensorDict, lazy_stack
 from torchrl.data import LazyStackStorage, LazyTensorStorage, ReplayBuffer
 from torchrl.objectives.llm import MCAdvantage as TorchRLMCAdvantage
 
 from torchrl_grpo import MCAdvantage, MCAdvantageSelector, group_relative_advantage
+from torchrl_grpo.advantages import (
+    gigpo_advantage,
+    multi_reward_advantage,
+    pass_at_k_advantage,
+    reinforce_pp_baseline_advantage,
+    step_level_advantage,
+)
 
 
 class TestParityWithTorchRL:
@@ -807,6 +814,332 @@ class TestSelectorInPerStepMode:
         assert ours.get_stats()["written_groups"] == 5
 
 
+GDPO_KEYS = {("next", "reward"): 1.0, ("next", "format"): 0.5}
+
+
+def agent_episodes(num_groups=2, size=3, seed=0, strings=False):
+    """Multi-step episodes whose states repeat within a group: (trajectories, the pieces)."""
+    gen = torch.Generator().manual_seed(seed)
+    trajs, returns, rewards, lengths, states, groups = [], [], [], [], [], []
+    for g in range(num_groups):
+        for _ in range(size):
+            n = int(torch.randint(1, 5, (1,), generator=gen))
+            r = torch.randint(0, 2, (n,), generator=gen).float()
+            s = torch.randint(0, 3, (n,), generator=gen)
+            obs = [f"room {int(v)}" for v in s] if strings else s
+            fmt = torch.rand(n, generator=gen)
+            trajs.append(trajectory(g, r.tolist(), obs=obs, next_format=fmt.reshape(n, 1)))
+            returns.append(float(r.sum()))
+            rewards.append(r)
+            lengths.append(n)
+            states.append(s)
+            groups.append(g)
+    pieces = (
+        torch.tensor(returns),
+        torch.tensor(groups),
+        torch.cat(rewards),
+        torch.tensor(lengths),
+        torch.cat(states),
+    )
+    return trajs, pieces
+
+
+class TestEstimatorsBeyondTorchRL:
+    """The keywords of REINFORCE++-baseline, pass@k, GDPO and GiGPO, against the pure math."""
+
+    def release(self, t, trajs):
+        out = t.inv(torch.cat(trajs))
+        return out["advantage"].squeeze(-1), out
+
+    def test_whiten_is_reinforce_pp_baseline(self):
+        trajs = [trajectory(g, r) for g, r in [(0, [0.0, 1.0]), (0, [3.0]), (1, [9.0]), (1, [5.0])]]
+        t = MCAdvantage(
+            2, prompt_key="seed", trajectory_return="sum", scale_rewards="none", whiten=True
+        )
+        adv, _ = self.release(t, trajs)
+        want = reinforce_pp_baseline_advantage(
+            torch.tensor([1.0, 3.0, 9.0, 5.0]), torch.tensor([0, 0, 1, 1])
+        )  # centred -1, 1, 2, -2: std sqrt(10 / 3)
+        assert want.tolist() == pytest.approx([v / (10 / 3) ** 0.5 for v in (-1, 1, 2, -2)])
+        assert adv.tolist() == pytest.approx(
+            want.repeat_interleave(torch.tensor([2, 1, 1, 1])).tolist()
+        )
+
+    def test_whiten_per_step_samples(self):
+        """Per-step samples: every reward element is centred by its group, then all whitened."""
+        trajs = [
+            trajectory(0, [1.0, 2.0]),
+            trajectory(0, [6.0]),
+            trajectory(1, [2.0]),
+            trajectory(1, [4.0]),
+        ]
+        t = MCAdvantage(2, prompt_key="seed", whiten=True, scale_rewards="none")
+        adv, _ = self.release(t, trajs)
+        x = torch.tensor([1.0, 2.0, 6.0, 2.0, 4.0])
+        want = reinforce_pp_baseline_advantage(x, torch.tensor([0, 0, 0, 1, 1]))
+        torch.testing.assert_close(adv.double(), want, atol=1e-6, rtol=1e-6)
+
+    def test_pass_at_k(self):
+        trajs = [trajectory(0, r) for r in ([1.0, 1.0], [0.0], [3.0], [0.5])]
+        t = MCAdvantage(4, prompt_key="seed", trajectory_return="sum", baseline="pass_at_k")
+        adv, _ = self.release(t, trajs)
+        returns = torch.tensor([2.0, 0.0, 3.0, 0.5])
+        best = 1.0 / returns.std().item()  # 3 - 2, over the group std
+        assert adv.tolist() == pytest.approx([0.0, 0.0, 0.0, best, 0.0])
+        torch.testing.assert_close(
+            adv[[0, 2, 3, 4]].double(),
+            pass_at_k_advantage(returns, torch.zeros(4, dtype=torch.long)).float().double(),
+        )
+
+    @pytest.mark.parametrize("mode", [None, "sum", "max"])
+    def test_gdpo_matches_the_math(self, mode):
+        trajs, (returns, groups, rewards, lengths, _) = agent_episodes(seed=1)
+        fmt = torch.cat([t["next", "format"].reshape(-1) for t in trajs])
+        t = MCAdvantage(3, prompt_key="seed", trajectory_return=mode, reward_weights=GDPO_KEYS)
+        adv, _ = self.release(t, trajs)
+        weights = torch.tensor([1.0, 0.5])
+        if mode is None:  # every reward element a sample, each trajectory a run of its group
+            x = torch.stack([rewards, fmt], 1)
+            want = multi_reward_advantage(x, groups, weights=weights, lengths=lengths)
+        else:  # each reward's return, per trajectory
+            traj = torch.arange(len(lengths)).repeat_interleave(lengths)
+            if mode == "sum":
+                reduce = lambda v: torch.zeros(len(lengths)).index_add_(0, traj, v)  # noqa: E731
+            else:
+                reduce = lambda v: torch.full((len(lengths),), -1e9).scatter_reduce(  # noqa: E731
+                    0, traj, v, "amax"
+                )
+            x = torch.stack([reduce(rewards), reduce(fmt)], 1)
+            want = multi_reward_advantage(x, groups, weights=weights).repeat_interleave(lengths)
+        torch.testing.assert_close(adv.double(), want, atol=1e-5, rtol=1e-5)
+
+    def test_one_reward_of_weight_one_is_grpo(self):
+        trajs, _ = agent_episodes(seed=2)
+        for mode in (None, "sum"):
+            plain, _ = self.release(
+                MCAdvantage(3, prompt_key="seed", trajectory_return=mode), trajs
+            )
+            one, _ = self.release(
+                MCAdvantage(
+                    3, prompt_key="seed", trajectory_return=mode,
+                    reward_weights={("next", "reward"): 1.0}, whiten=False,
+                ),
+                trajs,
+            )  # fmt: skip
+            torch.testing.assert_close(one, plain)
+
+    def test_gdpo_statistics_and_filters_see_the_weighted_sum(self):
+        trajs = [
+            trajectory(0, [1.0], next_format=[[4.0]]),
+            trajectory(0, [0.0], next_format=[[2.0]]),
+        ]
+        t = MCAdvantage(
+            2, prompt_key="seed", trajectory_return="sum", reward_weights=GDPO_KEYS,
+            keep_return_bounds=(1.0, 2.5),
+        )  # fmt: skip
+        _, out = self.release(t, trajs)  # weighted returns 3 and 1: mean 2, inside the bounds
+        assert out.shape == (2,)
+        stats = t.get_stats()
+        assert stats["trajectory_return_sum"] == pytest.approx(4.0)
+        assert stats["trajectory_return_max"] == pytest.approx(3.0)
+
+    @pytest.mark.parametrize("mode", [None, "sum"])
+    @pytest.mark.parametrize("scale", ["group", "none"])
+    def test_gigpo_matches_the_math(self, mode, scale):
+        trajs, (returns, groups, rewards, lengths, states) = agent_episodes(seed=3)
+        t = MCAdvantage(
+            3, prompt_key="seed", trajectory_return=mode, scale_rewards=scale, anchor_key="obs",
+            episode_reward_weight=0.5, step_reward_weight=2.0, step_reward_gamma=0.9,
+        )  # fmt: skip
+        adv, _ = self.release(t, trajs)
+        if mode == "sum":
+            want = gigpo_advantage(
+                returns, groups, rewards, lengths, states, gamma=0.9,
+                episode_weight=0.5, step_weight=2.0, scale_rewards=scale,
+            )  # fmt: skip
+        else:  # the episode level normalizes every reward element, as without anchors
+            episode = group_relative_advantage(
+                rewards, groups, scale_rewards=scale, lengths=lengths
+            )
+            step_groups = torch.unique(
+                torch.stack([groups.repeat_interleave(lengths), states], 1),
+                dim=0,
+                return_inverse=True,
+            )[1]
+            step = step_level_advantage(
+                rewards, lengths, step_groups, gamma=0.9, scale_rewards=scale
+            )
+            want = 0.5 * episode + 2.0 * step
+        torch.testing.assert_close(adv.double(), want, atol=1e-5, rtol=1e-5)
+
+    def test_gigpo_per_step_samples_of_two_elements(self):
+        """Two reward elements per step: the step reward is their sum, the step-level advantage
+        reaches both elements."""
+        trajs, (_, groups, rewards, lengths, states) = agent_episodes(seed=8)
+        two = [
+            trajectory(
+                int(t["seed"][0]), torch.stack([t["next", "reward"][:, 0]] * 2, 1) / 2, obs=t["obs"]
+            )
+            for t in trajs
+        ]
+        t = MCAdvantage(3, prompt_key="seed", anchor_key="obs", step_reward_gamma=0.8)
+        adv, _ = self.release(t, two)
+        elements = (rewards / 2).repeat_interleave(2)
+        episode = group_relative_advantage(elements, groups, lengths=2 * lengths)
+        step_groups = torch.unique(
+            torch.stack([groups.repeat_interleave(lengths), states], 1), dim=0, return_inverse=True
+        )[1]
+        step = step_level_advantage(rewards, lengths, step_groups, gamma=0.8)
+        torch.testing.assert_close(
+            adv.reshape(-1).double(), episode + step.repeat_interleave(2), atol=1e-5, rtol=1e-5
+        )
+
+    def test_gdpo_and_gigpo_and_step_norm_compose(self):
+        """Every stage at once: per-reward normalization, weighted sum, whitening, step groups,
+        length normalization, each by the pure functions in turn."""
+        trajs, (returns, groups, rewards, lengths, states) = agent_episodes(seed=9)
+        fmt = torch.cat([t["next", "format"].reshape(-1) for t in trajs])
+        t = MCAdvantage(
+            3, prompt_key="seed", trajectory_return="sum", reward_weights=GDPO_KEYS,
+            anchor_key="obs", step_norm=True, step_reward_weight=0.5,
+        )  # fmt: skip
+        adv, _ = self.release(t, trajs)
+        traj = torch.arange(len(lengths)).repeat_interleave(lengths)
+        per_key = torch.stack(
+            [torch.zeros(len(lengths)).index_add_(0, traj, v) for v in (rewards, fmt)], 1
+        )
+        episode = multi_reward_advantage(per_key, groups, weights=torch.tensor([1.0, 0.5]))
+        step_groups = torch.unique(
+            torch.stack([groups.repeat_interleave(lengths), states], 1), dim=0, return_inverse=True
+        )[1]
+        step = step_level_advantage(rewards + 0.5 * fmt, lengths, step_groups, gamma=0.95)
+        want = (episode.repeat_interleave(lengths) + 0.5 * step) / lengths.repeat_interleave(
+            lengths
+        )
+        torch.testing.assert_close(adv.double(), want, atol=1e-5, rtol=1e-5)
+
+    def test_gigpo_string_anchors_and_ragged_steps(self):
+        trajs, (returns, groups, rewards, lengths, states) = agent_episodes(seed=4, strings=True)
+        t = MCAdvantage(3, prompt_key="seed", trajectory_return="sum", anchor_key="obs")
+        adv, _ = self.release(t, trajs)
+        want = gigpo_advantage(returns, groups, rewards, lengths, states)
+        torch.testing.assert_close(adv.double(), want, atol=1e-5, rtol=1e-5)
+        # the same steps as a lazy stack of ragged steps (token rewards of different lengths)
+        steps = []
+        for traj in trajs:
+            for step in traj.unbind(0):
+                step = step.clone()
+                step["next", "reward"] = step["next", "reward"].expand(2) / 2  # two halves
+                steps.append(step)
+        steps[0]["next", "reward"] = steps[0]["next", "reward"].repeat(2) / 2  # four quarters
+        ragged = MCAdvantage(3, prompt_key="seed", trajectory_return="sum", anchor_key="obs")
+        out = ragged.inv(lazy_stack(steps))
+        per_step = torch.stack([step["advantage"][0] for step in out.unbind(0)])
+        torch.testing.assert_close(per_step.double(), want, atol=1e-5, rtol=1e-5)
+
+    def test_gigpo_without_step_weight_is_grpo(self):
+        trajs, _ = agent_episodes(seed=5)
+        for mode in (None, "sum"):
+            plain, _ = self.release(
+                MCAdvantage(3, prompt_key="seed", trajectory_return=mode), trajs
+            )
+            gigpo, _ = self.release(
+                MCAdvantage(
+                    3, prompt_key="seed", trajectory_return=mode, anchor_key="obs",
+                    step_reward_weight=0.0,
+                ),
+                trajs,
+            )  # fmt: skip
+            torch.testing.assert_close(gigpo, plain)
+
+    def test_gigpo_by_hand(self):
+        """Two runs from room 7: one reaches 8 and wins, one reaches 9 and loses."""
+        trajs = [trajectory(0, [0.0, 1.0], obs=[7, 8]), trajectory(0, [0.0, 0.0], obs=[7, 9])]
+        t = MCAdvantage(
+            2, prompt_key="seed", trajectory_return="sum", scale_rewards="none", anchor_key="obs",
+            step_reward_gamma=0.5,
+        )  # fmt: skip
+        adv, _ = self.release(t, trajs)
+        # episode: +-0.5; step group {first steps}: returns 0.5, 0 -> +-0.25; lone steps: 0
+        assert adv.tolist() == [0.75, 0.5, -0.75, -0.5]
+        t = MCAdvantage(
+            2, prompt_key="seed", trajectory_return="sum", scale_rewards="none", anchor_key="obs",
+            step_reward_gamma=0.5, step_norm=True,
+        )  # fmt: skip
+        adv, _ = self.release(t, trajs)
+        assert adv.tolist() == [0.375, 0.25, -0.375, -0.25]
+
+    def test_gigpo_chunking_does_not_matter(self):
+        trajs, _ = agent_episodes(num_groups=3, size=4, seed=6)
+        kw = dict(grpo_size=4, prompt_key="seed", trajectory_return="sum", anchor_key="obs")
+        one_by_one = _stream_outputs(MCAdvantage(**kw), trajs)
+        shuffled = trajs[:]
+        random.Random(0).shuffle(shuffled)
+        chunked = _stream_outputs(MCAdvantage(**kw), random_chunks(shuffled, 0))
+        assert one_by_one.keys() == chunked.keys()
+        for uid, adv in one_by_one.items():
+            torch.testing.assert_close(chunked[uid], adv, atol=1e-6, rtol=1e-6)
+
+    def test_validation(self):
+        for kw, words in [
+            (dict(reward_weights={}), "non-empty"),
+            (dict(reward_weights={("next", "reward"): float("nan")}), "finite"),
+            (dict(reward_weights={("next", "a"): 1.0}, rewards_key=("next", "b")), "rewards_key"),
+            (dict(step_reward_weight=0.5), "anchor_key"),
+            (dict(step_reward_gamma=0.9), "anchor_key"),
+            (dict(anchor_key="obs", step_reward_gamma=1.5), "step_reward_gamma"),
+            (dict(anchor_key="obs", episode_reward_weight=float("inf")), "episode_reward_weight"),
+        ]:
+            with pytest.raises(ValueError, match=words):
+                MCAdvantage(4, **kw)
+
+    @pytest.mark.parametrize(
+        "kw, break_it, error, words",
+        [
+            (dict(anchor_key="obs"), lambda td: td.exclude("obs"), KeyError, "anchor key .*obs"),
+            (
+                dict(anchor_key="obs"),
+                lambda td: td.set("obs", NonTensorStack(*[{"a": 1}] * td.shape[0])),
+                TypeError,
+                "tensor or a string",
+            ),
+            (
+                dict(reward_weights=GDPO_KEYS),
+                lambda td: td.exclude(("next", "format")),
+                KeyError,
+                "format",
+            ),
+            (
+                dict(reward_weights=GDPO_KEYS),
+                lambda td: td.set(
+                    ("next", "format"), td["next", "format"].clone().fill_(float("nan"))
+                ),
+                ValueError,
+                "non-finite reward value\\(s\\) under \\('next', 'format'\\)",
+            ),
+            (
+                dict(reward_weights=GDPO_KEYS),
+                lambda td: td.set(("next", "format"), td["next", "format"].expand(-1, 2).clone()),
+                ValueError,
+                "as many elements",
+            ),
+        ],
+    )
+    def test_bad_input_raises_and_changes_nothing(self, kw, break_it, error, words):
+        trajs, _ = agent_episodes(seed=7)
+        t = MCAdvantage(3, prompt_key="seed", trajectory_return="sum", **kw)
+        clean = MCAdvantage(3, prompt_key="seed", trajectory_return="sum", **kw)
+        for transform in (t, clean):
+            assert transform.inv(torch.cat(trajs[:2])) is None
+        before = t.get_stats()
+        with pytest.raises(error, match=words):
+            t.inv(break_it(trajs[2].clone()))
+        assert t.get_stats() == before
+        got, want = released(t.inv(torch.cat(trajs[2:]))), released(clean.inv(torch.cat(trajs[2:])))
+        assert got.keys() == want.keys() and len(got) > 0
+        assert all(torch.equal(got[k], want[k]) for k in want)
+
+
 # --------------------------------------------------------------------------------------------
 # trajectories that cross insertions (traj_key)
 # --------------------------------------------------------------------------------------------
@@ -848,6 +1181,25 @@ class TestStreaming:
             "held_steps": 0,
             "held_trajectories": 0,
         }
+
+    @pytest.mark.parametrize(
+        "estimator",
+        [
+            {"whiten": True, "trajectory_return": "sum"},
+            {"baseline": "pass_at_k", "trajectory_return": "sum"},
+            {"anchor_key": "step_count", "step_reward_weight": 0.5},
+            {"scale_rewards": "batch"},
+        ],
+        ids=["whiten", "pass_at_k", "gigpo", "batch_std"],
+    )
+    def test_estimators_see_whole_trajectories(self, estimator):
+        """The estimators beyond torchrl get, from the joined stream, exactly what whole
+        trajectories give them (GiGPO's anchors included, read on every step of the join)."""
+        batches, completed = collector_stream(4, 6, 3, seed=3, max_len=9, steps_per_batch=4)
+        ours, ref = _streaming(**estimator), _streaming(**estimator, traj_key=None)
+        for batch, whole in zip(batches, completed):
+            _same_output(ours.inv(batch), ref.inv(torch.cat(whole)) if whole else None)
+        assert ours.held_trajectories == ours.queued_trajectories == 0
 
     @given(
         envs=st.integers(1, 5),

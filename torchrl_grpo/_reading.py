@@ -36,6 +36,10 @@ class Keys(NamedTuple):
     reward: NestedKey
     done: NestedKey
     advantage: NestedKey  # written on the released steps
+    # beyond torchrl: several rewards and their weights (GDPO; () reads ``reward`` alone), and
+    # each step's anchor state (GiGPO's step groups; None: none)
+    reward_weights: tuple[tuple[NestedKey, float], ...] = ()
+    anchor: NestedKey | None = None
 
 
 class Insertion(NamedTuple):
@@ -46,7 +50,8 @@ class Insertion(NamedTuple):
     lengths: Tensor  # (n,) steps of each trajectory
     width: int  # the steps of every trajectory when all have as many, else 0
     group_ids: Tensor | list  # (n, k) tensor ids, or n strings
-    rewards: Tensor  # (E,) every reward element, trajectory after trajectory
+    rewards: Tensor  # (E,) every reward element, trajectory after trajectory (with several
+    # rewards, their weighted sum in float64)
     reward_lengths: Tensor  # (n,) reward elements of each trajectory
     reward_width: int | None  # the same for reward elements; None: not known (found on use)
     num_steps: int  # N
@@ -73,9 +78,11 @@ def read_insertion(tensordict: TensorDictBase, keys: Keys, state: Pending) -> In
     Raises:
         KeyError: a key is missing (the message names it and lists the input's keys).
         RuntimeError: the input does not end with a done step (as torchrl).
-        ValueError: done flags or rewards of the wrong shape, an empty or non-finite reward, or
-            tensor ids of another width than the pending ones.
-        TypeError: a group id that is neither a string nor a tensor, or strings mixed with tensors.
+        ValueError: done flags or rewards of the wrong shape, an empty or non-finite reward,
+            rewards with different numbers of elements at a step, or tensor ids of another width
+            than the pending ones.
+        TypeError: a group id or an anchor state that is neither a string nor a tensor, or
+            strings mixed with tensors.
     """
     if tensordict.batch_dims == 0:
         tensordict = tensordict.unsqueeze(0)
@@ -97,7 +104,12 @@ def read_insertion(tensordict: TensorDictBase, keys: Keys, state: Pending) -> In
     data = list(tensordict.unbind(0)) if ragged else tensordict
 
     starts, lengths, width = trajectory_bounds(done)
-    rewards, per_step = _reward_elements(tensordict, data, done.shape[0], keys.reward)
+    if keys.reward_weights:
+        rewards, per_step = _weighted_rewards(tensordict, data, done.shape[0], keys.reward_weights)
+    else:
+        rewards, per_step = _reward_elements(tensordict, data, done.shape[0], keys.reward)
+    if keys.anchor is not None:
+        _check_anchors(tensordict, data, done.shape[0], keys.anchor)
     if isinstance(per_step, int):
         reward_lengths = lengths if per_step == 1 else lengths * per_step
         reward_width = width * per_step
@@ -217,6 +229,57 @@ def _reward_elements(
             f"at step {step} (value {float(values[bad][0])})."
         )
     return values, per_step
+
+
+def _weighted_rewards(
+    tensordict, data, num_steps: int, weights: tuple[tuple[NestedKey, float], ...]
+) -> tuple[Tensor, int | Tensor]:
+    """The weighted sum of several rewards' elements (float64), each read and checked as one
+    reward is, and the elements of each step; every reward has as many elements at each step."""
+    total, first_key, first_per_step = None, None, None
+    for key, weight in weights:
+        values, per_step = _reward_elements(tensordict, data, num_steps, key)
+        if first_key is None:
+            first_key, first_per_step = key, per_step
+        elif not _same_counts(per_step, first_per_step):
+            raise ValueError(
+                f"MCAdvantage: the rewards under {key!r} and {first_key!r} must have as many "
+                "elements at every step."
+            )
+        term = values.double() * weight
+        total = term if total is None else total.add_(term)
+    if not _all_finite(total):  # finite terms whose weighted sum overflows
+        raise ValueError(
+            f"MCAdvantage: the weighted sum of the rewards {[k for k, _ in weights]} overflows."
+        )
+    return total, first_per_step
+
+
+def _same_counts(a: int | Tensor, b: int | Tensor) -> bool:
+    """Whether two per-step element counts (an int for all steps, or one per step) agree."""
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
+    return bool((torch.as_tensor(a) == torch.as_tensor(b)).all())
+
+
+def _check_anchors(tensordict, data, num_steps: int, key: NestedKey) -> None:
+    """Every step has an anchor state under ``key``: a tensor entry (one row per step), or a
+    string per step (for ragged steps, a tensor or a string each)."""
+    if isinstance(data, list):
+        values = [_get(step, key, "anchor") for step in data]
+    else:
+        value = _get(tensordict, key, "anchor")
+        if isinstance(value, Tensor):  # a TensorDict entry: one row per step
+            return
+        values = value.tolist() if hasattr(value, "tolist") else value
+        values = values if isinstance(values, list) else [values] * num_steps
+    for value in values:
+        value = getattr(value, "data", value)  # NonTensorData
+        if not isinstance(value, (Tensor, str)):
+            raise TypeError(
+                f"MCAdvantage: the anchor state under {key!r} must be a tensor or a string, got "
+                f"{type(value).__name__}: {value!r:.80}."
+            )
 
 
 def _group_ids(tensordict, data, value, starts: Tensor, key: NestedKey, state: Pending):

@@ -12,11 +12,12 @@ private modules, each one step of the path in ``ARCHITECTURE.md``:
 
 from __future__ import annotations
 
+import math
 import multiprocessing as mp
 import operator
 import os
 import warnings
-from collections.abc import Iterator, MutableMapping
+from collections.abc import Iterator, Mapping, MutableMapping
 
 import torch
 from tensordict import LazyStackedTensorDict, NestedKey, TensorDictBase
@@ -34,6 +35,7 @@ from torchrl_grpo._release import (
     Estimator,
     GroupFilter,
     Released,
+    StepGroups,
     count,
     fresh_stats,
     release,
@@ -60,6 +62,61 @@ def _integer(name: str, value) -> int:
         raise TypeError(
             f"{name} must be an integer, got {value!r} ({type(value).__name__})."
         ) from None
+
+
+def _reward_weights(
+    rewards_key: NestedKey, reward_weights: Mapping[NestedKey, float] | None
+) -> tuple[tuple[NestedKey, float], ...]:
+    """``reward_weights`` checked, as ``((key, weight), ...)``; ``()`` for one reward."""
+    if reward_weights is None:
+        return ()
+    if not isinstance(reward_weights, Mapping) or not reward_weights:
+        raise ValueError(
+            f"reward_weights must be a non-empty mapping {{reward key: weight}}, got "
+            f"{reward_weights!r}."
+        )
+    weights = tuple((key, float(weight)) for key, weight in reward_weights.items())
+    if not all(math.isfinite(weight) for _, weight in weights):
+        raise ValueError(f"reward_weights must be finite, got {reward_weights!r}.")
+    if rewards_key != ("next", "reward") and rewards_key not in dict(weights):
+        raise ValueError(
+            f"rewards_key={rewards_key!r} is not a key of reward_weights ({list(dict(weights))}): "
+            "with several rewards, name them all in reward_weights."
+        )
+    return weights
+
+
+def _step_groups(
+    anchor_key: NestedKey | None,
+    episode_weight: float | None,
+    step_weight: float | None,
+    gamma: float | None,
+) -> StepGroups | None:
+    """GiGPO's settings checked, with ROLL's defaults; ``None`` without ``anchor_key``."""
+    given = {
+        "episode_reward_weight": episode_weight,
+        "step_reward_weight": step_weight,
+        "step_reward_gamma": gamma,
+    }
+    if anchor_key is None:
+        named = [name for name, value in given.items() if value is not None]
+        if named:
+            raise ValueError(
+                f"{', '.join(named)} weigh GiGPO's step-level groups, which need anchor_key (the "
+                "key of each step's anchor state)."
+            )
+        return None
+    groups = StepGroups(
+        episode_weight=1.0 if episode_weight is None else float(episode_weight),
+        step_weight=1.0 if step_weight is None else float(step_weight),
+        gamma=0.95 if gamma is None else float(gamma),
+    )
+    for name, value in zip(("episode_reward_weight", "step_reward_weight"), groups[:2]):
+        if not math.isfinite(value):
+            raise ValueError(f"{name} must be finite, got {value}.")
+    if not 0.0 <= groups.gamma <= 1.0:
+        raise ValueError(f"step_reward_gamma must be in [0, 1], got {gamma}.")
+    return groups
 
 
 def _setting(record: str, field: str, doc: str) -> property:
@@ -125,11 +182,33 @@ class MCAdvantage(Transform):
         candidate_selector: an :class:`MCAdvantageSelector` choosing ``grpo_size`` candidates.
         scale_rewards: ``"group"`` (default: per-group std), ``"batch"`` (std over every sample
             released by the same insertion, mean still per group) or ``"none"`` (Dr. GRPO).
-        baseline: ``"mean"`` (default) or ``"leave_one_out"`` (RLOO).
+        baseline: ``"mean"`` (default), ``"leave_one_out"`` (RLOO) or ``"pass_at_k"`` (GRPO
+            pass@k, verl ``grpo_passk``: a group's unique best sample gets its gap to the
+            runner-up, every other sample ``0``).
         std_threshold: groups whose sample std is at or below it are dropped and counted in
             ``dropped_groups`` (Trinity-RFT). ``None`` (default) keeps every group.
         step_norm: divide each trajectory's advantages by its number of steps.
         epsilon: floor of the std (``clamp_min``). Defaults to ``1e-6``, as torchrl.
+        whiten: after the baseline and the scale, whiten the advantages over every sample
+            released by the same insertion: subtract their mean, divide by their std
+            (REINFORCE++-baseline with ``scale_rewards="none"``). ``None`` (default): on with
+            ``reward_weights`` (GDPO's batch normalization, as TRL), off otherwise.
+        reward_weights: ``{reward key: weight}``, several rewards (GDPO, TRL's
+            ``multi_objective_aggregation="normalize_then_sum"``): each is normalized within its
+            group by ``baseline`` and ``scale_rewards``, then the weighted sum is taken (and
+            whitened, see ``whiten``). Its keys replace ``rewards_key`` (the first one gives the
+            advantage its shape); the group filters, candidate selection and statistics see the
+            weighted sum of the rewards. ``None`` (default): the one reward under ``rewards_key``.
+        anchor_key: key of each step's anchor state (a tensor compared by value: an id, a grid
+            cell, an observation; or a string), for GiGPO's step-level groups: the steps of a
+            released group with equal anchors form a step group, and each step's advantage
+            becomes ``episode_reward_weight * A_group + step_reward_weight * A_step``, where
+            ``A_step`` normalizes the step's discounted return (``step_reward_gamma``) within its
+            step group by ``baseline`` and ``scale_rewards``. ``None`` (default): no step groups.
+        episode_reward_weight: weight of the group-level advantage with ``anchor_key``
+            (default ``1.0``, ROLL's).
+        step_reward_weight: weight of the step-level advantage (default ``1.0``, ROLL's).
+        step_reward_gamma: discount of the step-level returns (default ``0.95``, ROLL's).
         max_pending_groups: most incomplete groups held at once. ``None`` (default): no limit.
         max_pending_age: a group still incomplete this many insertions after its first
             trajectory arrived is given up. ``None`` (default): no limit.
@@ -154,7 +233,10 @@ class MCAdvantage(Transform):
             earlier part is missing raises ``ValueError``. ``None``: not checked.
 
     Raises:
-        ValueError: for inconsistent arguments (same conditions as torchrl).
+        ValueError: for inconsistent arguments (same conditions as torchrl), and for the added
+            keywords: empty or non-finite ``reward_weights``, a ``rewards_key`` they leave out,
+            step-level weights without ``anchor_key``, a ``step_reward_gamma`` outside
+            ``[0, 1]``.
         TypeError: for a size that is not an integer (``2.7``, ``True``).
 
     Examples:
@@ -199,6 +281,12 @@ class MCAdvantage(Transform):
         std_threshold: float | None = None,
         step_norm: bool = False,
         epsilon: float = 1e-6,
+        whiten: bool | None = None,
+        reward_weights: Mapping[NestedKey, float] | None = None,
+        anchor_key: NestedKey | None = None,
+        episode_reward_weight: float | None = None,
+        step_reward_weight: float | None = None,
+        step_reward_gamma: float | None = None,
         max_pending_groups: int | None = None,
         max_pending_age: int | None = None,
         on_overflow: str = "drop_oldest",
@@ -283,14 +371,27 @@ class MCAdvantage(Transform):
                 raise ValueError(f"{name} must be at least 1 or None, got {limit}.")
         if on_overflow not in ("drop_oldest", "raise"):
             raise ValueError(f"on_overflow must be 'drop_oldest' or 'raise', got {on_overflow!r}.")
+        weights = _reward_weights(rewards_key, reward_weights)
+        if weights:  # the first reward key gives the advantage its shape
+            rewards_key = weights[0][0]
+        step_groups = _step_groups(
+            anchor_key, episode_reward_weight, step_reward_weight, step_reward_gamma
+        )
 
-        self.in_keys = [prompt_key, rewards_key, done_key]
+        self.in_keys = [prompt_key, *([key for key, _ in weights] or [rewards_key]), done_key]
+        if anchor_key is not None:
+            self.in_keys.append(anchor_key)
         self.out_keys = [advantage_key]
         self.grpo_size = grpo_size
         self.verbose = verbose
         # The arguments, grouped by the step that reads them (each also an attribute below).
         self._keys = Keys(
-            group=prompt_key, reward=rewards_key, done=done_key, advantage=advantage_key
+            group=prompt_key,
+            reward=rewards_key,
+            done=done_key,
+            advantage=advantage_key,
+            reward_weights=weights,
+            anchor=anchor_key,
         )
         self._estimator = Estimator(
             trajectory_return=trajectory_return,
@@ -298,6 +399,8 @@ class MCAdvantage(Transform):
             scale_rewards=scale_rewards,
             epsilon=float(epsilon),
             step_norm=step_norm,
+            whiten=bool(weights) if whiten is None else bool(whiten),
+            step_groups=step_groups,
         )
         self._filter = GroupFilter(
             keep_return_bounds=keep_return_bounds, std_threshold=std_threshold
@@ -325,10 +428,23 @@ class MCAdvantage(Transform):
     done_key = _setting("_keys", "done", "Key of the done flags.")
     advantage_key = _setting("_keys", "advantage", "Key written with the advantages.")
     trajectory_return = _setting("_estimator", "trajectory_return", "How a return is reduced.")
-    baseline = _setting("_estimator", "baseline", "``mean`` or ``leave_one_out``.")
+    baseline = _setting("_estimator", "baseline", "``mean``, ``leave_one_out``, ``pass_at_k``.")
     scale_rewards = _setting("_estimator", "scale_rewards", "``group``, ``batch`` or ``none``.")
     epsilon = _setting("_estimator", "epsilon", "Floor of the scale.")
     step_norm = _setting("_estimator", "step_norm", "Divide by each trajectory's steps.")
+    whiten = _setting("_estimator", "whiten", "Whiten over the released samples.")
+    anchor_key = _setting("_keys", "anchor", "Key of each step's anchor state (GiGPO).")
+
+    @property
+    def reward_weights(self) -> dict | None:
+        """``{reward key: weight}`` (GDPO), or ``None`` for the one reward under ``rewards_key``."""
+        return dict(self._keys.reward_weights) or None
+
+    @property
+    def step_groups(self) -> StepGroups | None:
+        """GiGPO's ``episode_weight``, ``step_weight`` and ``gamma``; ``None`` without anchors."""
+        return self._estimator.step_groups
+
     keep_return_bounds = _setting("_filter", "keep_return_bounds", "Dynamic sampling bounds.")
     std_threshold = _setting("_filter", "std_threshold", "Groups with a std at or below go.")
     candidate_group_size = _setting("_selection", "candidate_group_size", "Candidates per group.")
