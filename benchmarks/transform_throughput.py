@@ -4,7 +4,8 @@ Every row writes the same data with ``rb.extend`` into a fresh ``ReplayBuffer`` 
 ``LazyTensorStorage``: a flat batch of shuffled groups (groups x group size x steps), with the
 transform from this package, with torchrl 0.14.1's ``MCAdvantage``, and with no transform (the
 copy into storage, the floor). Times are the CPU time of this process (``time.process_time``; torch
-runs on one thread), so that other processes sharing the machine do not inflate them, with the
+runs on one thread; with ``--device cuda`` the data and the storage are on the GPU and times are
+wall time after a synchronization), so that other processes sharing the machine do not inflate them, with the
 garbage collector paused while timing (as ``timeit`` does); the three are timed in turn,
 repeatedly, and each keeps its fastest time (as ``timeit`` advises). Ratios are
 within one run. ``torchrl/ours`` compares whole ``extend`` calls; ``own cost`` compares what each
@@ -16,6 +17,7 @@ then also carry a second reward and the anchors, against the plain copy and GRPO
 
     python benchmarks/transform_throughput.py            # the full table
     python benchmarks/transform_throughput.py --quick    # smaller shapes, for a smoke run
+    python benchmarks/transform_throughput.py --device cuda  # data and storage on a GPU
 """
 
 from __future__ import annotations
@@ -35,6 +37,19 @@ from torchrl.objectives.llm import MCAdvantage as TorchRLMCAdvantage
 from torchrl_grpo import MCAdvantage
 
 SHAPES = [(512, 8, 4), (64, 8, 32), (128, 16, 64)]
+#: Where the data and the storage live (``--device``).
+DEVICE = torch.device("cpu")
+
+
+def clock() -> float:
+    """CPU time of this process on the CPU; on an accelerator, wall time once its queue is done
+    (the copies into its storage run there, not on this process's CPU)."""
+    if DEVICE.type == "cpu":
+        return time.process_time()
+    torch.accelerator.synchronize()
+    return time.perf_counter()
+
+
 QUICK_SHAPES = [(64, 8, 4), (16, 8, 16)]
 
 
@@ -75,14 +90,14 @@ def shuffled_groups(
 
 def time_extend(data: TensorDict, make_transform) -> float:
     """Seconds of one ``rb.extend(data)`` into a fresh buffer (setup excluded)."""
-    rb = ReplayBuffer(storage=LazyTensorStorage(data.numel() * 2))
+    rb = ReplayBuffer(storage=LazyTensorStorage(data.numel() * 2, device=DEVICE))
     if make_transform is not None:
         rb.append_transform(make_transform())
     gc.disable()
     try:
-        start = time.process_time()
+        start = clock()
         rb.extend(data)
-        elapsed = time.process_time() - start
+        elapsed = clock() - start
     finally:
         gc.enable()
     if make_transform is not None:
@@ -91,28 +106,33 @@ def time_extend(data: TensorDict, make_transform) -> float:
 
 
 def fastest(data: TensorDict, candidates: dict, repeats: dict) -> dict:
-    """Fastest time of each candidate, timed in turn so that they share the same disturbances."""
+    """Fastest time of each candidate, timed in turn so that they share the same disturbances;
+    ``nan`` for a candidate that raises (its error printed once)."""
     best = dict.fromkeys(candidates, float("inf"))
     for rep in range(max(repeats.values())):
         for name, make in candidates.items():
-            if rep < repeats[name]:
-                best[name] = min(best[name], time_extend(data, make))
+            if rep < repeats[name] and best[name] == best[name]:  # not nan
+                try:
+                    best[name] = min(best[name], time_extend(data, make))
+                except Exception as error:  # noqa: BLE001 - reported, then left out
+                    print(f"  {name} failed on {DEVICE}: {type(error).__name__}: {error!s:.200}")
+                    best[name] = float("nan")
     return best
 
 
 def one_at_a_time(groups: int, size: int, steps: int, make_transform, limit: int) -> float:
     """Mean seconds per ``transform.inv`` call when trajectories arrive one by one."""
-    data = shuffled_groups(groups, size, steps, seed=1)
+    data = shuffled_groups(groups, size, steps, seed=1).to(DEVICE)
     trajs = data.split(steps)[:limit]
     best = float("inf")
     for _ in range(5):
         transform = make_transform()
         gc.disable()
         try:
-            start = time.process_time()
+            start = clock()
             for traj in trajs:
                 transform.inv(traj)
-            best = min(best, (time.process_time() - start) / len(trajs))
+            best = min(best, (clock() - start) / len(trajs))
         finally:
             gc.enable()
     return best
@@ -121,7 +141,7 @@ def one_at_a_time(groups: int, size: int, steps: int, make_transform, limit: int
 def waiting_and_completing(groups: int, size: int, steps: int, make_transform, limit: int):
     """Mean seconds of the calls that hold their trajectory back, and of those that complete a
     group, in the pass of :func:`one_at_a_time`'s stream with the least total time."""
-    data = shuffled_groups(groups, size, steps, seed=1)
+    data = shuffled_groups(groups, size, steps, seed=1).to(DEVICE)
     trajs = data.split(steps)[:limit]
     best = None
     for _ in range(5):
@@ -129,9 +149,9 @@ def waiting_and_completing(groups: int, size: int, steps: int, make_transform, l
         gc.disable()
         try:
             for traj in trajs:
-                start = time.process_time()
+                start = clock()
                 out = transform.inv(traj)
-                (waiting if out is None else completing).append(time.process_time() - start)
+                (waiting if out is None else completing).append(clock() - start)
         finally:
             gc.enable()
         total = sum(waiting) + sum(completing)
@@ -199,16 +219,17 @@ def time_stream(batches, make_transform) -> float:
     """CPU seconds per ``rb.extend`` of a stream of batches (fastest of 3 passes)."""
     best = float("inf")
     for _ in range(3):
-        rb = ReplayBuffer(storage=LazyTensorStorage(sum(b.numel() for b in batches if b is not None)))  # fmt: skip
+        size = sum(b.numel() for b in batches if b is not None)
+        rb = ReplayBuffer(storage=LazyTensorStorage(size, device=DEVICE))
         if make_transform is not None:
             rb.append_transform(make_transform())
         gc.disable()
         try:
-            start = time.process_time()
+            start = clock()
             for batch in batches:
                 if batch is not None:
                     rb.extend(batch if make_transform is not None else batch.reshape(-1))
-            elapsed = time.process_time() - start
+            elapsed = clock() - start
         finally:
             gc.enable()
         best = min(best, elapsed)
@@ -219,15 +240,24 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small shapes, few repeats")
     parser.add_argument("--repeats", type=int, default=25, help="repeats of the fast rows")
+    parser.add_argument(
+        "--device", default="cpu", help="where the data and the storage live (cpu, cuda, ...)"
+    )
     args = parser.parse_args()
+    global DEVICE
+    DEVICE = torch.device(args.device)
     warnings.filterwarnings("ignore")
     logging.getLogger("torchrl").setLevel(logging.WARNING)  # one INFO line per fresh storage
     torch.set_num_threads(1)
     shapes = QUICK_SHAPES if args.quick else SHAPES
     repeats = 3 if args.quick else args.repeats
 
+    where = (
+        "CPU time" if DEVICE.type == "cpu" else f"wall time, data and storage on {_device_name()}"
+    )
     print(
-        f"torch {torch.__version__}, 1 thread; fastest of {repeats} rb.extend into LazyTensorStorage"
+        f"torch {torch.__version__}, 1 thread; {where}; fastest of {repeats} rb.extend into "
+        "LazyTensorStorage"
     )
     header = (
         f"{'mode':<6} {'groups x G x T':>15} {'steps':>7} {'plain ms':>9} {'ours ms':>9} "
@@ -237,7 +267,7 @@ def main() -> None:
     print("-" * len(header))
     for mode in (None, "sum"):
         for groups, size, steps in shapes:
-            data = shuffled_groups(groups, size, steps)
+            data = shuffled_groups(groups, size, steps).to(DEVICE)
             kw = dict(grpo_size=size, prompt_key="seed", trajectory_return=mode)
             times = fastest(
                 data,
@@ -290,6 +320,8 @@ def _streaming_table(quick: bool) -> None:
     print("-" * len(header))
     for mean_len in (16, 64, 256):
         batches, whole = collector_batches(envs, steps, mean_len, 12, group=4)
+        batches = [None if b is None else b.to(DEVICE) for b in batches]
+        whole = [None if b is None else b.to(DEVICE) for b in whole]
         kw = dict(grpo_size=4, prompt_key="seed", trajectory_return="sum")
         plain = time_stream(batches, None)
         streaming = time_stream(batches, lambda kw=kw: MCAdvantage(**kw))
@@ -339,7 +371,7 @@ def estimator_table(shapes, repeats: int) -> None:
     print(header)
     print("-" * len(header))
     for groups, size, steps in shapes:
-        data = shuffled_groups(groups, size, steps, agent=True)
+        data = shuffled_groups(groups, size, steps, agent=True).to(DEVICE)
         kw = dict(grpo_size=size, prompt_key="seed", trajectory_return="sum")
         candidates = {"plain": None, "GRPO": lambda kw=kw: MCAdvantage(**kw)}
         for name, extra in ESTIMATORS.items():
@@ -353,6 +385,12 @@ def estimator_table(shapes, repeats: int) -> None:
                 f"{plain * 1e3:>9.2f} {grpo * 1e3:>8.2f} {est * 1e3:>8.2f} "
                 f"{est / plain:>9.2f}x {est / grpo:>8.2f}x"
             )
+
+
+def _device_name() -> str:
+    if DEVICE.type == "cuda":
+        return f"{torch.cuda.get_device_name(DEVICE)} ({DEVICE})"
+    return str(DEVICE)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from tensordict import NonTensorData, NonTensorStack, TensorDict, lazy_stack
 
 from torchrl_grpo._pending import Pending
-from torchrl_grpo._reading import Keys, read_insertion, trajectory_bounds
+from torchrl_grpo._reading import Keys, on_one_device, read_insertion, trajectory_bounds
 
 KEYS = Keys(group="seed", reward=("next", "reward"), done=("next", "done"), advantage="advantage")
 EMPTY = Pending()
@@ -218,3 +218,26 @@ class TestSeveralRewardsAndAnchors:
         steps = [s.clone() for s in trajectory(0, [1.0, 2.0], obs=["a", "b"]).unbind(0)]
         steps[0]["next", "reward"] = torch.ones(3)  # ragged
         assert read_insertion(lazy_stack(steps), keys, EMPTY).ragged
+
+
+class TestDevices:
+    def test_values_read_onto_the_cpu(self, device):
+        """The bookkeeping is on the CPU whatever the data's device; the steps stay there."""
+        data = torch.cat([trajectory(1, [1.0, 2.0]), trajectory(2, [3.0])]).to(device)
+        batch = read_insertion(data, KEYS, Pending())
+        assert batch.data["next", "reward"].device.type == device.type
+        for value in (batch.starts, batch.lengths, batch.group_ids, batch.rewards):
+            assert value.device.type == "cpu"
+        assert batch.rewards.tolist() == [1.0, 2.0, 3.0]
+
+    def test_pieces_joined_on_the_newest_device(self):
+        """Pending steps restored on one device join newer steps on another: moved to the newest
+        (``meta`` stands in for an accelerator on a CPU-only machine)."""
+        old, new = trajectory(1, [1.0]), trajectory(1, [2.0]).to("meta")
+        moved = on_one_device([old, new])
+        assert [p.device.type for p in moved] == ["meta", "meta"]
+        assert moved[1] is new
+        same = [trajectory(1, [1.0]), trajectory(2, [2.0])]
+        assert all(a is b for a, b in zip(on_one_device(same), same))  # nothing to move
+        ragged = on_one_device([[old], new])  # lists of ragged steps move step by step
+        assert ragged[0][0]["next", "reward"].device.type == "meta"

@@ -1359,3 +1359,66 @@ class TestStreaming:
         pending = sum(traj.shape[0] for group in t.queues.values() for traj in group)
         assert stored > 0 and t.held_trajectories > 0  # it did cross batches
         assert stored + pending + t.get_stats()["held_steps"] == 400
+
+
+class TestDevices:
+    """Data on any device: stored and released there, the same advantages as on the CPU."""
+
+    @pytest.mark.parametrize(
+        "kwargs",
+        [
+            {},
+            {"trajectory_return": "sum"},
+            {"trajectory_return": "sum", "whiten": True},
+            {"scale_rewards": "batch", "std_threshold": 0.0},
+            {"anchor_key": "state", "step_reward_weight": 0.5},
+            {"reward_weights": {("next", "reward"): 1.0, ("next", "format"): 0.5}},
+        ],
+        ids=["per_step", "sum", "whiten", "batch_std", "gigpo", "gdpo"],
+    )
+    def test_buffer_on_device(self, device, kwargs):
+        """A buffer whose storage is on ``device``, fed ``device`` data (the case that failed on
+        CUDA in ``_group_codes``): every stored tensor is there, advantages equal the CPU's."""
+        trajs = [
+            trajectory(
+                g % 3,
+                torch.randn(n),
+                state=torch.arange(n) % 2,
+                next_format=torch.rand(n, 1),
+            )
+            for g, n in enumerate([3, 2, 4, 1, 3, 2, 2, 4, 1])
+        ]
+        chunks = [torch.cat(trajs[:4]), torch.cat(trajs[4:7]), torch.cat(trajs[7:])]
+
+        def run(dev):
+            rb = ReplayBuffer(storage=LazyTensorStorage(100, device=dev))
+            rb.append_transform(MCAdvantage(grpo_size=3, prompt_key="seed", **kwargs))
+            for chunk in chunks:
+                rb.extend(chunk.to(dev))
+            return rb[:]
+
+        want, got = run("cpu"), run(device)
+        assert got["advantage"].device.type == device.type
+        assert got["uid"].tolist() == want["uid"].tolist()
+        torch.testing.assert_close(got["advantage"].cpu(), want["advantage"])
+
+    def test_streaming_on_device(self, device):
+        """Trajectories that cross insertions, from ``device`` batches: held there, joined there."""
+        batches, _ = collector_stream(3, 4, 3, seed=5, max_len=6, steps_per_batch=4)
+        want = _streaming(trajectory_return="sum")
+        got = _streaming(trajectory_return="sum")
+        for batch in batches:
+            a, b = want.inv(batch), got.inv(batch.to(device))
+            assert (a is None) == (b is None)
+            if b is not None:
+                assert b["advantage"].device.type == device.type
+                assert b["uid"].tolist() == a["uid"].tolist()
+                torch.testing.assert_close(b["advantage"].cpu(), a["advantage"])
+        assert got.held_trajectories == 0
+
+    def test_string_prompts_on_device(self, device):
+        trajs = [trajectory(p, torch.randn(2)) for p in ["a", "b", "a", "b"]]
+        t = MCAdvantage(grpo_size=2, prompt_key="seed")
+        out = t.inv(torch.cat(trajs).to(device))
+        assert out["advantage"].device.type == device.type
+        assert out.shape == (8,)

@@ -16,6 +16,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase, lazy_stack
 from torch import Tensor
 
+from torchrl_grpo._reading import on_one_device
 from torchrl_grpo._tails import IdRegistry, Tails
 
 if TYPE_CHECKING:
@@ -205,6 +206,7 @@ def gather(state: Pending, batch: Insertion | None, members: Tensor):
         else:
             index = ranges(batch.starts[incoming], batch.lengths[incoming])
             pieces.append(take(batch.data, index))
+    pieces = on_one_device(pieces)
     if not ragged:
         if len(pieces) == 1:
             return pieces[0]
@@ -397,14 +399,15 @@ def to_plain(state: Pending) -> dict:
 
 
 def from_plain(plain: dict) -> Pending:
-    """Inverse of :func:`to_plain`."""
-    lengths = plain["lengths"]
+    """Inverse of :func:`to_plain`. The steps stay on the device they were loaded onto; the
+    bookkeeping comes back to the CPU (where ``torch.load(..., map_location=...)`` put it)."""
+    lengths = _cpu(plain["lengths"])
     offset = torch.cumsum(lengths, 0) - lengths
     state = Pending(
-        spans=spans_of(0, offset, lengths, plain["arrival"]),
-        keys=plain["keys"],
-        returns=plain["returns"],
-        torchrl_returns=plain.get("torchrl_returns"),  # absent from older checkpoints
+        spans=spans_of(0, offset, lengths, _cpu(plain["arrival"])),
+        keys=_cpu(plain["keys"]),
+        returns=_cpu(plain["returns"]),
+        torchrl_returns=_cpu(plain.get("torchrl_returns")),  # absent from older checkpoints
         stats=dict(plain["stats"]),
         ragged=plain["ragged"],
         insertions=plain["insertions"],
@@ -421,12 +424,17 @@ def from_plain(plain: dict) -> Pending:
 
 
 def _tails_from_plain(plain: dict) -> Tails:
-    registry = None if plain["registry"] is None else IdRegistry(plain["registry"])
-    meta = plain["meta"]
+    registry = None if plain["registry"] is None else IdRegistry(_cpu(plain["registry"]))
+    meta = _cpu(plain["meta"])
     if plain["steps"] is None:
         return Tails(meta=meta, registry=registry)
-    lengths = plain["lengths"]  # (H,) in meta order
+    lengths = _cpu(plain["lengths"])  # (H,) in meta order
     steps = TensorDict.from_dict(plain["steps"], batch_size=[int(lengths.sum())])
     offset = torch.cumsum(lengths, 0) - lengths
     pieces = torch.stack([torch.zeros_like(offset), offset, lengths, meta[:, 0]], 1)
     return Tails(chunks=(steps,), pieces=pieces, meta=meta, registry=registry)
+
+
+def _cpu(value):
+    """A checkpoint's bookkeeping tensor on the CPU (lists, ``None`` and CPU tensors as they are)."""
+    return value.cpu() if isinstance(value, Tensor) else value

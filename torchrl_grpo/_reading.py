@@ -7,6 +7,13 @@ way (``[N]`` steps, ``[B, T]`` rows, one step without a batch dimension, lazy st
 steps) and raises before anything else runs, so a bad input changes no state. It is also where an
 insertion's trajectories are identified (:func:`trajectory_bounds`): the place where trajectories
 that cross insertions would be joined with what an earlier insertion left unfinished.
+
+Devices: the steps stay where they are (a CUDA insertion is stored, gathered and released on
+CUDA); what the transform computes from them (done flags, group ids, rewards, and from them every
+index, count and advantage) is read onto the CPU here, once. The transform's bookkeeping is small,
+made of many tiny operations that would each cost a kernel launch on an accelerator, and it never
+meets the data again except as CPU index tensors (which index CUDA data as they are) and as the
+advantage, written on the reward's device (:func:`torchrl_grpo._release.release`).
 """
 
 from __future__ import annotations
@@ -189,6 +196,7 @@ def _done_flags(done, shape: torch.Size, key: NestedKey) -> Tensor:
             "MCAdvantage: expected complete trajectories, but the input's last step "
             f"(row {row} of batch {tuple(shape)}) has {key!r}=False."
         )
+    done = done.cpu()  # bookkeeping is on the CPU whatever the data's device (no-op there)
     return done if done.dtype == torch.bool else done.bool()
 
 
@@ -200,7 +208,7 @@ def _reward_elements(
     if isinstance(data, list):
         rewards = [_get(step, key, "reward") for step in data]
         per_step = torch.tensor([r.numel() for r in rewards])  # (N,)
-        values = torch.cat([r.reshape(-1) for r in rewards])
+        values = torch.cat([r.reshape(-1).cpu() for r in rewards])
     else:
         reward = _get(tensordict, key, "reward")
         if not isinstance(reward, Tensor) or reward.ndim == 0 or reward.shape[0] != num_steps:
@@ -210,7 +218,7 @@ def _reward_elements(
                 f"{tuple(getattr(reward, 'shape', ()))}."
             )
         per_step = math.prod(reward.shape[1:])
-        values = reward.reshape(-1)
+        values = reward.reshape(-1).cpu()  # the advantage is computed on the CPU
         if per_step == 0:
             per_step = torch.zeros(num_steps, dtype=torch.long)  # reported below
     if isinstance(per_step, Tensor) and not bool(per_step.all()):
@@ -287,7 +295,7 @@ def _group_ids(tensordict, data, value, starts: Tensor, key: NestedKey, state: P
     n = starts.shape[0]
     if isinstance(data, list):
         raw = [data[i].get(key) for i in starts.tolist()]
-        raw = [v if isinstance(v, Tensor) else getattr(v, "data", v) for v in raw]
+        raw = [v.cpu() if isinstance(v, Tensor) else getattr(v, "data", v) for v in raw]
         ids = torch.stack(raw) if isinstance(raw[0], Tensor) else raw
     else:
         value = tensordict.get(key) if value is None else value
@@ -300,7 +308,7 @@ def _group_ids(tensordict, data, value, starts: Tensor, key: NestedKey, state: P
         else:
             ids = [value] * n
     if isinstance(ids, Tensor):
-        ids = ids.reshape(n, -1)
+        ids = ids.reshape(n, -1).cpu()
         if isinstance(state.keys, list):
             raise TypeError(
                 f"MCAdvantage: group ids under {key!r} are tensors, but the pending groups are "
@@ -324,6 +332,35 @@ def _group_ids(tensordict, data, value, starts: Tensor, key: NestedKey, state: P
             "by tensors; use one kind of group id per transform."
         )
     return ids
+
+
+def data_device(data: TensorDictBase | list) -> torch.device | None:
+    """Where a TensorDict's tensors are: its device, else its first tensor's (``None``: none);
+    for a list of steps, its first step's."""
+    if isinstance(data, list):
+        return data_device(data[0]) if data else None
+    if data.device is not None:
+        return data.device
+    for value in data.values(True, True):
+        if isinstance(value, Tensor):
+            return value.device
+    return None
+
+
+def on_one_device(parts: list) -> list:
+    """TensorDicts about to be concatenated, moved to the device of the last (the newest data)
+    where they differ: pending steps restored onto the CPU (``map_location``) join CUDA ones."""
+    if len(parts) < 2:
+        return parts
+    devices = [data_device(part) for part in parts]
+    target = devices[-1]
+    if target is None or all(device == target for device in devices):
+        return parts
+    return [p if d == target else _to(p, target) for p, d in zip(parts, devices)]
+
+
+def _to(data: TensorDictBase | list, device: torch.device):
+    return [step.to(device) for step in data] if isinstance(data, list) else data.to(device)
 
 
 def _all_finite(x: Tensor) -> bool:

@@ -282,12 +282,12 @@ def release(
     )  # per-step tensors (ragged), or one tensor
     if isinstance(reward, list):
         counts = torch.tensor([r.numel() for r in reward])  # (S,)
-        values = torch.cat([r.reshape(-1) for r in reward])
+        values = torch.cat([r.reshape(-1).cpu() for r in reward])  # computed on the CPU
         dtype = reward[0].dtype
         ends = torch.cumsum(steps, 0) - 1
         elems = torch.diff(torch.cumsum(counts, 0)[ends], prepend=ends.new_zeros(1))  # (M,)
     else:
-        values, dtype = reward.reshape(-1), reward.dtype
+        values, dtype = reward.reshape(-1).cpu(), reward.dtype  # computed on the CPU
         per_step = math.prod(reward.shape[1:])
         elems = steps if per_step == 1 else steps * per_step  # (M,)
 
@@ -380,9 +380,10 @@ def release(
 
     if isinstance(out, list):
         for step, a in zip(out, adv.split(counts.tolist())):
-            step.set(keys.advantage, a.reshape(step.get(keys.reward).shape))
-    else:
-        out.set(keys.advantage, adv.reshape(reward.shape))
+            r = step.get(keys.reward)
+            step.set(keys.advantage, a.to(r.device).reshape(r.shape))
+    else:  # on the reward's device (the CPU's values, copied once)
+        out.set(keys.advantage, adv.to(reward.device).reshape(reward.shape))
     if keep is None or bool(keep.all()):
         return Released(lazy_stack(out) if isinstance(out, list) else out, num_rounds, selected)
     written = int(keep.sum())
@@ -396,8 +397,8 @@ def release(
 def _released_elements(out: TensorDictBase | list, key) -> Tensor:
     """One reward's elements over the released steps, flat, in order."""
     if isinstance(out, list):
-        return torch.cat([step.get(key).reshape(-1) for step in out])
-    return out.get(key).reshape(-1)
+        return torch.cat([step.get(key).reshape(-1).cpu() for step in out])
+    return out.get(key).reshape(-1).cpu()
 
 
 def _released_anchors(out: TensorDictBase | list, key) -> Tensor:
@@ -412,12 +413,12 @@ def _released_anchors(out: TensorDictBase | list, key) -> Tensor:
     else:
         value = out.get(key)
         if isinstance(value, Tensor):
-            return value
+            return value.cpu()
         values = value.tolist() if hasattr(value, "tolist") else value
         values = values if isinstance(values, list) else [values] * out.shape[0]
     if values and all(isinstance(v, Tensor) for v in values):
         if len({tuple(v.shape) for v in values}) == 1:
-            return torch.stack(values)
+            return torch.stack([v.cpu() for v in values])
         values = [(str(v.dtype), tuple(v.shape), *v.reshape(-1).tolist()) for v in values]
     table: dict = {}
     return torch.tensor([table.setdefault(v, len(table)) for v in values], dtype=torch.long)

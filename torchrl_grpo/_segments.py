@@ -86,13 +86,15 @@ class Segments:
     def count(self) -> Tensor:
         """Samples per segment, ``(num,)`` int64."""
         if self.single:
-            size = self.index.numel() if self.lengths is None else self.lengths.sum()
-            return torch.as_tensor(size, dtype=torch.long).reshape(1)
+            if self.lengths is None:
+                return torch.full((1,), self.index.numel(), device=self.index.device)
+            return self.lengths.sum().reshape(1)
         if self.lengths is None:
             return torch.bincount(self.index, minlength=self.num)
         if self.index is None:
             return self.lengths.clone()  # not the caller's tensor
-        return torch.zeros(self.num, dtype=torch.long).index_add_(0, self.index, self.lengths)
+        zeros = torch.zeros(self.num, dtype=torch.long, device=self.index.device)
+        return zeros.index_add_(0, self.index, self.lengths)
 
     def _runs_to_segments(self, per_run: Tensor, init: Tensor, reduce: str = "sum") -> Tensor:
         if self.index is None:

@@ -31,6 +31,8 @@ import torch
 from tensordict import NestedKey, TensorDictBase
 from torch import Tensor
 
+from torchrl_grpo._reading import on_one_device
+
 CHUNK, OFFSET, LENGTH, TRAJ = range(4)  # the columns of ``Tails.pieces``
 ID, ARRIVAL, LAST_COUNT = range(3)  # the columns of ``Tails.meta``
 RUNNING, ENDED, GIVEN_UP = 0, 1, 2  # what the registry knows of an id
@@ -251,7 +253,7 @@ def _per_step(flat: TensorDictBase, key: NestedKey, role: str, shape: torch.Size
             f"MCAdvantage: {key!r} must hold one {role} per step, got shape "
             f"{tuple(getattr(value, 'shape', ()))} for a batch of {tuple(shape)}."
         )
-    return value.reshape(-1)
+    return value.reshape(-1).cpu()  # bookkeeping is on the CPU (see torchrl_grpo._reading)
 
 
 def _check_counts(count, starts, held, slot, tails, piece_ids, keys, skip) -> None:
@@ -303,7 +305,7 @@ def _gather(chunks: tuple, pieces: Tensor) -> TensorDictBase:
         chunks[c][pos]
         for c, pos in zip(chunk_ids.tolist(), step_pos[by_chunk].split(counts.tolist()))
     ]
-    data = parts[0] if len(parts) == 1 else torch.cat(parts)  # (K,) grouped by chunk
+    data = parts[0] if len(parts) == 1 else torch.cat(on_one_device(parts))  # (K,) by chunk
     if bool((by_chunk[1:] > by_chunk[:-1]).all()):  # already in output order
         return data
     return data[torch.argsort(by_chunk)]
@@ -333,7 +335,7 @@ def _assemble(tails: Tails, flat, new_index: Tensor, new_lengths: Tensor, ids: T
     index = torch.empty(int(total.sum()), dtype=torch.long)
     index[_ranges(out_start, old_lengths)] = old_index
     index[_ranges(out_start + old_lengths, new_lengths)] = int(sizes.sum()) + new_index
-    return torch.cat([*sources, flat])[index]
+    return torch.cat(on_one_device([*sources, flat]))[index]
 
 
 def _next_tails(tails, *, leaving, chunk, ids, lengths, last_count, insertion, registry) -> Tails:

@@ -599,7 +599,7 @@ def multi_reward_advantage(
     if x.ndim != 2:
         raise ValueError(f"x must be (S, K), one column per reward, got shape {tuple(x.shape)}.")
     num_rewards = x.shape[1]
-    weights = torch.ones(num_rewards) if weights is None else weights
+    weights = torch.ones(num_rewards, device=x.device) if weights is None else weights
     if weights.shape != (num_rewards,):
         raise ValueError(
             f"weights must have one entry per reward, shape ({num_rewards},), got "
@@ -733,8 +733,8 @@ def anchor_step_groups(
     for column in bits.unbind(1):  # a few columns: one pass each
         key = key * 1099511628211 + column  # wraps around: a hash, checked below
     codes, num = dense_codes(key)
-    first = torch.full((num,), n, dtype=torch.long).scatter_reduce(
-        0, codes, torch.arange(n), reduce="amin"
+    first = torch.full((num,), n, dtype=torch.long, device=codes.device).scatter_reduce(
+        0, codes, torch.arange(n, device=codes.device), reduce="amin"
     )[codes]  # (N,) the first step of each step's code
     if bool((group[first] == group).all()) and bool((bits[first] == bits).all()):
         return codes, num
