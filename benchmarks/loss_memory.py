@@ -65,6 +65,7 @@ NAMES = {
     "head": "Linear + TokenCategorical",
     "hidden": "HiddenTokenCategorical",
 }
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 #: Pairs whose values and gradients must agree.
 SAME = (("plain", "lean"), ("head", "hidden"))
 VALUE_KEYS = ("loss_objective", "loss_entropy", "entropy", "ESS", "clip_fraction", "kl_approx")
@@ -95,6 +96,8 @@ def parse_args(argv=None):
         "--paths", nargs="+", choices=PATHS, default=list(PATHS), help="paths to run (all)"
     )
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda: memory from its allocator")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="of the inputs")
     parser.add_argument("--worker", choices=PATHS, help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
@@ -104,8 +107,19 @@ def max_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
-def make_case(path: str, b: int, t: int, v: int, h: int, chunk_size=None, seed: int = 0):
-    """``(loss, batch, leaves)``: the loss of a path, its batch, its differentiable inputs."""
+def make_case(
+    path: str,
+    b: int,
+    t: int,
+    v: int,
+    h: int,
+    chunk_size=None,
+    seed: int = 0,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
+):
+    """``(loss, batch, leaves)``: the loss of a path, its batch, its differentiable inputs (of
+    ``dtype``, on ``device``; the same numbers on every device, drawn on the CPU)."""
     from tensordict import TensorDict
     from tensordict.nn import (
         ProbabilisticTensorDictModule,
@@ -129,8 +143,10 @@ def make_case(path: str, b: int, t: int, v: int, h: int, chunk_size=None, seed: 
         "advantage": torch.randn(b, generator=g),
         "mask": torch.arange(t) < lengths[:, None],
     }
+    data = {k: x.to(device) for k, x in data.items()}
+    tokens = data["tokens"]
     if path in GROUPS["logits"]:
-        logits = torch.randn(b, t, v, generator=g).mul_(2.0).requires_grad_()
+        logits = torch.randn(b, t, v, generator=g).mul_(2.0).to(device, dtype).requires_grad_()
         with torch.no_grad():
             log_prob, _ = token_log_prob_entropy(logits, tokens)
         data["logits"] = logits
@@ -140,8 +156,8 @@ def make_case(path: str, b: int, t: int, v: int, h: int, chunk_size=None, seed: 
             in_keys=["logits"], out_keys=["tokens"], distribution_class=dist
         )
     else:
-        hidden = torch.randn(b, t, h, generator=g).requires_grad_()
-        head = torch.nn.Linear(h, v, bias=False)
+        hidden = torch.randn(b, t, h, generator=g).to(device, dtype).requires_grad_()
+        head = torch.nn.Linear(h, v, bias=False, device=device, dtype=dtype)
         with torch.no_grad():
             head.weight.copy_(torch.randn(v, h, generator=g).mul_(2.0 / h**0.5))
             log_prob, _ = token_log_prob_entropy_from_hidden(hidden, head.weight, tokens)
@@ -162,17 +178,22 @@ def make_case(path: str, b: int, t: int, v: int, h: int, chunk_size=None, seed: 
                 distribution_class=HiddenTokenCategorical,
                 distribution_kwargs={"head": head, **kwargs},
             )  # fmt: skip
-    data["old_log_prob"] = log_prob + 0.2 * torch.randn(b, t, generator=g)
+    log_prob = log_prob.float()
+
+    def noise(*shape):  # drawn on the CPU, then moved: the same numbers on every device
+        return torch.randn(*shape, generator=g).to(device)
+
+    data["old_log_prob"] = log_prob + 0.2 * noise(b, t)
     variants = VARIANTS if path == "variants" else {}
     if variants:
-        data["inference_log_prob"] = data["old_log_prob"] + 0.01 * torch.randn(b, t, generator=g)
-        data["proximal_log_prob"] = data["old_log_prob"] + 0.1 * torch.randn(b, t, generator=g)
-        data["truncated"] = torch.rand(b, generator=g) < 0.25
+        data["inference_log_prob"] = data["old_log_prob"] + 0.01 * noise(b, t)
+        data["proximal_log_prob"] = data["old_log_prob"] + 0.1 * noise(b, t)
+        data["truncated"] = (torch.rand(b, generator=g) < 0.25).to(device)
     loss = GRPOLoss(
         actor, clip_epsilon=(0.2, 0.28), entropy_coeff=0.01, functional=False, **variants
     )
     loss.set_keys(sample_log_prob="old_log_prob")
-    return loss, TensorDict(data, [b]), leaves
+    return loss.to(device), TensorDict(data, [b]), leaves
 
 
 def step(loss, batch, leaves):
@@ -185,15 +206,23 @@ def step(loss, batch, leaves):
 
 def worker(args) -> None:
     torch.set_num_threads(args.threads)
-    step(*make_case(args.worker, 2, 8, 64, 16))  # warm-up at a tiny size
+    device, dtype = torch.device(args.device), DTYPES[args.dtype]
+    accelerator = device.type != "cpu"
+    step(*make_case(args.worker, 2, 8, 64, 16, device=device, dtype=dtype))  # warm-up, tiny
 
     loss, batch, leaves = make_case(
-        args.worker, args.batch, args.length, args.vocab, args.hidden, args.chunk_size
-    )
+        args.worker, args.batch, args.length, args.vocab, args.hidden, args.chunk_size,
+        device=device, dtype=dtype,
+    )  # fmt: skip
     numel = sum(leaf.numel() for leaf in leaves.values())
-    grad_sized = torch.empty(numel).fill_(1.0)  # touch every page, then give it back
-    del grad_sized
-    baseline = max_rss_bytes()
+    if accelerator:  # the allocator's own counters; the gradients are counted as inputs
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        baseline = torch.cuda.memory_allocated(device) + numel * dtype.itemsize
+    else:
+        grad_sized = torch.empty(numel).fill_(1.0)  # touch every page, then give it back
+        del grad_sized
+        baseline = max_rss_bytes()
 
     saved = {}
     inputs = {leaf.untyped_storage().data_ptr() for leaf in leaves.values()}
@@ -204,22 +233,30 @@ def worker(args) -> None:
             saved[storage.data_ptr()] = storage.nbytes()
         return x
 
+    def clock() -> float:
+        if accelerator:
+            torch.cuda.synchronize(device)
+        return time.perf_counter()
+
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
-        start = time.perf_counter()
+        start = clock()
         out = step(loss, batch, leaves)
-        first = time.perf_counter() - start
-    peak = max_rss_bytes()
+        first = clock() - start
+    peak = torch.cuda.max_memory_allocated(device) if accelerator else max_rss_bytes()
 
     times = []
     for _ in range(args.repeats):
-        start = time.perf_counter()
+        start = clock()
         step(loss, batch, leaves)
-        times.append(time.perf_counter() - start)
+        times.append(clock() - start)
 
-    grads = {k: leaf.grad.detach().flatten()[::GRAD_STRIDE].clone() for k, leaf in leaves.items()}
+    grads = {
+        k: leaf.grad.detach().flatten()[::GRAD_STRIDE].float().cpu() for k, leaf in leaves.items()
+    }
     torch.save(grads, args.out)
     result = {
-        "logits_bytes": args.batch * args.length * args.vocab * 4,
+        "device_name": torch.cuda.get_device_name(device) if accelerator else "CPU",
+        "logits_bytes": args.batch * args.length * args.vocab * dtype.itemsize,
         "extra_peak_bytes": max(0, peak - baseline),
         "saved_bytes": sum(saved.values()),
         "first_s": first,
@@ -231,7 +268,7 @@ def worker(args) -> None:
 
 def run_path(path: str, args, out: Path) -> dict:
     cmd = [sys.executable, __file__, "--worker", path, "--out", str(out)]
-    for name in ("batch", "length", "vocab", "hidden", "repeats", "threads"):
+    for name in ("batch", "length", "vocab", "hidden", "repeats", "threads", "device", "dtype"):
         cmd += [f"--{name}", str(getattr(args, name))]
     if args.chunk_size is not None:
         cmd += ["--chunk-size", str(args.chunk_size)]
@@ -248,17 +285,21 @@ def main(args) -> None:
         results = {path: run_path(path, args, Path(tmp) / f"{path}.pt") for path in paths}
         grads = {path: torch.load(Path(tmp) / f"{path}.pt") for path in paths}
 
-    logits_bytes = args.batch * args.length * args.vocab * 4
+    logits_bytes = args.batch * args.length * args.vocab * DTYPES[args.dtype].itemsize
+    where = next(iter(results.values()))["device_name"]
     print(
         f"GRPOLoss forward+backward, B={args.batch} T={args.length} V={args.vocab} "
-        f"H={args.hidden} float32, logits {logits_bytes / mib:.0f} MiB, "
-        f"{args.threads} thread(s), median of {args.repeats}"
+        f"H={args.hidden} {args.dtype}, logits {logits_bytes / mib:.0f} MiB, on {where} "
+        f"({args.device}), {args.threads} thread(s), median of {args.repeats}"
     )
     header = (
         f"{'path':<28} {'extra peak MiB':>15} {'x logits':>9} {'saved MiB':>10} "
         f"{'time s':>8} {'time ratio':>11}"
     )
-    rows = args.chunk_size or max(1, 2**20 // args.vocab)
+    from torchrl_grpo.token_dist import _chunk_rows
+
+    positions = args.batch * args.length
+    rows = _chunk_rows(args.chunk_size, args.vocab, positions, torch.device(args.device))
     print(f"TokenCategorical / HiddenTokenCategorical chunks: {rows} positions")
     for group, paths in GROUPS.items():
         paths = [path for path in paths if path in results]

@@ -122,6 +122,13 @@ class Settings:
         },
     )
     no_progress: bool = field(default=False, metadata={"help": "hide the tqdm progress bar"})
+    device: str = field(
+        default="cpu",
+        metadata={
+            "help": "where the policy, the env's outputs, the replay buffer and the loss live "
+            "(cpu, cuda, ...); gymnasium itself steps on the CPU"
+        },
+    )
 
 
 def parse_args(argv: list[str] | None = None) -> Settings:
@@ -146,24 +153,24 @@ def parse_args(argv: list[str] | None = None) -> Settings:
     return Settings(**vars(parser.parse_args(argv)))
 
 
-def make_env(num_envs: int, seeds: range, group_size: int) -> TransformedEnv:
+def make_env(num_envs: int, seeds: range, group_size: int, device="cpu") -> TransformedEnv:
     """``num_envs`` CartPole-v1 stepped together, each episode reset from a seed G times.
 
     One gymnasium ``SyncVectorEnv`` behind one torchrl ``GymWrapper``: one torchrl step steps
     every sub-env, so torchrl's per-step cost is paid once for all of them. Auto-reset is
     disabled: torchrl resets finished sub-envs, through :class:`~torchrl_grpo.SameStartGroups`,
     which seeds each reset (``seeds[0]`` G times, then ``seeds[1]``, ...) and writes the seed of
-    every step as ``"reset_seed"``.
+    every step as ``"reset_seed"``. Its outputs are on ``device``.
     """
     vector_env = gym.vector.SyncVectorEnv(
         [lambda: gym.make("CartPole-v1")] * num_envs,
         autoreset_mode=gym.vector.AutoresetMode.DISABLED,
     )
-    env = GymWrapper(vector_env, categorical_action_encoding=True)
+    env = GymWrapper(vector_env, categorical_action_encoding=True, device=device)
     return TransformedEnv(env, SameStartGroups(group_size, seeds=seeds))
 
 
-def make_eval_env(num_envs: int, seeds: range) -> TransformedEnv:
+def make_eval_env(num_envs: int, seeds: range, device="cpu") -> TransformedEnv:
     """``num_envs`` CartPole-v1 for greedy evaluation; every reset starts each from a fresh seed.
 
     gymnasium's ``SAME_STEP`` auto-reset lets ``env.rollout(..., break_when_all_done=True)`` stop
@@ -174,7 +181,7 @@ def make_eval_env(num_envs: int, seeds: range) -> TransformedEnv:
         [lambda: gym.make("CartPole-v1")] * num_envs,
         autoreset_mode=gym.vector.AutoresetMode.SAME_STEP,
     )
-    env = GymWrapper(vector_env, categorical_action_encoding=True)  # + VecGymEnvTransform
+    env = GymWrapper(vector_env, categorical_action_encoding=True, device=device)  # + VecGym...
     return env.append_transform(SameStartGroups(1, seeds=seeds))
 
 
@@ -281,17 +288,19 @@ def main(argv: list[str] | None = None) -> dict:
     if logger is not None:
         logger.log_hparams(dataclasses.asdict(cfg))
 
-    actor = make_actor(cfg.hidden)  # first: building envs draws from torch's generator too
+    actor = make_actor(cfg.hidden).to(cfg.device)  # first: building envs draws from torch's RNG
     first_seed = cfg.seed * SEEDS_PER_RUN
-    env = make_env(cfg.num_envs, range(first_seed, first_seed + SEEDS_PER_RUN), cfg.group_size)
-    eval_env = make_eval_env(
-        cfg.eval_episodes, range(EVAL_SEED_OFFSET + first_seed, CONFIRM_SEED_OFFSET + first_seed)
-    )
+    seeds = range(first_seed, first_seed + SEEDS_PER_RUN)
+    env = make_env(cfg.num_envs, seeds, cfg.group_size, cfg.device)
+    eval_seeds = range(EVAL_SEED_OFFSET + first_seed, CONFIRM_SEED_OFFSET + first_seed)
+    eval_env = make_eval_env(cfg.eval_episodes, eval_seeds, cfg.device)
     confirm_seeds = range(
         CONFIRM_SEED_OFFSET + first_seed, EVAL_SEED_OFFSET + first_seed + SEEDS_PER_RUN
     )
     confirm_env = (
-        make_eval_env(cfg.confirm_episodes, confirm_seeds) if cfg.confirm_episodes else None
+        make_eval_env(cfg.confirm_episodes, confirm_seeds, cfg.device)
+        if cfg.confirm_episodes
+        else None
     )
     loss_module = GRPOLoss(actor, clip_epsilon=cfg.clip_epsilon, entropy_coeff=cfg.entropy_coeff)
     optimizer = torch.optim.Adam(loss_module.parameters(), lr=cfg.lr)
@@ -312,7 +321,9 @@ def main(argv: list[str] | None = None) -> dict:
     # group has a member still running on a sub-env (or is the group the seeds are at).
     held_back = (cfg.group_size - 1) * (cfg.num_envs + 1)
     buffer = ReplayBuffer(
-        storage=LazyTensorStorage((episodes_per_batch + held_back) * MAX_EPISODE_STEPS),
+        storage=LazyTensorStorage(
+            (episodes_per_batch + held_back) * MAX_EPISODE_STEPS, device=cfg.device
+        ),
         sampler=SamplerWithoutReplacement(),
         batch_size=cfg.minibatch_size,
     )
@@ -404,7 +415,7 @@ def main(argv: list[str] | None = None) -> dict:
         evals.append({"env_steps": 0, "wall_s": time.perf_counter() - START, "return": eval_return})
 
     tick = time.perf_counter()
-    torch.save(actor.state_dict(), run_dir / "policy.pt")
+    torch.save({k: v.cpu() for k, v in actor.state_dict().items()}, run_dir / "policy.pt")
     save_plot(history, evals, cfg.target_return, run_dir / "returns.png")
     for closing in (eval_env, confirm_env):
         if closing is not None:

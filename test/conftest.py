@@ -11,7 +11,7 @@ import random
 
 import pytest
 import torch
-from tensordict import LazyStackedTensorDict, NonTensorData, TensorDict
+from tensordict import LazyStackedTensorDict, NonTensorData, NonTensorStack, TensorDict
 from torchrl.objectives.llm import MCAdvantage as TorchRLMCAdvantage
 
 from torchrl_grpo import MCAdvantage
@@ -24,8 +24,12 @@ def next_uid() -> int:
     return next(_uid)
 
 
-def trajectory(group, rewards, key="seed", width=1):
-    """One trajectory: ``len(rewards)`` steps, the last one done; every step has a unique uid."""
+def trajectory(group, rewards, key="seed", width=1, **extra):
+    """One trajectory: ``len(rewards)`` steps, the last one done; every step has a unique uid.
+
+    ``extra``: more per-step entries, ``name=values`` (a tensor with one row per step, or a list
+    of strings); a name starting with ``next_`` goes under ``"next"``.
+    """
     rewards = torch.as_tensor(rewards, dtype=torch.float32).reshape(len(rewards), -1)
     steps = rewards.shape[0]
     done = torch.zeros(steps, 1, dtype=torch.bool)
@@ -40,6 +44,12 @@ def trajectory(group, rewards, key="seed", width=1):
         batch_size=[steps],
     )
     td.set(key, gid)
+    for name, values in extra.items():
+        where = ("next", name[len("next_") :]) if name.startswith("next_") else name
+        if isinstance(values, list) and isinstance(values[0], str):
+            td.set(where, NonTensorStack(*values, batch_size=[steps]))
+        else:
+            td.set(where, torch.as_tensor(values))
     return td
 
 
@@ -121,6 +131,76 @@ def bad_inputs():
         ("unhashable group id", unhashable, TypeError, ["string or a tensor", "seed", "dict"]),
         ("string id among tensor ids", stringy, TypeError, ["are strings", "seed"]),
     ]
+
+
+# --- streams of a collector: trajectories that cross insertions --------------------------------
+
+
+def collector_stream(num_envs, num_groups, size, seed, *, max_len=7, steps_per_batch=5):
+    """What a torchrl collector yields: ``[num_envs, T]`` batches cut every ``T`` steps.
+
+    Each environment plays trajectories one after the other; trajectory ids are handed out in
+    the order trajectories start (as torchrl's trajectory pool does); every step has a unique
+    ``uid``, a ``("collector", "traj_ids")`` entry and a ``"step_count"``. Every environment's
+    timeline is cut to a multiple of ``T`` by shortening its last trajectory, so that nothing is
+    left unfinished at the end. Groups (``"seed"``) of ``size`` trajectories each.
+
+    Returns:
+        ``(batches, completed)``: the ``[num_envs, T]`` batches, and for each batch the
+        trajectories (flat TensorDicts) that end in it, in the order of their last step in the
+        row-major flattened batch: what inserting whole trajectories would insert.
+    """
+    rng = random.Random(seed)
+    seeds = [g for g in range(num_groups) for _ in range(size)]
+    rng.shuffle(seeds)
+    per_env = [[] for _ in range(num_envs)]  # (seed, length) per env
+    for i, s in enumerate(seeds):
+        per_env[i % num_envs].append([s, rng.randint(1, max_len)])
+    horizon = max(sum(n for _, n in trajs) for trajs in per_env)
+    horizon = -(-horizon // steps_per_batch) * steps_per_batch
+    for trajs in per_env:  # pad every timeline to the horizon with its last trajectory
+        trajs[-1][1] += horizon - sum(n for _, n in trajs)
+    # ids in the order trajectories start (ties by env), as torchrl's pool hands them out
+    starts = sorted(
+        (sum(n for _, n in trajs[:k]), env, k)
+        for env, trajs in enumerate(per_env)
+        for k in range(len(trajs))
+    )
+    ids = {(env, k): i for i, (_, env, k) in enumerate(starts)}
+    rows = []
+    for env, trajs in enumerate(per_env):
+        steps = []
+        for k, (s, n) in enumerate(trajs):
+            rewards = torch.tensor([[rng.gauss(0, 1)] for _ in range(n)])
+            done = torch.zeros(n, 1, dtype=torch.bool)
+            done[-1] = True
+            steps.append(
+                TensorDict(
+                    seed=torch.full((n,), s),
+                    uid=torch.tensor([next_uid() for _ in range(n)]),
+                    step_count=torch.arange(n).unsqueeze(-1),
+                    collector=TensorDict(traj_ids=torch.full((n,), ids[env, k]), batch_size=[n]),
+                    next=TensorDict(reward=rewards, done=done, batch_size=[n]),
+                    batch_size=[n],
+                )
+            )
+        rows.append(torch.cat(steps))
+    timeline = torch.stack(rows)  # (num_envs, horizon)
+    batches, completed = [], []
+    for t in range(0, horizon, steps_per_batch):
+        batch = timeline[:, t : t + steps_per_batch]
+        batches.append(batch)
+        flat = batch.reshape(-1)
+        ends = flat["next", "done"].squeeze(-1).nonzero().squeeze(-1).tolist()
+        whole = []
+        for end in ends:  # the trajectory ending here, from its first step in the timeline
+            env, col = divmod(end, steps_per_batch)
+            traj = int(flat["collector", "traj_ids"][end])
+            row = timeline[env]
+            mask = row["collector", "traj_ids"] == traj
+            whole.append(row[mask])
+        completed.append(whole)
+    return batches, completed
 
 
 # --- the loss side ------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """Tests of checkpoints: MCAdvantage.state_dict and torchrl_grpo/checkpoint.py."""
 
+import functools
 import io
 
 import pytest
@@ -170,3 +171,33 @@ class TestReplayBufferDumps:
         rb = allow_empty_dumps(allow_empty_dumps(ReplayBuffer(storage=LazyTensorStorage(10))))
         assert isinstance(rb.storage.checkpointer, EmptyStorageCheckpointer)
         assert not isinstance(rb.storage.checkpointer.inner, EmptyStorageCheckpointer)
+
+
+class TestDevices:
+    """Pending steps on a device: a checkpoint restores them there, or onto the CPU."""
+
+    @pytest.mark.parametrize("map_location", [None, "cpu"])
+    def test_restore_then_continue(self, device, map_location):
+        first, second = halves()
+        reference, _ = make_buffer()
+        reference.extend(first)
+        reference.extend(second)
+
+        on_device = functools.partial(LazyTensorStorage, device=device)
+        rb, transform = make_buffer(on_device)
+        rb.extend(first.to(device))  # every group half full: all pending, on `device`
+        assert len(rb) == 0
+        saved = io.BytesIO()
+        torch.save(transform.state_dict(), saved)
+        saved.seek(0)
+        state = torch.load(saved, map_location=map_location, weights_only=True)
+
+        restored_rb, restored = make_buffer(on_device)
+        restored.load_state_dict(state)
+        restored_rb.extend(second.to(device))
+        got = restored_rb[:]
+        assert got["advantage"].device.type == device.type
+        want = stored(reference)
+        assert sorted(released(got)) == sorted(want)
+        for uid, adv in released(got).items():
+            torch.testing.assert_close(adv.cpu(), want[uid])

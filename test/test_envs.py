@@ -197,6 +197,26 @@ class TestSameStartGroups:
         )
 
 
+class TestDevices:
+    def test_env_on_device(self, device):
+        """An env whose outputs live on ``device`` (partial resets included): the seeds are
+        written there and the groups are the CPU env's."""
+        env = TransformedEnv(
+            GymWrapper(
+                gym.vector.SyncVectorEnv(
+                    [lambda: gym.make("CartPole-v1")] * 3,
+                    autoreset_mode=gym.vector.AutoresetMode.DISABLED,
+                ),
+                categorical_action_encoding=True,
+                device=device,
+            ),
+            SameStartGroups(2, seeds=range(50, 90)),
+        )
+        steps = collect(env, frames_per_batch=60, total_frames=240)
+        assert steps["reset_seed"].device.type == device.type
+        check_groups(episode_starts(steps.cpu()), range(50, 90), 2)
+
+
 class TestSameStartGroupsErrors:
     @pytest.mark.parametrize("bad", [0, -1, 2.7, True, "4", None])
     def test_group_size(self, bad):

@@ -175,6 +175,20 @@ class TestCartPoleDemo:
         assert (scalars / "eval" / "return.csv").exists()
         assert not (scalars / "train" / "loss_objective.csv").exists()  # nothing was optimized
 
+    def test_on_device(self, example, tmp_path, device):
+        """--device: policy, env outputs, buffer and loss on ``device``; the saved policy on the
+        CPU (loads anywhere without map_location)."""
+        result = example.main(
+            ["--device", str(device), "--groups", "2", "--group-size", "4", "--num-envs", "8"]
+            + ["--frames-per-batch", "64", "--eval-episodes", "4", "--max-env-steps", "1"]
+            + ["--confirm-episodes", "0", "--output-dir", str(tmp_path), "--no-progress"]
+        )
+        assert result["env_steps"] >= 64 and 0.0 < result["eval_return"] <= 500.0
+        (run_dir,) = tmp_path.glob("seed0-*")
+        saved = torch.load(run_dir / "policy.pt", weights_only=True)
+        assert {v.device.type for v in saved.values()} == {"cpu"}
+        assert (run_dir / "scalars" / "train" / "loss_objective.csv").exists()  # optimized
+
     def test_missing_logger_package_is_a_clear_error(self, example, tmp_path, monkeypatch):
         def no_tensorboard(*args, **kwargs):
             raise ImportError("torch.utils.tensorboard could not be imported")

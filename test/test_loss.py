@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import inspect
 import math
 
@@ -1550,6 +1551,20 @@ class TestDevices:
         for key, value in ref.items():
             assert out[key].device.type == device.type, key
             torch.testing.assert_close(out[key].cpu(), value, rtol=1e-5, atol=1e-6, msg=key)
+
+    def test_llm_wrapper(self, device, tiny_llm, make_llm_batch, make_llm_scorer):
+        """torchrl's wrapper around a model on ``device``, fed a ragged batch moved there."""
+        model, tokenizer = tiny_llm
+        batch = make_llm_batch(model, tokenizer)
+        kwargs = dict(kl_to_ref_coeff=0.1, clip_epsilon=(0.2, 0.28))
+        ref, ref_grad = _run(GRPOLoss(make_llm_scorer(model, tokenizer), **kwargs), batch, model)
+        moved = copy.deepcopy(model).to(device)
+        loss = GRPOLoss(make_llm_scorer(moved, tokenizer), **kwargs).to(device)
+        out, grad = _run(loss, batch.to(device), moved)
+        for key, value in ref.items():
+            assert out[key].device.type == device.type, key
+            torch.testing.assert_close(out[key].cpu(), value, rtol=1e-4, atol=1e-6, msg=key)
+        torch.testing.assert_close(grad.cpu(), ref_grad, rtol=1e-4, atol=1e-6)
 
     def test_classic_actor_gradient(self, device):
         actor = cartpole_actor()

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from tensordict import NonTensorData, NonTensorStack, TensorDict, lazy_stack
 
 from torchrl_grpo._pending import Pending
-from torchrl_grpo._reading import Keys, read_insertion, trajectory_bounds
+from torchrl_grpo._reading import Keys, on_one_device, read_insertion, trajectory_bounds
 
 KEYS = Keys(group="seed", reward=("next", "reward"), done=("next", "done"), advantage="advantage")
 EMPTY = Pending()
@@ -169,3 +169,75 @@ class TestBadInput:
         td["next", "reward"][step] = float("nan")
         with pytest.raises(ValueError, match=f"the first at step {step} "):
             read_insertion(td, KEYS, EMPTY)
+
+
+class TestSeveralRewardsAndAnchors:
+    """The inputs of GDPO (several reward keys) and GiGPO (an anchor state per step)."""
+
+    GDPO = KEYS._replace(reward_weights=((("next", "reward"), 1.0), (("next", "format"), 0.5)))
+
+    def test_the_weighted_sum_is_the_reward(self):
+        td = torch.cat([trajectory(0, [1.0, 2.0], next_format=[[4.0], [0.0]])])
+        batch = read_insertion(td, self.GDPO, EMPTY)
+        assert batch.rewards.dtype == torch.float64
+        assert batch.rewards.tolist() == [1.0 + 2.0, 2.0 + 0.0]
+
+    def test_rewards_must_agree_and_stay_finite(self):
+        td = trajectory(0, [1.0, 2.0], next_format=[[4.0, 1.0], [0.0, 1.0]])
+        with pytest.raises(ValueError, match="as many elements at every step"):
+            read_insertion(td, self.GDPO, EMPTY)
+        td = trajectory(0, [1.0, 2.0], next_format=[[float("nan")], [0.0]])
+        with pytest.raises(
+            ValueError, match=r"non-finite reward value\(s\) under \('next', 'format'\)"
+        ):
+            read_insertion(td, self.GDPO, EMPTY)
+        td = trajectory(0, [1.0, 2.0])
+        td["next", "reward"] = td["next", "format"] = torch.tensor(
+            [[1e308], [0.0]], dtype=torch.float64
+        )
+        both = ((("next", "reward"), 1.0), (("next", "format"), 1.0))
+        with pytest.raises(ValueError, match="overflows"):
+            read_insertion(td, KEYS._replace(reward_weights=both), EMPTY)
+        with pytest.raises(KeyError, match="format"):
+            read_insertion(trajectory(0, [1.0]), self.GDPO, EMPTY)
+
+    def test_anchors_are_checked(self):
+        keys = KEYS._replace(anchor="obs")
+        assert (
+            read_insertion(trajectory(0, [1.0, 2.0], obs=[[0, 1], [1, 1]]), keys, EMPTY) is not None
+        )
+        assert read_insertion(trajectory(0, [1.0, 2.0], obs=["a", "b"]), keys, EMPTY) is not None
+        with pytest.raises(KeyError, match="anchor key .*obs"):
+            read_insertion(trajectory(0, [1.0, 2.0]), keys, EMPTY)
+        with pytest.raises(TypeError, match="tensor or a string, got int"):
+            read_insertion(trajectory(0, [1.0, 2.0]).set_non_tensor("obs", 3), keys, EMPTY)
+        bad = trajectory(0, [1.0, 2.0])
+        bad.set("obs", NonTensorStack(*[{"a": 1}] * 2))
+        with pytest.raises(TypeError, match="tensor or a string"):
+            read_insertion(bad, keys, EMPTY)
+        steps = [s.clone() for s in trajectory(0, [1.0, 2.0], obs=["a", "b"]).unbind(0)]
+        steps[0]["next", "reward"] = torch.ones(3)  # ragged
+        assert read_insertion(lazy_stack(steps), keys, EMPTY).ragged
+
+
+class TestDevices:
+    def test_values_read_onto_the_cpu(self, device):
+        """The bookkeeping is on the CPU whatever the data's device; the steps stay there."""
+        data = torch.cat([trajectory(1, [1.0, 2.0]), trajectory(2, [3.0])]).to(device)
+        batch = read_insertion(data, KEYS, Pending())
+        assert batch.data["next", "reward"].device.type == device.type
+        for value in (batch.starts, batch.lengths, batch.group_ids, batch.rewards):
+            assert value.device.type == "cpu"
+        assert batch.rewards.tolist() == [1.0, 2.0, 3.0]
+
+    def test_pieces_joined_on_the_newest_device(self):
+        """Pending steps restored on one device join newer steps on another: moved to the newest
+        (``meta`` stands in for an accelerator on a CPU-only machine)."""
+        old, new = trajectory(1, [1.0]), trajectory(1, [2.0]).to("meta")
+        moved = on_one_device([old, new])
+        assert [p.device.type for p in moved] == ["meta", "meta"]
+        assert moved[1] is new
+        same = [trajectory(1, [1.0]), trajectory(2, [2.0])]
+        assert all(a is b for a, b in zip(on_one_device(same), same))  # nothing to move
+        ragged = on_one_device([[old], new])  # lists of ragged steps move step by step
+        assert ragged[0][0]["next", "reward"].device.type == "meta"

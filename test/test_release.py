@@ -17,13 +17,20 @@ from torchrl_grpo._release import (
     Estimator,
     GroupFilter,
     Released,
+    StepGroups,
+    _released_anchors,
     count,
     fresh_stats,
     release,
     torchrl_returns,
     trajectory_returns,
 )
-from torchrl_grpo.advantages import group_relative_advantage
+from torchrl_grpo.advantages import (
+    gigpo_advantage,
+    group_relative_advantage,
+    multi_reward_advantage,
+    reinforce_pp_baseline_advantage,
+)
 
 KEYS = Keys(group="seed", reward=("next", "reward"), done=("next", "done"), advantage="advantage")
 GRPO = Estimator(None, "mean", "group", 1e-6, False)
@@ -104,8 +111,8 @@ class TestGroupFilter:
 
 
 class TestRelease:
-    def released(self, trajs, estimator=GRPO, group_filter=NO_FILTER, size=None):
-        batch = read_insertion(torch.cat(trajs), KEYS, Pending())
+    def released(self, trajs, estimator=GRPO, group_filter=NO_FILTER, size=None, keys=KEYS):
+        batch = read_insertion(torch.cat(trajs), keys, Pending())
         rounds = _grouping.find_rounds(Pending(), batch, size or len(trajs))
         mode = estimator.trajectory_return
         value = trajectory_returns(batch, mode)
@@ -117,7 +124,7 @@ class TestRelease:
             Returns(value, exact),
             estimator=estimator,
             group_filter=group_filter,
-            keys=KEYS,
+            keys=keys,
         )
         return out, batch, rounds
 
@@ -157,6 +164,72 @@ class TestRelease:
             size=2,
         )
         assert out.out["seed"].tolist() == [1, 1] and (out.written, out.selected) == (1, 1)
+
+
+class TestBeyondTorchRL:
+    """The released groups' advantages with whitening, several rewards and step groups."""
+
+    released = TestRelease.released
+
+    def test_whitened_per_step_samples(self):
+        trajs = [
+            trajectory(0, [1.0, 2.0]),
+            trajectory(0, [6.0]),
+            trajectory(1, [0.0]),
+            trajectory(1, [3.0]),
+        ]
+        estimator = GRPO._replace(scale_rewards="none", whiten=True)
+        out, batch, _ = self.released(trajs, estimator=estimator, size=2)
+        want = reinforce_pp_baseline_advantage(batch.rewards, torch.tensor([0, 0, 0, 1, 1]))
+        torch.testing.assert_close(
+            out.out["advantage"].reshape(-1).double(), want, rtol=1e-6, atol=1e-6
+        )
+
+    def test_several_rewards(self):
+        trajs = [
+            trajectory(0, [1.0], next_format=[[0.0]]),
+            trajectory(0, [0.0], next_format=[[2.0]]),
+        ]
+        trajs += [trajectory(0, [1.0], next_format=[[1.0]])]
+        keys = KEYS._replace(reward_weights=((("next", "reward"), 1.0), (("next", "format"), 2.0)))
+        out, _, _ = self.released(trajs, estimator=GRPO._replace(whiten=True), keys=keys)
+        x = torch.tensor([[1.0, 0.0], [0.0, 2.0], [1.0, 1.0]])
+        want = multi_reward_advantage(
+            x, torch.zeros(3, dtype=torch.long), weights=torch.tensor([1.0, 2.0])
+        )
+        torch.testing.assert_close(
+            out.out["advantage"].reshape(-1).double(), want, rtol=1e-6, atol=1e-6
+        )
+
+    def test_step_groups(self):
+        trajs = [
+            trajectory(0, [0.0, 1.0], obs=["start", "won"]),
+            trajectory(0, [0.0, 0.0], obs=["start", "lost"]),
+        ]
+        estimator = GRPO._replace(trajectory_return="sum", step_groups=StepGroups(1.0, 2.0, 0.5))
+        out, _, _ = self.released(trajs, estimator=estimator, keys=KEYS._replace(anchor="obs"))
+        want = gigpo_advantage(
+            torch.tensor([1.0, 0.0]), torch.zeros(2, dtype=torch.long), torch.tensor([0.0, 1.0, 0.0, 0.0]),
+            torch.tensor([2, 2]), torch.tensor([0, 1, 0, 2]), gamma=0.5, step_weight=2.0,
+        )  # fmt: skip
+        torch.testing.assert_close(
+            out.out["advantage"].reshape(-1).double(), want, rtol=1e-6, atol=1e-6
+        )
+
+
+class TestReleasedAnchors:
+    def test_tensors_as_they_are(self):
+        td = trajectory(0, [1.0, 2.0], obs=[[1, 2], [3, 4]])
+        assert torch.equal(_released_anchors(td, "obs"), torch.tensor([[1, 2], [3, 4]]))
+
+    def test_strings_and_ragged_tensors_by_dictionary(self):
+        codes = _released_anchors(trajectory(0, [1.0] * 4, obs=["a", "b", "a", "c"]), "obs")
+        assert codes.tolist() == [0, 1, 0, 2]
+        steps = [
+            TensorDict(obs=torch.tensor(v), batch_size=[])
+            for v in ([1, 2], [1, 2, 3], [1, 2], [1.0, 2.0])
+        ]
+        assert _released_anchors(steps, "obs").tolist() == [0, 1, 0, 2]  # the dtype counts too
 
 
 class TestCount:

@@ -9,17 +9,25 @@ import torch
 from conftest import (
     assert_same_releases,
     bad_inputs,
+    collector_stream,
     next_uid,
     random_chunks,
     random_stream,
     released,
     trajectory,
 )
-from tensordict import NonTensorData, TensorDict, lazy_stack
+from tensordict import NonTensorData, NonTensorStack, TensorDict, lazy_stack
 from torchrl.data import LazyStackStorage, LazyTensorStorage, ReplayBuffer
 from torchrl.objectives.llm import MCAdvantage as TorchRLMCAdvantage
 
 from torchrl_grpo import MCAdvantage, MCAdvantageSelector, group_relative_advantage
+from torchrl_grpo.advantages import (
+    gigpo_advantage,
+    multi_reward_advantage,
+    pass_at_k_advantage,
+    reinforce_pp_baseline_advantage,
+    step_level_advantage,
+)
 
 
 class TestParityWithTorchRL:
@@ -804,3 +812,613 @@ class TestSelectorInPerStepMode:
             chunks, dict(grpo_size=3, prompt_key="seed", candidate_selector=Never())
         )
         assert ours.get_stats()["written_groups"] == 5
+
+
+GDPO_KEYS = {("next", "reward"): 1.0, ("next", "format"): 0.5}
+
+
+def agent_episodes(num_groups=2, size=3, seed=0, strings=False):
+    """Multi-step episodes whose states repeat within a group: (trajectories, the pieces)."""
+    gen = torch.Generator().manual_seed(seed)
+    trajs, returns, rewards, lengths, states, groups = [], [], [], [], [], []
+    for g in range(num_groups):
+        for _ in range(size):
+            n = int(torch.randint(1, 5, (1,), generator=gen))
+            r = torch.randint(0, 2, (n,), generator=gen).float()
+            s = torch.randint(0, 3, (n,), generator=gen)
+            obs = [f"room {int(v)}" for v in s] if strings else s
+            fmt = torch.rand(n, generator=gen)
+            trajs.append(trajectory(g, r.tolist(), obs=obs, next_format=fmt.reshape(n, 1)))
+            returns.append(float(r.sum()))
+            rewards.append(r)
+            lengths.append(n)
+            states.append(s)
+            groups.append(g)
+    pieces = (
+        torch.tensor(returns),
+        torch.tensor(groups),
+        torch.cat(rewards),
+        torch.tensor(lengths),
+        torch.cat(states),
+    )
+    return trajs, pieces
+
+
+class TestEstimatorsBeyondTorchRL:
+    """The keywords of REINFORCE++-baseline, pass@k, GDPO and GiGPO, against the pure math."""
+
+    def release(self, t, trajs):
+        out = t.inv(torch.cat(trajs))
+        return out["advantage"].squeeze(-1), out
+
+    def test_whiten_is_reinforce_pp_baseline(self):
+        trajs = [trajectory(g, r) for g, r in [(0, [0.0, 1.0]), (0, [3.0]), (1, [9.0]), (1, [5.0])]]
+        t = MCAdvantage(
+            2, prompt_key="seed", trajectory_return="sum", scale_rewards="none", whiten=True
+        )
+        adv, _ = self.release(t, trajs)
+        want = reinforce_pp_baseline_advantage(
+            torch.tensor([1.0, 3.0, 9.0, 5.0]), torch.tensor([0, 0, 1, 1])
+        )  # centred -1, 1, 2, -2: std sqrt(10 / 3)
+        assert want.tolist() == pytest.approx([v / (10 / 3) ** 0.5 for v in (-1, 1, 2, -2)])
+        assert adv.tolist() == pytest.approx(
+            want.repeat_interleave(torch.tensor([2, 1, 1, 1])).tolist()
+        )
+
+    def test_whiten_per_step_samples(self):
+        """Per-step samples: every reward element is centred by its group, then all whitened."""
+        trajs = [
+            trajectory(0, [1.0, 2.0]),
+            trajectory(0, [6.0]),
+            trajectory(1, [2.0]),
+            trajectory(1, [4.0]),
+        ]
+        t = MCAdvantage(2, prompt_key="seed", whiten=True, scale_rewards="none")
+        adv, _ = self.release(t, trajs)
+        x = torch.tensor([1.0, 2.0, 6.0, 2.0, 4.0])
+        want = reinforce_pp_baseline_advantage(x, torch.tensor([0, 0, 0, 1, 1]))
+        torch.testing.assert_close(adv.double(), want, atol=1e-6, rtol=1e-6)
+
+    def test_pass_at_k(self):
+        trajs = [trajectory(0, r) for r in ([1.0, 1.0], [0.0], [3.0], [0.5])]
+        t = MCAdvantage(4, prompt_key="seed", trajectory_return="sum", baseline="pass_at_k")
+        adv, _ = self.release(t, trajs)
+        returns = torch.tensor([2.0, 0.0, 3.0, 0.5])
+        best = 1.0 / returns.std().item()  # 3 - 2, over the group std
+        assert adv.tolist() == pytest.approx([0.0, 0.0, 0.0, best, 0.0])
+        torch.testing.assert_close(
+            adv[[0, 2, 3, 4]].double(),
+            pass_at_k_advantage(returns, torch.zeros(4, dtype=torch.long)).float().double(),
+        )
+
+    @pytest.mark.parametrize("mode", [None, "sum", "max"])
+    def test_gdpo_matches_the_math(self, mode):
+        trajs, (returns, groups, rewards, lengths, _) = agent_episodes(seed=1)
+        fmt = torch.cat([t["next", "format"].reshape(-1) for t in trajs])
+        t = MCAdvantage(3, prompt_key="seed", trajectory_return=mode, reward_weights=GDPO_KEYS)
+        adv, _ = self.release(t, trajs)
+        weights = torch.tensor([1.0, 0.5])
+        if mode is None:  # every reward element a sample, each trajectory a run of its group
+            x = torch.stack([rewards, fmt], 1)
+            want = multi_reward_advantage(x, groups, weights=weights, lengths=lengths)
+        else:  # each reward's return, per trajectory
+            traj = torch.arange(len(lengths)).repeat_interleave(lengths)
+            if mode == "sum":
+                reduce = lambda v: torch.zeros(len(lengths)).index_add_(0, traj, v)  # noqa: E731
+            else:
+                reduce = lambda v: torch.full((len(lengths),), -1e9).scatter_reduce(  # noqa: E731
+                    0, traj, v, "amax"
+                )
+            x = torch.stack([reduce(rewards), reduce(fmt)], 1)
+            want = multi_reward_advantage(x, groups, weights=weights).repeat_interleave(lengths)
+        torch.testing.assert_close(adv.double(), want, atol=1e-5, rtol=1e-5)
+
+    def test_one_reward_of_weight_one_is_grpo(self):
+        trajs, _ = agent_episodes(seed=2)
+        for mode in (None, "sum"):
+            plain, _ = self.release(
+                MCAdvantage(3, prompt_key="seed", trajectory_return=mode), trajs
+            )
+            one, _ = self.release(
+                MCAdvantage(
+                    3, prompt_key="seed", trajectory_return=mode,
+                    reward_weights={("next", "reward"): 1.0}, whiten=False,
+                ),
+                trajs,
+            )  # fmt: skip
+            torch.testing.assert_close(one, plain)
+
+    def test_gdpo_statistics_and_filters_see_the_weighted_sum(self):
+        trajs = [
+            trajectory(0, [1.0], next_format=[[4.0]]),
+            trajectory(0, [0.0], next_format=[[2.0]]),
+        ]
+        t = MCAdvantage(
+            2, prompt_key="seed", trajectory_return="sum", reward_weights=GDPO_KEYS,
+            keep_return_bounds=(1.0, 2.5),
+        )  # fmt: skip
+        _, out = self.release(t, trajs)  # weighted returns 3 and 1: mean 2, inside the bounds
+        assert out.shape == (2,)
+        stats = t.get_stats()
+        assert stats["trajectory_return_sum"] == pytest.approx(4.0)
+        assert stats["trajectory_return_max"] == pytest.approx(3.0)
+
+    @pytest.mark.parametrize("mode", [None, "sum"])
+    @pytest.mark.parametrize("scale", ["group", "none"])
+    def test_gigpo_matches_the_math(self, mode, scale):
+        trajs, (returns, groups, rewards, lengths, states) = agent_episodes(seed=3)
+        t = MCAdvantage(
+            3, prompt_key="seed", trajectory_return=mode, scale_rewards=scale, anchor_key="obs",
+            episode_reward_weight=0.5, step_reward_weight=2.0, step_reward_gamma=0.9,
+        )  # fmt: skip
+        adv, _ = self.release(t, trajs)
+        if mode == "sum":
+            want = gigpo_advantage(
+                returns, groups, rewards, lengths, states, gamma=0.9,
+                episode_weight=0.5, step_weight=2.0, scale_rewards=scale,
+            )  # fmt: skip
+        else:  # the episode level normalizes every reward element, as without anchors
+            episode = group_relative_advantage(
+                rewards, groups, scale_rewards=scale, lengths=lengths
+            )
+            step_groups = torch.unique(
+                torch.stack([groups.repeat_interleave(lengths), states], 1),
+                dim=0,
+                return_inverse=True,
+            )[1]
+            step = step_level_advantage(
+                rewards, lengths, step_groups, gamma=0.9, scale_rewards=scale
+            )
+            want = 0.5 * episode + 2.0 * step
+        torch.testing.assert_close(adv.double(), want, atol=1e-5, rtol=1e-5)
+
+    def test_gigpo_per_step_samples_of_two_elements(self):
+        """Two reward elements per step: the step reward is their sum, the step-level advantage
+        reaches both elements."""
+        trajs, (_, groups, rewards, lengths, states) = agent_episodes(seed=8)
+        two = [
+            trajectory(
+                int(t["seed"][0]), torch.stack([t["next", "reward"][:, 0]] * 2, 1) / 2, obs=t["obs"]
+            )
+            for t in trajs
+        ]
+        t = MCAdvantage(3, prompt_key="seed", anchor_key="obs", step_reward_gamma=0.8)
+        adv, _ = self.release(t, two)
+        elements = (rewards / 2).repeat_interleave(2)
+        episode = group_relative_advantage(elements, groups, lengths=2 * lengths)
+        step_groups = torch.unique(
+            torch.stack([groups.repeat_interleave(lengths), states], 1), dim=0, return_inverse=True
+        )[1]
+        step = step_level_advantage(rewards, lengths, step_groups, gamma=0.8)
+        torch.testing.assert_close(
+            adv.reshape(-1).double(), episode + step.repeat_interleave(2), atol=1e-5, rtol=1e-5
+        )
+
+    def test_gdpo_and_gigpo_and_step_norm_compose(self):
+        """Every stage at once: per-reward normalization, weighted sum, whitening, step groups,
+        length normalization, each by the pure functions in turn."""
+        trajs, (returns, groups, rewards, lengths, states) = agent_episodes(seed=9)
+        fmt = torch.cat([t["next", "format"].reshape(-1) for t in trajs])
+        t = MCAdvantage(
+            3, prompt_key="seed", trajectory_return="sum", reward_weights=GDPO_KEYS,
+            anchor_key="obs", step_norm=True, step_reward_weight=0.5,
+        )  # fmt: skip
+        adv, _ = self.release(t, trajs)
+        traj = torch.arange(len(lengths)).repeat_interleave(lengths)
+        per_key = torch.stack(
+            [torch.zeros(len(lengths)).index_add_(0, traj, v) for v in (rewards, fmt)], 1
+        )
+        episode = multi_reward_advantage(per_key, groups, weights=torch.tensor([1.0, 0.5]))
+        step_groups = torch.unique(
+            torch.stack([groups.repeat_interleave(lengths), states], 1), dim=0, return_inverse=True
+        )[1]
+        step = step_level_advantage(rewards + 0.5 * fmt, lengths, step_groups, gamma=0.95)
+        want = (episode.repeat_interleave(lengths) + 0.5 * step) / lengths.repeat_interleave(
+            lengths
+        )
+        torch.testing.assert_close(adv.double(), want, atol=1e-5, rtol=1e-5)
+
+    def test_gigpo_string_anchors_and_ragged_steps(self):
+        trajs, (returns, groups, rewards, lengths, states) = agent_episodes(seed=4, strings=True)
+        t = MCAdvantage(3, prompt_key="seed", trajectory_return="sum", anchor_key="obs")
+        adv, _ = self.release(t, trajs)
+        want = gigpo_advantage(returns, groups, rewards, lengths, states)
+        torch.testing.assert_close(adv.double(), want, atol=1e-5, rtol=1e-5)
+        # the same steps as a lazy stack of ragged steps (token rewards of different lengths)
+        steps = []
+        for traj in trajs:
+            for step in traj.unbind(0):
+                step = step.clone()
+                step["next", "reward"] = step["next", "reward"].expand(2) / 2  # two halves
+                steps.append(step)
+        steps[0]["next", "reward"] = steps[0]["next", "reward"].repeat(2) / 2  # four quarters
+        ragged = MCAdvantage(3, prompt_key="seed", trajectory_return="sum", anchor_key="obs")
+        out = ragged.inv(lazy_stack(steps))
+        per_step = torch.stack([step["advantage"][0] for step in out.unbind(0)])
+        torch.testing.assert_close(per_step.double(), want, atol=1e-5, rtol=1e-5)
+
+    def test_gigpo_without_step_weight_is_grpo(self):
+        trajs, _ = agent_episodes(seed=5)
+        for mode in (None, "sum"):
+            plain, _ = self.release(
+                MCAdvantage(3, prompt_key="seed", trajectory_return=mode), trajs
+            )
+            gigpo, _ = self.release(
+                MCAdvantage(
+                    3, prompt_key="seed", trajectory_return=mode, anchor_key="obs",
+                    step_reward_weight=0.0,
+                ),
+                trajs,
+            )  # fmt: skip
+            torch.testing.assert_close(gigpo, plain)
+
+    def test_gigpo_by_hand(self):
+        """Two runs from room 7: one reaches 8 and wins, one reaches 9 and loses."""
+        trajs = [trajectory(0, [0.0, 1.0], obs=[7, 8]), trajectory(0, [0.0, 0.0], obs=[7, 9])]
+        t = MCAdvantage(
+            2, prompt_key="seed", trajectory_return="sum", scale_rewards="none", anchor_key="obs",
+            step_reward_gamma=0.5,
+        )  # fmt: skip
+        adv, _ = self.release(t, trajs)
+        # episode: +-0.5; step group {first steps}: returns 0.5, 0 -> +-0.25; lone steps: 0
+        assert adv.tolist() == [0.75, 0.5, -0.75, -0.5]
+        t = MCAdvantage(
+            2, prompt_key="seed", trajectory_return="sum", scale_rewards="none", anchor_key="obs",
+            step_reward_gamma=0.5, step_norm=True,
+        )  # fmt: skip
+        adv, _ = self.release(t, trajs)
+        assert adv.tolist() == [0.375, 0.25, -0.375, -0.25]
+
+    def test_gigpo_chunking_does_not_matter(self):
+        trajs, _ = agent_episodes(num_groups=3, size=4, seed=6)
+        kw = dict(grpo_size=4, prompt_key="seed", trajectory_return="sum", anchor_key="obs")
+        one_by_one = _stream_outputs(MCAdvantage(**kw), trajs)
+        shuffled = trajs[:]
+        random.Random(0).shuffle(shuffled)
+        chunked = _stream_outputs(MCAdvantage(**kw), random_chunks(shuffled, 0))
+        assert one_by_one.keys() == chunked.keys()
+        for uid, adv in one_by_one.items():
+            torch.testing.assert_close(chunked[uid], adv, atol=1e-6, rtol=1e-6)
+
+    def test_validation(self):
+        for kw, words in [
+            (dict(reward_weights={}), "non-empty"),
+            (dict(reward_weights={("next", "reward"): float("nan")}), "finite"),
+            (dict(reward_weights={("next", "a"): 1.0}, rewards_key=("next", "b")), "rewards_key"),
+            (dict(step_reward_weight=0.5), "anchor_key"),
+            (dict(step_reward_gamma=0.9), "anchor_key"),
+            (dict(anchor_key="obs", step_reward_gamma=1.5), "step_reward_gamma"),
+            (dict(anchor_key="obs", episode_reward_weight=float("inf")), "episode_reward_weight"),
+        ]:
+            with pytest.raises(ValueError, match=words):
+                MCAdvantage(4, **kw)
+
+    @pytest.mark.parametrize(
+        "kw, break_it, error, words",
+        [
+            (dict(anchor_key="obs"), lambda td: td.exclude("obs"), KeyError, "anchor key .*obs"),
+            (
+                dict(anchor_key="obs"),
+                lambda td: td.set("obs", NonTensorStack(*[{"a": 1}] * td.shape[0])),
+                TypeError,
+                "tensor or a string",
+            ),
+            (
+                dict(reward_weights=GDPO_KEYS),
+                lambda td: td.exclude(("next", "format")),
+                KeyError,
+                "format",
+            ),
+            (
+                dict(reward_weights=GDPO_KEYS),
+                lambda td: td.set(
+                    ("next", "format"), td["next", "format"].clone().fill_(float("nan"))
+                ),
+                ValueError,
+                "non-finite reward value\\(s\\) under \\('next', 'format'\\)",
+            ),
+            (
+                dict(reward_weights=GDPO_KEYS),
+                lambda td: td.set(("next", "format"), td["next", "format"].expand(-1, 2).clone()),
+                ValueError,
+                "as many elements",
+            ),
+        ],
+    )
+    def test_bad_input_raises_and_changes_nothing(self, kw, break_it, error, words):
+        trajs, _ = agent_episodes(seed=7)
+        t = MCAdvantage(3, prompt_key="seed", trajectory_return="sum", **kw)
+        clean = MCAdvantage(3, prompt_key="seed", trajectory_return="sum", **kw)
+        for transform in (t, clean):
+            assert transform.inv(torch.cat(trajs[:2])) is None
+        before = t.get_stats()
+        with pytest.raises(error, match=words):
+            t.inv(break_it(trajs[2].clone()))
+        assert t.get_stats() == before
+        got, want = released(t.inv(torch.cat(trajs[2:]))), released(clean.inv(torch.cat(trajs[2:])))
+        assert got.keys() == want.keys() and len(got) > 0
+        assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+# --------------------------------------------------------------------------------------------
+# trajectories that cross insertions (traj_key)
+# --------------------------------------------------------------------------------------------
+
+
+def _streaming(**kwargs):
+    return MCAdvantage(grpo_size=3, prompt_key="seed", **kwargs)
+
+
+def _same_output(got, want):
+    if want is None:
+        assert got is None
+        return
+    assert got is not None and got["uid"].tolist() == want["uid"].tolist()
+    torch.testing.assert_close(got["advantage"], want["advantage"], rtol=0, atol=0)
+
+
+class TestStreaming:
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    @pytest.mark.parametrize("layout", ["rows", "flat"])
+    @pytest.mark.parametrize("trajectory_return", [None, "sum", "last"])
+    def test_equals_inserting_whole_trajectories(self, layout, trajectory_return):
+        """Each insertion releases exactly what inserting, whole, the trajectories that end in
+        it would release; at the end every step was stored once and nothing is held."""
+        batches, completed = collector_stream(4, 6, 3, seed=0)
+        ours = _streaming(trajectory_return=trajectory_return)
+        ref = _streaming(trajectory_return=trajectory_return, traj_key=None)
+        stored = []
+        for batch, whole in zip(batches, completed):
+            got = ours.inv(batch if layout == "rows" else batch.reshape(-1))
+            _same_output(got, ref.inv(torch.cat(whole)) if whole else None)
+            stored += [] if got is None else got["uid"].tolist()
+        every_step = torch.cat([b.reshape(-1) for b in batches])["uid"].tolist()
+        assert sorted(stored) == sorted(every_step)
+        assert ours.held_trajectories == ours.queued_trajectories == 0
+        assert ours.get_stats() | {"held_steps": 0, "held_trajectories": 0} == ref.get_stats() | {
+            "held_steps": 0,
+            "held_trajectories": 0,
+        }
+
+    @pytest.mark.parametrize(
+        "estimator",
+        [
+            {"whiten": True, "trajectory_return": "sum"},
+            {"baseline": "pass_at_k", "trajectory_return": "sum"},
+            {"anchor_key": "step_count", "step_reward_weight": 0.5},
+            {"scale_rewards": "batch"},
+        ],
+        ids=["whiten", "pass_at_k", "gigpo", "batch_std"],
+    )
+    def test_estimators_see_whole_trajectories(self, estimator):
+        """The estimators beyond torchrl get, from the joined stream, exactly what whole
+        trajectories give them (GiGPO's anchors included, read on every step of the join)."""
+        batches, completed = collector_stream(4, 6, 3, seed=3, max_len=9, steps_per_batch=4)
+        ours, ref = _streaming(**estimator), _streaming(**estimator, traj_key=None)
+        for batch, whole in zip(batches, completed):
+            _same_output(ours.inv(batch), ref.inv(torch.cat(whole)) if whole else None)
+        assert ours.held_trajectories == ours.queued_trajectories == 0
+
+    @given(
+        envs=st.integers(1, 5),
+        length=st.integers(1, 9),
+        steps=st.integers(1, 8),
+        seed=st.integers(0, 10**6),
+    )
+    @settings(max_examples=40, deadline=None)
+    def test_any_chunking_property(self, envs, length, steps, seed):
+        """Whatever the number of environments, trajectory lengths and batch size, the advantage
+        of every step is the one of whole trajectories inserted one at a time."""
+        batches, completed = collector_stream(
+            envs, 4, 3, seed, max_len=length, steps_per_batch=steps
+        )
+        ours = _streaming(trajectory_return="sum")
+        ref = _streaming(trajectory_return="sum", traj_key=None)
+        got, want = {}, {}
+        for batch, whole in zip(batches, completed):
+            got |= released(ours.inv(batch))
+            for trajectory_ in whole:
+                want |= released(ref.inv(trajectory_))
+        assert got.keys() == want.keys()
+        for uid, adv in want.items():
+            torch.testing.assert_close(got[uid], adv)
+        assert ours.held_trajectories == 0
+
+    def test_held_tails_are_counted(self):
+        batches, _ = collector_stream(3, 2, 3, seed=1, max_len=9, steps_per_batch=4)
+        t = _streaming()
+        t.inv(batches[0])
+        stats = t.get_stats()
+        assert stats["held_trajectories"] == t.held_trajectories == 3  # every env mid-episode?
+        assert stats["held_steps"] > 0
+
+    def test_checkpoint_with_held_tails(self, tmp_path):
+        batches, completed = collector_stream(4, 6, 3, seed=2)
+        t = _streaming(trajectory_return="sum")
+        for batch in batches[:3]:
+            t.inv(batch)
+        assert t.held_trajectories > 0
+        torch.save(t.state_dict(), tmp_path / "t.pt")
+        restored = _streaming(trajectory_return="sum")
+        restored.load_state_dict(torch.load(tmp_path / "t.pt", weights_only=True))
+        assert restored.get_stats() == t.get_stats()
+        for batch in batches[3:]:
+            _same_output(restored.inv(batch.clone()), t.inv(batch.clone()))
+        assert restored.held_trajectories == 0
+        # the ended ids travel too: an id that ended before the checkpoint cannot come back
+        with pytest.raises(ValueError, match="ended in an earlier insertion"):
+            restored.inv(batches[0])
+
+    def test_missing_earlier_part_raises_and_changes_nothing(self):
+        batches, _ = collector_stream(3, 4, 3, seed=3, max_len=9, steps_per_batch=4)
+        t = _streaming()
+        with pytest.raises(ValueError, match="its earlier part is missing"):
+            t.inv(batches[1])  # continuations whose first steps never arrived
+        assert t.held_trajectories == 0 and t.get_stats()["completed_trajectories"] == 0
+        t.inv(batches[0])  # the stream can still start from its beginning
+        t.inv(batches[1])
+
+    def test_reused_id_raises_and_changes_nothing(self):
+        batches, _ = collector_stream(3, 4, 3, seed=4, max_len=3, steps_per_batch=6)
+        t = _streaming()
+        t.inv(batches[0])
+        before = t.get_stats()
+        with pytest.raises(ValueError, match=r"trajectory id \d+ .* ended in an earlier insertion"):
+            t.inv(batches[0])
+        assert t.get_stats() == before
+        t.inv(batches[1])  # and the next batch goes through
+
+    def test_done_inside_an_id_raises(self):
+        batches, _ = collector_stream(1, 2, 3, seed=5, max_len=3, steps_per_batch=30)
+        bad = batches[0].reshape(-1).clone()
+        bad["collector", "traj_ids"] = torch.zeros_like(bad["collector", "traj_ids"])
+        bad["step_count"] = torch.arange(bad.shape[0]).unsqueeze(-1)
+        with pytest.raises(ValueError, match="has a done step before its last step"):
+            _streaming().inv(bad)
+
+    def test_step_gap_raises(self):
+        batches, _ = collector_stream(1, 2, 3, seed=6, max_len=6, steps_per_batch=30)
+        flat = batches[0].reshape(-1)
+        done = flat["next", "done"].squeeze(-1)
+        middle = (~done[:-1] & ~done[1:]).nonzero()  # a step with a step of its trajectory after
+        keep = torch.ones(flat.shape[0], dtype=torch.bool)
+        keep[int(middle[0]) + 1] = False  # that step is lost
+        with pytest.raises(ValueError, match="steps are missing"):
+            _streaming().inv(flat[keep])
+
+    def test_without_step_count_continuations_are_trusted(self):
+        batches, completed = collector_stream(3, 4, 3, seed=7)
+        ours = _streaming(step_count_key=None)
+        ref = _streaming(traj_key=None)
+        for batch, whole in zip(batches, completed):
+            _same_output(ours.inv(batch.exclude("step_count")), ref.inv(torch.cat(whole)) if whole else None)  # fmt: skip
+
+    def test_traj_key_none_keeps_torchrl_behaviour(self):
+        batches, _ = collector_stream(2, 2, 3, seed=8, max_len=9, steps_per_batch=3)
+        with pytest.raises(RuntimeError, match="expected complete trajectories"):
+            _streaming(traj_key=None).inv(batches[0])
+
+    def test_age_limit_gives_up_held_trajectories(self):
+        batches, _ = collector_stream(2, 2, 3, seed=9, max_len=20, steps_per_batch=2)
+        t = _streaming(max_pending_age=1)
+        with pytest.warns(RuntimeWarning, match="unfinished trajectories"):
+            for batch in batches:
+                t.inv(batch)  # later steps of the given-up ids are left out, no error
+        stats = t.get_stats()
+        assert stats["evicted_trajectories"] > 0 and stats["evicted_steps"] > 0
+        assert t.held_trajectories <= 2
+
+    def test_age_limit_raise_changes_nothing(self):
+        batches, _ = collector_stream(2, 2, 3, seed=9, max_len=20, steps_per_batch=2)
+        t = _streaming(max_pending_age=1, on_overflow="raise")
+        t.inv(batches[0])
+        held = t.held_trajectories
+        with pytest.raises(RuntimeError, match="max_pending_age=1.*nothing changed"):
+            for batch in batches[1:]:
+                t.inv(batch)
+        assert t.held_trajectories >= held
+
+    def test_clear_queues_gives_up_held_trajectories(self):
+        batches, _ = collector_stream(2, 2, 3, seed=10, max_len=20, steps_per_batch=3)
+        t = _streaming()
+        t.inv(batches[0])
+        assert t.held_trajectories > 0
+        t.clear_queues()
+        assert t.held_trajectories == 0
+        t.inv(batches[1])  # their continuations are left out, not taken for new trajectories
+        assert t.get_stats()["evicted_steps"] > 0
+
+    def test_uncollected_frames_are_not_data(self):
+        batches, completed = collector_stream(2, 2, 3, seed=11)
+        ours, ref = _streaming(), _streaming(traj_key=None)
+        for batch, whole in zip(batches, completed):
+            padded = torch.cat([batch, batch[:, :1].clone()], 1)  # one extra frame per row...
+            padded["collector", "traj_ids"][:, -1] = -1  # ...that the collector did not fill
+            _same_output(ours.inv(padded), ref.inv(torch.cat(whole)) if whole else None)
+
+    def test_with_a_torchrl_collector(self):
+        """frames_per_batch batches of a real collector (same-start groups on CartPole)."""
+        from torchrl.collectors import Collector
+        from torchrl.envs import GymEnv, StepCounter, TransformedEnv
+
+        from torchrl_grpo import SameStartGroups
+
+        torch.manual_seed(0)  # the collector's random policy
+        env = TransformedEnv(GymEnv("CartPole-v1"), SameStartGroups(group_size=2, seeds=range(100)))
+        env.append_transform(StepCounter())
+        collector = Collector(env, None, frames_per_batch=50, total_frames=400)
+        t = MCAdvantage(grpo_size=2, prompt_key="reset_seed", trajectory_return="sum")
+        stored = 0
+        for batch in collector:
+            out = t.inv(batch)
+            stored += 0 if out is None else out.shape[0]
+        collector.shutdown()
+        # nothing lost: every collected step is stored, pending in a group, or held
+        pending = sum(traj.shape[0] for group in t.queues.values() for traj in group)
+        assert stored > 0 and t.held_trajectories > 0  # it did cross batches
+        assert stored + pending + t.get_stats()["held_steps"] == 400
+
+
+class TestDevices:
+    """Data on any device: stored and released there, the same advantages as on the CPU."""
+
+    @pytest.mark.parametrize(
+        "kwargs",
+        [
+            {},
+            {"trajectory_return": "sum"},
+            {"trajectory_return": "sum", "whiten": True},
+            {"scale_rewards": "batch", "std_threshold": 0.0},
+            {"anchor_key": "state", "step_reward_weight": 0.5},
+            {"reward_weights": {("next", "reward"): 1.0, ("next", "format"): 0.5}},
+        ],
+        ids=["per_step", "sum", "whiten", "batch_std", "gigpo", "gdpo"],
+    )
+    def test_buffer_on_device(self, device, kwargs):
+        """A buffer whose storage is on ``device``, fed ``device`` data (the case that failed on
+        CUDA in ``_group_codes``): every stored tensor is there, advantages equal the CPU's."""
+        trajs = [
+            trajectory(
+                g % 3,
+                torch.randn(n),
+                state=torch.arange(n) % 2,
+                next_format=torch.rand(n, 1),
+            )
+            for g, n in enumerate([3, 2, 4, 1, 3, 2, 2, 4, 1])
+        ]
+        chunks = [torch.cat(trajs[:4]), torch.cat(trajs[4:7]), torch.cat(trajs[7:])]
+
+        def run(dev):
+            rb = ReplayBuffer(storage=LazyTensorStorage(100, device=dev))
+            rb.append_transform(MCAdvantage(grpo_size=3, prompt_key="seed", **kwargs))
+            for chunk in chunks:
+                rb.extend(chunk.to(dev))
+            return rb[:]
+
+        want, got = run("cpu"), run(device)
+        assert got["advantage"].device.type == device.type
+        assert got["uid"].tolist() == want["uid"].tolist()
+        torch.testing.assert_close(got["advantage"].cpu(), want["advantage"])
+
+    def test_streaming_on_device(self, device):
+        """Trajectories that cross insertions, from ``device`` batches: held there, joined there."""
+        batches, _ = collector_stream(3, 4, 3, seed=5, max_len=6, steps_per_batch=4)
+        want = _streaming(trajectory_return="sum")
+        got = _streaming(trajectory_return="sum")
+        for batch in batches:
+            a, b = want.inv(batch), got.inv(batch.to(device))
+            assert (a is None) == (b is None)
+            if b is not None:
+                assert b["advantage"].device.type == device.type
+                assert b["uid"].tolist() == a["uid"].tolist()
+                torch.testing.assert_close(b["advantage"].cpu(), a["advantage"])
+        assert got.held_trajectories == 0
+
+    def test_string_prompts_on_device(self, device):
+        trajs = [trajectory(p, torch.randn(2)) for p in ["a", "b", "a", "b"]]
+        t = MCAdvantage(grpo_size=2, prompt_key="seed")
+        out = t.inv(torch.cat(trajs).to(device))
+        assert out["advantage"].device.type == device.type
+        assert out.shape == (8,)

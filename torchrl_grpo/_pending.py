@@ -16,6 +16,9 @@ import torch
 from tensordict import TensorDict, TensorDictBase, lazy_stack
 from torch import Tensor
 
+from torchrl_grpo._reading import on_one_device
+from torchrl_grpo._tails import IdRegistry, Tails
+
 if TYPE_CHECKING:
     from torchrl_grpo._reading import Insertion
 
@@ -51,6 +54,8 @@ class Pending:
     stats: dict = field(default_factory=dict)
     ragged: bool = False
     insertions: int = 0  # successful insertions so far: the clock of ``arrival``
+    # trajectories not ended yet, whose first steps arrived (see torchrl_grpo._tails)
+    tails: Tails = field(default_factory=Tails)
 
     @property
     def num_pending(self) -> int:
@@ -176,17 +181,16 @@ def gather(state: Pending, batch: Insertion | None, members: Tensor):
     from_pending = members < q
     pending = members[from_pending]
     pieces = []
-    if 0 < pending.numel() <= 32:  # a few trajectories: one slice (a view) each
-        spans = zip(
-            state.chunk[pending].tolist(),
-            state.offset[pending].tolist(),
-            state.lengths[pending].tolist(),
-        )
-        pieces = [  # a whole chunk as it is (one trajectory per insertion): no slicing
+    few = 0 < pending.numel() <= 32
+    chunk_list = state.chunk[pending].tolist() if few else None
+    if few and len(set(chunk_list)) == len(chunk_list):  # a few, each from its own chunk
+        spans = zip(chunk_list, state.offset[pending].tolist(), state.lengths[pending].tolist())
+        pieces = [  # one slice (a view) each; a whole chunk as it is (one trajectory per
+            # insertion): no slicing
             state.chunks[c] if n == state.chunk_sizes[c] else state.chunks[c][o : o + n]
             for c, o, n in spans
         ]
-    elif pending.numel():  # many: one take (or slice) per chunk
+    elif pending.numel():  # many, or several per chunk: one take (or slice) per chunk
         lengths = state.lengths[pending]
         step_chunk = torch.repeat_interleave(state.chunk[pending], lengths)  # (K,)
         step_pos = ranges(state.offset[pending], lengths)  # (K,)
@@ -202,6 +206,7 @@ def gather(state: Pending, batch: Insertion | None, members: Tensor):
         else:
             index = ranges(batch.starts[incoming], batch.lengths[incoming])
             pieces.append(take(batch.data, index))
+    pieces = on_one_device(pieces)
     if not ragged:
         if len(pieces) == 1:
             return pieces[0]
@@ -326,7 +331,9 @@ def remaining(
             returns=incoming,
         )
     if q == 0 and bool(consumed.all()):  # everything released: nothing left to hold
-        return Pending(stats=state.stats, ragged=ragged, insertions=state.insertions)
+        return Pending(
+            stats=state.stats, ragged=ragged, insertions=state.insertions, tails=state.tails
+        )
     keep_pending, keep_incoming = ~consumed[:q], ~consumed[q:]
     new = state if bool(keep_pending.all()) else drop(state, keep_pending)
     if ragged != new.ragged:
@@ -368,7 +375,16 @@ def to_plain(state: Pending) -> dict:
     if state.num_pending:
         data = gather(state, None, torch.arange(state.num_pending))
         steps = [step.to_dict() for step in data] if isinstance(data, list) else data.to_dict()
+    tail_steps, tail_lengths = state.tails.steps()
     return {
+        "tails": {
+            "steps": None if tail_steps is None else tail_steps.to_dict(),
+            "lengths": tail_lengths,
+            "meta": state.tails.meta.clone(),
+            "registry": None
+            if state.tails.registry is None
+            else state.tails.registry.marks.clone(),
+        },
         "steps": steps,
         "num_steps": int(state.lengths.sum()),
         "ragged": state.ragged,
@@ -383,18 +399,21 @@ def to_plain(state: Pending) -> dict:
 
 
 def from_plain(plain: dict) -> Pending:
-    """Inverse of :func:`to_plain`."""
-    lengths = plain["lengths"]
+    """Inverse of :func:`to_plain`. The steps stay on the device they were loaded onto; the
+    bookkeeping comes back to the CPU (where ``torch.load(..., map_location=...)`` put it)."""
+    lengths = _cpu(plain["lengths"])
     offset = torch.cumsum(lengths, 0) - lengths
     state = Pending(
-        spans=spans_of(0, offset, lengths, plain["arrival"]),
-        keys=plain["keys"],
-        returns=plain["returns"],
-        torchrl_returns=plain.get("torchrl_returns"),  # absent from older checkpoints
+        spans=spans_of(0, offset, lengths, _cpu(plain["arrival"])),
+        keys=_cpu(plain["keys"]),
+        returns=_cpu(plain["returns"]),
+        torchrl_returns=_cpu(plain.get("torchrl_returns")),  # absent from older checkpoints
         stats=dict(plain["stats"]),
         ragged=plain["ragged"],
         insertions=plain["insertions"],
     )
+    if plain.get("tails") is not None:  # absent from checkpoints before streaming
+        state = evolve(state, tails=_tails_from_plain(plain["tails"]))
     if plain["steps"] is None:
         return state
     if plain["ragged"]:
@@ -402,3 +421,20 @@ def from_plain(plain: dict) -> Pending:
     else:
         data = TensorDict.from_dict(plain["steps"], batch_size=[plain["num_steps"]])
     return evolve(state, chunks=[data], chunk_sizes=[plain["num_steps"]])
+
+
+def _tails_from_plain(plain: dict) -> Tails:
+    registry = None if plain["registry"] is None else IdRegistry(_cpu(plain["registry"]))
+    meta = _cpu(plain["meta"])
+    if plain["steps"] is None:
+        return Tails(meta=meta, registry=registry)
+    lengths = _cpu(plain["lengths"])  # (H,) in meta order
+    steps = TensorDict.from_dict(plain["steps"], batch_size=[int(lengths.sum())])
+    offset = torch.cumsum(lengths, 0) - lengths
+    pieces = torch.stack([torch.zeros_like(offset), offset, lengths, meta[:, 0]], 1)
+    return Tails(chunks=(steps,), pieces=pieces, meta=meta, registry=registry)
+
+
+def _cpu(value):
+    """A checkpoint's bookkeeping tensor on the CPU (lists, ``None`` and CPU tensors as they are)."""
+    return value.cpu() if isinstance(value, Tensor) else value

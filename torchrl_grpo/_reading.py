@@ -7,6 +7,13 @@ way (``[N]`` steps, ``[B, T]`` rows, one step without a batch dimension, lazy st
 steps) and raises before anything else runs, so a bad input changes no state. It is also where an
 insertion's trajectories are identified (:func:`trajectory_bounds`): the place where trajectories
 that cross insertions would be joined with what an earlier insertion left unfinished.
+
+Devices: the steps stay where they are (a CUDA insertion is stored, gathered and released on
+CUDA); what the transform computes from them (done flags, group ids, rewards, and from them every
+index, count and advantage) is read onto the CPU here, once. The transform's bookkeeping is small,
+made of many tiny operations that would each cost a kernel launch on an accelerator, and it never
+meets the data again except as CPU index tensors (which index CUDA data as they are) and as the
+advantage, written on the reward's device (:func:`torchrl_grpo._release.release`).
 """
 
 from __future__ import annotations
@@ -36,6 +43,10 @@ class Keys(NamedTuple):
     reward: NestedKey
     done: NestedKey
     advantage: NestedKey  # written on the released steps
+    # beyond torchrl: several rewards and their weights (GDPO; () reads ``reward`` alone), and
+    # each step's anchor state (GiGPO's step groups; None: none)
+    reward_weights: tuple[tuple[NestedKey, float], ...] = ()
+    anchor: NestedKey | None = None
 
 
 class Insertion(NamedTuple):
@@ -46,7 +57,8 @@ class Insertion(NamedTuple):
     lengths: Tensor  # (n,) steps of each trajectory
     width: int  # the steps of every trajectory when all have as many, else 0
     group_ids: Tensor | list  # (n, k) tensor ids, or n strings
-    rewards: Tensor  # (E,) every reward element, trajectory after trajectory
+    rewards: Tensor  # (E,) every reward element, trajectory after trajectory (with several
+    # rewards, their weighted sum in float64)
     reward_lengths: Tensor  # (n,) reward elements of each trajectory
     reward_width: int | None  # the same for reward elements; None: not known (found on use)
     num_steps: int  # N
@@ -73,9 +85,11 @@ def read_insertion(tensordict: TensorDictBase, keys: Keys, state: Pending) -> In
     Raises:
         KeyError: a key is missing (the message names it and lists the input's keys).
         RuntimeError: the input does not end with a done step (as torchrl).
-        ValueError: done flags or rewards of the wrong shape, an empty or non-finite reward, or
-            tensor ids of another width than the pending ones.
-        TypeError: a group id that is neither a string nor a tensor, or strings mixed with tensors.
+        ValueError: done flags or rewards of the wrong shape, an empty or non-finite reward,
+            rewards with different numbers of elements at a step, or tensor ids of another width
+            than the pending ones.
+        TypeError: a group id or an anchor state that is neither a string nor a tensor, or
+            strings mixed with tensors.
     """
     if tensordict.batch_dims == 0:
         tensordict = tensordict.unsqueeze(0)
@@ -97,7 +111,12 @@ def read_insertion(tensordict: TensorDictBase, keys: Keys, state: Pending) -> In
     data = list(tensordict.unbind(0)) if ragged else tensordict
 
     starts, lengths, width = trajectory_bounds(done)
-    rewards, per_step = _reward_elements(tensordict, data, done.shape[0], keys.reward)
+    if keys.reward_weights:
+        rewards, per_step = _weighted_rewards(tensordict, data, done.shape[0], keys.reward_weights)
+    else:
+        rewards, per_step = _reward_elements(tensordict, data, done.shape[0], keys.reward)
+    if keys.anchor is not None:
+        _check_anchors(tensordict, data, done.shape[0], keys.anchor)
     if isinstance(per_step, int):
         reward_lengths = lengths if per_step == 1 else lengths * per_step
         reward_width = width * per_step
@@ -177,6 +196,7 @@ def _done_flags(done, shape: torch.Size, key: NestedKey) -> Tensor:
             "MCAdvantage: expected complete trajectories, but the input's last step "
             f"(row {row} of batch {tuple(shape)}) has {key!r}=False."
         )
+    done = done.cpu()  # bookkeeping is on the CPU whatever the data's device (no-op there)
     return done if done.dtype == torch.bool else done.bool()
 
 
@@ -188,7 +208,7 @@ def _reward_elements(
     if isinstance(data, list):
         rewards = [_get(step, key, "reward") for step in data]
         per_step = torch.tensor([r.numel() for r in rewards])  # (N,)
-        values = torch.cat([r.reshape(-1) for r in rewards])
+        values = torch.cat([r.reshape(-1).cpu() for r in rewards])
     else:
         reward = _get(tensordict, key, "reward")
         if not isinstance(reward, Tensor) or reward.ndim == 0 or reward.shape[0] != num_steps:
@@ -198,7 +218,7 @@ def _reward_elements(
                 f"{tuple(getattr(reward, 'shape', ()))}."
             )
         per_step = math.prod(reward.shape[1:])
-        values = reward.reshape(-1)
+        values = reward.reshape(-1).cpu()  # the advantage is computed on the CPU
         if per_step == 0:
             per_step = torch.zeros(num_steps, dtype=torch.long)  # reported below
     if isinstance(per_step, Tensor) and not bool(per_step.all()):
@@ -219,12 +239,63 @@ def _reward_elements(
     return values, per_step
 
 
+def _weighted_rewards(
+    tensordict, data, num_steps: int, weights: tuple[tuple[NestedKey, float], ...]
+) -> tuple[Tensor, int | Tensor]:
+    """The weighted sum of several rewards' elements (float64), each read and checked as one
+    reward is, and the elements of each step; every reward has as many elements at each step."""
+    total, first_key, first_per_step = None, None, None
+    for key, weight in weights:
+        values, per_step = _reward_elements(tensordict, data, num_steps, key)
+        if first_key is None:
+            first_key, first_per_step = key, per_step
+        elif not _same_counts(per_step, first_per_step):
+            raise ValueError(
+                f"MCAdvantage: the rewards under {key!r} and {first_key!r} must have as many "
+                "elements at every step."
+            )
+        term = values.double() * weight
+        total = term if total is None else total.add_(term)
+    if not _all_finite(total):  # finite terms whose weighted sum overflows
+        raise ValueError(
+            f"MCAdvantage: the weighted sum of the rewards {[k for k, _ in weights]} overflows."
+        )
+    return total, first_per_step
+
+
+def _same_counts(a: int | Tensor, b: int | Tensor) -> bool:
+    """Whether two per-step element counts (an int for all steps, or one per step) agree."""
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
+    return bool((torch.as_tensor(a) == torch.as_tensor(b)).all())
+
+
+def _check_anchors(tensordict, data, num_steps: int, key: NestedKey) -> None:
+    """Every step has an anchor state under ``key``: a tensor entry (one row per step), or a
+    string per step (for ragged steps, a tensor or a string each)."""
+    if isinstance(data, list):
+        values = [_get(step, key, "anchor") for step in data]
+    else:
+        value = _get(tensordict, key, "anchor")
+        if isinstance(value, Tensor):  # a TensorDict entry: one row per step
+            return
+        values = value.tolist() if hasattr(value, "tolist") else value
+        values = values if isinstance(values, list) else [values] * num_steps
+    for value in values:
+        value = getattr(value, "data", value)  # NonTensorData
+        if not isinstance(value, (Tensor, str)):
+            raise TypeError(
+                f"MCAdvantage: the anchor state under {key!r} must be a tensor or a string, got "
+                f"{type(value).__name__}: {value!r:.80}."
+            )
+
+
 def _group_ids(tensordict, data, value, starts: Tensor, key: NestedKey, state: Pending):
     """The group id of each trajectory, read at its first step: ``(n, k)`` tensor or n strings."""
     n = starts.shape[0]
     if isinstance(data, list):
         raw = [data[i].get(key) for i in starts.tolist()]
-        raw = [v if isinstance(v, Tensor) else getattr(v, "data", v) for v in raw]
+        raw = [v.cpu() if isinstance(v, Tensor) else getattr(v, "data", v) for v in raw]
         ids = torch.stack(raw) if isinstance(raw[0], Tensor) else raw
     else:
         value = tensordict.get(key) if value is None else value
@@ -237,7 +308,7 @@ def _group_ids(tensordict, data, value, starts: Tensor, key: NestedKey, state: P
         else:
             ids = [value] * n
     if isinstance(ids, Tensor):
-        ids = ids.reshape(n, -1)
+        ids = ids.reshape(n, -1).cpu()
         if isinstance(state.keys, list):
             raise TypeError(
                 f"MCAdvantage: group ids under {key!r} are tensors, but the pending groups are "
@@ -261,6 +332,35 @@ def _group_ids(tensordict, data, value, starts: Tensor, key: NestedKey, state: P
             "by tensors; use one kind of group id per transform."
         )
     return ids
+
+
+def data_device(data: TensorDictBase | list) -> torch.device | None:
+    """Where a TensorDict's tensors are: its device, else its first tensor's (``None``: none);
+    for a list of steps, its first step's."""
+    if isinstance(data, list):
+        return data_device(data[0]) if data else None
+    if data.device is not None:
+        return data.device
+    for value in data.values(True, True):
+        if isinstance(value, Tensor):
+            return value.device
+    return None
+
+
+def on_one_device(parts: list) -> list:
+    """TensorDicts about to be concatenated, moved to the device of the last (the newest data)
+    where they differ: pending steps restored onto the CPU (``map_location``) join CUDA ones."""
+    if len(parts) < 2:
+        return parts
+    devices = [data_device(part) for part in parts]
+    target = devices[-1]
+    if target is None or all(device == target for device in devices):
+        return parts
+    return [p if d == target else _to(p, target) for p, d in zip(parts, devices)]
+
+
+def _to(data: TensorDictBase | list, device: torch.device):
+    return [step.to(device) for step in data] if isinstance(data, list) else data.to(device)
 
 
 def _all_finite(x: Tensor) -> bool:

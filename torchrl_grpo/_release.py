@@ -1,8 +1,10 @@
 """Releasing complete groups: their returns, the group filters, the advantages written on their
 steps, and the statistics of an insertion.
 
-The math is :func:`~torchrl_grpo.advantages.group_relative_advantage`; this module fetches its
-inputs from the released trajectories and writes its output back, as the loss module does.
+The math is :func:`~torchrl_grpo.advantages.group_relative_advantage` (with several rewards,
+:func:`~torchrl_grpo.advantages.multi_reward_advantage`; with step groups,
+:func:`~torchrl_grpo.advantages.step_level_advantage`); this module fetches their inputs from the
+released trajectories and writes their output back, as the loss module does.
 """
 
 from __future__ import annotations
@@ -19,8 +21,11 @@ from torchrl_grpo._pending import Returns
 from torchrl_grpo.advantages import (
     RETURN_REDUCTIONS,
     Segments,
+    anchor_step_groups,
     group_relative_advantage,
     group_std,
+    multi_reward_advantage,
+    step_level_advantage,
 )
 
 if TYPE_CHECKING:
@@ -43,6 +48,8 @@ STAT_NAMES = (
     # beyond torchrl: groups given up on by the memory limits (``max_pending_*``)
     "evicted_groups",
     "evicted_trajectories",
+    # beyond torchrl: steps of unfinished trajectories given up (``traj_key``), held or arriving
+    "evicted_steps",
 )
 
 
@@ -54,6 +61,14 @@ def fresh_stats() -> dict:
     return stats
 
 
+class StepGroups(NamedTuple):
+    """GiGPO's step-level groups (``MCAdvantage``'s ``anchor_key`` and its weights)."""
+
+    episode_weight: float  # on the group-level advantage
+    step_weight: float  # on the step-level advantage
+    gamma: float  # discount of the step-level returns
+
+
 class Estimator(NamedTuple):
     """How a released group's rewards become advantages (see ``MCAdvantage``'s arguments)."""
 
@@ -62,6 +77,9 @@ class Estimator(NamedTuple):
     scale_rewards: str
     epsilon: float
     step_norm: bool
+    # beyond torchrl: whitening over the released samples, and GiGPO's step groups (None: none)
+    whiten: bool = False
+    step_groups: StepGroups | None = None
 
 
 class GroupFilter(NamedTuple):
@@ -264,19 +282,27 @@ def release(
     )  # per-step tensors (ragged), or one tensor
     if isinstance(reward, list):
         counts = torch.tensor([r.numel() for r in reward])  # (S,)
-        values = torch.cat([r.reshape(-1) for r in reward])
+        values = torch.cat([r.reshape(-1).cpu() for r in reward])  # computed on the CPU
         dtype = reward[0].dtype
         ends = torch.cumsum(steps, 0) - 1
         elems = torch.diff(torch.cumsum(counts, 0)[ends], prepend=ends.new_zeros(1))  # (M,)
     else:
-        values, dtype = reward.reshape(-1), reward.dtype
+        values, dtype = reward.reshape(-1).cpu(), reward.dtype  # computed on the CPU
         per_step = math.prod(reward.shape[1:])
         elems = steps if per_step == 1 else steps * per_step  # (M,)
 
+    ragged = isinstance(reward, list)
+    per_key = None
+    if keys.reward_weights:  # GDPO: each reward's elements, and their weighted sum
+        per_key = [_released_elements(out, key).double() for key, _ in keys.reward_weights]
+        values = sum(w * v for (_, w), v in zip(keys.reward_weights, per_key))  # (E,)
     if estimator.trajectory_return is None:  # every reward element is a sample; runs: members
         x, runs = values, elems
     else:  # every trajectory's return is a sample
         x, runs = released_returns.value, None
+        if per_key is not None:  # each reward's returns
+            reduce = RETURN_REDUCTIONS[estimator.trajectory_return]
+            per_key = [reduce(v, by_elems()) for v in per_key]  # K x (M,)
     keep, selected = None, 0 if rounds.filtered else num_rounds
     if group_filter.active and not rounds.filtered:
         selection, keep = group_filter.apply(
@@ -287,30 +313,77 @@ def release(
             torchrl_returns=_by_round(released_returns.torchrl, member_round, num_rounds),
         )
         selected = int(selection.sum())
-    adv = group_relative_advantage(
-        x,
-        member_round,
-        num_rounds,
+    kw = dict(
         baseline=estimator.baseline,
         scale_rewards=estimator.scale_rewards,
         epsilon=estimator.epsilon,
-        lengths=runs,
     )
-    if estimator.step_norm:  # per trajectory: on its return, or on each of its elements
+    if per_key is None:
+        adv = group_relative_advantage(
+            x, member_round, num_rounds, whiten=estimator.whiten, lengths=runs, **kw
+        )
+    else:
+        adv = multi_reward_advantage(
+            torch.stack(per_key, 1),
+            member_round,
+            num_rounds,
+            weights=torch.tensor([w for _, w in keys.reward_weights], dtype=torch.float64),
+            whiten=estimator.whiten,
+            lengths=runs,
+            **kw,
+        )
+    # adv is per trajectory (a return mode) or per reward element; step groups make it per step.
+    groups = estimator.step_groups
+    per_step_adv = groups is not None and estimator.trajectory_return is not None
+    if groups is not None:  # GiGPO: plus each step's advantage within its step group
+        if ragged:
+            step_rewards = Segments(None, lengths=counts).sum(values.double())  # (S,)
+        elif per_step > 1:
+            step_rewards = values.double().view(-1, per_step).sum(1)  # (S,)
+        else:
+            step_rewards = values  # (S,)
+        trajectories = by_steps()
+        step_round = trajectories.expand(member_round)  # (S,)
+        anchors = _released_anchors(out, keys.anchor)  # (S, ...)
+        step_group, num_step_groups = anchor_step_groups(step_round, anchors, num_rounds)
+        term = step_level_advantage(
+            step_rewards,
+            steps,
+            step_group,
+            num_step_groups,
+            gamma=groups.gamma,
+            width=trajectories.width,
+            **kw,
+        )  # (S,)
+        if per_step_adv:
+            adv = trajectories.expand(adv)  # (S,)
+        elif ragged or per_step > 1:
+            term = term.repeat_interleave(counts if ragged else per_step)  # (E,)
+        if groups.episode_weight != 1.0:
+            adv = groups.episode_weight * adv
+        adv = adv.add(term, alpha=groups.step_weight)
+    if estimator.step_norm:  # per trajectory: on its return, its steps or its elements
         norm = steps.to(adv.dtype)  # (M,)
-        adv = adv / (norm if estimator.trajectory_return is not None else by_elems().expand(norm))
+        if per_step_adv:
+            norm = by_steps().expand(norm)
+        elif estimator.trajectory_return is None:
+            norm = by_elems().expand(norm)
+        adv = adv / norm
     adv = adv.to(dtype if dtype.is_floating_point else torch.get_default_dtype())
-    if estimator.trajectory_return is not None and isinstance(reward, list):
+    if per_step_adv and ragged:
+        adv = adv.repeat_interleave(counts)  # each step's advantage on its elements
+    elif estimator.trajectory_return is not None and ragged:
         adv = by_elems().expand(adv)  # each trajectory's advantage on its elements
     elif estimator.trajectory_return is not None:  # on its steps, then on the reward's shape
-        adv = by_steps().expand(adv)
+        adv = adv if per_step_adv else by_steps().expand(adv)
         adv = adv.reshape(-1, *[1] * (reward.ndim - 1)).expand(reward.shape)
 
     if isinstance(out, list):
         for step, a in zip(out, adv.split(counts.tolist())):
-            step.set(keys.advantage, a.reshape(step.get(keys.reward).shape))
-    else:
-        out.set(keys.advantage, adv.reshape(reward.shape))
+            r = step.get(keys.reward)
+            step.set(keys.advantage, a.to(r.device).reshape(r.shape))
+    else:  # on the reward's device (the CPU's values, copied once)
+        out.set(keys.advantage, adv.to(reward.device).reshape(reward.shape))
     if keep is None or bool(keep.all()):
         return Released(lazy_stack(out) if isinstance(out, list) else out, num_rounds, selected)
     written = int(keep.sum())
@@ -319,6 +392,36 @@ def release(
         out = [step for step, k in zip(out, keep_step.tolist()) if k]
         return Released(lazy_stack(out) if out else None, written, selected)
     return Released(out[keep_step] if written else None, written, selected)
+
+
+def _released_elements(out: TensorDictBase | list, key) -> Tensor:
+    """One reward's elements over the released steps, flat, in order."""
+    if isinstance(out, list):
+        return torch.cat([step.get(key).reshape(-1).cpu() for step in out])
+    return out.get(key).reshape(-1).cpu()
+
+
+def _released_anchors(out: TensorDictBase | list, key) -> Tensor:
+    """The released steps' anchor states as a tensor ``(S, ...)`` compared by value.
+
+    Strings, and tensors whose shape differs from step to step (ragged token ids), become one
+    integer code per distinct value through a dictionary: a Python loop over the steps, which only
+    such anchors need (pass a tensor, or a hash, to stay vectorized).
+    """
+    if isinstance(out, list):
+        values = [getattr(v, "data", v) for v in (step.get(key) for step in out)]
+    else:
+        value = out.get(key)
+        if isinstance(value, Tensor):
+            return value.cpu()
+        values = value.tolist() if hasattr(value, "tolist") else value
+        values = values if isinstance(values, list) else [values] * out.shape[0]
+    if values and all(isinstance(v, Tensor) for v in values):
+        if len({tuple(v.shape) for v in values}) == 1:
+            return torch.stack([v.cpu() for v in values])
+        values = [(str(v.dtype), tuple(v.shape), *v.reshape(-1).tolist()) for v in values]
+    table: dict = {}
+    return torch.tensor([table.setdefault(v, len(table)) for v in values], dtype=torch.long)
 
 
 def _by_round(values: Tensor | None, member_round: Tensor, num_rounds: int) -> Tensor | None:

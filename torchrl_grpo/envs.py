@@ -188,6 +188,7 @@ class SameStartGroups(Transform):
             mask = torch.ones(batch, dtype=torch.bool)
         else:
             mask = reset.reshape(*batch, -1).any(-1) if batch else reset.any()
+            mask = mask.cpu()  # the seed queue is on the CPU whatever the env's device
         full = bool(mask.all())
         if not full and _resets_itself(parent):
             raise ValueError(
@@ -204,7 +205,7 @@ class SameStartGroups(Transform):
         tensordict_reset = parent.reset(None if full else tensordict.select("_reset"), **kwargs)
         self._episodes_started += count  # only once the seeded reset went through
         seed = torch.full(batch, -1, dtype=torch.long, device=tensordict_reset.device)
-        seed[mask] = seeds.to(seed.device)
+        seed[mask.to(seed.device)] = seeds.to(seed.device)
         return tensordict_reset.set(self.out_key, seed)
 
     def _reset_on_native_autoreset(

@@ -12,14 +12,15 @@ private modules, each one step of the path in ``ARCHITECTURE.md``:
 
 from __future__ import annotations
 
+import math
 import multiprocessing as mp
 import operator
 import os
 import warnings
-from collections.abc import Iterator, MutableMapping
+from collections.abc import Iterator, Mapping, MutableMapping
 
 import torch
-from tensordict import NestedKey, TensorDictBase
+from tensordict import LazyStackedTensorDict, NestedKey, TensorDictBase
 from torchrl import torchrl_logger
 from torchrl.envs.transforms import Transform
 from torchrl.objectives.llm import MCAdvantageSelector
@@ -34,12 +35,15 @@ from torchrl_grpo._release import (
     Estimator,
     GroupFilter,
     Released,
+    StepGroups,
     count,
     fresh_stats,
     release,
     torchrl_returns,
     trajectory_returns,
 )
+from torchrl_grpo._tails import ENDED, GIVEN_UP, TrajectoryKeys, join
+from torchrl_grpo._tails import drop as drop_tails
 from torchrl_grpo.advantages import BASELINES, RETURN_REDUCTIONS, SCALES
 from torchrl_grpo.checkpoint import allow_empty_dumps
 
@@ -58,6 +62,61 @@ def _integer(name: str, value) -> int:
         raise TypeError(
             f"{name} must be an integer, got {value!r} ({type(value).__name__})."
         ) from None
+
+
+def _reward_weights(
+    rewards_key: NestedKey, reward_weights: Mapping[NestedKey, float] | None
+) -> tuple[tuple[NestedKey, float], ...]:
+    """``reward_weights`` checked, as ``((key, weight), ...)``; ``()`` for one reward."""
+    if reward_weights is None:
+        return ()
+    if not isinstance(reward_weights, Mapping) or not reward_weights:
+        raise ValueError(
+            f"reward_weights must be a non-empty mapping {{reward key: weight}}, got "
+            f"{reward_weights!r}."
+        )
+    weights = tuple((key, float(weight)) for key, weight in reward_weights.items())
+    if not all(math.isfinite(weight) for _, weight in weights):
+        raise ValueError(f"reward_weights must be finite, got {reward_weights!r}.")
+    if rewards_key != ("next", "reward") and rewards_key not in dict(weights):
+        raise ValueError(
+            f"rewards_key={rewards_key!r} is not a key of reward_weights ({list(dict(weights))}): "
+            "with several rewards, name them all in reward_weights."
+        )
+    return weights
+
+
+def _step_groups(
+    anchor_key: NestedKey | None,
+    episode_weight: float | None,
+    step_weight: float | None,
+    gamma: float | None,
+) -> StepGroups | None:
+    """GiGPO's settings checked, with ROLL's defaults; ``None`` without ``anchor_key``."""
+    given = {
+        "episode_reward_weight": episode_weight,
+        "step_reward_weight": step_weight,
+        "step_reward_gamma": gamma,
+    }
+    if anchor_key is None:
+        named = [name for name, value in given.items() if value is not None]
+        if named:
+            raise ValueError(
+                f"{', '.join(named)} weigh GiGPO's step-level groups, which need anchor_key (the "
+                "key of each step's anchor state)."
+            )
+        return None
+    groups = StepGroups(
+        episode_weight=1.0 if episode_weight is None else float(episode_weight),
+        step_weight=1.0 if step_weight is None else float(step_weight),
+        gamma=0.95 if gamma is None else float(gamma),
+    )
+    for name, value in zip(("episode_reward_weight", "step_reward_weight"), groups[:2]):
+        if not math.isfinite(value):
+            raise ValueError(f"{name} must be finite, got {value}.")
+    if not 0.0 <= groups.gamma <= 1.0:
+        raise ValueError(f"step_reward_gamma must be in [0, 1], got {gamma}.")
+    return groups
 
 
 def _setting(record: str, field: str, doc: str) -> property:
@@ -81,7 +140,11 @@ class MCAdvantage(Transform):
     :class:`~torchrl.data.ReplayBuffer`; every ``extend``/``add`` then
 
     1. flattens the input and splits it into trajectories at the done flags (each row of a
-       ``[B, T]`` input must end with done);
+       ``[B, T]`` input must end with done), or, when the steps carry a trajectory id
+       (``traj_key``, torchrl's ``("collector", "traj_ids")``), by id: a trajectory whose last
+       step in the insertion is not done is held and joined with its continuation in later
+       insertions, so that a collector's batches cut every ``frames_per_batch`` steps can be
+       inserted as they come;
     2. reads each trajectory's group id at its first step: a string (the prompt) or a tensor
        (e.g. an environment seed), compared by value;
     3. queues trajectories by group id; when a group holds ``grpo_size`` trajectories it writes
@@ -119,20 +182,61 @@ class MCAdvantage(Transform):
         candidate_selector: an :class:`MCAdvantageSelector` choosing ``grpo_size`` candidates.
         scale_rewards: ``"group"`` (default: per-group std), ``"batch"`` (std over every sample
             released by the same insertion, mean still per group) or ``"none"`` (Dr. GRPO).
-        baseline: ``"mean"`` (default) or ``"leave_one_out"`` (RLOO).
+        baseline: ``"mean"`` (default), ``"leave_one_out"`` (RLOO) or ``"pass_at_k"`` (GRPO
+            pass@k, verl ``grpo_passk``: a group's unique best sample gets its gap to the
+            runner-up, every other sample ``0``).
         std_threshold: groups whose sample std is at or below it are dropped and counted in
             ``dropped_groups`` (Trinity-RFT). ``None`` (default) keeps every group.
         step_norm: divide each trajectory's advantages by its number of steps.
         epsilon: floor of the std (``clamp_min``). Defaults to ``1e-6``, as torchrl.
+        whiten: after the baseline and the scale, whiten the advantages over every sample
+            released by the same insertion: subtract their mean, divide by their std
+            (REINFORCE++-baseline with ``scale_rewards="none"``). ``None`` (default): on with
+            ``reward_weights`` (GDPO's batch normalization, as TRL), off otherwise.
+        reward_weights: ``{reward key: weight}``, several rewards (GDPO, TRL's
+            ``multi_objective_aggregation="normalize_then_sum"``): each is normalized within its
+            group by ``baseline`` and ``scale_rewards``, then the weighted sum is taken (and
+            whitened, see ``whiten``). Its keys replace ``rewards_key`` (the first one gives the
+            advantage its shape); the group filters, candidate selection and statistics see the
+            weighted sum of the rewards. ``None`` (default): the one reward under ``rewards_key``.
+        anchor_key: key of each step's anchor state (a tensor compared by value: an id, a grid
+            cell, an observation; or a string), for GiGPO's step-level groups: the steps of a
+            released group with equal anchors form a step group, and each step's advantage
+            becomes ``episode_reward_weight * A_group + step_reward_weight * A_step``, where
+            ``A_step`` normalizes the step's discounted return (``step_reward_gamma``) within its
+            step group by ``baseline`` and ``scale_rewards``. ``None`` (default): no step groups.
+        episode_reward_weight: weight of the group-level advantage with ``anchor_key``
+            (default ``1.0``, ROLL's).
+        step_reward_weight: weight of the step-level advantage (default ``1.0``, ROLL's).
+        step_reward_gamma: discount of the step-level returns (default ``0.95``, ROLL's).
         max_pending_groups: most incomplete groups held at once. ``None`` (default): no limit.
         max_pending_age: a group still incomplete this many insertions after its first
             trajectory arrived is given up. ``None`` (default): no limit.
         on_overflow: what happens past a limit: ``"drop_oldest"`` (default) evicts the groups that
             started first, counts them in ``evicted_groups`` / ``evicted_trajectories`` and warns;
             ``"raise"`` rejects the insertion with a ``RuntimeError``, changing nothing.
+        traj_key: key of the trajectory id of every step. When the input has it, trajectories
+            may cross insertions: the unfinished ones are held (:attr:`held_trajectories`) and
+            completed by later insertions, with the same advantages as inserting each whole
+            trajectory when its last step arrives (in the order of the last steps in the
+            row-major flattened input). Ids must be unique across everything written through the
+            transform (torchrl's collectors, multi-worker ones included, guarantee it); an id
+            that comes back after its trajectory ended raises ``ValueError``. A held trajectory
+            older than ``max_pending_age`` insertions is given up, and the steps of its id that
+            arrive later are left out (``evicted_steps``). Negative ids (torchrl's frames a
+            preemptive collector did not fill) are not data. Defaults to
+            ``("collector", "traj_ids")``; ``None`` always splits at the done flags (torchrl's
+            behaviour).
+        step_count_key: key of a step counter (torchrl's ``StepCounter`` writes
+            ``"step_count"``), read with ``traj_key`` when the input has it: a trajectory must
+            start at 0 and count up by one across insertions, so that a continuation whose
+            earlier part is missing raises ``ValueError``. ``None``: not checked.
 
     Raises:
-        ValueError: for inconsistent arguments (same conditions as torchrl).
+        ValueError: for inconsistent arguments (same conditions as torchrl), and for the added
+            keywords: empty or non-finite ``reward_weights``, a ``rewards_key`` they leave out,
+            step-level weights without ``anchor_key``, a ``step_reward_gamma`` outside
+            ``[0, 1]``.
         TypeError: for a size that is not an integer (``2.7``, ``True``).
 
     Examples:
@@ -177,9 +281,17 @@ class MCAdvantage(Transform):
         std_threshold: float | None = None,
         step_norm: bool = False,
         epsilon: float = 1e-6,
+        whiten: bool | None = None,
+        reward_weights: Mapping[NestedKey, float] | None = None,
+        anchor_key: NestedKey | None = None,
+        episode_reward_weight: float | None = None,
+        step_reward_weight: float | None = None,
+        step_reward_gamma: float | None = None,
         max_pending_groups: int | None = None,
         max_pending_age: int | None = None,
         on_overflow: str = "drop_oldest",
+        traj_key: NestedKey | None = ("collector", "traj_ids"),
+        step_count_key: NestedKey | None = "step_count",
     ):
         super().__init__()
         grpo_size = _integer("grpo_size", grpo_size)
@@ -259,14 +371,27 @@ class MCAdvantage(Transform):
                 raise ValueError(f"{name} must be at least 1 or None, got {limit}.")
         if on_overflow not in ("drop_oldest", "raise"):
             raise ValueError(f"on_overflow must be 'drop_oldest' or 'raise', got {on_overflow!r}.")
+        weights = _reward_weights(rewards_key, reward_weights)
+        if weights:  # the first reward key gives the advantage its shape
+            rewards_key = weights[0][0]
+        step_groups = _step_groups(
+            anchor_key, episode_reward_weight, step_reward_weight, step_reward_gamma
+        )
 
-        self.in_keys = [prompt_key, rewards_key, done_key]
+        self.in_keys = [prompt_key, *([key for key, _ in weights] or [rewards_key]), done_key]
+        if anchor_key is not None:
+            self.in_keys.append(anchor_key)
         self.out_keys = [advantage_key]
         self.grpo_size = grpo_size
         self.verbose = verbose
         # The arguments, grouped by the step that reads them (each also an attribute below).
         self._keys = Keys(
-            group=prompt_key, reward=rewards_key, done=done_key, advantage=advantage_key
+            group=prompt_key,
+            reward=rewards_key,
+            done=done_key,
+            advantage=advantage_key,
+            reward_weights=weights,
+            anchor=anchor_key,
         )
         self._estimator = Estimator(
             trajectory_return=trajectory_return,
@@ -274,6 +399,8 @@ class MCAdvantage(Transform):
             scale_rewards=scale_rewards,
             epsilon=float(epsilon),
             step_norm=step_norm,
+            whiten=bool(weights) if whiten is None else bool(whiten),
+            step_groups=step_groups,
         )
         self._filter = GroupFilter(
             keep_return_bounds=keep_return_bounds, std_threshold=std_threshold
@@ -285,6 +412,9 @@ class MCAdvantage(Transform):
         )
         self._limits = Limits(
             max_groups=max_pending_groups, max_age=max_pending_age, on_overflow=on_overflow
+        )
+        self._trajectory_keys = TrajectoryKeys(
+            traj=traj_key, done=done_key, count=step_count_key if traj_key is not None else None
         )
         self._state = Pending(stats=fresh_stats())
         self._shared = None  # a manager Namespace holding the Pending once share_memory_() ran
@@ -298,10 +428,23 @@ class MCAdvantage(Transform):
     done_key = _setting("_keys", "done", "Key of the done flags.")
     advantage_key = _setting("_keys", "advantage", "Key written with the advantages.")
     trajectory_return = _setting("_estimator", "trajectory_return", "How a return is reduced.")
-    baseline = _setting("_estimator", "baseline", "``mean`` or ``leave_one_out``.")
+    baseline = _setting("_estimator", "baseline", "``mean``, ``leave_one_out``, ``pass_at_k``.")
     scale_rewards = _setting("_estimator", "scale_rewards", "``group``, ``batch`` or ``none``.")
     epsilon = _setting("_estimator", "epsilon", "Floor of the scale.")
     step_norm = _setting("_estimator", "step_norm", "Divide by each trajectory's steps.")
+    whiten = _setting("_estimator", "whiten", "Whiten over the released samples.")
+    anchor_key = _setting("_keys", "anchor", "Key of each step's anchor state (GiGPO).")
+
+    @property
+    def reward_weights(self) -> dict | None:
+        """``{reward key: weight}`` (GDPO), or ``None`` for the one reward under ``rewards_key``."""
+        return dict(self._keys.reward_weights) or None
+
+    @property
+    def step_groups(self) -> StepGroups | None:
+        """GiGPO's ``episode_weight``, ``step_weight`` and ``gamma``; ``None`` without anchors."""
+        return self._estimator.step_groups
+
     keep_return_bounds = _setting("_filter", "keep_return_bounds", "Dynamic sampling bounds.")
     std_threshold = _setting("_filter", "std_threshold", "Groups with a std at or below go.")
     candidate_group_size = _setting("_selection", "candidate_group_size", "Candidates per group.")
@@ -310,6 +453,8 @@ class MCAdvantage(Transform):
     max_pending_groups = _setting("_limits", "max_groups", "Most incomplete groups held.")
     max_pending_age = _setting("_limits", "max_age", "Most insertions a group may wait.")
     on_overflow = _setting("_limits", "on_overflow", "``drop_oldest`` or ``raise``.")
+    traj_key = _setting("_trajectory_keys", "traj", "Key of the trajectory ids.")
+    step_count_key = _setting("_trajectory_keys", "count", "Key of the step counter.")
 
     # --- state: local, or behind a multiprocessing manager ------------------------------------
 
@@ -396,9 +541,17 @@ class MCAdvantage(Transform):
             self._store(evolve(self._load(), stats=fresh_stats()))
 
     def clear_queues(self) -> None:
-        """Forget every pending trajectory (statistics are kept)."""
+        """Forget every pending trajectory, held unfinished ones included (statistics are kept).
+
+        The ids of the held trajectories are given up: their steps that arrive later are left
+        out (counted in ``evicted_steps``), rather than taken for new trajectories.
+        """
         with self._lock:
-            self._store(Pending(stats=self._load().stats))
+            state = self._load()
+            tails = state.tails
+            if tails.num_tails:
+                tails.registry.mark(tails.ids, GIVEN_UP)
+            self._store(Pending(stats=state.stats, tails=type(tails)(registry=tails.registry)))
 
     def get_stats(self) -> dict[str, float | int]:
         """A snapshot of the counters and of the pending queues' sizes.
@@ -419,8 +572,16 @@ class MCAdvantage(Transform):
                 queued_groups=len(counts),
                 queued_trajectories=state.num_pending,
                 max_queued_trajectories_per_group=max(counts, default=0),
+                held_trajectories=state.tails.num_tails,
+                held_steps=state.tails.num_steps,
             )
             return stats
+
+    @property
+    def held_trajectories(self) -> int:
+        """Number of trajectories whose first steps arrived but not their last (``traj_key``)."""
+        with self._lock:
+            return self._load().tails.num_tails
 
     @property
     def queued_groups(self) -> int:
@@ -458,20 +619,38 @@ class MCAdvantage(Transform):
             self._find_buffer()
             object.__setattr__(self, "_buffer_searched", True)
         with self._lock:
-            out, state = self._insert(self._load(), tensordict)
+            out, state, marks = self._insert(self._load(), tensordict)
+            for ids, status in marks:  # the insertion went through: record the ids it ended
+                state.tails.registry.mark(ids, status)
             self._store(state)
         return out
 
     def _insert(self, state: Pending, tensordict: TensorDictBase):
         """One insertion against ``state``: read it, find the complete groups, release them, hold
-        the rest, apply the limits. Returns the steps to store (or ``None``) and the next state.
+        the rest, apply the limits. Returns the steps to store (or ``None``), the next state, and
+        the trajectory ids to mark as ended or given up once it is stored.
 
         Everything that can be wrong with the input raises before a new state exists, so a
         rejected call leaves the transform exactly as it was.
         """
+        marks = []
+        dense = self._streams(state, tensordict)
+        if dense is not None:
+            keys = self._trajectory_keys._replace(done=self._keys.done)
+            joined = join(state.tails, dense, keys, state.insertions)
+            marks.append((joined.ended, ENDED))
+            if joined.dropped_steps:
+                stats = dict(state.stats)
+                stats["evicted_steps"] += joined.dropped_steps
+                state = evolve(state, stats=stats)
+            state = evolve(state, tails=joined.tails)
+            tensordict = joined.complete
+            if tensordict is None:  # nothing completes: only the tails changed
+                new = evolve(state, insertions=state.insertions + 1)
+                return None, *self._evict(new, marks)
         batch = read_insertion(tensordict, self._keys, state)
         if batch is None:  # no step
-            return None, self._evict(evolve(state, insertions=state.insertions + 1))
+            return None, *self._evict(evolve(state, insertions=state.insertions + 1), marks)
         estimator, selects = self._estimator, self._selects
         incoming = Returns(
             trajectory_returns(batch, estimator.trajectory_return),
@@ -514,32 +693,71 @@ class MCAdvantage(Transform):
                 f"MCAdvantage: {batch.num_trajectories} trajectories in, {released.written} "
                 f"groups written, {dropped} dropped, {new.num_pending} trajectories pending."
             )
-        return released.out, self._evict(new)
+        return released.out, *self._evict(new, marks)
+
+    def _streams(self, state: Pending, tensordict: TensorDictBase) -> TensorDictBase | None:
+        """The insertion as dense steps if it is read by trajectory id (``traj_key``), else
+        ``None`` (split at the done flags)."""
+        key = self._trajectory_keys.traj
+        if key is None or key not in tensordict.keys(include_nested=True):
+            return None
+        if isinstance(tensordict, LazyStackedTensorDict):
+            try:
+                return tensordict.contiguous()
+            except RuntimeError:  # ragged steps (token sequences): complete trajectories only
+                if state.tails.num_tails:
+                    raise NotImplementedError(
+                        "MCAdvantage: trajectories that cross insertions need dense steps; this "
+                        "insertion is a ragged lazy stack while unfinished trajectories are held."
+                    ) from None
+                return None
+        return tensordict
 
     @property
     def _selects(self) -> bool:
         """Whether candidate selection runs (see :meth:`Selection.runs`)."""
         return self._selection.runs(self.grpo_size, self._estimator.trajectory_return)
 
-    def _evict(self, state: Pending) -> Pending:
-        """``max_pending_groups`` / ``max_pending_age``: count and warn about evicted groups."""
+    def _evict(self, state: Pending, marks: list) -> tuple[Pending, list]:
+        """``max_pending_groups`` / ``max_pending_age``: count and warn about evicted groups and
+        held trajectories; returns the state and the ids to mark."""
         if not self._limits.active:
-            return state
+            return state, marks
         eviction = evict(state, self._limits)
-        if not eviction.groups:
-            return state
+        groups, trajectories = eviction.groups, eviction.trajectories
+        state = eviction.state
+        tails, steps = state.tails, 0
+        if self._limits.max_age is not None and tails.num_tails:
+            old = state.insertions - 1 - tails.meta[:, 1] >= self._limits.max_age  # (H,)
+            if bool(old.any()):
+                if self._limits.on_overflow == "raise":
+                    raise RuntimeError(
+                        f"MCAdvantage: {int(old.sum())} unfinished trajectories are older than "
+                        f"max_pending_age={self.max_pending_age}; the insertion was rejected and "
+                        "nothing changed."
+                    )
+                steps = tails.num_steps
+                tails, gone = drop_tails(tails, ~old)
+                steps -= tails.num_steps
+                trajectories += gone.shape[0]
+                marks = [*marks, (gone, GIVEN_UP)]
+                state = evolve(state, tails=tails)
+        if not groups and not steps:
+            return state, marks
+        unfinished = f" and {trajectories - eviction.trajectories} unfinished trajectories" if steps else ""  # fmt: skip
         warnings.warn(
-            f"MCAdvantage: {eviction.groups} incomplete group(s) ({eviction.trajectories} "
-            f"trajectories) exceed max_pending_groups={self.max_pending_groups} / "
+            f"MCAdvantage: {groups} incomplete group(s) ({eviction.trajectories} trajectories)"
+            f"{unfinished} exceed max_pending_groups={self.max_pending_groups} / "
             f"max_pending_age={self.max_pending_age}; the oldest were dropped (see "
             "evicted_groups).",
             RuntimeWarning,
             stacklevel=5,
         )
-        stats = dict(eviction.state.stats)
-        stats["evicted_groups"] += eviction.groups
-        stats["evicted_trajectories"] += eviction.trajectories
-        return evolve(eviction.state, stats=stats)
+        stats = dict(state.stats)
+        stats["evicted_groups"] += groups
+        stats["evicted_trajectories"] += trajectories
+        stats["evicted_steps"] += steps
+        return evolve(state, stats=stats), marks
 
 
 class PendingGroups(MutableMapping):
