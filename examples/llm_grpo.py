@@ -83,6 +83,7 @@ class Settings:
     seed: int = 0
     out: str = "runs/llm_grpo"  # each run writes its CSV metrics and PNG in a new folder here
     threads: int = 1  # torch threads; 1 is fastest on a 2-core machine shared with other jobs
+    device: str = "cpu"  # where the model and its wrappers compute (cpu, cuda, ...)
     # task
     digits: int = 4  # digits per prompt; the answer is their sum
     eval_prompts: int = 500  # held-out prompts for the greedy accuracy (fixed, never trained on)
@@ -307,6 +308,11 @@ def make_model(cfg: Settings, tokenizer) -> Qwen2ForCausalLM:
     return model
 
 
+def _device(cfg_device: str | None):
+    """The wrappers' ``device``: ``None`` on the CPU (torchrl's default path, no copies)."""
+    return None if cfg_device in (None, "cpu") else torch.device(cfg_device)
+
+
 def make_sampler(model, tokenizer, cfg: Settings, greedy: bool = False) -> TransformersWrapper:
     """Completions of the prompt tokens: sampled from ``softmax(logits)``, or greedy.
 
@@ -320,6 +326,7 @@ def make_sampler(model, tokenizer, cfg: Settings, greedy: bool = False) -> Trans
         generate=True,
         return_log_probs=False,  # the loss's log-probs come from the scoring wrapper
         pad_output=True,
+        device=_device(cfg.device),
         generate_kwargs={
             "max_new_tokens": cfg.max_new_tokens,
             "do_sample": not greedy,
@@ -328,7 +335,9 @@ def make_sampler(model, tokenizer, cfg: Settings, greedy: bool = False) -> Trans
     )
 
 
-def make_scorer(model, tokenizer, log_probs_key: str = "log_probs") -> TransformersWrapper:
+def make_scorer(
+    model, tokenizer, log_probs_key: str = "log_probs", device: str | None = None
+) -> TransformersWrapper:
     """Teacher-forced log-probs of ``("tokens", "full")``: written at ``(log_probs_key, "full")``."""
     return TransformersWrapper(
         model,
@@ -338,6 +347,7 @@ def make_scorer(model, tokenizer, log_probs_key: str = "log_probs") -> Transform
         return_log_probs=True,
         pad_output=True,
         log_probs_key=log_probs_key,
+        device=_device(device),
     )
 
 
@@ -381,8 +391,10 @@ def make_collector(cfg: Settings, model, ref_model, tokenizer, gen, exclude):
     score = Compose(
         Contiguous(),
         ExcludeTransform(*unread, *[("next", key) for key in (*unread, "query", "tokens")]),
-        RetrieveLogProb(make_scorer(model, tokenizer), assistant_only=False),
-        RetrieveLogProb(make_scorer(ref_model, tokenizer, "ref_log_probs"), assistant_only=False),
+        RetrieveLogProb(make_scorer(model, tokenizer, device=cfg.device), assistant_only=False),
+        RetrieveLogProb(
+            make_scorer(ref_model, tokenizer, "ref_log_probs", cfg.device), assistant_only=False
+        ),
     )
     collector = LLMCollector(
         env,
@@ -422,8 +434,9 @@ def warm_start(model, tokenizer, cfg: Settings, gen, exclude, val_accuracy) -> i
     reaches ``cfg.sft_target``. Returns the number of steps taken.
     """
     scorer = TransformersWrapper(  # as make_scorer, but ragged output: read right-padded below
-        model, tokenizer=tokenizer, input_mode="tokens", generate=False, return_log_probs=True
-    )
+        model, tokenizer=tokenizer, input_mode="tokens", generate=False, return_log_probs=True,
+        device=_device(cfg.device),
+    )  # fmt: skip
     optim = torch.optim.AdamW(model.parameters(), lr=cfg.sft_lr)
     p = 2 * cfg.digits  # prompt length in tokens, the same for every prompt
     for step in range(1, cfg.sft_max_steps + 1):
@@ -474,7 +487,7 @@ def main(argv=None) -> dict:
     train_gen = torch.Generator().manual_seed(cfg.seed)
     val_digits = draw_problems(train_gen, 200, cfg.digits, eval_codes)  # stops the warm start
 
-    model = make_model(cfg, tokenizer)
+    model = make_model(cfg, tokenizer).to(cfg.device)
     greedy = make_sampler(model, tokenizer, cfg, greedy=True)
     val_accuracy = GreedyAccuracy(tokenizer, val_digits, greedy)
     eval_accuracy = GreedyAccuracy(tokenizer, eval_digits, greedy)
@@ -486,7 +499,7 @@ def main(argv=None) -> dict:
 
     rows = cfg.prompts_per_step * cfg.group_size
     collector, rb = make_collector(cfg, model, ref_model, tokenizer, train_gen, eval_codes)
-    loss_fn = make_loss(make_scorer(model, tokenizer), cfg)
+    loss_fn = make_loss(make_scorer(model, tokenizer, device=cfg.device), cfg)
     optim = torch.optim.Adam(model.parameters(), lr=cfg.lr)
     warmup = min(cfg.warmup_steps, cfg.steps - 1)
     schedule = torch.optim.lr_scheduler.SequentialLR(

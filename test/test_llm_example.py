@@ -158,9 +158,11 @@ class TestPipeline:
         assert 0.0 < out.entropy.item() < math.log(len(tokenizer))
 
 
-def test_tiny_run_prints_a_result_line(tmp_path):
-    """The script end to end on a tiny budget: one RESULT line, consistent with its own logs."""
+def test_tiny_run_prints_a_result_line(tmp_path, device):
+    """The script end to end on a tiny budget, on every available device (``--device``): one
+    RESULT line, consistent with its own logs."""
     args = ["--steps", "4", "--eval-every", "2", *TINY, "--out", str(tmp_path)]
+    args += ["--device", str(device)]
     start = time.perf_counter()
     proc = subprocess.run(
         [sys.executable, str(EXAMPLE), *args], capture_output=True, text=True, timeout=300
