@@ -39,7 +39,7 @@ bench: $(VENV)/.stamp-examples+llm
 	$(PY) benchmarks/llm_loss_memory.py
 	$(PY) benchmarks/cartpole_seeds.py
 
-# The LLM example at its defaults for seeds 0-2, one after the other (about 9 minutes).
+# The LLM example at its defaults for seeds 0-2, one after the other (about 10 minutes).
 bench-llm: $(VENV)/.stamp-examples+llm
 	$(PY) benchmarks/llm_seeds.py
 

@@ -5,7 +5,8 @@ from setuptools import find_packages, setup
 EXTRAS = {
     "test": ["pytest>=8", "hypothesis>=6"],
     "examples": ["tqdm", "matplotlib"],
-    "llm": ["transformers>=5"],
+    # the LLM example builds its tokenizer with tokenizers (a dependency of transformers too)
+    "llm": ["transformers>=5", "tokenizers"],
     "dist": ["ray[default]"],
     "docs": ["sphinx>=7.2", "furo"],
     # the examples' optional loggers (--logger tensorboard / wandb; csv needs nothing)

@@ -5,10 +5,12 @@
     .venv/bin/python benchmarks/llm_seeds.py -- --steps 300   # after --: flags for the example
 
 Each run is a fresh process (the example's own ``wall_s`` starts before its imports; the table
-also shows the process's wall time measured from here). The targets are those of the example's
-issue: greedy accuracy on the held-out prompts up by at least 25 points (absolute) from the warm
-start, within 600 s of wall time. The runs are sequential so that they do not compete for the
-CPU; other jobs on the machine still do, so the load average is printed with each run.
+also shows the process's wall time measured from here). The targets are those of the example on
+torchrl's LLM stack (issue 11): greedy accuracy on the held-out prompts up by at least 45 points
+(absolute) from the warm start, within 200 s of process wall time on a 2-core CPU. The runs are
+sequential so that they do not compete for the CPU; other jobs on the machine still do, so the
+load average is printed with each run (run it under ``flock /tmp/heavy.lock`` on a shared
+machine).
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "llm_grpo.py"
 RESULT = re.compile(r"^RESULT acc_before=(\S+) acc_after=(\S+) wall_s=(\S+)$", re.MULTILINE)
-MIN_GAIN = 0.25  # absolute accuracy points, as a fraction
-MAX_WALL_S = 600.0
+MIN_GAIN = 0.45  # absolute accuracy points, as a fraction
+MAX_WALL_S = 200.0
 
 
 def run(seed: int, out: str, extra: list[str]) -> dict:

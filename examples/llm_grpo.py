@@ -1,24 +1,34 @@
-"""GRPO makes a tiny transformer better at a verifiable task, on a CPU, in minutes.
+"""GRPO makes a tiny language model better at a verifiable task, on a CPU, with torchrl's LLM stack.
 
 The task: read four digits and write their sum (``"3 9 1 4=" -> "17"``); the reward is 1 for the
-exact answer followed by the end-of-sequence token, else 0. The policy is a Hugging Face
-``transformers`` GPT-2 with a tiny config, created locally (nothing is downloaded), over a
-character-level tokenizer defined below. A short supervised warm start makes the policy partly
-right; GRPO then samples ``group_size`` completions per prompt (ragged: padded, with a mask),
-scores them, writes them to a torchrl ``ReplayBuffer`` whose ``torchrl_grpo.MCAdvantage``
-transform turns rewards into group-relative advantages keyed by the prompt string, and optimizes
-``torchrl_grpo.GRPOLoss`` over the response tokens, with a KL penalty to the frozen warm-start
-policy.
+exact answer followed by the end-of-sequence token, else 0. Everything runs on torchrl's LLM
+components, nothing is downloaded:
 
-Run (needs the ``llm`` and ``examples`` extras: ``pip install -e ".[llm,examples]"``)::
+* a ``transformers`` Qwen2 with a tiny config, created locally, and a character-level
+  ``PreTrainedTokenizerFast`` built with the ``tokenizers`` library;
+* a ``TransformersWrapper`` that samples ``group_size`` completions per prompt, and one
+  (``generate=False``) that scores tokens: the log-probs of the loss, the warm start and the
+  reference policy;
+* the task as a torchrl LLM environment (``DatasetChatEnv`` fed by a ``DataLoader``, repeating
+  each prompt ``group_size`` times) whose reward is a torchrl ``Transform``;
+* an ``LLMCollector`` writing into a ``ReplayBuffer`` (``LazyStackStorage``) whose
+  ``torchrl_grpo.MCAdvantage`` turns rewards into group-relative advantages keyed by the prompt;
+  torchrl's ``RetrieveLogProb`` transforms add the sampling policy's and the frozen reference
+  policy's log-probs on the way;
+* ``GRPOLoss`` on the scoring wrapper, with the KL to the reference in the loss, driven by
+  torchrl's ``GRPOTrainer``.
+
+A short supervised warm start makes the policy partly right first (GRPO needs groups whose
+completions differ). Run (needs the ``llm`` and ``examples`` extras:
+``pip install -e ".[llm,examples]"``)::
 
     .venv/bin/python examples/llm_grpo.py                      # defaults: about 3 minutes
     .venv/bin/python examples/llm_grpo.py --seed 1 --out runs/llm_grpo/seed1
     .venv/bin/python examples/llm_grpo.py --help               # every setting
 
 It prints the greedy accuracy on 500 held-out prompts after the warm start and during GRPO, logs
-the loss metrics (ESS, clip fraction, KL to the reference, entropy, reward) with torchrl's
-``CSVLogger`` under ``--out``, saves ``llm_grpo.png`` there, and ends with one line::
+every metric with torchrl's ``CSVLogger`` under ``--out`` (through the trainer), saves
+``llm_grpo.png`` there, and ends with one line::
 
     RESULT acc_before=<float> acc_after=<float> wall_s=<float>
 """
@@ -31,6 +41,7 @@ T0 = time.perf_counter()
 import argparse
 import copy
 import dataclasses
+import gc
 import os
 from dataclasses import dataclass
 
@@ -39,17 +50,30 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import torch
-from tensordict import TensorDict
-from tensordict.nn import TensorDictModule
-from torchrl.data import LazyTensorStorage, ReplayBuffer, SamplerWithoutReplacement
-from torchrl.envs.transforms import ExcludeTransform
-from torchrl.modules import ProbabilisticActor
+from tensordict import TensorDict, lazy_stack, set_list_to_stack
+from tokenizers import Regex, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as CharLevelTokenizer
+from torch.utils.data import DataLoader, IterableDataset
+from torchrl.collectors.llm import LLMCollector
+from torchrl.data import (
+    Composite,
+    LazyStackStorage,
+    ReplayBuffer,
+    SamplerWithoutReplacement,
+    Unbounded,
+)
+from torchrl.envs import Compose, ExcludeTransform, StepCounter, Transform
+from torchrl.envs.llm import DatasetChatEnv, RetrieveLogProb
+from torchrl.modules.llm import TransformersWrapper
 from torchrl.record.loggers import CSVLogger, generate_exp_name
+from torchrl.trainers.algorithms.grpo import GRPOTrainer
 from tqdm import tqdm
-from transformers import GPT2Config, GPT2LMHeadModel
+from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 from transformers.utils import logging as hf_logging
 
-from torchrl_grpo import GRPOLoss, MCAdvantage, TokenCategorical
+from torchrl_grpo import GRPOLoss, MCAdvantage
+
+set_list_to_stack(True).set()  # torchrl's LLM envs keep lists of strings as stacks
 
 
 @dataclass
@@ -59,10 +83,11 @@ class Settings:
     seed: int = 0
     out: str = "runs/llm_grpo"  # each run writes its CSV metrics and PNG in a new folder here
     threads: int = 1  # torch threads; 1 is fastest on a 2-core machine shared with other jobs
+    device: str = "cpu"  # where the model and its wrappers compute (cpu, cuda, ...)
     # task
     digits: int = 4  # digits per prompt; the answer is their sum
     eval_prompts: int = 500  # held-out prompts for the greedy accuracy (fixed, never trained on)
-    # model: GPT-2 architecture, tiny
+    # model: Qwen2 architecture, tiny
     n_layer: int = 2
     n_embd: int = 64
     n_head: int = 4
@@ -71,23 +96,23 @@ class Settings:
     sft_batch: int = 64
     sft_target: float = 0.30  # stop when greedy accuracy on a validation set reaches this
     sft_max_steps: int = 3000
-    sft_check_every: int = 5
+    sft_check_every: int = 2  # the tiny Qwen2 moves fast: every 5 steps can overshoot the target
     # GRPO
-    steps: int = 600  # GRPO steps (each: sample, score, extend the buffer, optimize)
+    steps: int = 150  # GRPO steps (each: collect, score, extend the buffer, optimize)
     prompts_per_step: int = 64
     group_size: int = 8  # completions per prompt, the G of GRPO
-    temperature: float = 1.0  # sampling temperature; the trained policy uses the same one
-    max_new_tokens: int = 4
-    epochs: int = 1  # passes over each step's data
-    minibatch: int = 128
-    lr: float = 3e-4  # Adam: linear warm-up, then cosine decay to 0 at `steps`
-    warmup_steps: int = 20
+    max_new_tokens: int = 3  # the longest right answer: two digits and end-of-sequence
+    epochs: int = 2  # passes over each step's data
+    minibatch: int = 64  # 8 minibatches per pass: 16 optimizer steps per GRPO step
+    lr: float = 5e-4  # Adam: linear warm-up, then cosine decay to 0 at `steps`
+    warmup_steps: int = 10
     dynamic_sampling: bool = False  # drop groups whose completions all score the same (DAPO)
-    clip_epsilon: float = 0.2
-    kl_coeff: float = 0.02  # beta of the KL to the reference (k3 estimator)
+    clip_epsilon: float = 0.2  # the ratio is clipped to [1 - clip_epsilon, 1 + clip_epsilon_high]
+    clip_epsilon_high: float = 0.28  # DAPO's clip-higher: rare right answers can gain faster
+    kl_coeff: float = 0.02  # beta of the KL to the reference, in the loss
     entropy_coeff: float = 0.0
     eval_every: int = 10
-    time_limit: float = 540.0  # stop GRPO once the run has taken this long (seconds)
+    time_limit: float = 190.0  # stop GRPO once the run has taken this long (seconds)
 
 
 def parse_args(argv=None) -> Settings:
@@ -108,31 +133,23 @@ def parse_args(argv=None) -> Settings:
 # The task: digits in, their sum out; a programmatic reward
 # --------------------------------------------------------------------------------------------
 
+EOS, PAD = "<eos>", "<pad>"
 
-class CharTokenizer:
-    """One token per character of ``"0123456789 ="``, plus end-of-sequence and padding."""
 
-    def __init__(self, chars: str = "0123456789 ="):
-        self.itos = list(chars) + ["<eos>", "<pad>"]
-        self.stoi = {c: i for i, c in enumerate(self.itos)}
-        self.eos_id = self.stoi["<eos>"]
-        self.pad_id = self.stoi["<pad>"]
+def make_tokenizer(chars: str = "0123456789 =") -> PreTrainedTokenizerFast:
+    """One token per character of ``chars``, plus end-of-sequence and padding.
 
-    def __len__(self) -> int:
-        return len(self.itos)
-
-    def encode(self, text: str) -> list[int]:
-        return [self.stoi[c] for c in text]
-
-    def decode(self, ids) -> str:
-        """The text up to the first end-of-sequence token (padding is skipped)."""
-        out = []
-        for i in ids:
-            if i == self.eos_id:
-                break
-            if i != self.pad_id:
-                out.append(self.itos[i])
-        return "".join(out)
+    Built with the ``tokenizers`` library (a word-level model over single characters) and
+    wrapped as a ``transformers`` tokenizer, which is what torchrl's wrappers and envs expect.
+    Its chat template writes the user's message as is: a prompt is its own text.
+    """
+    vocab = {c: i for i, c in enumerate(chars)} | {EOS: len(chars), PAD: len(chars) + 1}
+    backend = CharLevelTokenizer(models.WordLevel(vocab, unk_token=None))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    backend.decoder = decoders.Fuse()  # "1", "7" -> "17", not "1 7"
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=EOS, pad_token=PAD)
+    tokenizer.chat_template = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
+    return tokenizer
 
 
 def prompt_text(digits: list[int]) -> str:
@@ -154,136 +171,252 @@ def problem_code(digits: torch.Tensor) -> torch.Tensor:
     return (digits * powers).sum(-1)
 
 
-def reward(completion: str, digits: list[int]) -> float:
-    """1 for exactly the sum, in decimal, followed by end-of-sequence; 0 otherwise."""
-    return float(completion == str(sum(digits)))
-
-
-def completion_rewards(tok: CharTokenizer, tokens: torch.Tensor, digits: torch.Tensor):
-    """Rewards of a batch of completions; only a completion that ended (EOS) can score."""
-    ended = (tokens == tok.eos_id).any(-1).tolist()
-    return torch.tensor(
-        [
-            reward(tok.decode(row), d) if done else 0.0
-            for row, d, done in zip(tokens.tolist(), digits.tolist(), ended)
-        ]
+def as_queries(digits: torch.Tensor) -> TensorDict:
+    """Problems as the env's data: the prompt (``"query"``) and the expected answer."""
+    rows = digits.tolist()
+    return TensorDict(
+        query=[prompt_text(d) for d in rows],
+        answer=[str(sum(d)) for d in rows],
+        batch_size=[len(rows)],
     )
 
 
-# --------------------------------------------------------------------------------------------
-# The model, generation and evaluation
-# --------------------------------------------------------------------------------------------
+class DigitSumProblems(IterableDataset):
+    """Endless batches of ``batch`` fresh problems, none of them in ``exclude``."""
+
+    def __init__(self, gen: torch.Generator, batch: int, digits: int, exclude: torch.Tensor):
+        self.gen, self.batch, self.digits, self.exclude = gen, batch, digits, exclude
+
+    def __iter__(self):
+        while True:
+            yield as_queries(draw_problems(self.gen, self.batch, self.digits, self.exclude))
 
 
-def make_model(cfg: Settings, tok: CharTokenizer) -> GPT2LMHeadModel:
-    config = GPT2Config(
-        vocab_size=len(tok),
-        n_positions=2 * cfg.digits + cfg.max_new_tokens,
-        n_embd=cfg.n_embd,
-        n_layer=cfg.n_layer,
-        n_head=cfg.n_head,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        activation_function="gelu",  # torch's fused GELU, faster on CPU than GPT-2's "gelu_new"
-        bos_token_id=tok.eos_id,
-        eos_token_id=tok.eos_id,
-        pad_token_id=tok.pad_id,
+def reward(completion: str, answer: str) -> float:
+    """1 for exactly the answer, in decimal, followed by end-of-sequence; 0 otherwise.
+
+    ``completion`` is the decoded response; anything after the first end-of-sequence token
+    (padding) is ignored.
+    """
+    return float(completion.startswith(answer + EOS))
+
+
+class DigitSumReward(Transform):
+    """The env's reward: decodes the sampled response and scores it against ``"answer"``.
+
+    Writes ``("next", "reward")`` with torchrl's LLM shape ``[B, 1, 1]``.
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerFast):
+        super().__init__(in_keys=[("tokens", "response"), "answer"], out_keys=["reward"])
+        self.tokenizer = tokenizer
+
+    def _step(self, tensordict, next_tensordict):
+        responses = tensordict.get(("tokens", "response"), as_list=True)
+        completions = self.tokenizer.batch_decode(responses)
+        answers = next_tensordict["answer"]
+        rewards = [reward(c, a) for c, a in zip(completions, answers, strict=True)]
+        next_tensordict.set("reward", torch.tensor(rewards).view(-1, 1, 1))
+        return next_tensordict
+
+    def transform_reward_spec(self, reward_spec: Composite) -> Composite:
+        reward_spec["reward"] = Unbounded(reward_spec.shape + (1, 1))
+        return reward_spec
+
+
+class Contiguous(Transform):
+    """Turns torchrl's lazily stacked LLM data into one ``TensorDict``.
+
+    torchrl's LLM env and wrappers stack one ``TensorDict`` per completion (``to_lazystack``),
+    the layout for ragged text. Here every row has the same shapes (the wrappers pad,
+    ``pad_output=True``), and the lazy layout only costs time: each copy, clone, key lookup and
+    write walks the 512 rows. Used on the env's output, on the collected batch before it is
+    scored, and on the minibatches sampled from the buffer (see the tutorial's profile).
+    """
+
+    def forward(self, tensordict):
+        return tensordict.contiguous()
+
+    def _reset(self, tensordict, tensordict_reset):
+        return tensordict_reset.contiguous()
+
+    def _step(self, tensordict, next_tensordict):
+        return next_tensordict.contiguous()
+
+
+def make_env(tokenizer, dataloader, batch: int, repeats: int | None = None) -> DatasetChatEnv:
+    """The task as a torchrl LLM env: one step per episode, prompts as tokens, the reward above.
+
+    ``DatasetChatEnv`` builds a ``ChatEnv`` behind a ``DataLoadingPrimer``: every reset pulls
+    ``batch`` rows from ``dataloader``, each prompt ``repeats`` times in a row (the group).
+    """
+    env = DatasetChatEnv.from_dataloader(
+        dataloader,
+        batch_size=(batch,),
+        repeats=repeats,
+        tokenizer=tokenizer,
+        input_mode="tokens",
+        template_kwargs={"chat_template": tokenizer.chat_template},
     )
-    return GPT2LMHeadModel(config)
+    env.append_transform(Contiguous())
+    env.append_transform(StepCounter(max_steps=1))
+    env.append_transform(DigitSumReward(tokenizer))
+    return env
 
 
-@torch.no_grad()
-def generate(model, prompt_ids, tok: CharTokenizer, max_new_tokens: int, temperature=None):
-    """Decode after same-length prompts with a KV cache: greedy, or sampled at a temperature.
+class GreedyAccuracy:
+    """The share of a fixed set of problems that ``policy`` answers right, through the task's env.
 
-    Args:
-        prompt_ids: ``[N, P]`` prompt tokens (every prompt has the same length: no padding).
-        temperature: ``None`` for greedy decoding.
-
-    Returns:
-        ``tokens [N, T]`` (padded after end-of-sequence with ``pad_id``), ``log_prob [N, T]``
-        (of the sampled token under ``softmax(logits / temperature)``; 0 on padding) and
-        ``mask [N, T]`` (True on real tokens, the end-of-sequence token included), with
-        ``T = max_new_tokens``.
-    """
-    n = prompt_ids.shape[0]
-    tokens = torch.full((n, max_new_tokens), tok.pad_id)
-    log_prob = torch.zeros(n, max_new_tokens)
-    mask = torch.zeros(n, max_new_tokens, dtype=torch.bool)
-    finished = torch.zeros(n, dtype=torch.bool)
-    out = model(prompt_ids, use_cache=True)
-    for t in range(max_new_tokens):
-        logits = out.logits[:, -1]  # (N, V)
-        if temperature is None:
-            nxt = logits.argmax(-1)  # (N,)
-            lp = torch.zeros(n)
-        else:
-            logp = torch.log_softmax(logits / temperature, -1)  # (N, V)
-            nxt = torch.multinomial(logp.exp(), 1).squeeze(-1)  # (N,)
-            lp = logp.gather(-1, nxt[:, None]).squeeze(-1)
-        mask[:, t] = ~finished
-        tokens[:, t] = torch.where(finished, tok.pad_id, nxt)
-        log_prob[:, t] = torch.where(finished, 0.0, lp)
-        finished |= nxt == tok.eos_id
-        if finished.all() or t == max_new_tokens - 1:
-            break
-        out = model(tokens[:, t : t + 1], past_key_values=out.past_key_values, use_cache=True)
-    return tokens, log_prob, mask
-
-
-def encode_prompts(tok: CharTokenizer, digits: torch.Tensor) -> torch.Tensor:
-    return torch.tensor([tok.encode(prompt_text(d)) for d in digits.tolist()])
-
-
-@torch.no_grad()
-def greedy_accuracy(model, tok: CharTokenizer, digits: torch.Tensor, cfg: Settings) -> float:
-    tokens, _, _ = generate(model, encode_prompts(tok, digits), tok, cfg.max_new_tokens)
-    return completion_rewards(tok, tokens, digits).mean().item()
-
-
-class ResponseLogits(torch.nn.Module):
-    """Teacher-forced logits of the response tokens, ``[B, T, V]``, divided by the temperature.
-
-    The policy GRPO trains is the sampling policy ``softmax(logits / temperature)``, so the
-    log-probs recorded while sampling are the "old" log-probs of the importance ratio.
+    The env is reset once: its prompts never change, and a reset (the chat template, applied one
+    prompt at a time) is most of the cost of a rollout. Each call steps the env from that state
+    with the policy's completions and returns the mean reward.
     """
 
-    def __init__(self, model: GPT2LMHeadModel, temperature: float):
-        super().__init__()
-        self.model = model
-        self.temperature = temperature
+    def __init__(self, tokenizer, digits: torch.Tensor, policy):
+        loader = DataLoader([as_queries(digits)], batch_size=None, collate_fn=lambda td: td)
+        self.env = make_env(tokenizer, loader, batch=len(digits))
+        self.prompts = self.env.reset()
+        self.policy = policy
 
-    def forward(self, prompt_ids: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        ids = torch.cat([prompt_ids, tokens], -1)  # (B, P + T); padding only after the end
-        logits = self.model(ids).logits[:, prompt_ids.shape[-1] - 1 : -1]  # (B, T, V)
-        return logits / self.temperature
+    @torch.no_grad()
+    def __call__(self) -> float:
+        return self.env.step(self.policy(self.prompts.copy()))["next", "reward"].mean().item()
 
 
-def make_loss(model: GPT2LMHeadModel, cfg: Settings) -> GRPOLoss:
-    """GRPOLoss over the response tokens, with KL to the reference, for the policy ``model``.
+# --------------------------------------------------------------------------------------------
+# The model and its torchrl wrappers
+# --------------------------------------------------------------------------------------------
 
-    The policy is a torchrl actor: ``(prompt_ids, tokens) -> logits [B, T, V]`` and a
-    :class:`~torchrl_grpo.TokenCategorical` over ``"tokens"``. The batch carries the sampler's
-    log-probs (``"tokens_log_prob"``), the mask of real tokens, the reference log-probs and the
-    advantage written by MCAdvantage.
+
+def make_model(cfg: Settings, tokenizer) -> Qwen2ForCausalLM:
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=cfg.n_embd,
+        intermediate_size=2 * cfg.n_embd,
+        num_hidden_layers=cfg.n_layer,
+        num_attention_heads=cfg.n_head,
+        num_key_value_heads=cfg.n_head,
+        max_position_embeddings=2 * cfg.digits + cfg.max_new_tokens,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.eos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    model = Qwen2ForCausalLM(config).eval()  # no dropout: the sampler and the loss agree
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model
+
+
+def _device(cfg_device: str | None):
+    """The wrappers' ``device``: ``None`` on the CPU (torchrl's default path, no copies)."""
+    return None if cfg_device in (None, "cpu") else torch.device(cfg_device)
+
+
+def make_sampler(model, tokenizer, cfg: Settings, greedy: bool = False) -> TransformersWrapper:
+    """Completions of the prompt tokens: sampled from ``softmax(logits)``, or greedy.
+
+    ``bad_words_ids`` keeps the model from emitting padding, which the wrapper would strip (the
+    wrapper silently drops generation arguments it does not list, ``suppress_tokens`` among them).
     """
-    policy = ProbabilisticActor(
-        TensorDictModule(
-            ResponseLogits(model, cfg.temperature), ["prompt_ids", "tokens"], ["logits"]
+    return TransformersWrapper(
+        model,
+        tokenizer=tokenizer,
+        input_mode="tokens",
+        generate=True,
+        return_log_probs=False,  # the loss's log-probs come from the scoring wrapper
+        pad_output=True,
+        device=_device(cfg.device),
+        generate_kwargs={
+            "max_new_tokens": cfg.max_new_tokens,
+            "do_sample": not greedy,
+            "bad_words_ids": [[tokenizer.pad_token_id]],
+        },
+    )
+
+
+def make_scorer(
+    model, tokenizer, log_probs_key: str = "log_probs", device: str | None = None
+) -> TransformersWrapper:
+    """Teacher-forced log-probs of ``("tokens", "full")``: written at ``(log_probs_key, "full")``."""
+    return TransformersWrapper(
+        model,
+        tokenizer=tokenizer,
+        input_mode="tokens",
+        generate=False,
+        return_log_probs=True,
+        pad_output=True,
+        log_probs_key=log_probs_key,
+        device=_device(device),
+    )
+
+
+def make_collector(cfg: Settings, model, ref_model, tokenizer, gen, exclude):
+    """The LLM collector and the replay buffer it fills, one GRPO step's batch at a time.
+
+    Each batch: ``prompts_per_step`` fresh prompts (drawn with ``gen``, none in ``exclude``),
+    each ``group_size`` times; the sampled completions and their rewards from the env; the
+    log-probs of the sampled tokens under the sampling policy (the "old" policy of the ratio) and
+    under the frozen reference, added by torchrl's ``RetrieveLogProb`` at
+    ``("next", "log_probs", "full")`` and ``("next", "ref_log_probs", "full")``; then
+    ``MCAdvantage`` writes ``"advantage"`` per completion, grouped by prompt, on the way into
+    the buffer.
+    """
+    rows = cfg.prompts_per_step * cfg.group_size
+    loader = DataLoader(
+        DigitSumProblems(gen, cfg.prompts_per_step, cfg.digits, exclude),
+        batch_size=None,
+        collate_fn=lambda td: td,
+    )
+    env = make_env(tokenizer, loader, batch=rows, repeats=cfg.group_size)
+    rb = ReplayBuffer(
+        storage=LazyStackStorage(rows),
+        sampler=SamplerWithoutReplacement(),
+        batch_size=cfg.minibatch,
+    )
+    # extend() runs the inverse passes of the transforms last-appended first: MCAdvantage reads
+    # the prompt strings, then ExcludeTransform drops them; sample() runs the forward passes in
+    # order: Contiguous turns each minibatch into one TensorDict
+    rb.append_transform(Contiguous())
+    rb.append_transform(ExcludeTransform("query", inverse=True))
+    rb.append_transform(
+        MCAdvantage(
+            grpo_size=cfg.group_size,
+            prompt_key="query",
+            trajectory_return="sum",
+            keep_return_bounds=(0.0, 1.0) if cfg.dynamic_sampling else None,
+        )
+    )
+    unread = ("answer", "step_count", "terminated", "truncated")  # the loss reads none of them
+    score = Compose(
+        Contiguous(),
+        ExcludeTransform(*unread, *[("next", key) for key in (*unread, "query", "tokens")]),
+        RetrieveLogProb(make_scorer(model, tokenizer, device=cfg.device), assistant_only=False),
+        RetrieveLogProb(
+            make_scorer(ref_model, tokenizer, "ref_log_probs", cfg.device), assistant_only=False
         ),
-        in_keys=["logits"],
-        out_keys=["tokens"],
-        distribution_class=TokenCategorical,
     )
+    collector = LLMCollector(
+        env,
+        policy=make_sampler(model, tokenizer, cfg),
+        dialog_turns_per_batch=rows,
+        total_dialog_turns=cfg.steps * rows,
+        replay_buffer=rb,
+        postproc=torch.no_grad()(score),  # RetrieveLogProb would record a graph otherwise
+    )
+    return collector, rb
+
+
+def make_loss(scorer, cfg: Settings) -> GRPOLoss:
+    """GRPO's clipped objective over the response tokens, with the KL to the reference."""
     loss_fn = GRPOLoss(
-        policy,
-        clip_epsilon=cfg.clip_epsilon,
-        entropy_coeff=cfg.entropy_coeff,
+        actor_network=scorer,
+        masking_strategy="sft",  # the response tokens: full sequence minus the prompt
+        clip_epsilon=(cfg.clip_epsilon, cfg.clip_epsilon_high),
         kl_to_ref_coeff=cfg.kl_coeff,
-        kl_to_ref_estimator="k3",
+        entropy_coeff=cfg.entropy_coeff,
     )
-    loss_fn.set_keys(sample_log_prob="tokens_log_prob", mask="mask", ref_log_prob="ref_log_prob")
+    loss_fn.set_keys(sample_log_prob=("next", "log_probs", "full"))
     return loss_fn
 
 
@@ -292,66 +425,34 @@ def make_loss(model: GPT2LMHeadModel, cfg: Settings) -> GRPOLoss:
 # --------------------------------------------------------------------------------------------
 
 
-def warm_start(model, tok, cfg: Settings, gen: torch.Generator, val_digits, exclude) -> int:
+def warm_start(model, tokenizer, cfg: Settings, gen, exclude, val_accuracy) -> int:
     """Supervised next-token training on ``prompt -> answer <eos>`` until partly right.
 
-    Stops at the first check where the greedy accuracy on ``val_digits`` (not the held-out
-    evaluation set) reaches ``cfg.sft_target``. Returns the number of steps taken.
+    The loss is the mean negative log-prob of the answer tokens, read from the scoring wrapper
+    (``generate=False``) on the ragged ``prompt + answer`` sequences. Stops at the first check
+    where ``val_accuracy()`` (greedy, on validation prompts, not the held-out evaluation set)
+    reaches ``cfg.sft_target``. Returns the number of steps taken.
     """
+    scorer = TransformersWrapper(  # as make_scorer, but ragged output: read right-padded below
+        model, tokenizer=tokenizer, input_mode="tokens", generate=False, return_log_probs=True,
+        device=_device(cfg.device),
+    )  # fmt: skip
     optim = torch.optim.AdamW(model.parameters(), lr=cfg.sft_lr)
-    p = 2 * cfg.digits  # prompt length
+    p = 2 * cfg.digits  # prompt length in tokens, the same for every prompt
     for step in range(1, cfg.sft_max_steps + 1):
-        digits = draw_problems(gen, cfg.sft_batch, cfg.digits, exclude)
-        answers = [tok.encode(str(s)) + [tok.eos_id] for s in digits.sum(-1).tolist()]
-        width = max(map(len, answers))
-        targets = torch.tensor([a + [-100] * (width - len(a)) for a in answers])  # (B, W)
-        ids = torch.cat([encode_prompts(tok, digits), targets.clamp_min(0)], -1)
-        logits = model(ids).logits[:, p - 1 : -1]  # (B, W, V)
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        data = as_queries(draw_problems(gen, cfg.sft_batch, cfg.digits, exclude))
+        texts = [q + a + EOS for q, a in zip(data["query"], data["answer"], strict=True)]
+        ids = tokenizer(texts)["input_ids"]  # ragged: 1- and 2-digit answers
+        batch = lazy_stack([TensorDict({("tokens", "full"): torch.tensor(i)}) for i in ids])
+        # ragged log-probs (the scorer pads nothing), read right-padded with 0
+        log_probs = scorer(batch).get(("log_probs", "full"), as_padded_tensor=True)  # (B, W)
+        loss = -log_probs[:, p:].sum() / sum(len(i) - p for i in ids)  # answer tokens only
         optim.zero_grad()
         loss.backward()
         optim.step()
-        if step % cfg.sft_check_every == 0:
-            if greedy_accuracy(model, tok, val_digits, cfg) >= cfg.sft_target:
-                return step
+        if step % cfg.sft_check_every == 0 and val_accuracy() >= cfg.sft_target:
+            return step
     return cfg.sft_max_steps
-
-
-def sample_batch(policy_model, ref_model, tok, cfg: Settings, digits: torch.Tensor) -> TensorDict:
-    """Sample ``group_size`` completions per prompt and score them: one row per completion.
-
-    Each completion is a trajectory of one step (``("next", "done")`` all True): the response
-    tokens padded to ``max_new_tokens`` with a mask, the sampler's per-token log-probs, the
-    reference policy's log-probs, and the reward.
-    """
-    digits = digits.repeat_interleave(cfg.group_size, 0)  # (N, k), N = prompts x G
-    prompt_ids = encode_prompts(tok, digits)  # (N, P)
-    tokens, log_prob, mask = generate(
-        policy_model, prompt_ids, tok, cfg.max_new_tokens, cfg.temperature
-    )
-    with torch.no_grad():
-        ref_logits = ResponseLogits(ref_model, cfg.temperature)(prompt_ids, tokens)
-        ref_log_prob = torch.log_softmax(ref_logits, -1).gather(-1, tokens[..., None])[..., 0]
-    n = digits.shape[0]
-    rewards = completion_rewards(tok, tokens, digits)  # (N,)
-    return TensorDict(
-        {
-            "query": [prompt_text(d) for d in digits.tolist()],  # the group id of MCAdvantage
-            "prompt_ids": prompt_ids,
-            "tokens": tokens,
-            "tokens_log_prob": log_prob,
-            "ref_log_prob": torch.where(mask, ref_log_prob, 0.0),
-            "mask": mask,
-            "next": {
-                "reward": rewards[:, None],  # (N, 1)
-                "done": torch.ones(n, 1, dtype=torch.bool),
-            },
-        },
-        batch_size=[n],
-    )
-
-
-METRICS = ("ESS", "clip_fraction", "kl_to_ref", "entropy", "kl_approx")
 
 
 def plot(history: dict, path: str, acc_before: float) -> None:
@@ -365,7 +466,7 @@ def plot(history: dict, path: str, acc_before: float) -> None:
     ax.set_ylim(0, 1)
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right", fontsize=8)
-    ax.set_title("GRPO on digit sums: tiny GPT-2, CPU", fontsize=10)
+    ax.set_title("GRPO on digit sums: tiny Qwen2, torchrl's LLM stack, CPU", fontsize=10)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -376,7 +477,7 @@ def main(argv=None) -> dict:
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     hf_logging.set_verbosity_error()
-    tok = CharTokenizer()
+    tokenizer = make_tokenizer()
 
     # held-out evaluation set: the same 500 prompts for every seed, excluded from all training
     eval_digits = draw_problems(
@@ -386,33 +487,20 @@ def main(argv=None) -> dict:
     train_gen = torch.Generator().manual_seed(cfg.seed)
     val_digits = draw_problems(train_gen, 200, cfg.digits, eval_codes)  # stops the warm start
 
-    model = make_model(cfg, tok)
-    sft_steps = warm_start(model, tok, cfg, train_gen, val_digits, eval_codes)
-    acc_before = greedy_accuracy(model, tok, eval_digits, cfg)
+    model = make_model(cfg, tokenizer).to(cfg.device)
+    greedy = make_sampler(model, tokenizer, cfg, greedy=True)
+    val_accuracy = GreedyAccuracy(tokenizer, val_digits, greedy)
+    eval_accuracy = GreedyAccuracy(tokenizer, eval_digits, greedy)
+    sft_steps = warm_start(model, tokenizer, cfg, train_gen, eval_codes, val_accuracy)
+    acc_before = eval_accuracy()
     print(f"warm start: {sft_steps} supervised steps, greedy accuracy {acc_before:.3f} "
           f"on {cfg.eval_prompts} held-out prompts ({time.perf_counter() - T0:.0f} s)")  # fmt: skip
     ref_model = copy.deepcopy(model).requires_grad_(False)  # the frozen reference policy
 
-    loss_fn = make_loss(model, cfg)
-    optim = torch.optim.Adam(loss_fn.parameters(), lr=cfg.lr)
-
     rows = cfg.prompts_per_step * cfg.group_size
-    rb = ReplayBuffer(
-        storage=LazyTensorStorage(rows),
-        sampler=SamplerWithoutReplacement(),
-        batch_size=cfg.minibatch,
-    )
-    # extend() runs the transforms' inverse passes last-appended first: MCAdvantage reads the
-    # prompt strings, then ExcludeTransform drops them (the storage does not need them)
-    rb.append_transform(ExcludeTransform("query", inverse=True))
-    rb.append_transform(
-        MCAdvantage(
-            grpo_size=cfg.group_size,
-            prompt_key="query",
-            trajectory_return="sum",
-            keep_return_bounds=(0.0, 1.0) if cfg.dynamic_sampling else None,
-        )
-    )
+    collector, rb = make_collector(cfg, model, ref_model, tokenizer, train_gen, eval_codes)
+    loss_fn = make_loss(make_scorer(model, tokenizer, device=cfg.device), cfg)
+    optim = torch.optim.Adam(model.parameters(), lr=cfg.lr)
     warmup = min(cfg.warmup_steps, cfg.steps - 1)
     schedule = torch.optim.lr_scheduler.SequentialLR(
         optim,
@@ -424,48 +512,58 @@ def main(argv=None) -> dict:
     )
 
     logger = CSVLogger(generate_exp_name("llm_grpo", f"seed{cfg.seed}"), log_dir=cfg.out)
+    trainer = GRPOTrainer(
+        collector=collector,
+        total_frames=cfg.steps * rows,
+        loss_module=loss_fn,
+        optimizer=optim,
+        replay_buffer=rb,
+        empty_replay_buffer_on_weight_update=True,  # on-policy: each batch is used, then dropped
+        num_epochs=cfg.epochs,
+        clip_norm=1.0,
+        logger=logger,
+        log_interval=0,  # every collected batch
+        log_rewards=False,  # logged below over the whole batch, not the first minibatch
+    )
     history = {"step": [], "reward": [], "eval_step": [0], "accuracy": [acc_before]}
-    acc = acc_before
-    pbar = tqdm(range(1, cfg.steps + 1), desc="GRPO", mininterval=2.0)
-    for step in pbar:
-        digits = draw_problems(train_gen, cfg.prompts_per_step, cfg.digits, eval_codes)
-        batch = sample_batch(model, ref_model, tok, cfg, digits)
-        rb.empty()
-        rb.extend(batch)  # MCAdvantage writes "advantage" per completion, group by prompt
+    advantage = next(t for t in rb.transform if isinstance(t, MCAdvantage))  # counts completions
+    seen = {"step": 0, "completions": 0, "reward_sum": 0.0}
 
-        metrics = []  # one row of METRICS per minibatch
-        for _ in range(cfg.epochs * -(-len(rb) // cfg.minibatch)):  # none if all were dropped
-            out = loss_fn(rb.sample())
-            loss = out.loss_objective + out.loss_kl_to_ref + out.loss_entropy
-            optim.zero_grad()
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(loss_fn.parameters(), 1.0)
-            optim.step()
-            metrics.append([getattr(out, k).item() for k in METRICS])
-        schedule.step()
-        # "kept": the share of completions stored (below 1 only with --dynamic-sampling)
-        logs = {"reward": batch["next", "reward"].mean().item(), "kept": len(rb) / rows}
-        if metrics:
-            logs.update(zip(METRICS, torch.tensor(metrics).mean(0).tolist()))
+    def batch_reward(_batch) -> dict:
+        """Once per collected batch: the mean reward of its completions, and the share stored
+        (below 1 only with --dynamic-sampling, which drops groups whose rewards are all equal)."""
+        stats = advantage.get_stats()
+        n = stats["completed_trajectories"] - seen["completions"]
+        value = (stats["trajectory_return_sum"] - seen["reward_sum"]) / n
+        seen.update(
+            step=seen["step"] + 1,
+            completions=stats["completed_trajectories"],
+            reward_sum=stats["trajectory_return_sum"],
+        )
+        history["step"].append(seen["step"])
+        history["reward"].append(value)
+        return {"reward": value, "kept": len(rb) / n, "log_pbar": True}
 
-        history["step"].append(step)
-        history["reward"].append(logs["reward"])
+    def evaluate(_batch) -> dict:
+        step = seen["step"]
         out_of_time = time.perf_counter() - T0 > cfg.time_limit
-        if step % cfg.eval_every == 0 or step == cfg.steps or out_of_time:
-            acc = greedy_accuracy(model, tok, eval_digits, cfg)
-            logs["accuracy"] = acc
-            history["eval_step"].append(step)
-            history["accuracy"].append(acc)
-            pbar.write(f"step {step:4d}  reward {logs['reward']:.3f}  greedy accuracy {acc:.3f}  "
-                       f"({time.perf_counter() - T0:.0f} s)")  # fmt: skip
-        for name, value in logs.items():
-            logger.log_scalar(name, value, step=step)
-        pbar.set_postfix(reward=f"{logs['reward']:.2f}", acc=f"{acc:.2f}",
-                         ESS=f"{logs.get('ESS', 1):.3f}", refresh=False)  # fmt: skip
         if out_of_time:
-            print(f"time limit {cfg.time_limit:.0f} s reached after {step} GRPO steps")
-            break
-    pbar.close()
+            trainer.request_stop()
+            tqdm.write(f"time limit {cfg.time_limit:.0f} s reached after {step} GRPO steps")
+        if step % cfg.eval_every and step != cfg.steps and not out_of_time:
+            return {}
+        acc = eval_accuracy()
+        history["eval_step"].append(step)
+        history["accuracy"].append(acc)
+        tqdm.write(f"step {step:4d}  greedy accuracy {acc:.3f}  ({time.perf_counter() - T0:.0f} s)")
+        return {"accuracy": acc, "log_pbar": True}
+
+    trainer.register_op("pre_steps_log", batch_reward)
+    trainer.register_op("post_steps", schedule.step)
+    trainer.register_op("post_steps_log", evaluate)
+    gc.freeze()  # the model and the pipeline live all run: keep them out of the GC's scans
+    trainer.train()
+    step = history["eval_step"][-1]
 
     acc_after = history["accuracy"][-1]
     run_dir = os.path.join(logger.log_dir, logger.exp_name)

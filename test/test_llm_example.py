@@ -1,5 +1,6 @@
-"""examples/llm_grpo.py: its reward, its log-prob plumbing, and a whole run on a tiny budget."""
+"""examples/llm_grpo.py: its task and reward, the torchrl components it is built from, a tiny run."""
 
+import copy
 import csv
 import importlib.util
 import math
@@ -22,6 +23,7 @@ except ImportError:
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "llm_grpo.py"
 RESULT = re.compile(r"RESULT acc_before=(\d+\.\d+) acc_after=(\d+\.\d+) wall_s=(\d+\.\d+)")
+TINY = ["--prompts-per-step", "4", "--group-size", "4", "--minibatch", "8", "--eval-prompts", "50"]
 
 
 @pytest.fixture(scope="module")
@@ -32,24 +34,28 @@ def ex():
     return module
 
 
-class TestTask:
-    def test_reward_is_exact_match(self, ex):
-        assert ex.reward("17", [3, 9, 1, 4]) == 1.0
-        assert ex.reward("7", [3, 9, 1, 4]) == 0.0
-        assert ex.reward("017", [3, 9, 1, 4]) == 0.0
-        assert ex.reward("0", [0, 0, 0, 0]) == 1.0
+@pytest.fixture(scope="module")
+def tokenizer(ex):
+    return ex.make_tokenizer()
 
-    def test_only_ended_completions_score(self, ex):
-        tok = ex.CharTokenizer()
-        digits = torch.tensor([[3, 9, 1, 4], [3, 9, 1, 4], [1, 1, 1, 1]])
-        tokens = torch.tensor(
-            [
-                tok.encode("17") + [tok.eos_id, tok.pad_id],
-                tok.encode("17") + [tok.pad_id] * 2,  # right answer, never ended
-                tok.encode("4") + [tok.eos_id] + tok.encode("99"),  # tokens after EOS ignored
-            ]
-        )
-        assert ex.completion_rewards(tok, tokens, digits).tolist() == [1.0, 0.0, 1.0]
+
+class TestTask:
+    def test_reward_is_the_exact_answer_then_end_of_sequence(self, ex):
+        assert ex.reward("17<eos>", "17") == 1.0
+        assert ex.reward("17<eos><pad>", "17") == 1.0  # padding after the end is ignored
+        assert ex.reward("17", "17") == 0.0  # right digits, never ended
+        assert ex.reward("017<eos>", "17") == 0.0
+        assert ex.reward("1<eos>", "17") == 0.0
+        assert ex.reward("17<eos>", "1") == 0.0
+        assert ex.reward("0<eos>", "0") == 1.0
+
+    def test_tokenizer_is_character_level(self, tokenizer):
+        ids = tokenizer("3 9 1 4=")["input_ids"]
+        assert len(ids) == 8
+        assert tokenizer.decode(ids) == "3 9 1 4="
+        assert tokenizer.decode(tokenizer("17<eos>")["input_ids"]) == "17<eos>"
+        assert tokenizer("17<eos>")["input_ids"][-1] == tokenizer.eos_token_id
+        assert len(tokenizer) == 14 and tokenizer.pad_token_id != tokenizer.eos_token_id
 
     def test_training_prompts_never_hit_the_evaluation_set(self, ex):
         gen = torch.Generator().manual_seed(0)
@@ -58,33 +64,105 @@ class TestTask:
         assert train.shape == (5000, 4)
         assert not torch.isin(ex.problem_code(train), ex.problem_code(held_out)).any()
 
+    def test_env_rewards_the_responses(self, ex, tokenizer):
+        """The env's reward transform scores what the policy wrote, per row, as [B, 1, 1]; the
+        accuracy is the mean reward, and evaluating does not change the stored prompts."""
+        responses = ["17<eos>", "0<pad><pad>", "5<eos><pad>"]  # right; never ended; wrong
+        response = torch.tensor([tokenizer(r)["input_ids"] for r in responses])
 
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_sampler_log_probs_are_the_trained_policy_log_probs(ex, temperature):
-    """Before any update the ratio is 1 everywhere: the sampler's per-token log-probs (KV cache,
-    temperature) equal the log-probs GRPOLoss recomputes by teacher forcing, and the KL to the
-    reference (a copy of the policy) is 0."""
-    cfg = ex.parse_args(["--temperature", str(temperature)])
+        def policy(td):  # writes fixed responses where a sampler writes its completions
+            td["tokens", "response"] = response
+            td["tokens", "full"] = torch.cat([td["tokens", "prompt"], response], -1)
+            return td
+
+        digits = torch.tensor([[3, 9, 1, 4], [0, 0, 0, 0], [1, 1, 1, 1]])
+        accuracy = ex.GreedyAccuracy(tokenizer, digits, policy)
+        assert accuracy.prompts["query"] == ["3 9 1 4=", "0 0 0 0=", "1 1 1 1="]
+        out = accuracy.env.step(policy(accuracy.prompts.copy()))
+        assert out["next", "reward"].shape == (3, 1, 1)
+        assert out["next", "reward"].flatten().tolist() == [1.0, 0.0, 0.0]
+        assert out["next", "done"].all()  # one step per episode
+        assert accuracy() == pytest.approx(1 / 3)
+        assert accuracy() == pytest.approx(1 / 3)
+        assert ("tokens", "response") not in accuracy.prompts.keys(True)
+
+
+@pytest.fixture
+def pipeline(ex, tokenizer):
+    cfg = ex.parse_args(TINY)
     torch.manual_seed(0)
-    tok = ex.CharTokenizer()
-    model = ex.make_model(cfg, tok)
-    loss_fn = ex.make_loss(model, cfg)
-    digits = ex.draw_problems(torch.Generator().manual_seed(0), 16, cfg.digits, torch.tensor([-1]))
-    batch = ex.sample_batch(model, model, tok, cfg, digits)
-    assert batch["mask"].any(-1).all() and not batch["mask"].all()  # ragged responses
-    batch["advantage"] = torch.randn(batch.shape[0], 1)
-    out = loss_fn(batch)
-    torch.testing.assert_close(out.ESS, torch.tensor(1.0))
-    assert out.clip_fraction.item() == 0.0
-    assert abs(out.kl_approx.item()) < 1e-5
-    assert abs(out.kl_to_ref.item()) < 1e-5
-    assert 0.0 < out.entropy.item() < math.log(len(tok))
+    model = ex.make_model(cfg, tokenizer)
+    gen = torch.Generator().manual_seed(0)
+    collector, rb = ex.make_collector(
+        cfg, model, copy.deepcopy(model), tokenizer, gen, torch.tensor([-1])
+    )
+    loss_fn = ex.make_loss(ex.make_scorer(model, tokenizer), cfg)
+    return cfg, model, collector, rb, loss_fn
 
 
-def test_tiny_run_prints_a_result_line(tmp_path):
-    """The script end to end on a tiny budget: one RESULT line, consistent with its own logs."""
-    args = ["--steps", "4", "--eval-every", "2", "--prompts-per-step", "8", "--group-size", "4"]
-    args += ["--minibatch", "16", "--eval-prompts", "200", "--out", str(tmp_path)]
+class TestPipeline:
+    def test_built_from_torchrl_llm_components(self, ex, pipeline):
+        from torchrl.collectors.llm import LLMCollector
+        from torchrl.data import LazyStackStorage
+        from torchrl.envs.llm import ChatEnv, RetrieveLogProb
+        from torchrl.modules.llm import TransformersWrapper
+        from torchrl.trainers.algorithms.grpo import GRPOTrainer
+
+        import torchrl_grpo
+
+        cfg, model, collector, rb, loss_fn = pipeline
+        assert isinstance(collector, LLMCollector)
+        assert isinstance(collector.env.base_env, ChatEnv)
+        assert isinstance(collector.policy, TransformersWrapper) and collector.policy.generate
+        assert collector.policy.model is model
+        assert isinstance(rb.storage, LazyStackStorage)
+        (advantage,) = [t for t in rb.transform if isinstance(t, torchrl_grpo.MCAdvantage)]
+        assert advantage.prompt_key == "query" and advantage.grpo_size == cfg.group_size
+        assert isinstance(loss_fn, torchrl_grpo.GRPOLoss)
+        assert isinstance(loss_fn.actor_network, TransformersWrapper)
+        assert not loss_fn.actor_network.generate and loss_fn.actor_network.model is model
+        source = EXAMPLE.read_text()
+        assert "GRPOTrainer(" in source and ex.GRPOTrainer is GRPOTrainer
+        assert ex.RetrieveLogProb is RetrieveLogProb
+        # no hand-written sampler, padding or tokenizer
+        for banned in ("past_key_values", "multinomial", "pad_sequence", "class CharTokenizer"):
+            assert banned not in source
+
+    def test_collected_batch_groups_completions_and_starts_on_policy(self, ex, pipeline):
+        """One collection: each prompt group_size times, advantages per group, padding only
+        after the end of a response; before any update the ratio is 1 and the KL to the
+        reference (a copy of the policy) is 0."""
+        cfg, model, collector, rb, loss_fn = pipeline
+        next(iter(collector))
+        batch = rb[:]
+        rows = cfg.prompts_per_step * cfg.group_size
+        assert batch.shape == (rows,)
+        queries = batch["query"] if "query" in batch.keys() else None
+        assert queries is None  # the strings are dropped before storage
+        advantage = batch["advantage"].reshape(cfg.prompts_per_step, cfg.group_size)
+        reward = batch["next", "reward"].reshape(cfg.prompts_per_step, cfg.group_size)
+        expected = (reward - reward.mean(-1, keepdim=True)) / reward.std(-1, keepdim=True).clamp_min(1e-6)  # fmt: skip
+        torch.testing.assert_close(advantage, expected)
+
+        response = batch["tokens", "response"]
+        tokenizer = collector.policy.tokenizer
+        ended = (response == tokenizer.eos_token_id).cumsum(-1) > 0
+        after_end = torch.cat([torch.zeros_like(ended[:, :1]), ended[:, :-1]], -1)
+        assert torch.equal(response == tokenizer.pad_token_id, after_end)
+
+        out = loss_fn(batch)
+        torch.testing.assert_close(out.ESS, torch.tensor(1.0))
+        assert out.clip_fraction.item() == 0.0
+        assert abs(out.kl_approx.item()) < 1e-5
+        assert abs(out.kl_to_ref.item()) < 1e-5
+        assert 0.0 < out.entropy.item() < math.log(len(tokenizer))
+
+
+def test_tiny_run_prints_a_result_line(tmp_path, device):
+    """The script end to end on a tiny budget, on every available device (``--device``): one
+    RESULT line, consistent with its own logs."""
+    args = ["--steps", "4", "--eval-every", "2", *TINY, "--out", str(tmp_path)]
+    args += ["--device", str(device)]
     start = time.perf_counter()
     proc = subprocess.run(
         [sys.executable, str(EXAMPLE), *args], capture_output=True, text=True, timeout=300
@@ -97,17 +175,20 @@ def test_tiny_run_prints_a_result_line(tmp_path):
     assert match, lines[-1]
     acc_before, acc_after, wall_s = map(float, match.groups())
     # the warm start stops at 30% on its validation prompts; chance is about 1 in 37
-    assert 0.15 <= acc_before <= 1.0 and 0.0 <= acc_after <= 1.0
+    assert 0.1 <= acc_before <= 1.0 and 0.0 <= acc_after <= 1.0
     assert 0.0 < wall_s <= elapsed
 
     (run_dir,) = tmp_path.iterdir()
     assert (run_dir / "llm_grpo.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     logged = {}
-    for name in ("reward", "ESS", "clip_fraction", "kl_to_ref", "entropy", "accuracy"):
+    names = ("reward", "ESS", "clip_fraction", "kl_to_ref", "entropy", "loss_objective", "accuracy")
+    for name in names:
         with open(run_dir / "scalars" / f"{name}.csv") as f:
             logged[name] = [(int(s), float(v)) for s, v in csv.reader(f)]
-    assert [s for s, _ in logged["reward"]] == [1, 2, 3, 4]
-    assert [s for s, _ in logged["accuracy"]] == [2, 4]
+    rows = 4 * 4  # prompts per step x group size: the trainer logs at the completions collected
+    assert [s for s, _ in logged["reward"]] == [rows, 2 * rows, 3 * rows, 4 * rows]
+    assert [s for s, _ in logged["ESS"]] == [rows, 2 * rows, 3 * rows, 4 * rows]
+    assert [s for s, _ in logged["accuracy"]] == [2 * rows, 4 * rows]
     assert logged["accuracy"][-1][1] == pytest.approx(acc_after, abs=1e-4)
     assert all(0.0 < v <= 1.0 + 1e-6 for _, v in logged["ESS"])
     assert all(0.0 <= v <= 1.0 for _, v in logged["clip_fraction"] + logged["reward"])

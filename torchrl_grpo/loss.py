@@ -927,7 +927,12 @@ class GRPOLoss(ClipPPOLoss):
                     f"the wrapper failed with: {err}"
                 ) from err
         logits, mask = dist.logits, dist.mask.bool()  # (B, T, V), (B, T)
+        # the wrapper may compute elsewhere than the batch lives (TransformersWrapper(device=)):
+        # the loss follows the logits
+        device = logits.device
+        stored = _Stored(*(None if value is None else value.to(device) for value in stored))
         tokens = self._get_input(tensordict, tk.action, "the sampled tokens", padding=-100)
+        tokens = tokens.to(device)
         if tokens.shape != mask.shape:
             raise ValueError(
                 f"{tk.action!r} has shape {tuple(tokens.shape)} once padded, but the policy's "
@@ -938,6 +943,7 @@ class GRPOLoss(ClipPPOLoss):
         mask = mask & torch.isfinite(old_log_prob)
         mask = mask & self._token_mask(tensordict, mask.shape, mask.device)
         truncated = self._truncated(tensordict, mask.shape, last_tokens=tokens[:, -1])
+        truncated = None if truncated is None else truncated.to(device)
         log_prob, entropy = token_log_prob_entropy(logits, tokens.masked_fill(~mask, -100))
         entropy = entropy if self._needs_entropy else None
         return self._line_up(log_prob, mask, entropy, stored._replace(old=old_log_prob), truncated)
@@ -1025,7 +1031,7 @@ class GRPOLoss(ClipPPOLoss):
         for key in dict.fromkeys((self.tensor_keys.mask, *extra)):
             if tensordict.get(key, None) is not None:
                 entry = self._get_input(tensordict, key, "a mask", padding=False)
-                mask = mask & _per_token(entry, shape, key).bool()
+                mask = mask & _per_token(entry, shape, key).bool().to(device)
         return mask
 
     def _entropy(self, dist: torch.distributions.Distribution) -> torch.Tensor:
