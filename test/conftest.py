@@ -53,6 +53,20 @@ def trajectory(group, rewards, key="seed", width=1, **extra):
     return td
 
 
+def reference_discounted_returns(rewards, lengths, gamma):
+    """``y_t = r_t + gamma * y_{t+1}`` within each run of ``lengths``, one step at a time (a
+    backward loop per trajectory, as verl-agent's ``compute_step_discounted_returns``)."""
+    out, start = [], 0
+    for n in lengths:
+        running, returns = 0.0, [0.0] * n
+        for t in reversed(range(n)):
+            running = rewards[start + t] + gamma * running
+            returns[t] = running
+        out += returns
+        start += n
+    return torch.tensor(out, dtype=torch.float64)
+
+
 def random_stream(num_groups, size, seed, *, max_len=5, binary=False, strings=False, key="seed"):
     """``num_groups * size`` trajectories of random lengths, interleaved at random."""
     rng = random.Random(seed)

@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+from conftest import reference_discounted_returns
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -297,19 +298,6 @@ class TestSegments:
 # --------------------------------------------------------------------------------------------
 # slow references for the estimators beyond GRPO, one group (or trajectory) at a time
 # --------------------------------------------------------------------------------------------
-
-
-def reference_discounted_returns(rewards, lengths, gamma):
-    """verl-agent's ``compute_step_discounted_returns``: a backward loop per trajectory."""
-    out, start = [], 0
-    for n in lengths:
-        running, returns = 0.0, [0.0] * n
-        for t in reversed(range(n)):
-            running = rewards[start + t] + gamma * running
-            returns[t] = running
-        out += returns
-        start += n
-    return torch.tensor(out, dtype=torch.float64)
 
 
 def reference_passk_verl(x, groups, norm_by_std=True, epsilon=1e-6):

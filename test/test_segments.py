@@ -6,23 +6,11 @@ where they serve the public estimators.
 
 import pytest
 import torch
+from conftest import reference_discounted_returns
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from torchrl_grpo._segments import discounted_suffix_sum
-
-
-def backward_loop(x, lengths, gamma):
-    """``y_t = x_t + gamma * y_{t+1}`` within each run, one step at a time."""
-    out, start = [], 0
-    for n in lengths:
-        running, run = 0.0, [0.0] * n
-        for t in reversed(range(n)):
-            running = x[start + t] + gamma * running
-            run[t] = running
-        out += run
-        start += n
-    return torch.tensor(out, dtype=torch.float64)
 
 
 class TestDiscountedSuffixSum:
@@ -36,7 +24,7 @@ class TestDiscountedSuffixSum:
     def test_matches_a_loop(self, lengths, gamma):
         x = torch.randn(sum(lengths), generator=torch.Generator().manual_seed(0)).double()
         out = discounted_suffix_sum(x, torch.tensor(lengths), gamma)
-        torch.testing.assert_close(out, backward_loop(x.tolist(), lengths, gamma))
+        torch.testing.assert_close(out, reference_discounted_returns(x.tolist(), lengths, gamma))
 
     @pytest.mark.parametrize(
         "lengths, gamma",
@@ -50,7 +38,7 @@ class TestDiscountedSuffixSum:
     )
     def test_each_form(self, lengths, gamma):
         x = torch.randn(sum(lengths), generator=torch.Generator().manual_seed(1)).double()
-        want = backward_loop(x.tolist(), lengths, gamma)
+        want = reference_discounted_returns(x.tolist(), lengths, gamma)
         width = lengths[0] if len(set(lengths)) == 1 else 0
         got = discounted_suffix_sum(x, torch.tensor(lengths), gamma, width=width)
         torch.testing.assert_close(got, want)
@@ -58,7 +46,7 @@ class TestDiscountedSuffixSum:
     def test_large_rewards_stay_finite(self):
         x = torch.tensor([1e200, -1e200, 1e200], dtype=torch.float64)
         got = discounted_suffix_sum(x, torch.tensor([3]), 0.5, width=3)
-        torch.testing.assert_close(got, backward_loop(x.tolist(), [3], 0.5))
+        torch.testing.assert_close(got, reference_discounted_returns(x.tolist(), [3], 0.5))
 
     @settings(max_examples=40, deadline=None)
     @given(
@@ -73,7 +61,9 @@ class TestDiscountedSuffixSum:
         rows = discounted_suffix_sum(x, lengths, gamma, width=width)
         flat = discounted_suffix_sum(x, lengths, gamma)
         torch.testing.assert_close(rows, flat)
-        torch.testing.assert_close(rows, backward_loop(x.tolist(), [width] * runs, gamma))
+        torch.testing.assert_close(
+            rows, reference_discounted_returns(x.tolist(), [width] * runs, gamma)
+        )
 
     def test_empty(self):
         assert (
