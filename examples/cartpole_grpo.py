@@ -28,7 +28,7 @@ Run::
 
     python examples/cartpole_grpo.py                     # defaults: seed 0, CSV logs, PNG
     python examples/cartpole_grpo.py --seed 1 --logger tensorboard
-    python examples/cartpole_grpo.py --layout stream     # batches cut every 4,096 steps
+    python examples/cartpole_grpo.py --layout stream     # batches cut every 8,192 steps
     python examples/cartpole_grpo.py --help
 
 Each run writes a fresh folder ``<output-dir>/seed<seed>-<date>-<time>/``: the logger's files,
@@ -62,7 +62,7 @@ MAX_EPISODE_STEPS = 500  # CartPole-v1 truncates here
 SEEDS_PER_RUN = 1_000_000  # run --seed s trains on reset seeds [s * 1e6, (s + 1) * 1e6)
 EVAL_SEED_OFFSET = 2**30  # evaluation seeds never collide with training seeds
 CONFIRM_SEED_OFFSET = EVAL_SEED_OFFSET + SEEDS_PER_RUN // 2  # nor with each other
-STREAM_FRAMES = 4096  # --frames-per-batch of --layout stream: 64 steps of each of 64 sub-envs
+STREAM_FRAMES = 8192  # --frames-per-batch of --layout stream: 128 steps of each of 64 sub-envs
 EPISODES_POLL_FRAMES = 512  # ... of --layout episodes: 8 steps of each, between two looks
 
 
