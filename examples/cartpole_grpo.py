@@ -7,16 +7,17 @@ env transform, hands each reset seed to ``G`` episodes and stamps it on every st
 sub-environments stepped together behind one ``GymWrapper``. ``--layout`` chooses its batches:
 ``episodes`` (the default), ``--groups`` x ``--group-size`` complete episodes
 (``trajs_per_batch``); or ``stream``, ``--frames-per-batch`` steps of every sub-env, episodes cut
-anywhere.
+anywhere, each batch extended into the buffer as it comes.
 :class:`torchrl_grpo.MCAdvantage`, appended to a torchrl ``ReplayBuffer``, joins the pieces of
 each episode (``stream``), groups the episodes by seed and writes group-relative advantages once
 a group is complete (a group whose episodes are still running waits for a later batch); each
 step's sample is its discounted reward-to-go, computed by the transform on the whole episode.
 :class:`torchrl_grpo.GRPOLoss` (a ClipPPOLoss without critic) then optimizes a torchrl
-``ProbabilisticActor`` on the released steps for a few epochs; the buffer is emptied after each
-batch (each step is used for one batch's epochs only).
+``ProbabilisticActor`` on the released steps for a few epochs (``stream``: once they hold
+``--groups`` x ``--group-size`` episodes); the buffer is then emptied (each step is used for one
+training batch's epochs only).
 
-After every batch that released steps, the greedy policy plays ``--eval-episodes`` fresh episodes (``env.rollout``);
+After every training batch, the greedy policy plays ``--eval-episodes`` fresh episodes (``env.rollout``);
 when their mean return reaches ``--target-return``, ``--confirm-episodes`` more fresh episodes
 decide (gym's criterion is a mean over 100): training stops if their mean, less two standard
 errors, reaches it too, or when ``--time-budget`` seconds have passed since the script started.
@@ -73,7 +74,11 @@ class Settings:
     seed: int = field(default=0, metadata={"help": "seed of torch and of the reset seeds"})
     group_size: int = field(default=4, metadata={"help": "G: episodes per group, one reset seed"})
     groups: int = field(
-        default=16, metadata={"help": "episodes per batch, in groups: a batch is groups x G"}
+        default=16,
+        metadata={
+            "help": "episodes per training batch, in groups: a batch is groups x G (stream: at "
+            "least, gathered from the collector's batches)"
+        },
     )
     num_envs: int = field(
         default=64, metadata={"help": "gymnasium sub-environments stepped together"}
@@ -345,23 +350,26 @@ def main(argv: list[str] | None = None) -> dict:
     # The collector plays the policy (sampling actions) on every sub-env without pause: a finished
     # sub-env is reset (by SameStartGroups, with the next seed) and plays on. Every environment
     # step counts, finished or not.
+    episodes_per_batch = cfg.groups * cfg.group_size  # a training batch, in whole episodes
     if cfg.layout == "stream":
-        # [num_envs, T] batches of `frames_per_batch` steps, episodes cut anywhere: MCAdvantage
-        # holds each unfinished episode (by its ("collector", "traj_ids")) and joins it with its
-        # continuation in later batches
+        # [num_envs, T] batches of `frames_per_batch` steps, episodes cut anywhere, extended as
+        # they come: MCAdvantage holds each unfinished episode (by its ("collector", "traj_ids"))
+        # and joins it with its continuation in later batches. Training waits until the released
+        # groups hold `episodes_per_batch` episodes.
         frames_per_batch = cfg.frames_per_batch or STREAM_FRAMES
         layout = dict(frames_per_batch=frames_per_batch)
-        incoming = frames_per_batch + cfg.num_envs * MAX_EPISODE_STEPS  # ... and the held pieces
+        # before the last extend, fewer episodes than a training batch; that extend brings a
+        # batch and the held pieces of the episodes it ends (one a sub-env)
+        incoming = (episodes_per_batch + cfg.num_envs) * MAX_EPISODE_STEPS + frames_per_batch
     else:
-        # batches of `episodes` complete episodes, flat, one after the other, assembled from polls
-        # of `frames_per_batch` steps; episodes still running wait for a later batch
-        episodes = cfg.groups * cfg.group_size
+        # batches of `episodes_per_batch` complete episodes, flat, one after the other, assembled
+        # from polls of `frames_per_batch` steps; episodes still running wait for a later batch
         layout = dict(
             frames_per_batch=cfg.frames_per_batch or EPISODES_POLL_FRAMES,
-            trajs_per_batch=episodes,
+            trajs_per_batch=episodes_per_batch,
             traj_format="cat",
         )
-        incoming = episodes * MAX_EPISODE_STEPS
+        incoming = episodes_per_batch * MAX_EPISODE_STEPS
     polled = []  # env steps of every poll of the sub-envs
     collector = Collector(
         env,
@@ -383,7 +391,7 @@ def main(argv: list[str] | None = None) -> dict:
     )
     buffer.append_transform(advantage)
 
-    history, evals, out = [], [], None
+    history, evals, out, trained = [], [], None, 0  # trained: episodes trained on so far
     eval_return = float("nan")
     seconds = {"setup": time.perf_counter() - START, "play": 0.0, "optimize": 0.0, "evaluate": 0.0}
     bar = tqdm(unit=" steps", unit_scale=True, disable=cfg.no_progress, dynamic_ncols=True)
@@ -401,9 +409,11 @@ def main(argv: list[str] | None = None) -> dict:
         tock = time.perf_counter()
         seconds["play"] += tock - tick
         buffer.extend(steps)
-        if not len(buffer):  # no group completed: the policy is unchanged, play on
+        ready = advantage.written_groups * cfg.group_size - trained  # released, not trained on
+        if not ready or (cfg.layout == "stream" and ready < episodes_per_batch):
             seconds["optimize"] += time.perf_counter() - tock
-            continue
+            continue  # no new group (stream: not a training batch yet): play on
+        trained += ready
         # the mean return of the batch's whole episodes (stream: of the episodes released)
         train_return = mean_episode_return(steps if cfg.layout == "episodes" else buffer[:])
         # 3. a few epochs of minibatches over the released steps, then forget them (on-policy)

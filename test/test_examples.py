@@ -194,10 +194,12 @@ class TestCartPoleDemo:
 
     def test_stream_layout_joins_episodes_across_batches(self, example, tmp_path):
         """--layout stream: batches of 8 steps of each of 8 sub-envs, so every episode longer
-        than 8 steps crosses batches; MCAdvantage joins them, and only whole groups train."""
+        than 8 steps crosses batches; MCAdvantage joins them, and training waits for 2 whole
+        groups of 4."""
         result = example.main(
             ["--layout", "stream", "--frames-per-batch", "64", "--num-envs", "8"]
-            + ["--group-size", "4", "--eval-episodes", "4", "--confirm-episodes", "0"]
+            + ["--groups", "2", "--group-size", "4"]
+            + ["--eval-episodes", "4", "--confirm-episodes", "0"]
             + ["--max-env-steps", "640", "--output-dir", str(tmp_path), "--no-progress"]
         )
         env_steps = result["env_steps"]
@@ -207,8 +209,9 @@ class TestCartPoleDemo:
             trained = [(int(steps), float(ret)) for steps, ret in csv.reader(f)]
         with open(run_dir / "scalars" / "eval" / "return.csv") as f:
             evaluated = [int(steps) for steps, _ in csv.reader(f)]
-        # a batch that released no complete group neither trains nor evaluates
-        assert 1 <= len(trained) <= env_steps // 64 and [s for s, _ in trained] == evaluated
+        # a batch that did not complete a training batch of 2 groups neither trains nor
+        # evaluates; one that did, does both
+        assert 1 <= len(trained) < env_steps // 64 and [s for s, _ in trained] == evaluated
         assert all(s % 64 == 0 and s <= env_steps for s, _ in trained)
         # the released episodes are whole: their mean length (CartPole pays 1 a step) exceeds
         # the 8 steps of a sub-env a batch holds, so they were joined across batches
