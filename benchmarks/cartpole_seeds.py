@@ -20,7 +20,7 @@ Environment table. The cost of one environment step along the demo's path, again
 gymnasium ``CartPole-v1`` step measured in the same process: a torchrl ``GymEnv`` stepping one
 env, a ``GymWrapper`` around a ``SyncVectorEnv`` of 64, and a torchrl ``Collector`` with the
 untrained policy sampling actions, over several layouts (sub-envs, steps of each between two
-polls), with and without ``SameStartGroups`` (PPO's layout, and the demo's two: ``stream``, 128
+polls), with and without ``SameStartGroups`` (PPO's layout, and the demo's two: ``stream``, 32
 steps of each of 64 sub-envs a batch; ``episodes``, batches of 64 whole episodes assembled from
 polls of 8 steps).
 
@@ -317,7 +317,7 @@ def env_costs(demo) -> None:
     single.close()
     layouts = [(64, 8, False, None), (16, 8, True, None), (32, 8, True, None)]
     layouts += [(64, 2, True, None), (64, 8, True, None), (64, 32, True, None)]
-    layouts += [(64, 128, True, None), (64, 8, True, 64), (128, 8, True, None)]
+    layouts += [(64, 8, True, 64), (128, 8, True, None)]
     for num_envs, steps_per_poll, grouped, episodes in layouts:
         env = demo.make_env(num_envs, range(2**20), 4)
         stepper, collector = collector_stepper(
@@ -325,7 +325,7 @@ def env_costs(demo) -> None:
         )
         name = f"Collector, {num_envs} envs x {steps_per_poll} steps a poll, policy"
         name += ", SameStartGroups" if grouped else " (PPO's layout)"
-        if (num_envs, steps_per_poll, episodes) == (64, 128, None):
+        if (num_envs, steps_per_poll, episodes) == (64, 32, None):
             name += " (stream layout)"
         elif episodes is not None:
             name += f", trajs_per_batch={episodes} (episodes layout)"

@@ -5,9 +5,9 @@ same seed, so they start from the same state: :class:`torchrl_grpo.SameStartGrou
 env transform, hands each reset seed to ``G`` episodes and stamps it on every step as
 ``"reset_seed"``. A torchrl ``Collector`` plays the policy on ``--num-envs`` gymnasium
 sub-environments stepped together behind one ``GymWrapper``. ``--layout`` chooses its batches:
-``episodes`` (the default), ``--groups`` x ``--group-size`` complete episodes
-(``trajs_per_batch``); or ``stream``, ``--frames-per-batch`` steps of every sub-env, episodes cut
-anywhere, each batch extended into the buffer as it comes.
+``stream`` (the default), ``--frames-per-batch`` steps of every sub-env, episodes cut anywhere,
+each batch extended into the buffer as it comes; or ``episodes``, ``--groups`` x ``--group-size``
+complete episodes (``trajs_per_batch``).
 :class:`torchrl_grpo.MCAdvantage`, appended to a torchrl ``ReplayBuffer``, joins the pieces of
 each episode (``stream``), groups the episodes by seed and writes group-relative advantages once
 a group is complete (a group whose episodes are still running waits for a later batch); each
@@ -29,7 +29,7 @@ Run::
 
     python examples/cartpole_grpo.py                     # defaults: seed 0, CSV logs, PNG
     python examples/cartpole_grpo.py --seed 1 --logger tensorboard
-    python examples/cartpole_grpo.py --layout stream     # batches cut every 8,192 steps
+    python examples/cartpole_grpo.py --layout episodes   # batches of whole episodes
     python examples/cartpole_grpo.py --help
 
 Each run writes a fresh folder ``<output-dir>/seed<seed>-<date>-<time>/``: the logger's files,
@@ -63,7 +63,7 @@ MAX_EPISODE_STEPS = 500  # CartPole-v1 truncates here
 SEEDS_PER_RUN = 1_000_000  # run --seed s trains on reset seeds [s * 1e6, (s + 1) * 1e6)
 EVAL_SEED_OFFSET = 2**30  # evaluation seeds never collide with training seeds
 CONFIRM_SEED_OFFSET = EVAL_SEED_OFFSET + SEEDS_PER_RUN // 2  # nor with each other
-STREAM_FRAMES = 8192  # --frames-per-batch of --layout stream: 128 steps of each of 64 sub-envs
+STREAM_FRAMES = 2048  # --frames-per-batch of --layout stream: 32 steps of each of 64 sub-envs
 EPISODES_POLL_FRAMES = 512  # ... of --layout episodes: 8 steps of each, between two looks
 
 
@@ -84,7 +84,7 @@ class Settings:
         default=64, metadata={"help": "gymnasium sub-environments stepped together"}
     )
     layout: str = field(
-        default="episodes",
+        default="stream",
         metadata={
             "choices": ["stream", "episodes"],
             "help": "the collector's batches: 'stream', --frames-per-batch steps, episodes cut "
