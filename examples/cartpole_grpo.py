@@ -17,10 +17,11 @@ step's sample is its discounted reward-to-go, computed by the transform on the w
 ``--groups`` x ``--group-size`` episodes); the buffer is then emptied (each step is used for one
 training batch's epochs only).
 
-After every training batch, the greedy policy plays ``--eval-episodes`` fresh episodes (``env.rollout``);
-when their mean return reaches ``--target-return``, ``--confirm-episodes`` more fresh episodes
-decide (gym's criterion is a mean over 100): training stops if their mean, less two standard
-errors, reaches it too, or when ``--time-budget`` seconds have passed since the script started.
+After every training batch, the greedy policy plays ``--eval-episodes`` fresh episodes
+(``env.rollout``); when their mean return reaches ``--target-return``, ``--confirm-episodes`` more
+fresh episodes decide (gym's criterion is a mean over 100): training stops if their mean, less two
+standard errors, reaches it too, or when ``--time-budget`` seconds have passed since the script
+started.
 The last line printed is parseable::
 
     RESULT solved=<true|false> wall_s=<float> env_steps=<int> eval_return=<float>
@@ -96,9 +97,9 @@ class Settings:
         default=None,
         metadata={
             "type": int,
-            "help": "env steps (all sub-envs) per collector batch: one training batch with "
-            f"--layout stream (default {STREAM_FRAMES}); with --layout episodes, the steps "
-            f"between two looks for finished episodes (default {EPISODES_POLL_FRAMES})",
+            "help": "env steps (all sub-envs) per collector batch: with --layout stream, what "
+            f"each buffer.extend brings (default {STREAM_FRAMES}); with --layout episodes, the "
+            f"steps between two looks for finished episodes (default {EPISODES_POLL_FRAMES})",
         },
     )
     epochs: int = field(default=4, metadata={"help": "passes of GRPOLoss over each batch"})

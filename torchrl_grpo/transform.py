@@ -136,7 +136,8 @@ def _reward_to_go_gamma(
     if trajectory_return is not None:
         raise ValueError(
             "reward_to_go_gamma makes each step's sample its discounted reward-to-go, a per-step "
-            f"mode: it requires trajectory_return=None, got trajectory_return={trajectory_return!r}."
+            "mode: it requires trajectory_return=None, got "
+            f"trajectory_return={trajectory_return!r}."
         )
     if anchor_key is not None:
         raise ValueError(
