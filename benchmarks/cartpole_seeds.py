@@ -20,12 +20,15 @@ Environment table. The cost of one environment step along the demo's path, again
 gymnasium ``CartPole-v1`` step measured in the same process: a torchrl ``GymEnv`` stepping one
 env, a ``GymWrapper`` around a ``SyncVectorEnv`` of 64, and a torchrl ``Collector`` with the
 untrained policy sampling actions, over several layouts (sub-envs, steps of each between two
-polls), with and without ``SameStartGroups`` (the demo's and PPO's layouts).
+polls), with and without ``SameStartGroups`` (PPO's layout, and the demo's two: ``stream``, 32
+steps of each of 64 sub-envs a batch; ``episodes``, batches of 64 whole episodes assembled from
+polls of 8 steps).
 
 Run::
 
     python benchmarks/cartpole_seeds.py                               # seeds 0-4, GRPO and PPO
     python benchmarks/cartpole_seeds.py --algorithms grpo --advantage reward-to-go return
+    python benchmarks/cartpole_seeds.py --algorithms grpo --layout stream episodes --no-env-costs
     python benchmarks/cartpole_seeds.py --seeds 0 1 2 -- --lr 3e-3   # extra demo arguments
 """
 
@@ -62,6 +65,13 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
         default=["grpo", "ppo"],
         choices=["grpo", "ppo"],
         help="the GRPO demo, torchrl's PPO (benchmarks/cartpole_ppo.py), or both",
+    )
+    p.add_argument(
+        "--layout",
+        nargs="+",
+        default=[None],
+        choices=["stream", "episodes"],
+        help="GRPO collector layouts to compare (default: the demo's default only)",
     )
     p.add_argument(
         "--advantage",
@@ -277,12 +287,25 @@ def env_costs(demo) -> None:
 
         return step
 
-    def collector_stepper(env, steps_per_poll: int):  # the untrained policy, sampling
+    def collector_stepper(env, steps_per_poll: int, episodes: int | None = None):
+        """The untrained policy, sampling; with ``episodes``, batches of whole episodes. Each
+        call takes a batch and returns the steps played for it (every poll's)."""
         torch.manual_seed(0)
         frames = env.batch_size.numel() * steps_per_poll
-        collector = Collector(env, demo.make_actor(64), frames_per_batch=frames, total_frames=-1)
+        whole = {} if episodes is None else dict(trajs_per_batch=episodes, traj_format="cat")
+        polled = []
+        collector = Collector(
+            env, demo.make_actor(64), frames_per_batch=frames, total_frames=-1,
+            post_collect_hook=lambda steps: polled.append(steps.numel()), **whole,
+        )  # fmt: skip
         batches = iter(collector)
-        return (lambda: next(batches).numel()), collector
+
+        def step() -> int:
+            polled.clear()
+            next(batches)
+            return sum(polled)
+
+        return step, collector
 
     single = GymEnv("CartPole-v1", categorical_action_encoding=True)
     vector = demo.make_env(64, range(2**20), 4).base_env  # the demo's env without the transform
@@ -292,14 +315,22 @@ def env_costs(demo) -> None:
         ("torchrl GymWrapper(SyncVectorEnv), 64 envs", per_step(torchrl_stepper(vector), 300)),
     ]
     single.close()
-    layouts = [(64, 8, False), (16, 8, True), (32, 8, True), (64, 2, True), (64, 8, True)]
-    layouts += [(64, 32, True), (128, 8, True)]
-    for num_envs, steps_per_poll, grouped in layouts:
+    layouts = [(64, 8, False, None), (16, 8, True, None), (32, 8, True, None)]
+    layouts += [(64, 2, True, None), (64, 8, True, None), (64, 32, True, None)]
+    layouts += [(64, 8, True, 64), (128, 8, True, None)]
+    for num_envs, steps_per_poll, grouped, episodes in layouts:
         env = demo.make_env(num_envs, range(2**20), 4)
-        stepper, collector = collector_stepper(env if grouped else env.base_env, steps_per_poll)
+        stepper, collector = collector_stepper(
+            env if grouped else env.base_env, steps_per_poll, episodes
+        )
         name = f"Collector, {num_envs} envs x {steps_per_poll} steps a poll, policy"
         name += ", SameStartGroups" if grouped else " (PPO's layout)"
-        costs.append((name, per_step(stepper, max(10, 20_000 // (num_envs * steps_per_poll)))))
+        if (num_envs, steps_per_poll, episodes) == (64, 32, None):
+            name += " (stream layout)"
+        elif episodes is not None:
+            name += f", trajs_per_batch={episodes} (episodes layout)"
+        calls = max(10, 20_000 // (num_envs * steps_per_poll)) if episodes is None else 10
+        costs.append((name, per_step(stepper, calls)))
         collector.shutdown()
     reference = costs[0][1]
     lines = [[name, f"{us:.1f}", f"{us / reference:.1f}"] for name, us in costs]
@@ -314,10 +345,12 @@ def main(argv: list[str] | None = None) -> None:
     reference = import_time()
     runs = []
     if "grpo" in args.algorithms:
-        for advantage in args.advantage:
-            label = "GRPO" if advantage is None else f"GRPO {advantage}"
-            grpo_args = [*([] if advantage is None else ["--advantage", advantage]), *extra]
-            runs.append(("grpo", label, EXAMPLE, grpo_args))
+        for layout in args.layout:
+            for advantage in args.advantage:
+                label = " ".join(["GRPO", *(v for v in (layout, advantage) if v is not None)])
+                grpo_args = [*([] if layout is None else ["--layout", layout])]
+                grpo_args += [*([] if advantage is None else ["--advantage", advantage]), *extra]
+                runs.append(("grpo", label, EXAMPLE, grpo_args))
     if "ppo" in args.algorithms:
         runs.append(("ppo", "PPO", PPO, []))
     rows = []

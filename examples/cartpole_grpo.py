@@ -4,18 +4,24 @@ GRPO compares episodes that share a starting point. Here a group is ``G`` episod
 same seed, so they start from the same state: :class:`torchrl_grpo.SameStartGroups`, a torchrl
 env transform, hands each reset seed to ``G`` episodes and stamps it on every step as
 ``"reset_seed"``. A torchrl ``Collector`` plays the policy on ``--num-envs`` gymnasium
-sub-environments stepped together behind one ``GymWrapper``, and yields batches of
-``--groups`` x ``--group-size`` complete episodes (``trajs_per_batch``).
-:class:`torchrl_grpo.MCAdvantage`, appended to a torchrl ``ReplayBuffer``, groups the episodes by
-seed and writes group-relative advantages once a group is complete (a group whose episodes are
-still running waits for the next batch). :class:`torchrl_grpo.GRPOLoss` (a ClipPPOLoss without
-critic) then optimizes a torchrl ``ProbabilisticActor`` on the released steps for a few epochs;
-the buffer is emptied after each batch (each step is used for one batch's epochs only).
+sub-environments stepped together behind one ``GymWrapper``. ``--layout`` chooses its batches:
+``stream`` (the default), ``--frames-per-batch`` steps of every sub-env, episodes cut anywhere,
+each batch extended into the buffer as it comes; or ``episodes``, ``--groups`` x ``--group-size``
+complete episodes (``trajs_per_batch``).
+:class:`torchrl_grpo.MCAdvantage`, appended to a torchrl ``ReplayBuffer``, joins the pieces of
+each episode (``stream``), groups the episodes by seed and writes group-relative advantages once
+a group is complete (a group whose episodes are still running waits for a later batch); each
+step's sample is its discounted reward-to-go, computed by the transform on the whole episode.
+:class:`torchrl_grpo.GRPOLoss` (a ClipPPOLoss without critic) then optimizes a torchrl
+``ProbabilisticActor`` on the released steps for a few epochs (``stream``: once they hold
+``--groups`` x ``--group-size`` episodes); the buffer is then emptied (each step is used for one
+training batch's epochs only).
 
-After every batch the greedy policy plays ``--eval-episodes`` fresh episodes (``env.rollout``);
-when their mean return reaches ``--target-return``, ``--confirm-episodes`` more fresh episodes
-decide (gym's criterion is a mean over 100): training stops if their mean, less two standard
-errors, reaches it too, or when ``--time-budget`` seconds have passed since the script started.
+After every training batch, the greedy policy plays ``--eval-episodes`` fresh episodes
+(``env.rollout``); when their mean return reaches ``--target-return``, ``--confirm-episodes`` more
+fresh episodes decide (gym's criterion is a mean over 100): training stops if their mean, less two
+standard errors, reaches it too, or when ``--time-budget`` seconds have passed since the script
+started.
 The last line printed is parseable::
 
     RESULT solved=<true|false> wall_s=<float> env_steps=<int> eval_return=<float>
@@ -24,6 +30,7 @@ Run::
 
     python examples/cartpole_grpo.py                     # defaults: seed 0, CSV logs, PNG
     python examples/cartpole_grpo.py --seed 1 --logger tensorboard
+    python examples/cartpole_grpo.py --layout episodes   # batches of whole episodes
     python examples/cartpole_grpo.py --help
 
 Each run writes a fresh folder ``<output-dir>/seed<seed>-<date>-<time>/``: the logger's files,
@@ -48,7 +55,6 @@ from torchrl.collectors import Collector
 from torchrl.data import LazyTensorStorage, ReplayBuffer, SamplerWithoutReplacement
 from torchrl.envs import ExplorationType, GymWrapper, TransformedEnv, set_exploration_type
 from torchrl.modules import MLP, ProbabilisticActor
-from torchrl.objectives.value.functional import reward2go
 from torchrl.record.loggers import get_logger
 from tqdm import tqdm
 
@@ -58,6 +64,8 @@ MAX_EPISODE_STEPS = 500  # CartPole-v1 truncates here
 SEEDS_PER_RUN = 1_000_000  # run --seed s trains on reset seeds [s * 1e6, (s + 1) * 1e6)
 EVAL_SEED_OFFSET = 2**30  # evaluation seeds never collide with training seeds
 CONFIRM_SEED_OFFSET = EVAL_SEED_OFFSET + SEEDS_PER_RUN // 2  # nor with each other
+STREAM_FRAMES = 2048  # --frames-per-batch of --layout stream: 32 steps of each of 64 sub-envs
+EPISODES_POLL_FRAMES = 512  # ... of --layout episodes: 8 steps of each, between two looks
 
 
 @dataclass
@@ -67,14 +75,32 @@ class Settings:
     seed: int = field(default=0, metadata={"help": "seed of torch and of the reset seeds"})
     group_size: int = field(default=4, metadata={"help": "G: episodes per group, one reset seed"})
     groups: int = field(
-        default=16, metadata={"help": "episodes per batch, in groups: a batch is groups x G"}
+        default=16,
+        metadata={
+            "help": "episodes per training batch, in groups: a batch is groups x G (stream: at "
+            "least, gathered from the collector's batches)"
+        },
     )
     num_envs: int = field(
         default=64, metadata={"help": "gymnasium sub-environments stepped together"}
     )
-    frames_per_batch: int = field(
-        default=512,
-        metadata={"help": "env steps (all sub-envs) between two looks for finished episodes"},
+    layout: str = field(
+        default="stream",
+        metadata={
+            "choices": ["stream", "episodes"],
+            "help": "the collector's batches: 'stream', --frames-per-batch steps, episodes cut "
+            "anywhere and joined by MCAdvantage; 'episodes', --groups x --group-size whole "
+            "episodes (trajs_per_batch)",
+        },
+    )
+    frames_per_batch: int | None = field(
+        default=None,
+        metadata={
+            "type": int,
+            "help": "env steps (all sub-envs) per collector batch: with --layout stream, what "
+            f"each buffer.extend brings (default {STREAM_FRAMES}); with --layout episodes, the "
+            f"steps between two looks for finished episodes (default {EPISODES_POLL_FRAMES})",
+        },
     )
     epochs: int = field(default=4, metadata={"help": "passes of GRPOLoss over each batch"})
     minibatch_size: int = field(default=1024, metadata={"help": "steps per gradient step"})
@@ -238,6 +264,11 @@ def greedy_return(
     return float(returns.mean()), bool(lower >= target)
 
 
+def mean_episode_return(steps) -> float:
+    """Mean return of the whole episodes laid flat in ``steps`` (each ends with done)."""
+    return float(steps["next", "reward"].sum()) / int(steps["next", "done"].sum())
+
+
 def save_plot(history: list[dict], evals: list[dict], target: float, path: Path) -> None:
     """Return against environment steps and against wall time, as a PNG."""
     import matplotlib
@@ -305,48 +336,63 @@ def main(argv: list[str] | None = None) -> dict:
     loss_module = GRPOLoss(actor, clip_epsilon=cfg.clip_epsilon, entropy_coeff=cfg.entropy_coeff)
     optimizer = torch.optim.Adam(loss_module.parameters(), lr=cfg.lr)
 
-    # The group id is the reset seed; MCAdvantage releases a group once its G episodes arrived.
+    # The group id is the reset seed; MCAdvantage releases a group once its G episodes ended.
     if cfg.advantage == "reward-to-go":
-        # every step is a sample: A = (reward-to-go - group mean) / group std, over the group's steps
+        # every step is a sample: A = (G_t - group mean) / group std, over the group's steps, where
+        # G_t = r_t + gamma * G_{t+1} is the step's discounted reward-to-go in its whole episode
         advantage = MCAdvantage(
-            grpo_size=cfg.group_size, prompt_key="reset_seed", rewards_key=("next", "reward_to_go")
+            grpo_size=cfg.group_size, prompt_key="reset_seed", reward_to_go_gamma=cfg.gamma
         )
     else:
         # every episode is a sample: A = (return - group mean) / group std, on all its steps
         advantage = MCAdvantage(
             grpo_size=cfg.group_size, prompt_key="reset_seed", trajectory_return="sum"
         )
-    episodes_per_batch = cfg.groups * cfg.group_size
-    # One extend releases at most this batch's episodes and those held back earlier: a pending
-    # group has a member still running on a sub-env (or is the group the seeds are at).
-    held_back = (cfg.group_size - 1) * (cfg.num_envs + 1)
+    # The collector plays the policy (sampling actions) on every sub-env without pause: a finished
+    # sub-env is reset (by SameStartGroups, with the next seed) and plays on. Every environment
+    # step counts, finished or not.
+    episodes_per_batch = cfg.groups * cfg.group_size  # a training batch, in whole episodes
+    if cfg.layout == "stream":
+        # [num_envs, T] batches of `frames_per_batch` steps, episodes cut anywhere, extended as
+        # they come: MCAdvantage holds each unfinished episode (by its ("collector", "traj_ids"))
+        # and joins it with its continuation in later batches. Training waits until the released
+        # groups hold `episodes_per_batch` episodes.
+        frames_per_batch = cfg.frames_per_batch or STREAM_FRAMES
+        layout = dict(frames_per_batch=frames_per_batch)
+        # before the last extend, fewer episodes than a training batch; that extend brings a
+        # batch and the held pieces of the episodes it ends (one a sub-env)
+        incoming = (episodes_per_batch + cfg.num_envs) * MAX_EPISODE_STEPS + frames_per_batch
+    else:
+        # batches of `episodes_per_batch` complete episodes, flat, one after the other, assembled
+        # from polls of `frames_per_batch` steps; episodes still running wait for a later batch
+        layout = dict(
+            frames_per_batch=cfg.frames_per_batch or EPISODES_POLL_FRAMES,
+            trajs_per_batch=episodes_per_batch,
+            traj_format="cat",
+        )
+        incoming = episodes_per_batch * MAX_EPISODE_STEPS
+    polled = []  # env steps of every poll of the sub-envs
+    collector = Collector(
+        env,
+        actor,
+        total_frames=-1,
+        exploration_type=ExplorationType.RANDOM,
+        post_collect_hook=lambda steps: polled.append(steps.numel()),
+        **layout,
+    )
+    batches = iter(collector)
+    # One extend releases at most the episodes that end in this batch and those that ended
+    # earlier in groups still pending: a pending group has a member still running on a sub-env
+    # (or is the group the seeds are at), and holds at most G - 1 ended episodes.
+    held_back = (cfg.group_size - 1) * (cfg.num_envs + 1) * MAX_EPISODE_STEPS
     buffer = ReplayBuffer(
-        storage=LazyTensorStorage(
-            (episodes_per_batch + held_back) * MAX_EPISODE_STEPS, device=cfg.device
-        ),
+        storage=LazyTensorStorage(incoming + held_back, device=cfg.device),
         sampler=SamplerWithoutReplacement(),
         batch_size=cfg.minibatch_size,
     )
     buffer.append_transform(advantage)
 
-    # The collector plays the policy (sampling actions) on every sub-env without pause: a finished
-    # sub-env is reset (by SameStartGroups, with the next seed) and plays on. Each batch it yields
-    # holds `episodes_per_batch` complete episodes, flat, one after the other; episodes still
-    # running wait for a later batch. Every environment step counts, finished or not.
-    polled = []  # env steps of every poll of the sub-envs
-    collector = Collector(
-        env,
-        actor,
-        frames_per_batch=cfg.frames_per_batch,
-        total_frames=-1,
-        trajs_per_batch=episodes_per_batch,
-        traj_format="cat",
-        exploration_type=ExplorationType.RANDOM,
-        post_collect_hook=lambda steps: polled.append(steps.numel()),
-    )
-    batches = iter(collector)
-
-    history, evals, out = [], [], None
+    history, evals, out, trained = [], [], None, 0  # trained: episodes trained on so far
     eval_return = float("nan")
     seconds = {"setup": time.perf_counter() - START, "play": 0.0, "optimize": 0.0, "evaluate": 0.0}
     bar = tqdm(unit=" steps", unit_scale=True, disable=cfg.no_progress, dynamic_ncols=True)
@@ -356,21 +402,23 @@ def main(argv: list[str] | None = None) -> dict:
             cfg.max_env_steps is not None and sum(polled) >= cfg.max_env_steps
         ):
             break
-        # 1. play until `episodes_per_batch` more episodes are complete
+        # 1. play a batch: `frames_per_batch` steps (stream), or until enough episodes ended
         tick = time.perf_counter()
         steps = next(batches)
-        if cfg.advantage == "reward-to-go":
-            steps["next", "reward_to_go"] = reward2go(
-                steps["next", "reward"], steps["next", "done"], cfg.gamma, time_dim=-2
-            )
-        train_return = float(steps["next", "reward"].sum()) / episodes_per_batch
 
         # 2. the transform writes the advantages and releases the complete groups to storage
         tock = time.perf_counter()
         seconds["play"] += tock - tick
         buffer.extend(steps)
+        ready = advantage.written_groups * cfg.group_size - trained  # released, not trained on
+        if not ready or (cfg.layout == "stream" and ready < episodes_per_batch):
+            seconds["optimize"] += time.perf_counter() - tock
+            continue  # no new group (stream: not a training batch yet): play on
+        trained += ready
+        # the mean return of the batch's whole episodes (stream: of the episodes released)
+        train_return = mean_episode_return(steps if cfg.layout == "episodes" else buffer[:])
         # 3. a few epochs of minibatches over the released steps, then forget them (on-policy)
-        for _ in range(cfg.epochs if len(buffer) else 0):
+        for _ in range(cfg.epochs):
             for batch in buffer:
                 out = loss_module(batch)
                 loss = out.loss_objective + out.loss_entropy

@@ -124,7 +124,8 @@ class TestGreedyReturn:
 class TestCartPoleDemo:
     def test_tiny_budget_run(self, example, tmp_path):
         # one small batch (8 episodes: 2 seeds x 4, on 8 sub-envs), then the step budget stops it
-        cmd = [sys.executable, str(EXAMPLE), "--groups", "2", "--group-size", "4"]
+        cmd = [sys.executable, str(EXAMPLE), "--layout", "episodes"]
+        cmd += ["--groups", "2", "--group-size", "4"]
         cmd += ["--num-envs", "8", "--frames-per-batch", "64", "--eval-episodes", "4"]
         cmd += ["--confirm-episodes", "8"]
         cmd += ["--max-env-steps", "1", "--output-dir", str(tmp_path), "--no-progress"]
@@ -164,7 +165,8 @@ class TestCartPoleDemo:
     def test_zero_epochs_plays_and_logs_without_a_loss(self, example, tmp_path):
         # issue 13: --epochs 0 died with a NameError when logging the loss it never computed
         result = example.main(
-            ["--epochs", "0", "--groups", "2", "--group-size", "4", "--num-envs", "8"]
+            ["--layout", "episodes", "--epochs", "0", "--groups", "2", "--group-size", "4"]
+            + ["--num-envs", "8"]
             + ["--frames-per-batch", "64", "--eval-episodes", "4", "--max-env-steps", "1"]
             + ["--output-dir", str(tmp_path), "--no-progress"]
         )
@@ -179,7 +181,8 @@ class TestCartPoleDemo:
         """--device: policy, env outputs, buffer and loss on ``device``; the saved policy on the
         CPU (loads anywhere without map_location)."""
         result = example.main(
-            ["--device", str(device), "--groups", "2", "--group-size", "4", "--num-envs", "8"]
+            ["--device", str(device), "--layout", "episodes", "--groups", "2", "--group-size", "4"]
+            + ["--num-envs", "8"]
             + ["--frames-per-batch", "64", "--eval-episodes", "4", "--max-env-steps", "1"]
             + ["--confirm-episodes", "0", "--output-dir", str(tmp_path), "--no-progress"]
         )
@@ -188,6 +191,32 @@ class TestCartPoleDemo:
         saved = torch.load(run_dir / "policy.pt", weights_only=True)
         assert {v.device.type for v in saved.values()} == {"cpu"}
         assert (run_dir / "scalars" / "train" / "loss_objective.csv").exists()  # optimized
+
+    def test_stream_layout_joins_episodes_across_batches(self, example, tmp_path):
+        """--layout stream: batches of 8 steps of each of 8 sub-envs, so every episode longer
+        than 8 steps crosses batches; MCAdvantage joins them, and training waits for 2 whole
+        groups of 4."""
+        result = example.main(
+            ["--layout", "stream", "--frames-per-batch", "64", "--num-envs", "8"]
+            + ["--groups", "2", "--group-size", "4"]
+            + ["--eval-episodes", "4", "--confirm-episodes", "0"]
+            + ["--max-env-steps", "640", "--output-dir", str(tmp_path), "--no-progress"]
+        )
+        env_steps = result["env_steps"]
+        assert env_steps % 64 == 0 and 640 <= env_steps < 640 + 64  # whole batches, then stop
+        (run_dir,) = tmp_path.glob("seed0-*")
+        with open(run_dir / "scalars" / "train" / "return.csv") as f:
+            trained = [(int(steps), float(ret)) for steps, ret in csv.reader(f)]
+        with open(run_dir / "scalars" / "eval" / "return.csv") as f:
+            evaluated = [int(steps) for steps, _ in csv.reader(f)]
+        # a batch that did not complete a training batch of 2 groups neither trains nor
+        # evaluates; one that did, does both
+        assert 1 <= len(trained) < env_steps // 64 and [s for s, _ in trained] == evaluated
+        assert all(s % 64 == 0 and s <= env_steps for s, _ in trained)
+        # the released episodes are whole: their mean length (CartPole pays 1 a step) exceeds
+        # the 8 steps of a sub-env a batch holds, so they were joined across batches
+        assert sum(r for _, r in trained) / len(trained) > 8.0
+        assert (run_dir / "scalars" / "train" / "loss_objective.csv").exists()
 
     def test_missing_logger_package_is_a_clear_error(self, example, tmp_path, monkeypatch):
         def no_tensorboard(*args, **kwargs):

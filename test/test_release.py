@@ -216,6 +216,31 @@ class TestBeyondTorchRL:
             out.out["advantage"].reshape(-1).double(), want, rtol=1e-6, atol=1e-6
         )
 
+    def test_reward_to_go_samples(self):
+        """Each element's discounted sum to its trajectory's end is the sample: by hand, with
+        the groups released in another order than they arrived."""
+        trajs = [
+            trajectory(0, [1.0, 2.0, 4.0]),
+            trajectory(1, [5.0, 1.0]),
+            trajectory(0, [8.0]),
+            trajectory(1, [2.0]),
+        ]
+        out, _, _ = self.released(trajs, estimator=GRPO._replace(reward_to_go_gamma=0.5), size=2)
+        samples = torch.tensor([1 + 1 + 1, 2 + 2, 4, 5 + 0.5, 1, 8, 2], dtype=torch.float64)
+        want = group_relative_advantage(samples, torch.tensor([0, 0, 0, 1, 1, 0, 1]), 2).float()
+        assert torch.equal(out.out["advantage"].reshape(-1), want)
+
+    def test_reward_to_go_element_by_element(self):
+        """Two reward elements per step: each discounted along the steps on its own."""
+        out, _, _ = self.released(
+            [trajectory(0, [[1.0, 3.0], [1.0, 1.0]]), trajectory(0, [[2.0, 0.0]])],
+            estimator=GRPO._replace(reward_to_go_gamma=0.5),
+        )
+        samples = torch.tensor([1.5, 3.5, 1.0, 1.0, 2.0, 0.0], dtype=torch.float64)
+        want = group_relative_advantage(samples, torch.zeros(6, dtype=torch.long), 1).float()
+        assert torch.equal(out.out["advantage"].reshape(-1), want)
+        assert out.out["advantage"].shape == (3, 2)
+
 
 class TestReleasedAnchors:
     def test_tensors_as_they_are(self):

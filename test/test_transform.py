@@ -2,6 +2,7 @@
 
 import random
 import re
+import statistics
 import warnings
 
 import pytest
@@ -19,6 +20,7 @@ from conftest import (
 from tensordict import NonTensorData, NonTensorStack, TensorDict, lazy_stack
 from torchrl.data import LazyStackStorage, LazyTensorStorage, ReplayBuffer
 from torchrl.objectives.llm import MCAdvantage as TorchRLMCAdvantage
+from torchrl.objectives.value.functional import reward2go
 
 from torchrl_grpo import MCAdvantage, MCAdvantageSelector, group_relative_advantage
 from torchrl_grpo.advantages import (
@@ -1189,8 +1191,9 @@ class TestStreaming:
             {"baseline": "pass_at_k", "trajectory_return": "sum"},
             {"anchor_key": "step_count", "step_reward_weight": 0.5},
             {"scale_rewards": "batch"},
+            {"reward_to_go_gamma": 0.9},
         ],
-        ids=["whiten", "pass_at_k", "gigpo", "batch_std"],
+        ids=["whiten", "pass_at_k", "gigpo", "batch_std", "reward_to_go"],
     )
     def test_estimators_see_whole_trajectories(self, estimator):
         """The estimators beyond torchrl get, from the joined stream, exactly what whole
@@ -1359,6 +1362,207 @@ class TestStreaming:
         pending = sum(traj.shape[0] for group in t.queues.values() for traj in group)
         assert stored > 0 and t.held_trajectories > 0  # it did cross batches
         assert stored + pending + t.get_stats()["held_steps"] == 400
+
+
+# --------------------------------------------------------------------------------------------
+# each step's discounted reward-to-go as its sample (reward_to_go_gamma)
+# --------------------------------------------------------------------------------------------
+
+
+def _with_reward2go(steps, gamma, key=("next", "reward"), out=("next", "reward_to_go")):
+    """``steps`` (flat, whole trajectories) with torchrl's ``reward2go`` of ``key`` under ``out``:
+    the reference the transform must reproduce."""
+    reward = steps.get(key)
+    done = steps["next", "done"].expand_as(reward)  # one flag per element, as reward2go wants
+    return steps.clone().set(out, reward2go(reward, done, gamma, time_dim=-2))
+
+
+class TestRewardToGo:
+    def test_by_hand(self):
+        # group 0: rewards [1, 2, 4] and [10, 0]; with gamma 0.5 the samples are the
+        # rewards-to-go [1 + 1 + 1, 2 + 2, 4] and [10, 0]
+        trajs = [trajectory(0, [1.0, 2.0, 4.0]), trajectory(0, [10.0, 0.0])]
+        t = MCAdvantage(2, prompt_key="seed", reward_to_go_gamma=0.5)
+        out = t.inv(torch.cat(trajs))
+        samples = [3.0, 4.0, 4.0, 10.0, 0.0]
+        mean, std = statistics.mean(samples), statistics.stdev(samples)  # Bessel's correction
+        want = [(x - mean) / std for x in samples]
+        assert out["advantage"].squeeze(-1).tolist() == pytest.approx(want, rel=1e-6)
+        assert out["advantage"].dtype == torch.float32 and out["advantage"].shape == (5, 1)
+
+    # gamma = 0: torchrl's reward2go fails (an empty geometric series); test_neutral_discounts
+    # checks it against the plain rewards instead
+    @pytest.mark.parametrize("gamma", [0.5, 0.99, 1.0])
+    @pytest.mark.parametrize(
+        "estimator",
+        [{}, {"scale_rewards": "none", "baseline": "leave_one_out"}, {"step_norm": True}],
+        ids=["grpo", "rloo", "step_norm"],
+    )
+    def test_equals_reward2go_then_torchrl(self, gamma, estimator):
+        """Whole trajectories: the same advantages as torchrl's ``reward2go`` written on the
+        batch, then torchrl's ``MCAdvantage`` (our plain one for the keywords beyond torchrl)."""
+        chunks = random_chunks(random_stream(6, 3, seed=1, max_len=12), seed=2)
+        ours = MCAdvantage(3, prompt_key="seed", reward_to_go_gamma=gamma, **estimator)
+        reference = TorchRLMCAdvantage if not estimator else MCAdvantage
+        ref = reference(3, prompt_key="seed", rewards_key=("next", "reward_to_go"), **estimator)
+        written = 0
+        for chunk in chunks:
+            got, want = released(ours.inv(chunk)), released(ref.inv(_with_reward2go(chunk, gamma)))
+            assert got.keys() == want.keys()
+            for uid, adv in want.items():
+                torch.testing.assert_close(got[uid], adv, atol=1e-5, rtol=1e-5)
+            written += len(got)
+        assert written > 0 and ours.get_stats()["written_groups"] == 6
+
+    @pytest.mark.parametrize("layout", ["rows", "flat"])
+    def test_streaming_batches_equal_whole_trajectories(self, layout):
+        """``[N, T]`` batches cut anywhere: the reward-to-go is computed on the joined
+        trajectories, equal to ``reward2go`` on each whole trajectory."""
+        batches, completed = collector_stream(4, 6, 3, seed=12, max_len=11, steps_per_batch=4)
+        ours = _streaming(reward_to_go_gamma=0.9)
+        ref = _streaming(traj_key=None, rewards_key=("next", "reward_to_go"))
+        crossed = False
+        for batch, whole in zip(batches, completed):
+            got = ours.inv(batch if layout == "rows" else batch.reshape(-1))
+            crossed = crossed or ours.held_trajectories > 0
+            want = None
+            if whole:
+                want = ref.inv(torch.cat([_with_reward2go(w, 0.9) for w in whole]))
+            if want is None:
+                assert got is None
+                continue
+            assert got["uid"].tolist() == want["uid"].tolist()
+            torch.testing.assert_close(got["advantage"], want["advantage"], atol=1e-5, rtol=1e-5)
+        assert crossed and ours.held_trajectories == ours.queued_trajectories == 0
+
+    def test_neutral_discounts(self):
+        """gamma 0: the rewards themselves; single-step trajectories: any gamma; gamma 1: the
+        undiscounted sum to the end."""
+        chunks = random_chunks(random_stream(5, 3, seed=3, max_len=6), seed=4)
+        plain = MCAdvantage(3, prompt_key="seed")
+        zero = MCAdvantage(3, prompt_key="seed", reward_to_go_gamma=0.0)
+        for chunk in chunks:
+            got, want = released(zero.inv(chunk.clone())), released(plain.inv(chunk.clone()))
+            assert got.keys() == want.keys()
+            assert all(torch.equal(got[uid], want[uid]) for uid in want)
+        single = random_stream(4, 3, seed=5, max_len=1)
+        want = MCAdvantage(3, prompt_key="seed").inv(torch.cat(single))["advantage"]
+        got = MCAdvantage(3, prompt_key="seed", reward_to_go_gamma=0.7).inv(torch.cat(single))
+        assert torch.equal(got["advantage"], want)
+        trajs = [trajectory(0, [1.0, 2.0, 3.0]), trajectory(0, [5.0])]
+        got = MCAdvantage(2, prompt_key="seed", reward_to_go_gamma=1.0).inv(torch.cat(trajs))
+        want = MCAdvantage(2, prompt_key="seed").inv(
+            torch.cat([trajectory(0, [6.0, 5.0, 3.0]), trajectory(0, [5.0])])
+        )
+        torch.testing.assert_close(got["advantage"], want["advantage"])
+
+    def test_several_elements_per_step(self):
+        """A reward of two elements per step: each element discounted along the steps, as
+        ``reward2go`` does with a trailing dimension."""
+        gen = torch.Generator().manual_seed(6)
+        trajs = [trajectory(g, torch.randn(n, 2, generator=gen)) for g in (0, 1) for n in (3, 1, 4)]
+        steps = torch.cat(trajs)
+        got = MCAdvantage(3, prompt_key="seed", reward_to_go_gamma=0.8).inv(steps.clone())
+        want = MCAdvantage(3, prompt_key="seed", rewards_key=("next", "reward_to_go")).inv(
+            _with_reward2go(steps, 0.8)
+        )
+        assert got["advantage"].shape == (steps.shape[0], 2)
+        torch.testing.assert_close(got["advantage"], want["advantage"], atol=1e-5, rtol=1e-5)
+
+    def test_several_rewards(self):
+        """GDPO: each reward's reward-to-go normalized within the group, then weighted."""
+        trajs, _ = agent_episodes(seed=11)
+        steps = torch.cat(trajs)
+        got = MCAdvantage(3, prompt_key="seed", reward_weights=GDPO_KEYS, reward_to_go_gamma=0.6)
+        discounted = _with_reward2go(
+            _with_reward2go(steps, 0.6, out=("next", "reward_rtg")),
+            0.6,
+            key=("next", "format"),
+            out=("next", "format_rtg"),
+        )
+        ref = MCAdvantage(
+            3, prompt_key="seed",
+            reward_weights={("next", "reward_rtg"): 1.0, ("next", "format_rtg"): 0.5},
+        )  # fmt: skip
+        torch.testing.assert_close(
+            got.inv(steps)["advantage"], ref.inv(discounted)["advantage"], atol=1e-5, rtol=1e-5
+        )
+
+    def test_checkpoint_state_is_unaffected(self, tmp_path):
+        """The reward-to-go is computed at release: what is pending or held (and saved) is the
+        raw steps, the same with or without it, and a state saved by either restores in either."""
+        batches, _ = collector_stream(4, 6, 3, seed=13, max_len=9, steps_per_batch=4)
+        with_it, without = _streaming(reward_to_go_gamma=0.9), _streaming()
+        for batch in batches[:3]:
+            with_it.inv(batch.clone())
+            without.inv(batch.clone())
+        assert with_it.held_trajectories > 0 and with_it.queued_trajectories > 0
+        saved, plain = with_it.state_dict(), without.state_dict()
+        torch.save(plain, tmp_path / "plain.pt")
+        saved, plain = dict(_flat_items(saved)), dict(_flat_items(plain))
+        assert (
+            saved.keys() == plain.keys()
+            and ("_extra_state", "pending", "steps", "next", "reward") in saved
+        )
+        for path, value in saved.items():  # tensors and plain Python values
+            assert type(value) is type(plain[path]), path
+            same = (
+                torch.equal(value, plain[path]) if torch.is_tensor(value) else value == plain[path]
+            )
+            assert same, path
+        restored = _streaming(reward_to_go_gamma=0.9)
+        restored.load_state_dict(torch.load(tmp_path / "plain.pt", weights_only=True))
+        for batch in batches[3:]:
+            _same_output(restored.inv(batch.clone()), with_it.inv(batch.clone()))
+
+    def test_validation(self):
+        for kw, error, words in [
+            (dict(reward_to_go_gamma=1.5), ValueError, r"reward_to_go_gamma must be in \[0, 1\]"),
+            (dict(reward_to_go_gamma=-0.1), ValueError, r"must be in \[0, 1\], got -0.1"),
+            (dict(reward_to_go_gamma=float("nan")), ValueError, r"must be in \[0, 1\], got nan"),
+            (dict(reward_to_go_gamma=True), TypeError, "real number .*True .*bool"),
+            (dict(reward_to_go_gamma="0.9"), TypeError, "real number .*'0.9' .*str"),
+            (
+                dict(reward_to_go_gamma=0.9, trajectory_return="sum"),
+                ValueError,
+                "requires trajectory_return=None, got trajectory_return='sum'",
+            ),
+            (
+                dict(reward_to_go_gamma=0.9, anchor_key="obs"),
+                ValueError,
+                "cannot be combined with anchor_key.*step_reward_gamma",
+            ),
+        ]:
+            with pytest.raises(error, match=words):
+                MCAdvantage(4, **kw)
+        assert MCAdvantage(4, reward_to_go_gamma=1).reward_to_go_gamma == 1.0  # an int is fine
+        assert MCAdvantage(4).reward_to_go_gamma is None
+
+    def test_ragged_steps_raise_and_change_nothing(self):
+        t = MCAdvantage(2, reward_to_go_gamma=0.9)
+        steps = [
+            TensorDict(
+                query=NonTensorData("prompt"),
+                next=TensorDict(reward=torch.ones(n, 1), done=torch.tensor([done])),
+            )
+            for n, done in ((2, False), (3, True))
+        ]
+        before = t.get_stats()
+        with pytest.raises(ValueError, match="reward_to_go_gamma .* ragged"):
+            t.inv(lazy_stack(steps))
+        assert t.get_stats() == before and t.queued_trajectories == 0
+
+
+def _flat_items(state, prefix=()):
+    """``(path, leaf)`` of a nested checkpoint (dicts, lists and tuples walked through)."""
+    if isinstance(state, dict):
+        for key, value in state.items():
+            yield from _flat_items(value, (*prefix, str(key)))
+    elif isinstance(state, (list, tuple)):
+        for i, value in enumerate(state):
+            yield from _flat_items(value, (*prefix, str(i)))
+    else:
+        yield prefix, state
 
 
 class TestDevices:

@@ -9,6 +9,7 @@ released trajectories and writes their output back, as the loss module does.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -22,6 +23,7 @@ from torchrl_grpo.advantages import (
     RETURN_REDUCTIONS,
     Segments,
     anchor_step_groups,
+    discounted_returns,
     group_relative_advantage,
     group_std,
     multi_reward_advantage,
@@ -77,9 +79,11 @@ class Estimator(NamedTuple):
     scale_rewards: str
     epsilon: float
     step_norm: bool
-    # beyond torchrl: whitening over the released samples, and GiGPO's step groups (None: none)
+    # beyond torchrl: whitening over the released samples, GiGPO's step groups (None: none),
+    # and the discount of each step's reward-to-go as its sample (None: the reward itself)
     whiten: bool = False
     step_groups: StepGroups | None = None
+    reward_to_go_gamma: float | None = None
 
 
 class GroupFilter(NamedTuple):
@@ -292,10 +296,21 @@ def release(
         elems = steps if per_step == 1 else steps * per_step  # (M,)
 
     ragged = isinstance(reward, list)
+    gamma = estimator.reward_to_go_gamma
+    if gamma is not None:  # each element becomes its discounted sum to its trajectory's end
+        # (dense steps only: the transform rejects ragged ones with a reward-to-go)
+        to_go = functools.partial(
+            _rewards_to_go, steps=steps, per_step=per_step, gamma=gamma,
+            width=batch.width if everything else None,
+        )  # fmt: skip
     per_key = None
     if keys.reward_weights:  # GDPO: each reward's elements, and their weighted sum
         per_key = [_released_elements(out, key).double() for key, _ in keys.reward_weights]
+        if gamma is not None:
+            per_key = [to_go(v) for v in per_key]
         values = sum(w * v for (_, w), v in zip(keys.reward_weights, per_key))  # (E,)
+    elif gamma is not None:
+        values = to_go(values)  # (E,) float64
     if estimator.trajectory_return is None:  # every reward element is a sample; runs: members
         x, runs = values, elems
     else:  # every trajectory's return is a sample
@@ -392,6 +407,22 @@ def release(
         out = [step for step, k in zip(out, keep_step.tolist()) if k]
         return Released(lazy_stack(out) if out else None, written, selected)
     return Released(out[keep_step] if written else None, written, selected)
+
+
+def _rewards_to_go(
+    values: Tensor, *, steps: Tensor, per_step: int, gamma: float, width: int | None
+) -> Tensor:
+    """Each reward element's discounted sum to the end of its trajectory, float64 ``(E,)``.
+
+    ``values`` holds ``per_step`` elements for each step, the released trajectories one after
+    the other (``steps`` each); element ``j`` of a step is discounted along element ``j`` of the
+    later steps of its trajectory, as torchrl's ``reward2go`` treats trailing dimensions.
+    """
+    if per_step == 1:
+        return discounted_returns(values, steps, gamma, width=width)
+    columns = values.view(-1, per_step).T.reshape(-1)  # (k * S,): element j of every step, ...
+    to_go = discounted_returns(columns, steps.repeat(per_step), gamma, width=width)
+    return to_go.view(per_step, -1).T.reshape(-1)
 
 
 def _released_elements(out: TensorDictBase | list, key) -> Tensor:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import multiprocessing as mp
+import numbers
 import operator
 import os
 import warnings
@@ -119,6 +120,33 @@ def _step_groups(
     return groups
 
 
+def _reward_to_go_gamma(
+    gamma: float | None, trajectory_return: str | None, anchor_key: NestedKey | None
+) -> float | None:
+    """``reward_to_go_gamma`` checked, as a float; ``None`` when off."""
+    if gamma is None:
+        return None
+    if isinstance(gamma, bool) or not isinstance(gamma, numbers.Real):
+        raise TypeError(
+            f"reward_to_go_gamma must be a real number in [0, 1] or None, got {gamma!r} "
+            f"({type(gamma).__name__})."
+        )
+    if not 0.0 <= gamma <= 1.0:
+        raise ValueError(f"reward_to_go_gamma must be in [0, 1], got {gamma}.")
+    if trajectory_return is not None:
+        raise ValueError(
+            "reward_to_go_gamma makes each step's sample its discounted reward-to-go, a per-step "
+            "mode: it requires trajectory_return=None, got "
+            f"trajectory_return={trajectory_return!r}."
+        )
+    if anchor_key is not None:
+        raise ValueError(
+            "reward_to_go_gamma cannot be combined with anchor_key: GiGPO's step level already "
+            "compares discounted returns (step_reward_gamma), over the raw rewards."
+        )
+    return float(gamma)
+
+
 def _setting(record: str, field: str, doc: str) -> property:
     """An argument kept in one of the transform's records, readable and settable by name."""
 
@@ -173,6 +201,18 @@ class MCAdvantage(Transform):
         trajectory_return: ``None`` (per-step normalization), or how a trajectory's rewards become
             its return: ``"sum"``, ``"max"``, ``"mean"`` (torchrl) or ``"last"`` (step-wise GRPO:
             the final reward is broadcast to every step).
+        reward_to_go_gamma: ``None`` (default), or a discount ``gamma`` in ``[0, 1]`` that makes,
+            with ``trajectory_return=None``, each step's sample its discounted reward-to-go
+            instead of its reward: ``G_t = r_t + gamma * G_{t+1}`` with ``G_T = r_T`` at the
+            trajectory's last step, i.e. ``G_t = sum over k >= t of gamma**(k - t) * r_k``
+            (REINFORCE's reward-to-go, torchrl's ``reward2go``; see
+            :func:`~torchrl_grpo.advantages.discounted_returns`). It is computed at release, on
+            whole trajectories (joined across insertions with ``traj_key``), so a collector's
+            ``frames_per_batch`` batches can be inserted as they come. A reward of several
+            elements per step is discounted element by element (as ``reward2go`` does with
+            trailing dimensions). ``0`` gives the rewards themselves, ``1`` the undiscounted sum
+            to the end. Requires ``trajectory_return=None``; not with ``anchor_key`` (GiGPO
+            discounts its step level with ``step_reward_gamma``), nor with ragged steps.
         keep_return_bounds: exclusive ``(low, high)`` bounds on a group's mean return; a group
             outside them is dropped (DAPO dynamic sampling), decided as torchrl decides it.
             Requires ``trajectory_return``.
@@ -235,9 +275,11 @@ class MCAdvantage(Transform):
     Raises:
         ValueError: for inconsistent arguments (same conditions as torchrl), and for the added
             keywords: empty or non-finite ``reward_weights``, a ``rewards_key`` they leave out,
-            step-level weights without ``anchor_key``, a ``step_reward_gamma`` outside
-            ``[0, 1]``.
-        TypeError: for a size that is not an integer (``2.7``, ``True``).
+            step-level weights without ``anchor_key``, a ``step_reward_gamma`` or a
+            ``reward_to_go_gamma`` outside ``[0, 1]``, ``reward_to_go_gamma`` with a
+            ``trajectory_return`` or an ``anchor_key``.
+        TypeError: for a size that is not an integer (``2.7``, ``True``), and a
+            ``reward_to_go_gamma`` that is not a real number.
 
     Examples:
         >>> import torch
@@ -272,6 +314,7 @@ class MCAdvantage(Transform):
         verbose: bool = False,
         *,
         trajectory_return: str | None = None,
+        reward_to_go_gamma: float | None = None,
         keep_return_bounds: tuple[float, float] | None = None,
         candidate_group_size: int | None = None,
         candidate_selection_min_size: int | None = None,
@@ -377,6 +420,7 @@ class MCAdvantage(Transform):
         step_groups = _step_groups(
             anchor_key, episode_reward_weight, step_reward_weight, step_reward_gamma
         )
+        reward_to_go_gamma = _reward_to_go_gamma(reward_to_go_gamma, trajectory_return, anchor_key)
 
         self.in_keys = [prompt_key, *([key for key, _ in weights] or [rewards_key]), done_key]
         if anchor_key is not None:
@@ -401,6 +445,7 @@ class MCAdvantage(Transform):
             step_norm=step_norm,
             whiten=bool(weights) if whiten is None else bool(whiten),
             step_groups=step_groups,
+            reward_to_go_gamma=reward_to_go_gamma,
         )
         self._filter = GroupFilter(
             keep_return_bounds=keep_return_bounds, std_threshold=std_threshold
@@ -433,6 +478,9 @@ class MCAdvantage(Transform):
     epsilon = _setting("_estimator", "epsilon", "Floor of the scale.")
     step_norm = _setting("_estimator", "step_norm", "Divide by each trajectory's steps.")
     whiten = _setting("_estimator", "whiten", "Whiten over the released samples.")
+    reward_to_go_gamma = _setting(
+        "_estimator", "reward_to_go_gamma", "Discount of the per-step reward-to-go (``None``: off)."
+    )
     anchor_key = _setting("_keys", "anchor", "Key of each step's anchor state (GiGPO).")
 
     @property
@@ -651,6 +699,12 @@ class MCAdvantage(Transform):
         batch = read_insertion(tensordict, self._keys, state)
         if batch is None:  # no step
             return None, *self._evict(evolve(state, insertions=state.insertions + 1), marks)
+        if batch.ragged and self._estimator.reward_to_go_gamma is not None:
+            raise ValueError(
+                "MCAdvantage: reward_to_go_gamma discounts each reward element along the steps "
+                f"of its trajectory, which needs as many elements under {self._keys.reward!r} "
+                "at every step; this insertion's steps are ragged (a lazy stack)."
+            )
         estimator, selects = self._estimator, self._selects
         incoming = Returns(
             trajectory_returns(batch, estimator.trajectory_return),
