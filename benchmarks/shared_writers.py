@@ -89,9 +89,7 @@ def insertion_times(make, shared: bool, pending: int, s: Settings) -> list[float
     if shared:
         transform.share_memory_()
     held = s.grpo_size - 1  # background groups that never complete
-    background = [
-        trajectory(10**6 + i // held, s.steps, seed=i) for i in range(pending)
-    ]
+    background = [trajectory(10**6 + i // held, s.steps, seed=i) for i in range(pending)]
     transform.inv(torch.cat(background))
     assert transform.queued_trajectories == pending
     stream = [
@@ -174,8 +172,7 @@ def shared_buffer_run(make_transform, writers: int, s: Settings) -> float:
     ctx = mp.get_context("spawn")
     barrier, times = ctx.Barrier(writers), ctx.Queue()
     procs = [
-        ctx.Process(target=write, args=(rb, part, barrier, times))
-        for part in dealt(s, writers)
+        ctx.Process(target=write, args=(rb, part, barrier, times)) for part in dealt(s, writers)
     ]
     for p in procs:
         p.start()

@@ -30,10 +30,10 @@ The steps travel as numpy arrays in a pickle (a TensorDict of CPU tensors, neste
 non-tensor entries), several times faster than pickling the TensorDict; anything else (lazy
 stacks of ragged steps) is pickled as it is.
 
-Test hook: ``TORCHRL_GRPO_SHARED_TEST_PAUSE="<where>:<file>"`` makes a writer create ``<file>``
-and sleep at ``<where>`` of its next insertion: ``request`` (half of the request sent), ``ack``
-(reply received, the owner's lock held for it) or ``done`` (acknowledged, before the owner's last
-word), so that a test can kill it there.
+Test hook: ``TORCHRL_GRPO_SHARED_TEST_PAUSE="<where>:<file>[:<seconds>]"`` makes a writer create
+``<file>`` and sleep (for ever, or ``<seconds>``) at ``<where>`` of each insertion: ``request``
+(half of the request sent), ``ack`` (the reply received, the owner's lock held for it) or
+``done`` (acknowledged, before the owner's last word), so that a test can kill it there.
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ import secrets
 import signal
 import socket
 import struct
+import sys
 import tempfile
 import threading
 import time
@@ -243,9 +244,12 @@ class Owner:
         sock = self._socket()
         try:
             if pause == "request":  # the test hook: half of the request, then wait to be killed
-                sock.sendall(_HEADER.pack(len(request)) + request[: len(request) // 2])
+                half = len(request) // 2
+                sock.sendall(_HEADER.pack(len(request)) + request[:half])
                 _pause()
-            _send(sock, request)
+                sock.sendall(request[half:])
+            else:
+                _send(sock, request)
             return _recv(sock)
         except (OSError, EOFError) as err:
             self._drop()
@@ -284,10 +288,12 @@ class Owner:
             self._drop()
             raise TimeoutError(
                 "MCAdvantage: the owner process gave up this insertion (no acknowledgement within "
-                f"{_TIMEOUT_ENV}={_timeout()} s, or the connection broke): nothing of it was kept."
+                f"{_TIMEOUT_ENV} seconds, or the connection broke): nothing of it was kept."
             ) from err
         if done != _DONE:
-            raise OwnerGone(f"MCAdvantage: unexpected reply {bytes(done)!r} from the owner process.")
+            raise OwnerGone(
+                f"MCAdvantage: unexpected reply {bytes(done)!r} from the owner process."
+            )
         _warn(caught)
         return decode(value)
 
@@ -310,10 +316,10 @@ def _pause_point() -> str | None:
 
 
 def _pause() -> None:
-    with open(os.environ[_PAUSE_ENV].split(":", 1)[1], "w"):
+    _, path, *seconds = os.environ[_PAUSE_ENV].split(":")
+    with open(path, "w"):
         pass
-    while True:
-        time.sleep(60)
+    time.sleep(float(seconds[0]) if seconds else 10**6)
 
 
 def _timeout() -> float:
@@ -322,66 +328,70 @@ def _timeout() -> float:
 
 # --- the owner's side -----------------------------------------------------------------------------
 
-_server: tuple[str, bytes, object] | None = None  # (address, authkey, process) of this process
+_server: dict = {}  # this process's owner: pid, address, authkey, process
 _server_lock = threading.Lock()
 
 
 def share(transform) -> Owner:
-    """Hand ``transform``'s state (a local one) to this process's owner, started on first use."""
-    global _server
+    """Hand ``transform``'s state (a local one) to this process's owner, started on first use.
+
+    The owner waits ``TORCHRL_GRPO_SHARED_TIMEOUT`` seconds (read now; default 60) for a writer's
+    acknowledgement before it gives up the writer's insertion.
+    """
     with _server_lock:
-        if _server is None or not _server[2].is_alive():
-            _server = _start()
-        address, authkey, _ = _server
+        if _server.get("pid") != os.getpid() or not _server["process"].is_alive():
+            _server.update(_start(), pid=os.getpid())
+        address, authkey = _server["address"], _server["authkey"]
     owner = Owner(address, authkey, secrets.token_hex(8))
     state = transform.__getstate__()
     state.update(_container=None, _owner=None)
-    owner.call("register", pickle.dumps(state, protocol=5))
+    owner.call("register", pickle.dumps(state, protocol=5), _timeout())
     return owner
 
 
-def _start() -> tuple[str, bytes, object]:
+def _start() -> dict:
     folder = tempfile.mkdtemp(prefix="torchrl_grpo-")  # private (0700): only this user connects
     address = os.path.join(folder, "owner.sock")
     authkey = secrets.token_bytes(32)
     ctx = mp.get_context("spawn")
     ready, child_end = ctx.Pipe(duplex=False)
     process = ctx.Process(
-        target=_serve,
-        args=(address, authkey, child_end, _timeout()),
-        name="MCAdvantage-owner",
-        daemon=True,
+        target=_serve, args=(address, authkey, child_end), name="MCAdvantage-owner", daemon=True
     )
     process.start()
     child_end.close()
     if not ready.poll(120) or ready.recv() != address:
         process.kill()
         raise RuntimeError("MCAdvantage: the owner process did not start.")
-    return address, authkey, process
+    return {"address": address, "authkey": authkey, "process": process}
 
 
-def _serve(address: str, authkey: bytes, ready, timeout: float) -> None:
+def _serve(address: str, authkey: bytes, ready) -> None:
     """The owner process: serve until the process that started it ends."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the trainer (as managers do)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # (how its parent ends it at exit)
     torch.set_num_threads(1)
-    server = _Server(authkey, timeout)
+    server = _Server(authkey)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(address)
     listener.listen(64)
     threading.Thread(target=server.accept, args=(listener,), daemon=True).start()
     ready.send(address)
     ready.close()
-    wait([mp.parent_process().sentinel])
-    os.unlink(address)
-    os.rmdir(os.path.dirname(address))
+    try:
+        wait([mp.parent_process().sentinel])
+    finally:
+        os.unlink(address)
+        os.rmdir(os.path.dirname(address))
 
 
 class _Server:
     """The transforms of the owner process (process-local copies) and the one lock over them."""
 
-    def __init__(self, authkey: bytes, timeout: float):
-        self.authkey, self.timeout = authkey, timeout
+    def __init__(self, authkey: bytes):
+        self.authkey = authkey
         self.transforms: dict = {}
+        self.timeouts: dict = {}
         self.lock = threading.RLock()
 
     def accept(self, listener: socket.socket) -> None:
@@ -414,6 +424,7 @@ class _Server:
                 elif name == "forget":
                     value = None
                     self.transforms.pop(key, None)
+                    self.timeouts.pop(key, None)
                 else:
                     value = OWNED[name](self.get(key), *args)
                 reply = (True, value, _caught(caught))
@@ -421,13 +432,13 @@ class _Server:
                 reply = (False, _picklable(err), _caught(caught))
             return pickle.dumps(reply, protocol=5)
 
-    def register(self, key: str, state: bytes) -> None:
+    def register(self, key: str, state: bytes, timeout: float) -> None:
         from torchrl_grpo.transform import MCAdvantage
 
         transform = MCAdvantage.__new__(MCAdvantage)
         transform.__setstate__(pickle.loads(state))
         transform._lock = self.lock
-        self.transforms[key] = transform
+        self.transforms[key], self.timeouts[key] = transform, timeout
 
     def get(self, key: str):
         try:
@@ -454,7 +465,7 @@ class _Server:
                     reply = (True, encode(out), _caught(caught))
                 except Exception as err:  # rejected, nothing changed
                     reply = (False, _picklable(err), _caught(caught))
-            sock.settimeout(self.timeout)
+            sock.settimeout(self.timeouts.get(key))
             try:
                 _send(sock, pickle.dumps(reply, protocol=5))
                 if not reply[0]:
