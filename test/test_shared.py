@@ -266,22 +266,24 @@ class TestWriterProcesses:
         assert stats.pop("trajectory_return_sum") == pytest.approx(want.pop("trajectory_return_sum"))  # fmt: skip
         assert stats == want
 
-    @pytest.mark.parametrize("where", ["request", "ack", "done"])
+    @pytest.mark.parametrize("where", ["request", "ack", "done", "reply"])
     def test_writer_killed_inside_an_insertion(self, where, tmp_path):
         """A writer is killed (SIGKILL) inside its insertion of the trajectory that completes
         group 0: while sending it (``request``), while the owner holds its lock for it waiting
-        for its acknowledgement (``ack``), or once it acknowledged (``done``). The other writer,
-        started while it is paused there, completes; its groups are exact; the trainer reads
-        the state; the killed insertion is wholly out (``request``, ``ack``) or wholly in
-        (``done``: committed, though the killed writer never stored what it released). While it
-        is paused holding the owner's lock (``ack``), the trainer's reads wait, and go on once it
-        is killed."""
+        for its acknowledgement (``ack``), or once it acknowledged (``done``); or inside its
+        insertion of group 0's first trajectory, which releases nothing, before it reads the
+        reply (``reply``). The other writer, started while it is paused there, completes; its
+        groups are exact; the trainer reads the state; the killed insertion is wholly out
+        (``request``, ``ack``) or wholly in (``reply``: pending; ``done``: committed, though
+        the killed writer never stored what it released). While it is paused holding the
+        owner's lock (``ack``), the trainer's reads wait, and go on once it is killed."""
         rb = ReplayBuffer(storage=LazyTensorStorage(200, shared_init=True), shared=True)
         rb.append_transform(t := MCAdvantage(2, prompt_key="seed", trajectory_return="sum"))
         first, completing = trajectory(0, [1.0]), trajectory(0, [3.0])
         others = [trajectory(g, [float(g), 1.0]) for g in (1, 2) for _ in range(2)]
         late = trajectory(0, [5.0])
-        victim, go_victim = self.spawn(rb, [first, completing], pause=f"{where}:{tmp_path / 'p'}")
+        batches = [first] if where == "reply" else [first, completing]
+        victim, go_victim = self.spawn(rb, batches, pause=f"{where}:{tmp_path / 'p'}")
         writer, go_writer = self.spawn(rb, [*others, late])
         go_victim.set()
         wait_for_file(tmp_path / "p", victim)
@@ -309,7 +311,7 @@ class TestWriterProcesses:
             assert stats["written_groups"] == 3 and stats["completed_trajectories"] == 7
             assert not uids & {int(u) for u in torch.cat([first, completing])["uid"]}
             assert list(t.queues) == [0] and torch.equal(t.queues[0][0]["uid"], late["uid"])
-        else:  # out: first is pending, and late completes its group
+        else:  # first is pending (in), completing is out, and late completes group 0
             local.inv(first)
             assert stats["written_groups"] == 3 and stats["completed_trajectories"] == 6
             assert int(completing["uid"][0]) not in uids and t.queued_trajectories == 0
