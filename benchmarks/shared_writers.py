@@ -156,6 +156,7 @@ def dealt(s: Settings, writers: int) -> list[list[TensorDict]]:
 
 def write(rb, trajs, barrier, times) -> None:
     torch.set_num_threads(1)
+    logging.getLogger("torchrl").setLevel(logging.WARNING)
     barrier.wait()
     start = time.monotonic()
     for traj in trajs:
@@ -189,30 +190,27 @@ def ray_run(transform_factory, writers: int, s: Settings) -> float:
     from torchrl.data import RayReplayBuffer
 
     total = s.groups * s.grpo_size * s.steps
-    rb = RayReplayBuffer(
+    rb = RayReplayBuffer(  # on the Ray runtime started by writers_table
         storage=partial(LazyTensorStorage, total),
         transform_factory=transform_factory,
-        ray_init_config={
-            "num_cpus": s.ray_cpus,
-            "include_dashboard": False,
-            "log_to_driver": False,
-        },
         remote_config={"num_cpus": 0},
     )
     try:
 
         @ray.remote(num_cpus=s.ray_cpus / max(s.writers))
-        def remote_write(client, trajs):
+        def remote_write(client, trajs, start):
             torch.set_num_threads(1)
-            start = time.monotonic()
+            time.sleep(max(0.0, start - time.time()))  # all writers start together
             for traj in trajs:
                 client.extend(traj)
-            return start, time.monotonic()
+            return start, time.time()
 
+        assert len(rb) == 0  # waits for the buffer's actor to start
         client = rb.client()
         parts = [ray.put(part) for part in dealt(s, writers)]
-        ray.get(remote_write.remote(client, []))  # a warm worker
-        spans = ray.get([remote_write.remote(client, part) for part in parts])
+        ray.get([remote_write.remote(client, [], time.time() + 1) for _ in range(writers)])  # warm
+        start = time.time() + 1.0
+        spans = ray.get([remote_write.remote(client, part, start) for part in parts])
         assert len(rb) == total, f"{len(rb)} of {total} steps stored"
     finally:
         rb.shutdown()
@@ -231,6 +229,15 @@ def writers_table(s: Settings) -> None:
         columns["Ray: ours"] = partial(ray_run, make)
         columns["Ray: torchrl"] = partial(ray_run, make_torchrl)
     best = {name: {} for name in columns}
+    if s.ray:
+        import ray
+
+        ray.init(
+            num_cpus=s.ray_cpus,
+            include_dashboard=False,
+            log_to_driver=False,
+            logging_level=logging.ERROR,
+        )
     for _ in range(s.repeats):
         for writers in s.writers:
             for name, run in columns.items():
@@ -240,6 +247,8 @@ def writers_table(s: Settings) -> None:
                     print(f"{name}, {writers} writer(s): {type(err).__name__}: {err}")
                     rate = float("nan")
                 best[name][writers] = max(best[name].get(writers, 0.0), rate)
+    if s.ray:
+        ray.shutdown()
     print(
         f"\nWriters: {s.groups} groups of {s.grpo_size} x {s.steps}-step trajectories, one "
         f"trajectory per rb.extend; thousand steps stored per second, best of {s.repeats}"
