@@ -1,8 +1,8 @@
 """Many writers: ``MCAdvantage`` in shared mode against torchrl's, side by side in one run.
 
 Two tables. **Per insertion**: one 64-step trajectory at a time is inserted (``transform.inv``)
-into a transform holding ``P`` pending trajectories (groups of ``grpo_size - 1`` that never
-complete), for ``P`` = 10, 40, 160, 1000: this package's transform not shared (the reference),
+into a transform holding ``P`` pending trajectories (inserted one at a time before, in groups of
+``grpo_size - 1`` that never complete), for ``P`` = 10, 40, 160, 1000: this package's transform not shared (the reference),
 shared (``share_memory_()``, what ``ReplayBuffer(shared=True)`` calls), and torchrl 0.14.1's
 ``MCAdvantage`` shared. The timed insertions fill fresh groups one trajectory at a time, so that
 three in four are held back and one in four releases its group (``P`` to ``P + 3`` pending
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import logging
 import multiprocessing as mp
 import os
@@ -88,9 +89,9 @@ def insertion_times(make, shared: bool, pending: int, s: Settings) -> list[float
     transform = make()
     if shared:
         transform.share_memory_()
-    held = s.grpo_size - 1  # background groups that never complete
-    background = [trajectory(10**6 + i // held, s.steps, seed=i) for i in range(pending)]
-    transform.inv(torch.cat(background))
+    held = s.grpo_size - 1  # background groups that never complete, inserted one by one
+    for i in range(pending):
+        transform.inv(trajectory(10**6 + i // held, s.steps, seed=i))
     assert transform.queued_trajectories == pending
     stream = [
         trajectory(c, s.steps, seed=c * s.grpo_size + k)
@@ -275,7 +276,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, help="runs of each row (best kept)")
     args = parser.parse_args()
     s = Settings(**(QUICK if args.quick else {}))
-    s.ray = not args.no_ray
+    s.ray = not args.no_ray and importlib.util.find_spec("ray") is not None
+    if not args.no_ray and not s.ray:
+        print("ray is not installed (pip install torchrl_grpo[dist]): no RayReplayBuffer rows")
     if args.repeats:
         s.repeats = args.repeats
     torch.set_num_threads(1)

@@ -522,5 +522,6 @@ def _picklable(err: Exception) -> Exception:
 
 
 def finalize_with(transform, owner: Owner) -> None:
-    """Forget the shared state when ``transform`` (the one that shared it) is collected."""
-    weakref.finalize(transform, owner.forget)
+    """Forget the shared state when ``transform`` (the one that shared it) is collected (not at
+    exit: the owner ends with this process)."""
+    weakref.finalize(transform, owner.forget).atexit = False
