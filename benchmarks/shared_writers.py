@@ -1,21 +1,27 @@
 """Many writers: ``MCAdvantage`` in shared mode against torchrl's, side by side in one run.
 
-Two tables. **Per insertion**: one 64-step trajectory at a time is inserted (``transform.inv``)
-into a transform holding ``P`` pending trajectories (inserted one at a time before, in groups of
-``grpo_size - 1`` that never complete), for ``P`` = 10, 40, 160, 1000: this package's transform not shared (the reference),
-shared (``share_memory_()``, what ``ReplayBuffer(shared=True)`` calls), and torchrl 0.14.1's
-``MCAdvantage`` shared. The timed insertions fill fresh groups one trajectory at a time, so that
-three in four are held back and one in four releases its group (``P`` to ``P + 3`` pending
-throughout). Times are wall-clock (in shared mode the work is in another process), the median
-of each call, the best of interleaved repeats.
+Three tables. **Per insertion**: one 64-step trajectory at a time is inserted
+(``transform.inv``) into a transform holding ``P`` pending trajectories (inserted one at a time
+before, in groups of ``grpo_size - 1`` that never complete), for ``P`` = 10, 40, 160, 1000: this
+package's transform not shared (the reference), shared (``share_memory_()``, what
+``ReplayBuffer(shared=True)`` calls), and torchrl 0.14.1's ``MCAdvantage`` shared. The timed
+insertions fill fresh groups one trajectory at a time, so that three in four are held back and
+one in four releases its group (``P`` to ``P + 3`` pending throughout). Times are wall-clock (in
+shared mode the work is in another process), the median of each call, the best of interleaved
+repeats.
 
 **Writers**: 1, 2 and 4 spawned writer processes ``rb.extend`` their trajectories one at a time
 into one ``ReplayBuffer(storage=LazyTensorStorage(n, shared_init=True), shared=True)``; each
 group's trajectories are dealt to different writers, and every group completes. Steps stored per
-second from the first writer's start to the last one's end, for: no transform (the storage's own
-cost, a ceiling), this package's transform, torchrl's; then through torchrl's ``RayReplayBuffer``
-(the transform in the buffer's actor, writers as Ray tasks calling ``rb.extend``, Ray local on
-``--ray-cpus`` CPUs) with this package's transform and torchrl's. Best of ``--repeats`` runs.
+second from the writers' common start to the last one's end, for: no transform (the storage's
+own cost, a ceiling), this package's transform, torchrl's; then through torchrl's
+``RayReplayBuffer`` (the transform in the buffer's actor, writers as Ray tasks calling
+``rb.extend``, Ray local on 2 CPUs) with this package's transform and torchrl's. Best of
+``--repeats`` runs.
+
+**A shared-memory store instead**: the primitives of a design this package did not take (the
+pending steps in shared memory, an index and a lock; see docs/transform.rst, "Many writers"),
+what it would pay at least beyond a local insertion.
 
     python benchmarks/shared_writers.py            # the full tables
     python benchmarks/shared_writers.py --quick    # smaller, for a smoke run
@@ -269,6 +275,39 @@ def writers_table(s: Settings) -> None:
         )
 
 
+def primitives_table(s: Settings) -> None:
+    """What a design with the pending steps in shared memory would pay at least per insertion,
+    beyond a local insertion: its lock, the copy of the steps into a shared store, the read of
+    a shared index of 1,000 pending trajectories (microseconds, best of 5 x 2,000)."""
+    traj = trajectory(0, s.steps, seed=0)
+    store = torch.cat([traj] * 100).share_memory_()
+    index = torch.zeros(1000, 6, dtype=torch.long).share_memory_()
+    lock = mp.get_context("spawn").Lock()
+    slot = iter(range(10**9))
+
+    def locked():
+        lock.acquire()
+        lock.release()
+
+    def copy():
+        i = next(slot) % 99
+        store[i * s.steps : (i + 1) * s.steps] = traj
+
+    print("\nA shared-memory store instead (its primitives; us per call, best of 5 x 2,000):")
+    for name, call in [
+        ("multiprocessing lock, taken and released", locked),
+        (f"{s.steps} steps copied into a shared-memory TensorDict", copy),
+        ("1,000 x 6 shared index read", index.clone),
+    ]:
+        best = float("inf")
+        for _ in range(5):
+            start = time.perf_counter()
+            for _ in range(2000):
+                call()
+            best = min(best, (time.perf_counter() - start) / 2000)
+        print(f"  {name:<52} {best * 1e6:8.1f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller sizes, a smoke run")
@@ -287,6 +326,7 @@ def main() -> None:
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs")
     per_insertion_table(s)
     writers_table(s)
+    primitives_table(s)
 
 
 if __name__ == "__main__":
