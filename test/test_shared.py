@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 from tensordict import TensorDict
 from torchrl.data import LazyTensorStorage, ReplayBuffer
 
-from torchrl_grpo import MCAdvantage, _shared
+from torchrl_grpo import MCAdvantage, MCAdvantageSelector, _shared
 from torchrl_grpo.advantages import group_relative_advantage
 
 PAUSE = "TORCHRL_GRPO_SHARED_TEST_PAUSE"
@@ -205,6 +205,15 @@ class TestOwner:
         gc.collect()
         with pytest.raises(_shared.OwnerGone, match="holds no such shared transform"):
             copy.get_stats()
+
+    def test_an_unpicklable_transform_cannot_be_shared(self):
+        class Local(MCAdvantageSelector):  # a class inside a function: not picklable
+            pass
+
+        t = MCAdvantage(2, trajectory_return="sum", candidate_selector=Local())
+        with pytest.raises(TypeError, match="cannot be pickled .*module level"):
+            t.share_memory_()
+        assert not t.is_shared
 
     def test_local_queues_by_environment(self, monkeypatch):
         monkeypatch.setenv("TORCHRL_MC_ADVANTAGE_LOCAL_QUEUES", "1")

@@ -354,10 +354,18 @@ def share(transform) -> Owner:
         if _server.get("pid") != os.getpid() or not _server["process"].is_alive():
             _server.update(_start(), pid=os.getpid())
         address, authkey = _server["address"], _server["authkey"]
-    owner = Owner(address, authkey, secrets.token_hex(8))
     state = transform.__getstate__()
     state.update(_container=None, _owner=None)
-    owner.call("register", pickle.dumps(state, protocol=5), _timeout())
+    try:
+        replica = pickle.dumps((type(transform), state), protocol=5)
+    except (pickle.PicklingError, AttributeError, TypeError) as err:
+        raise TypeError(
+            "MCAdvantage.share_memory_: the transform goes to its owner process by pickling, and "
+            f"it cannot be pickled ({err}); a custom candidate_selector must be defined at module "
+            "level."
+        ) from err
+    owner = Owner(address, authkey, secrets.token_hex(8))
+    owner.call("register", replica, _timeout())
     return owner
 
 
@@ -372,9 +380,15 @@ def _start() -> dict:
     )
     process.start()
     child_end.close()
-    if not ready.poll(120) or ready.recv() != address:
+    try:
+        started = ready.poll(120) and ready.recv() == address
+    except EOFError:  # it ended while starting
+        started = False
+    if not started:
         process.kill()
-        raise RuntimeError("MCAdvantage: the owner process did not start.")
+        raise RuntimeError(
+            f"MCAdvantage: the owner process did not start (exit code {process.exitcode})."
+        )
     return {"address": address, "authkey": authkey, "process": process}
 
 
@@ -415,7 +429,11 @@ class _Server:
 
     def accept(self, listener: socket.socket) -> None:
         while True:
-            sock, _ = listener.accept()
+            try:
+                sock, _ = listener.accept()
+            except OSError:  # out of file descriptors, say: the next writer may find some
+                time.sleep(0.1)
+                continue
             threading.Thread(target=self.serve, args=(sock,), daemon=True).start()
 
     def serve(self, sock: socket.socket) -> None:
@@ -451,10 +469,9 @@ class _Server:
                 return _reply(_REJECTED, _picklable(err), caught)
 
     def register(self, key: str, state: bytes, timeout: float) -> None:
-        from torchrl_grpo.transform import MCAdvantage
-
-        transform = MCAdvantage.__new__(MCAdvantage)
-        transform.__setstate__(pickle.loads(state))
+        cls, state = pickle.loads(state)  # MCAdvantage, or a subclass
+        transform = cls.__new__(cls)
+        transform.__setstate__(state)
         transform._lock = self.lock
         self.transforms[key], self.timeouts[key] = transform, timeout
 
@@ -485,12 +502,14 @@ class _Server:
             try:
                 transform = self.get(key)
                 out, state, marks = transform._insert(transform._load(), decode(payload))
+                released = None if out is None else encode(out)
             except Exception as err:  # rejected: nothing changed
                 return _REJECTED, _reply(_REJECTED, _picklable(err), caught), None
-        if out is None:
+        if released is None:
             transform._commit(state, marks)
             return _ACCEPTED, _reply(_ACCEPTED, None, caught), None
-        return _RELEASED, _reply(_RELEASED, encode(out), caught), partial(transform._commit, state, marks)  # fmt: skip
+        commit = partial(transform._commit, state, marks)
+        return _RELEASED, _reply(_RELEASED, released, caught), commit
 
     def deliver(self, sock: socket.socket, key: str, reply: bytes, commit) -> bool:
         """Send the released steps; commit once the writer acknowledges them (the lock held)."""
