@@ -227,7 +227,7 @@ class TestOwner:
         t = shared(grpo_size=2, prompt_key="seed", trajectory_return="sum")
         t.inv(trajectory(0, [1.0]))
         before = t.get_stats()
-        monkeypatch.setenv(PAUSE, f"ack:{tmp_path / 'paused'}:1")
+        monkeypatch.setenv(PAUSE, f"ack:{tmp_path / 'paused'}:2")
         with pytest.raises(TimeoutError, match="gave up this insertion"):
             t.inv(trajectory(0, [3.0]))  # would release group 0
         monkeypatch.delenv(PAUSE)
@@ -300,7 +300,7 @@ class TestWriterProcesses:
         reads = []  # the trainer reads the state meanwhile
         reader = threading.Thread(target=lambda: reads.append(t.get_stats()), daemon=True)
         reader.start()
-        reader.join(0.5)
+        reader.join(0.5 if where == "ack" else 60)
         assert reader.is_alive() == (where == "ack")  # the owner's lock is held for the victim
         os.kill(victim.pid, signal.SIGKILL)
         victim.join(60)

@@ -128,7 +128,7 @@ def _setting(record: str, field: str, doc: str) -> property:
     def set(self, value) -> None:
         new = getattr(self, record)._replace(**{field: value})
         setattr(self, record, new)
-        if self._owner is not None:  # shared: the owner's copy inserts with it
+        if self.__dict__.get("_owner") is not None:  # shared: the owner's copy inserts with it
             self._set_record(record, new)
 
     return property(get, set, doc=doc)
@@ -493,14 +493,25 @@ class MCAdvantage(Transform):
         moves to an owner process (started once per process that shares, as torchrl's manager
         is), which every copy of the transform calls: an insertion sends its steps and gets back
         what it releases, whatever is pending. A writer killed in the middle of an insertion
-        leaves the state as it was before it (see ``docs/transform.rst``, "Many writers"). As in
-        torchrl, setting ``TORCHRL_MC_ADVANTAGE_LOCAL_QUEUES=1`` keeps the state process-local.
+        blocks no other, and its insertion is wholly in the state or wholly out (see
+        ``docs/transform.rst``, "Many writers"). As in torchrl, setting
+        ``TORCHRL_MC_ADVANTAGE_LOCAL_QUEUES=1`` keeps the state process-local.
 
         Settings are sent along; change ``grpo_size`` and ``verbose`` before sharing (the other
         settings may also be changed after).
 
         Returns:
             ``self``.
+
+        Raises:
+            TypeError: the transform cannot be pickled to its owner (a ``candidate_selector``
+                whose class is defined inside a function).
+
+        Examples:
+            >>> from torchrl_grpo import MCAdvantage
+            >>> t = MCAdvantage(grpo_size=2, prompt_key="seed").share_memory_()
+            >>> t.is_shared, t.queued_trajectories
+            (True, 0)
         """
         if self.is_shared or os.environ.get("TORCHRL_MC_ADVANTAGE_LOCAL_QUEUES") == "1":
             return self
