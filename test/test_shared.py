@@ -24,7 +24,7 @@ from conftest import (
 )
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tensordict import TensorDict
+from tensordict import NonTensorData, TensorDict, lazy_stack
 from torchrl.data import LazyTensorStorage, ReplayBuffer
 
 from torchrl_grpo import MCAdvantage, MCAdvantageSelector, _shared
@@ -82,6 +82,27 @@ class TestSameAsLocal:
         assert max(held) > 0 and t.get_stats() == local.get_stats()
         with pytest.raises(ValueError, match="ended in an earlier insertion"):
             t.inv(batches[0])  # ids that ended come back
+
+    def test_ragged_token_sequences(self):
+        """Lazy stacks of steps of different lengths, string prompts: pickled as they are."""
+        steps = [
+            TensorDict(
+                query=NonTensorData(f"prompt {k % 2}"),
+                tokens=torch.arange(n),
+                uid=torch.tensor(k),
+                next=TensorDict(reward=torch.full((n, 1), float(n)), done=torch.tensor([True])),
+            )
+            for k, n in enumerate((2, 5, 3, 4, 6))
+        ]
+        local, t = MCAdvantage(2), shared(grpo_size=2)
+        outs = []
+        for step in steps:
+            got, want = t.inv(lazy_stack([step])), local.inv(lazy_stack([step]))
+            assert type(got) is type(want)
+            assert_same(released(got), released(want))
+            outs.append(got)
+        assert sum(out is not None for out in outs) == 2 and list(t.queues) == ["prompt 0"]
+        assert t.get_stats() == local.get_stats()
 
     def test_estimators_and_limits(self):
         kwargs = dict(
