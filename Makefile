@@ -33,8 +33,9 @@ docs: $(VENV)/.stamp-docs+examples+llm
 	$(PY) -m sphinx -W --keep-going -q -b doctest docs docs/_build/doctest
 
 # Benchmark tables (each a side-by-side comparison in one run); see docs/benchmarks.rst.
-bench: $(VENV)/.stamp-examples+llm
+bench: $(VENV)/.stamp-examples+llm+dist
 	$(PY) benchmarks/transform_throughput.py
+	$(PY) benchmarks/shared_writers.py
 	$(PY) benchmarks/loss_memory.py
 	$(PY) benchmarks/llm_loss_memory.py
 	$(PY) benchmarks/cartpole_seeds.py

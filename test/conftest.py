@@ -217,6 +217,36 @@ def collector_stream(num_envs, num_groups, size, seed, *, max_len=7, steps_per_b
     return batches, completed
 
 
+# --- shared mode: writer processes ---------------------------------------------------------------
+
+
+def extend_from_process(rb, batches, go=None, pause=None) -> None:
+    """A writer process (a spawn target): waits for ``go`` (an event), then ``rb.extend`` each
+    batch; with ``pause`` (``"<where>:<file>"``, see ``torchrl_grpo/_shared.py``), the last batch
+    is inserted under the test hook that pauses it there."""
+    import os
+
+    torch.set_num_threads(1)
+    if go is not None and not go.wait(120):
+        raise TimeoutError("never told to go")
+    for i, batch in enumerate(batches):
+        if pause is not None and i == len(batches) - 1:
+            os.environ["TORCHRL_GRPO_SHARED_TEST_PAUSE"] = pause
+        rb.extend(batch)
+
+
+def wait_for_file(path, process, timeout=120.0) -> None:
+    """Wait until ``path`` exists (a paused writer made it); fail if ``process`` ended first."""
+    import os
+    import time
+
+    end = time.monotonic() + timeout
+    while not os.path.exists(path):
+        assert process.is_alive(), f"the writer ended (exit code {process.exitcode}) before pausing"
+        assert time.monotonic() < end, f"the writer did not pause within {timeout} s"
+        time.sleep(0.02)
+
+
 # --- the loss side ------------------------------------------------------------------------------
 
 #: Every device tests run on: the CPU, and CUDA whenever a GPU is present (CI has none, so its

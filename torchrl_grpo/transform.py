@@ -13,7 +13,6 @@ private modules, each one step of the path in ``ARCHITECTURE.md``:
 from __future__ import annotations
 
 import math
-import multiprocessing as mp
 import numbers
 import operator
 import os
@@ -26,7 +25,7 @@ from torchrl import torchrl_logger
 from torchrl.envs.transforms import Transform
 from torchrl.objectives.llm import MCAdvantageSelector
 
-from torchrl_grpo import _pending
+from torchrl_grpo import _pending, _shared
 from torchrl_grpo._compat import calling_replay_buffer
 from torchrl_grpo._grouping import Limits, Selection, evict, find_rounds, select_candidates
 from torchrl_grpo._pending import Pending, Returns, evolve
@@ -43,6 +42,7 @@ from torchrl_grpo._release import (
     torchrl_returns,
     trajectory_returns,
 )
+from torchrl_grpo._shared import owned
 from torchrl_grpo._tails import ENDED, GIVEN_UP, TrajectoryKeys, join
 from torchrl_grpo._tails import drop as drop_tails
 from torchrl_grpo.advantages import BASELINES, RETURN_REDUCTIONS, SCALES
@@ -154,7 +154,10 @@ def _setting(record: str, field: str, doc: str) -> property:
         return getattr(getattr(self, record), field)
 
     def set(self, value) -> None:
-        setattr(self, record, getattr(self, record)._replace(**{field: value}))
+        new = getattr(self, record)._replace(**{field: value})
+        setattr(self, record, new)
+        if self.__dict__.get("_owner") is not None:  # shared: the owner's copy inserts with it
+            self._set_record(record, new)
 
     return property(get, set, doc=doc)
 
@@ -462,9 +465,8 @@ class MCAdvantage(Transform):
             traj=traj_key, done=done_key, count=step_count_key if traj_key is not None else None
         )
         self._state = Pending(stats=fresh_stats())
-        self._shared = None  # a manager Namespace holding the Pending once share_memory_() ran
+        self._owner = None  # the owner process's handle once share_memory_() ran (_shared.py)
         self._lock = _NoLock()
-        self._manager = None
         self._buffer_searched = False  # looked for the buffer writing through this transform
         self.register_load_state_dict_pre_hook(_read_earlier_checkpoints)
 
@@ -504,47 +506,72 @@ class MCAdvantage(Transform):
     traj_key = _setting("_trajectory_keys", "traj", "Key of the trajectory ids.")
     step_count_key = _setting("_trajectory_keys", "count", "Key of the step counter.")
 
-    # --- state: local, or behind a multiprocessing manager ------------------------------------
+    # --- state: local, or in an owner process (torchrl_grpo/_shared.py) ---------------------
 
+    @owned
     def _load(self) -> Pending:
-        return self._shared.state if self._shared is not None else self._state
+        return self._state
 
+    @owned
     def _store(self, state: Pending) -> None:
-        if self._shared is not None:
-            self._shared.state = state
-        else:  # a plain attribute: skip nn.Module.__setattr__'s bookkeeping on the hot path
-            object.__setattr__(self, "_state", state)
+        # a plain attribute: skip nn.Module.__setattr__'s bookkeeping on the hot path
+        object.__setattr__(self, "_state", state)
+
+    def _commit(self, state: Pending, marks: list) -> None:
+        """Make ``state`` (an insertion's outcome) the state, and record the trajectory ids it
+        ended or gave up."""
+        for ids, status in marks:
+            state.tails.registry.mark(ids, status)
+        self._store(state)
+
+    @owned
+    def _set_record(self, record: str, value) -> None:
+        setattr(self, record, value)
 
     @property
     def is_shared(self) -> bool:
-        """Whether the pending groups and statistics live in multiprocessing-shared state."""
-        return self._shared is not None
+        """Whether the pending groups and statistics are shared between processes."""
+        return self._owner is not None
 
     def share_memory_(self) -> MCAdvantage:
-        """Move the pending groups and statistics behind a multiprocessing manager.
+        """Share the pending groups and statistics with every process the transform goes to.
 
-        Called by :meth:`torchrl.data.ReplayBuffer.share`, so that trajectories of one group
-        written by different processes complete one group. As in torchrl, setting
+        Called by :meth:`torchrl.data.ReplayBuffer.share` (``ReplayBuffer(shared=True)``), so that
+        trajectories of one group written by different processes complete one group. The state
+        moves to an owner process (started once per process that shares, as torchrl's manager
+        is), which every copy of the transform calls: an insertion sends its steps and gets back
+        what it releases, whatever is pending. A writer killed in the middle of an insertion
+        blocks no other, and its insertion is wholly in the state or wholly out (see
+        ``docs/transform.rst``, "Many writers"). As in torchrl, setting
         ``TORCHRL_MC_ADVANTAGE_LOCAL_QUEUES=1`` keeps the state process-local.
+
+        Settings are sent along; change ``grpo_size`` and ``verbose`` before sharing (the other
+        settings may also be changed after).
 
         Returns:
             ``self``.
+
+        Raises:
+            TypeError: the transform cannot be pickled to its owner (a ``candidate_selector``
+                whose class is defined inside a function).
+
+        Examples:
+            >>> from torchrl_grpo import MCAdvantage
+            >>> t = MCAdvantage(grpo_size=2, prompt_key="seed").share_memory_()
+            >>> t.is_shared, t.queued_trajectories
+            (True, 0)
         """
         if self.is_shared or os.environ.get("TORCHRL_MC_ADVANTAGE_LOCAL_QUEUES") == "1":
             return self
-        self._manager = mp.Manager()
-        self._shared = self._manager.Namespace()
-        self._shared.state = self._state
-        self._lock = self._manager.RLock()
+        owner = _shared.share(self)
+        object.__setattr__(self, "_owner", owner)
+        object.__setattr__(self, "_state", None)  # the owner's now
+        _shared.finalize_with(self, owner)
         return self
-
-    def __getstate__(self):
-        state = super().__getstate__()
-        state["_manager"] = None
-        return state
 
     # --- checkpoints: the pending groups and counters travel in state_dict() ----------------------
 
+    @owned
     def get_extra_state(self) -> dict:
         """What ``state_dict()`` holds under ``"_extra_state"``: every pending trajectory, the
         group ids, returns, counters and insertion clock, as tensors and plain Python values (so
@@ -552,6 +579,7 @@ class MCAdvantage(Transform):
         with self._lock:
             return {"pending": _pending.to_plain(self._load()), "grpo_size": self.grpo_size}
 
+    @owned
     def set_extra_state(self, state: dict) -> None:
         """Restore what :meth:`get_extra_state` saved (``load_state_dict()`` calls it).
 
@@ -583,11 +611,13 @@ class MCAdvantage(Transform):
 
     # --- torchrl's statistics API --------------------------------------------------------------
 
+    @owned
     def reset_stats(self) -> None:
         """Reset the counters of write decisions (pending groups are kept)."""
         with self._lock:
             self._store(evolve(self._load(), stats=fresh_stats()))
 
+    @owned
     def clear_queues(self) -> None:
         """Forget every pending trajectory, held unfinished ones included (statistics are kept).
 
@@ -601,6 +631,7 @@ class MCAdvantage(Transform):
                 tails.registry.mark(tails.ids, GIVEN_UP)
             self._store(Pending(stats=state.stats, tails=type(tails)(registry=tails.registry)))
 
+    @owned
     def get_stats(self) -> dict[str, float | int]:
         """A snapshot of the counters and of the pending queues' sizes.
 
@@ -626,24 +657,28 @@ class MCAdvantage(Transform):
             return stats
 
     @property
+    @owned
     def held_trajectories(self) -> int:
         """Number of trajectories whose first steps arrived but not their last (``traj_key``)."""
         with self._lock:
             return self._load().tails.num_tails
 
     @property
+    @owned
     def queued_groups(self) -> int:
         """Number of incomplete groups held back."""
         with self._lock:
             return len(_pending.group_counts(self._load()))
 
     @property
+    @owned
     def queued_trajectories(self) -> int:
         """Number of trajectories held back in incomplete groups."""
         with self._lock:
             return self._load().num_pending
 
     @property
+    @owned
     def max_queued_trajectories_per_group(self) -> int:
         """Largest number of trajectories held back for one group."""
         with self._lock:
@@ -666,11 +701,11 @@ class MCAdvantage(Transform):
         if not self._buffer_searched:  # once: the buffer writing through us, if any
             self._find_buffer()
             object.__setattr__(self, "_buffer_searched", True)
+        if self._owner is not None:  # shared: the owner inserts, and commits what we took
+            return self._owner.insert(tensordict)
         with self._lock:
-            out, state, marks = self._insert(self._load(), tensordict)
-            for ids, status in marks:  # the insertion went through: record the ids it ended
-                state.tails.registry.mark(ids, status)
-            self._store(state)
+            out, state, marks = self._insert(self._state, tensordict)
+            self._commit(state, marks)  # the insertion went through
         return out
 
     def _insert(self, state: Pending, tensordict: TensorDictBase):
@@ -850,41 +885,20 @@ class PendingGroups(MutableMapping):
     def __init__(self, transform: MCAdvantage):
         self._transform = transform
 
-    def _positions(self, state: Pending, group) -> list[int]:
-        if state.num_pending == 0:
-            return []
-        return [j for j, key in enumerate(_pending.python_keys(state.keys)) if key == group]
-
     def __getitem__(self, group) -> tuple[TensorDictBase, ...]:
-        with self._transform._lock:
-            state = self._transform._load()
-            positions = self._positions(state, group)
-            if not positions:
-                raise KeyError(group)
-            return tuple(_pending.trajectory(state, None, j) for j in positions)
+        return _group_trajectories(self._transform, group)
 
     def __contains__(self, group) -> bool:
-        with self._transform._lock:
-            return bool(self._positions(self._transform._load(), group))
+        return bool(_group_positions(self._transform, group))
 
     def __iter__(self) -> Iterator:
-        with self._transform._lock:
-            state = self._transform._load()
-            keys = _pending.python_keys(state.keys) if state.num_pending else []
-        return iter(dict.fromkeys(keys))
+        return iter(dict.fromkeys(_group_ids(self._transform)))
 
     def __len__(self) -> int:
         return self._transform.queued_groups
 
     def __delitem__(self, group) -> None:
-        with self._transform._lock:
-            state = self._transform._load()
-            positions = self._positions(state, group)
-            if not positions:
-                raise KeyError(group)
-            keep = torch.ones(state.num_pending, dtype=torch.bool)
-            keep[positions] = False
-            self._transform._store(_pending.drop(state, keep))
+        _drop_group(self._transform, group)
 
     def __setitem__(self, group, trajectories) -> None:
         raise TypeError(
@@ -894,40 +908,88 @@ class PendingGroups(MutableMapping):
 
     def pop(self, group, *default):
         """Remove a group and return its trajectories (``default`` if it is not pending)."""
-        with self._transform._lock:
-            if group not in self:
-                if default:
-                    return default[0]
-                raise KeyError(group)
-            trajectories = self[group]
-            del self[group]
-            return trajectories
+        return _pop_group(self._transform, group, *default)
 
     def clear(self) -> None:
         """Drop every pending trajectory (as :meth:`MCAdvantage.clear_queues`)."""
         self._transform.clear_queues()
 
     def __repr__(self) -> str:
-        with self._transform._lock:
-            state = self._transform._load()
-            keys = _pending.python_keys(state.keys) if state.num_pending else []
         sizes: dict = {}
-        for key in keys:
+        for key in _group_ids(self._transform):
             sizes[key] = sizes.get(key, 0) + 1
         return f"PendingGroups({sizes})"
 
 
+# What PendingGroups does to the state: functions of the transform, run by its owner when shared.
+
+
+@owned
+def _group_ids(transform: MCAdvantage) -> list:
+    """The group id of every pending trajectory, in arrival order."""
+    with transform._lock:
+        state = transform._load()
+        return _pending.python_keys(state.keys) if state.num_pending else []
+
+
+@owned
+def _group_positions(transform: MCAdvantage, group) -> list[int]:
+    return [j for j, key in enumerate(_group_ids(transform)) if key == group]
+
+
+@owned
+def _group_trajectories(transform: MCAdvantage, group) -> tuple[TensorDictBase, ...]:
+    with transform._lock:
+        positions = _group_positions(transform, group)
+        if not positions:
+            raise KeyError(group)
+        state = transform._load()
+        return tuple(_pending.trajectory(state, None, j) for j in positions)
+
+
+@owned
+def _drop_group(transform: MCAdvantage, group) -> None:
+    with transform._lock:
+        positions = _group_positions(transform, group)
+        if not positions:
+            raise KeyError(group)
+        state = transform._load()
+        keep = torch.ones(state.num_pending, dtype=torch.bool)
+        keep[positions] = False
+        transform._store(_pending.drop(state, keep))
+
+
+@owned
+def _pop_group(transform: MCAdvantage, group, *default):
+    with transform._lock:
+        if not _group_positions(transform, group):
+            if default:
+                return default[0]
+            raise KeyError(group)
+        trajectories = _group_trajectories(transform, group)
+        _drop_group(transform, group)
+        return trajectories
+
+
+@owned
+def _get_stat(transform: MCAdvantage, name: str):
+    with transform._lock:
+        return transform._load().stats[name]
+
+
+@owned
+def _set_stat(transform: MCAdvantage, name: str, value) -> None:
+    with transform._lock:
+        state = transform._load()
+        transform._store(evolve(state, stats={**state.stats, name: value}))
+
+
 def _stat_property(name: str) -> property:
-    def get(self):
-        with self._lock:
-            return self._load().stats[name]
-
-    def set(self, value) -> None:
-        with self._lock:
-            state = self._load()
-            self._store(evolve(state, stats={**state.stats, name: value}))
-
-    return property(get, set, doc=f"torchrl's ``{name}`` counter (see :meth:`get_stats`).")
+    return property(
+        lambda self: _get_stat(self, name),
+        lambda self, value: _set_stat(self, name, value),
+        doc=f"torchrl's ``{name}`` counter (see :meth:`get_stats`).",
+    )
 
 
 for _name in STAT_NAMES:
