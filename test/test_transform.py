@@ -915,20 +915,24 @@ class TestEstimatorsBeyondTorchRL:
             want = multi_reward_advantage(x, groups, weights=weights).repeat_interleave(lengths)
         torch.testing.assert_close(adv.double(), want, atol=1e-5, rtol=1e-5)
 
-    def test_one_reward_of_weight_one_is_grpo(self):
-        trajs, _ = agent_episodes(seed=2)
+    @pytest.mark.parametrize(
+        "seed, neutral",
+        [
+            (2, {"reward_weights": {("next", "reward"): 1.0}, "whiten": False}),  # one reward
+            (5, {"anchor_key": "obs", "step_reward_weight": 0.0}),  # GiGPO without its term
+        ],
+        ids=["gdpo_one_reward", "gigpo_no_step_weight"],
+    )
+    def test_neutral_settings_are_grpo(self, seed, neutral):
+        trajs, _ = agent_episodes(seed=seed)
         for mode in (None, "sum"):
             plain, _ = self.release(
                 MCAdvantage(3, prompt_key="seed", trajectory_return=mode), trajs
             )
-            one, _ = self.release(
-                MCAdvantage(
-                    3, prompt_key="seed", trajectory_return=mode,
-                    reward_weights={("next", "reward"): 1.0}, whiten=False,
-                ),
-                trajs,
-            )  # fmt: skip
-            torch.testing.assert_close(one, plain)
+            got, _ = self.release(
+                MCAdvantage(3, prompt_key="seed", trajectory_return=mode, **neutral), trajs
+            )
+            torch.testing.assert_close(got, plain)
 
     def test_gdpo_statistics_and_filters_see_the_weighted_sum(self):
         trajs = [
@@ -1038,21 +1042,6 @@ class TestEstimatorsBeyondTorchRL:
         out = ragged.inv(lazy_stack(steps))
         per_step = torch.stack([step["advantage"][0] for step in out.unbind(0)])
         torch.testing.assert_close(per_step.double(), want, atol=1e-5, rtol=1e-5)
-
-    def test_gigpo_without_step_weight_is_grpo(self):
-        trajs, _ = agent_episodes(seed=5)
-        for mode in (None, "sum"):
-            plain, _ = self.release(
-                MCAdvantage(3, prompt_key="seed", trajectory_return=mode), trajs
-            )
-            gigpo, _ = self.release(
-                MCAdvantage(
-                    3, prompt_key="seed", trajectory_return=mode, anchor_key="obs",
-                    step_reward_weight=0.0,
-                ),
-                trajs,
-            )  # fmt: skip
-            torch.testing.assert_close(gigpo, plain)
 
     def test_gigpo_by_hand(self):
         """Two runs from room 7: one reaches 8 and wins, one reaches 9 and loses."""
