@@ -221,6 +221,32 @@ def extend_from_process(rb, batches, go=None, pause=None) -> None:
         rb.extend(batch)
 
 
+@pytest.fixture
+def spawn_writer():
+    """``spawn_writer(rb, batches, pause=None) -> (process, go)``: a spawned writer process of
+    :func:`extend_from_process`, waiting for ``go.set()``; any still alive at the end of the test
+    is killed (a failed test leaves no writer paused for ever)."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    processes = []
+
+    def spawn(rb, batches, pause=None):
+        go = ctx.Event()
+        process = ctx.Process(
+            target=extend_from_process, args=(rb, batches, go, pause), daemon=True
+        )
+        process.start()
+        processes.append(process)
+        return process, go
+
+    yield spawn
+    for process in processes:
+        if process.is_alive():
+            process.kill()
+        process.join(30)
+
+
 def wait_for_file(path, process, timeout=120.0) -> None:
     """Wait until ``path`` exists (a paused writer made it); fail if ``process`` ended first."""
     import os
