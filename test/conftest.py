@@ -222,6 +222,28 @@ def extend_from_process(rb, batches, go=None, pause=None) -> None:
 
 
 @pytest.fixture
+def shared_buffer():
+    """``shared_buffer(size)``: a ``ReplayBuffer`` of a ``LazyTensorStorage(size,
+    shared_init=True)``, ``shared=True``; the folder torchrl's ``shared_init`` leaves behind is
+    removed at the end of the test."""
+    import shutil
+
+    from torchrl.data import LazyTensorStorage, ReplayBuffer
+
+    storages = []
+
+    def make(size):
+        storages.append(LazyTensorStorage(size, shared_init=True))
+        return ReplayBuffer(storage=storages[-1], shared=True)
+
+    yield make
+    for storage in storages:
+        folder = getattr(storage, "scratch_dir", None)
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture
 def spawn_writer():
     """``spawn_writer(rb, batches, pause=None) -> (process, go)``: a spawned writer process of
     :func:`extend_from_process`, waiting for ``go.set()``; any still alive at the end of the test

@@ -264,12 +264,12 @@ class TestOwner:
 class TestWriterProcesses:
     """Writer processes (spawned), and writers killed (SIGKILL) inside an insertion."""
 
-    def test_groups_across_writers_exact(self, spawn_writer):
+    def test_groups_across_writers_exact(self, spawn_writer, shared_buffer):
         """Every group's trajectories dealt to three writers: every step is stored once, with
         its group's advantage, and the statistics are those of one process writing them all."""
         trajs = random_stream(8, 3, seed=11)
         kwargs = dict(grpo_size=3, prompt_key="seed", trajectory_return="sum")
-        rb = ReplayBuffer(storage=LazyTensorStorage(200, shared_init=True), shared=True)
+        rb = shared_buffer(200)
         rb.append_transform(t := MCAdvantage(**kwargs))
         writers = [spawn_writer(rb, trajs[w::3]) for w in range(3)]
         for _, go in writers:
@@ -293,7 +293,7 @@ class TestWriterProcesses:
         assert stats == want
 
     @pytest.mark.parametrize("where", ["request", "ack", "done", "reply"])
-    def test_writer_killed_inside_an_insertion(self, where, tmp_path, spawn_writer):
+    def test_writer_killed_inside_an_insertion(self, where, tmp_path, spawn_writer, shared_buffer):
         """A writer is killed (SIGKILL) inside its insertion of the trajectory that completes
         group 0: while sending it (``request``), while the owner holds its lock for it waiting
         for its acknowledgement (``ack``), or once it acknowledged (``done``); or inside its
@@ -303,7 +303,7 @@ class TestWriterProcesses:
         (``request``, ``ack``) or wholly in (``reply``: pending; ``done``: committed, though
         the killed writer never stored what it released). While it is paused holding the
         owner's lock (``ack``), the trainer's reads wait, and go on once it is killed."""
-        rb = ReplayBuffer(storage=LazyTensorStorage(200, shared_init=True), shared=True)
+        rb = shared_buffer(200)
         rb.append_transform(t := MCAdvantage(2, prompt_key="seed", trajectory_return="sum"))
         first, completing = trajectory(0, [1.0]), trajectory(0, [3.0])
         others = [trajectory(g, [float(g), 1.0]) for g in (1, 2) for _ in range(2)]
