@@ -36,6 +36,7 @@ import importlib.util
 import logging
 import multiprocessing as mp
 import os
+import shutil
 import statistics
 import time
 import warnings
@@ -174,20 +175,24 @@ def write(rb, trajs, barrier, times) -> None:
 def shared_buffer_run(make_transform, writers: int, s: Settings) -> float:
     """Steps stored per second by ``writers`` spawned processes into one shared buffer."""
     total = s.groups * s.grpo_size * s.steps
-    rb = ReplayBuffer(storage=LazyTensorStorage(total, shared_init=True), shared=True)
-    if make_transform is not None:
-        rb.append_transform(make_transform())
-    ctx = mp.get_context("spawn")
-    barrier, times = ctx.Barrier(writers), ctx.Queue()
-    procs = [
-        ctx.Process(target=write, args=(rb, part, barrier, times)) for part in dealt(s, writers)
-    ]
-    for p in procs:
-        p.start()
-    spans = [times.get(timeout=600) for _ in procs]
-    for p in procs:
-        p.join(timeout=60)
-    assert len(rb) == total, f"{len(rb)} of {total} steps stored"
+    storage = LazyTensorStorage(total, shared_init=True)
+    try:
+        rb = ReplayBuffer(storage=storage, shared=True)
+        if make_transform is not None:
+            rb.append_transform(make_transform())
+        ctx = mp.get_context("spawn")
+        barrier, times = ctx.Barrier(writers), ctx.Queue()
+        procs = [
+            ctx.Process(target=write, args=(rb, part, barrier, times)) for part in dealt(s, writers)
+        ]
+        for p in procs:
+            p.start()
+        spans = [times.get(timeout=600) for _ in procs]
+        for p in procs:
+            p.join(timeout=60)
+        assert len(rb) == total, f"{len(rb)} of {total} steps stored"
+    finally:  # the folder torchrl's shared_init leaves behind
+        shutil.rmtree(getattr(storage, "scratch_dir", None) or "/nonexistent", ignore_errors=True)
     return total / (max(end for _, end in spans) - min(start for start, _ in spans))
 
 

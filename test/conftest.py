@@ -235,6 +235,54 @@ def extend_from_process(rb, batches, go=None, pause=None) -> None:
         rb.extend(batch)
 
 
+@pytest.fixture
+def shared_buffer():
+    """``shared_buffer(size)``: a ``ReplayBuffer`` of a ``LazyTensorStorage(size,
+    shared_init=True)``, ``shared=True``; the folder torchrl's ``shared_init`` leaves behind is
+    removed at the end of the test."""
+    import shutil
+
+    from torchrl.data import LazyTensorStorage, ReplayBuffer
+
+    storages = []
+
+    def make(size):
+        storages.append(LazyTensorStorage(size, shared_init=True))
+        return ReplayBuffer(storage=storages[-1], shared=True)
+
+    yield make
+    for storage in storages:
+        folder = getattr(storage, "scratch_dir", None)
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture
+def spawn_writer():
+    """``spawn_writer(rb, batches, pause=None) -> (process, go)``: a spawned writer process of
+    :func:`extend_from_process`, waiting for ``go.set()``; any still alive at the end of the test
+    is killed (a failed test leaves no writer paused for ever)."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    processes = []
+
+    def spawn(rb, batches, pause=None):
+        go = ctx.Event()
+        process = ctx.Process(
+            target=extend_from_process, args=(rb, batches, go, pause), daemon=True
+        )
+        process.start()
+        processes.append(process)
+        return process, go
+
+    yield spawn
+    for process in processes:
+        if process.is_alive():
+            process.kill()
+        process.join(30)
+
+
 def wait_for_file(path, process, timeout=120.0) -> None:
     """Wait until ``path`` exists (a paused writer made it); fail if ``process`` ended first."""
     import os

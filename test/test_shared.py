@@ -2,7 +2,6 @@
 writer processes, and writers killed in the middle of an insertion."""
 
 import gc
-import multiprocessing as mp
 import os
 import pickle
 import random
@@ -15,7 +14,6 @@ import torch
 from conftest import (
     bad_inputs,
     collector_stream,
-    extend_from_process,
     random_chunks,
     random_stream,
     released,
@@ -203,19 +201,25 @@ class TestOwner:
         """The bytes an insertion sends and receives are those of its steps and of the steps it
         releases: the same at 2 and at 200 pending trajectories."""
         sizes = []
-        send = _shared._send
-        monkeypatch.setattr(_shared, "_send", lambda sock, payload: (sizes.append(len(payload)), send(sock, payload))[1])  # fmt: skip
+        send, recv = _shared._send, _shared._recv
+        monkeypatch.setattr(_shared, "_send", lambda sock, data: (sizes.append(("sent", len(data))), send(sock, data))[1])  # fmt: skip
+        monkeypatch.setattr(_shared, "_recv", lambda sock: (data := recv(sock), sizes.append(("received", len(data))))[0])  # fmt: skip
         shipped = []
         for pending in (2, 200):
             t = shared(grpo_size=2, prompt_key="seed", trajectory_return="sum")
             t.inv(torch.cat([trajectory(1000 + g, [1.0, 2.0]) for g in range(pending - 1)]))
             t.inv(trajectory(0, [1.0, 2.0]))
-            sizes.clear()
-            t.inv(trajectory(7, [1.0, 2.0]))  # held back
-            t.inv(trajectory(0, [3.0, 4.0]))  # releases its group
-            shipped.append(list(sizes))
+            gc.collect()  # no transform of an earlier test forgotten (a message) meanwhile
+            gc.disable()
+            try:
+                sizes.clear()
+                t.inv(trajectory(7, [1.0, 2.0]))  # held back
+                t.inv(trajectory(0, [3.0, 4.0]))  # releases its group
+                shipped.append(list(sizes))
+            finally:
+                gc.enable()
             assert t.queued_trajectories == pending
-        assert shipped[0] == shipped[1]
+        assert len(shipped[0]) == 4 and shipped[0] == shipped[1]
 
     def test_pickled_copies_share_the_state_and_end_with_the_original(self):
         t = shared(grpo_size=2, prompt_key="seed")
@@ -260,22 +264,14 @@ class TestOwner:
 class TestWriterProcesses:
     """Writer processes (spawned), and writers killed (SIGKILL) inside an insertion."""
 
-    @staticmethod
-    def spawn(rb, batches, pause=None):
-        ctx = mp.get_context("spawn")
-        go = ctx.Event()
-        process = ctx.Process(target=extend_from_process, args=(rb, batches, go, pause))
-        process.start()
-        return process, go
-
-    def test_groups_across_writers_exact(self):
+    def test_groups_across_writers_exact(self, spawn_writer, shared_buffer):
         """Every group's trajectories dealt to three writers: every step is stored once, with
         its group's advantage, and the statistics are those of one process writing them all."""
         trajs = random_stream(8, 3, seed=11)
         kwargs = dict(grpo_size=3, prompt_key="seed", trajectory_return="sum")
-        rb = ReplayBuffer(storage=LazyTensorStorage(200, shared_init=True), shared=True)
+        rb = shared_buffer(200)
         rb.append_transform(t := MCAdvantage(**kwargs))
-        writers = [self.spawn(rb, trajs[w::3]) for w in range(3)]
+        writers = [spawn_writer(rb, trajs[w::3]) for w in range(3)]
         for _, go in writers:
             go.set()
         for process, _ in writers:
@@ -297,7 +293,7 @@ class TestWriterProcesses:
         assert stats == want
 
     @pytest.mark.parametrize("where", ["request", "ack", "done", "reply"])
-    def test_writer_killed_inside_an_insertion(self, where, tmp_path):
+    def test_writer_killed_inside_an_insertion(self, where, tmp_path, spawn_writer, shared_buffer):
         """A writer is killed (SIGKILL) inside its insertion of the trajectory that completes
         group 0: while sending it (``request``), while the owner holds its lock for it waiting
         for its acknowledgement (``ack``), or once it acknowledged (``done``); or inside its
@@ -307,14 +303,14 @@ class TestWriterProcesses:
         (``request``, ``ack``) or wholly in (``reply``: pending; ``done``: committed, though
         the killed writer never stored what it released). While it is paused holding the
         owner's lock (``ack``), the trainer's reads wait, and go on once it is killed."""
-        rb = ReplayBuffer(storage=LazyTensorStorage(200, shared_init=True), shared=True)
+        rb = shared_buffer(200)
         rb.append_transform(t := MCAdvantage(2, prompt_key="seed", trajectory_return="sum"))
         first, completing = trajectory(0, [1.0]), trajectory(0, [3.0])
         others = [trajectory(g, [float(g), 1.0]) for g in (1, 2) for _ in range(2)]
         late = trajectory(0, [5.0])
         batches = [first] if where == "reply" else [first, completing]
-        victim, go_victim = self.spawn(rb, batches, pause=f"{where}:{tmp_path / 'p'}")
-        writer, go_writer = self.spawn(rb, [*others, late])
+        victim, go_victim = spawn_writer(rb, batches, pause=f"{where}:{tmp_path / 'p'}")
+        writer, go_writer = spawn_writer(rb, [*others, late])
         go_victim.set()
         wait_for_file(tmp_path / "p", victim)
         go_writer.set()
