@@ -204,21 +204,10 @@ def main(argv=None) -> dict:
         eval_return, solved = demo.greedy_return(actor, eval_env, confirm_env, cfg.target_return)
         evals.append({"env_steps": 0, "wall_s": time.perf_counter() - START, "return": eval_return})
 
-    tick = time.perf_counter()
-    torch.save(actor.state_dict(), run_dir / "policy.pt")
-    demo.save_plot(history, evals, cfg.target_return, run_dir / "returns.png")
-    eval_env.close()
-    confirm_env.close()
-    seconds["outputs"] = time.perf_counter() - tick
-    wall = time.perf_counter() - START
-    print(f"outputs: {run_dir}", flush=True)
-    print("seconds: " + ", ".join(f"{phase} {value:.1f}" for phase, value in seconds.items()))
-    print(
-        f"RESULT solved={str(solved).lower()} wall_s={wall:.2f} env_steps={env_steps} "
-        f"eval_return={eval_return:.1f}",
-        flush=True,
-    )
-    return {"solved": solved, "wall_s": wall, "env_steps": env_steps, "eval_return": eval_return}
+    return demo.finish_run(
+        run_dir, actor, history, evals, cfg.target_return, (eval_env, confirm_env), seconds,
+        START, solved=solved, env_steps=env_steps, eval_return=eval_return,
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

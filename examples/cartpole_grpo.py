@@ -296,6 +296,31 @@ def save_plot(history: list[dict], evals: list[dict], target: float, path: Path)
     plt.close(fig)
 
 
+def finish_run(
+    run_dir: Path, actor, history: list[dict], evals: list[dict], target: float, envs,
+    seconds: dict, start: float, *, solved: bool, env_steps: int, eval_return: float,
+) -> dict:  # fmt: skip
+    """Save the policy (on the CPU) and the plot, close ``envs``, print the outputs folder, the
+    seconds per phase and the ``RESULT`` line; returns the result as a dict. Shared with the PPO
+    baseline (``benchmarks/cartpole_ppo.py``), so both end the same way."""
+    tick = time.perf_counter()
+    torch.save({k: v.cpu() for k, v in actor.state_dict().items()}, run_dir / "policy.pt")
+    save_plot(history, evals, target, run_dir / "returns.png")
+    for env in envs:
+        if env is not None:
+            env.close()
+    seconds["outputs"] = time.perf_counter() - tick
+    wall = time.perf_counter() - start
+    print(f"outputs: {run_dir}", flush=True)
+    print("seconds: " + ", ".join(f"{phase} {value:.1f}" for phase, value in seconds.items()))
+    print(
+        f"RESULT solved={str(solved).lower()} wall_s={wall:.2f} env_steps={env_steps} "
+        f"eval_return={eval_return:.1f}",
+        flush=True,
+    )
+    return {"solved": solved, "wall_s": wall, "env_steps": env_steps, "eval_return": eval_return}
+
+
 def main(argv: list[str] | None = None) -> dict:
     cfg = parse_args(argv)
     torch.manual_seed(cfg.seed)
@@ -462,22 +487,10 @@ def main(argv: list[str] | None = None) -> dict:
         eval_return, solved = greedy_return(actor, eval_env, confirm_env, cfg.target_return)
         evals.append({"env_steps": 0, "wall_s": time.perf_counter() - START, "return": eval_return})
 
-    tick = time.perf_counter()
-    torch.save({k: v.cpu() for k, v in actor.state_dict().items()}, run_dir / "policy.pt")
-    save_plot(history, evals, cfg.target_return, run_dir / "returns.png")
-    for closing in (eval_env, confirm_env):
-        if closing is not None:
-            closing.close()
-    seconds["outputs"] = time.perf_counter() - tick
-    wall = time.perf_counter() - START
-    print(f"outputs: {run_dir}", flush=True)
-    print("seconds: " + ", ".join(f"{phase} {value:.1f}" for phase, value in seconds.items()))
-    print(
-        f"RESULT solved={str(solved).lower()} wall_s={wall:.2f} env_steps={env_steps} "
-        f"eval_return={eval_return:.1f}",
-        flush=True,
-    )
-    return {"solved": solved, "wall_s": wall, "env_steps": env_steps, "eval_return": eval_return}
+    return finish_run(
+        run_dir, actor, history, evals, cfg.target_return, (eval_env, confirm_env), seconds,
+        START, solved=solved, env_steps=env_steps, eval_return=eval_return,
+    )  # fmt: skip
 
 
 if __name__ == "__main__":
