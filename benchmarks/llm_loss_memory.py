@@ -1,25 +1,35 @@
-"""Peak memory and time of a GRPO loss on torchrl's LLM stack: torchrl's GRPOLoss against ours.
+"""Peak memory and time of a GRPO step on torchrl's LLM stack, with and without the logits.
 
-Run (a minute or two on one CPU thread, ~4 GB of RAM)::
+Run (a few minutes on one CPU thread, ~10 GB of RAM at Qwen's vocabulary)::
 
-    .venv/bin/python benchmarks/llm_loss_memory.py
+    .venv/bin/python benchmarks/llm_loss_memory.py --batch 4 --length 512 --vocab 151936
     .venv/bin/python benchmarks/llm_loss_memory.py --batch 2 --length 64 --vocab 4096  # quick
 
-Both losses take the same ``TransformersWrapper(generate=False)`` around a one-layer ``Qwen2``
-with a ``V``-token vocabulary (built locally), with ``masking_strategy="sft"`` and the entropy
-bonus on, on the same ragged lazy stack of ``B`` sequences of ``T/2`` to ``T`` tokens (prompt
-of 32 tokens). Each path runs one forward+backward in a fresh process; a third process runs only
-the wrapper (its logits and a backward through them), the part both losses share.
+Every path takes the same ragged lazy stack of ``B`` sequences of ``T/2`` to ``T`` tokens
+(prompt of 32 tokens) and a one-layer ``Qwen2`` with a ``V``-token vocabulary (built locally),
+with ``masking_strategy="sft"`` and the entropy bonus on, and runs one forward+backward:
 
-How memory is measured: PyTorch keeps no allocator statistics on CPU, so each process reads its
-peak resident set size (``getrusage(RUSAGE_SELF).ru_maxrss``), reported with its difference to
-torchrl's path. The wrapper-only row shows how much of the peak is the wrapper's own (its
-forward pads and unpads the ``[B, T, V]`` logits). A second, allocator-independent column sums
-the distinct storages autograd saves for backward during the whole step
-(``torch.autograd.graph.saved_tensors_hooks``): the model's are the same in every row, so the
-differences are the losses'. Time is the median of ``--repeats`` passes after the measured one,
-as a ratio to torchrl's path in the same run. Values (``loss_objective``, ``loss_entropy``,
-``ESS``) are compared across the processes.
+* ``wrapper only``: torchrl's ``TransformersWrapper(generate=False)`` building its masked
+  distribution, and a backward through the logits (what every loss on that wrapper starts from);
+* ``torchrl``: ``torchrl.objectives.llm.GRPOLoss`` on that wrapper (the reference: torchrl's path);
+* ``ours``: ``torchrl_grpo.GRPOLoss`` on that wrapper;
+* ``lean``: ``torchrl_grpo.GRPOLoss`` on ``torchrl_grpo.LeanTransformersWrapper``, which never
+  builds the logits;
+* ``torchrl on lean``: torchrl's own ``GRPOLoss`` on the lean wrapper (it only sees a
+  distribution's ``log_prob`` and ``entropy``).
+
+How memory is measured: each path runs in a fresh process (PyTorch keeps no allocator
+statistics on CPU). After building the model and the batch and a warm-up at a tiny size, the
+process reads its resident set size; it runs the step and reads its peak resident set size
+(``getrusage(RUSAGE_SELF).ru_maxrss``, a high-water mark). The difference, "extra MiB", is the
+step's peak beyond the model and the batch (activations, logits or chunks, gradients); the
+"vs torchrl" column is its ratio to torchrl's path. Each process is capped at ``--memory-gib``
+of address space, so that a path that does not fit fails with an allocation error instead of
+swapping the machine; its row then says so. A second, allocator-independent column sums the
+distinct storages autograd saves for backward (``torch.autograd.graph.saved_tensors_hooks``).
+Time is the median of ``--repeats`` passes after the measured one, as a ratio to torchrl's
+path in the same run. Values (``loss_objective``, ``loss_entropy``, ``ESS``) and the gradient
+of the model's parameters are compared with torchrl's path.
 """
 
 from __future__ import annotations
@@ -35,38 +45,58 @@ import warnings
 
 import torch
 
-PATHS = ("wrapper", "torchrl", "ours")
+PATHS = ("wrapper", "torchrl", "ours", "lean", "torchrl_on_lean")
+NAMES = {
+    "wrapper": "wrapper only (logits, backward)",
+    "torchrl": "torchrl GRPOLoss + TransformersWrapper",
+    "ours": "GRPOLoss + TransformersWrapper",
+    "lean": "GRPOLoss + LeanTransformersWrapper",
+    "torchrl_on_lean": "torchrl GRPOLoss + LeanTransformersWrapper",
+}
 VALUE_KEYS = ("loss_objective", "loss_entropy", "ESS")
+MIB = 2**20
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     parser.add_argument("--batch", type=int, default=8, help="B, sequences")
     parser.add_argument("--length", type=int, default=256, help="T, most tokens per sequence")
     parser.add_argument("--vocab", type=int, default=32768, help="V, vocabulary size")
+    parser.add_argument("--hidden", type=int, default=64, help="H, the model's hidden size")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--repeats", type=int, default=3, help="timed passes per path")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument("--memory-gib", type=float, default=20.0, help="address space per path")
+    parser.add_argument("--paths", nargs="+", choices=PATHS, default=list(PATHS))
     parser.add_argument("--worker", choices=PATHS, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
 
 
 def max_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
-def make_wrapper(vocab: int):
+def make_model(args):
     from tokenizers import Tokenizer, models
-    from torchrl.modules.llm import TransformersWrapper
     from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
+    vocab = args.vocab
     words = {f"t{i}": i for i in range(vocab - 1)} | {"<pad>": vocab - 1}
     core = Tokenizer(models.WordLevel(vocab=words, unk_token="<pad>"))
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>")
     torch.manual_seed(0)
     config = Qwen2Config(
         vocab_size=vocab,
-        hidden_size=64,
-        intermediate_size=128,
+        hidden_size=args.hidden,
+        intermediate_size=2 * args.hidden,
         num_hidden_layers=1,
         num_attention_heads=2,
         num_key_value_heads=2,
@@ -74,8 +104,17 @@ def make_wrapper(vocab: int):
         pad_token_id=vocab - 1,
         tie_word_embeddings=True,
     )
-    model = Qwen2ForCausalLM(config).eval()
-    wrapper = TransformersWrapper(
+    model = Qwen2ForCausalLM(config).to(getattr(torch, args.dtype)).eval()
+    return model, tokenizer
+
+
+def make_wrapper(path: str, model, tokenizer):
+    from torchrl.modules.llm import TransformersWrapper
+
+    from torchrl_grpo import LeanTransformersWrapper
+
+    cls = LeanTransformersWrapper if path in ("lean", "torchrl_on_lean") else TransformersWrapper
+    return cls(
         model,
         tokenizer=tokenizer,
         input_mode="tokens",
@@ -84,7 +123,6 @@ def make_wrapper(vocab: int):
         return_log_probs=True,
         pad_output=False,
     )
-    return wrapper, model
 
 
 def make_batch(b: int, t: int, v: int, seed: int = 0):
@@ -111,7 +149,7 @@ def make_batch(b: int, t: int, v: int, seed: int = 0):
 def make_step(path: str, wrapper):
     from torchrl_grpo import _compat
 
-    if path == "wrapper":  # the logits the losses start from, and a backward through them
+    if path == "wrapper":
 
         def step(batch):
             dist = _compat.llm_masked_dist(wrapper, batch.copy(), "sft")
@@ -119,7 +157,7 @@ def make_step(path: str, wrapper):
             return {}
 
         return step
-    if path == "torchrl":
+    if path in ("torchrl", "torchrl_on_lean"):
         from torchrl.objectives.llm import GRPOLoss
     else:
         from torchrl_grpo import GRPOLoss
@@ -133,14 +171,22 @@ def make_step(path: str, wrapper):
     return step
 
 
+def gradient_sample(model) -> list[float]:
+    """Every 101st entry of the parameters' gradients, to compare across processes."""
+    grads = [p.grad.flatten()[::101] for p in model.parameters() if p.grad is not None]
+    return torch.cat(grads).float().tolist() if grads else []
+
+
 def worker(args) -> None:
     import tensordict
 
+    limit = int(args.memory_gib * 2**30)
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     warnings.filterwarnings("ignore")
     torch.set_num_threads(args.threads)
     with tensordict.set_list_to_stack(True):
-        wrapper, model = make_wrapper(args.vocab)
-        step = make_step(args.worker, wrapper)
+        model, tokenizer = make_model(args)
+        step = make_step(args.worker, make_wrapper(args.worker, model, tokenizer))
         step(make_batch(2, 8, args.vocab, seed=1))  # warm-up at a tiny size
         model.zero_grad(set_to_none=True)
         batch = make_batch(args.batch, args.length, args.vocab)
@@ -151,11 +197,17 @@ def worker(args) -> None:
             saved[x.untyped_storage().data_ptr()] = x.untyped_storage().nbytes()
             return x
 
+        before = rss_bytes()
         start = time.perf_counter()
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
-            values = step(batch)
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+                values = step(batch)
+        except (RuntimeError, MemoryError) as err:  # the address-space cap: out of memory
+            print(json.dumps({"error": f"{type(err).__name__}: {str(err)[:120]}"}))
+            return
         first = time.perf_counter() - start
         peak = max_rss_bytes()
+        grads = gradient_sample(model)
         times = []
         for _ in range(args.repeats):
             model.zero_grad(set_to_none=True)
@@ -163,63 +215,76 @@ def worker(args) -> None:
             step(batch)
             times.append(time.perf_counter() - start)
     result = {
+        "extra_bytes": peak - before,
         "peak_bytes": peak,
         "saved_bytes": sum(saved.values()),
-        "logits_bytes": args.batch * args.length * args.vocab * 4,
         "tokens": tokens,
         "first_s": first,
         "median_s": statistics.median(times) if times else first,
         "values": values,
+        "grads": grads,
     }
     print(json.dumps(result))
 
 
 def run_path(path: str, args) -> dict:
     cmd = [sys.executable, __file__, "--worker", path]
-    for name in ("batch", "length", "vocab", "repeats", "threads"):
+    for name in ("batch", "length", "vocab", "hidden", "dtype", "repeats", "threads"):
         cmd += [f"--{name}", str(getattr(args, name))]
+    cmd += ["--memory-gib", str(args.memory_gib)]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{path} worker failed:\n{proc.stderr}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        return {"error": f"exit {proc.returncode}: {proc.stderr.strip().splitlines()[-1:]}"}
+    return json.loads(lines[-1])
+
+
+def relative_gap(grads: list[float], ref: list[float]) -> float:
+    a, b = torch.tensor(grads), torch.tensor(ref)
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
 
 
 def main(args) -> None:
-    mib = 2**20
-    results = {path: run_path(path, args) for path in PATHS}
-    base = results["wrapper"]
-    logits = base["logits_bytes"]  # B x T x V float32: the padded logits' size
+    results = {}
+    for path in args.paths:
+        print(f"running {NAMES[path]} ...", file=sys.stderr, flush=True)
+        results[path] = run_path(path, args)
+    done = [r for r in results.values() if "error" not in r]
+    tokens = done[0]["tokens"] if done else "?"
+    logits = args.batch * args.length * args.vocab * 4
     print(
-        f"GRPOLoss on TransformersWrapper (1-layer Qwen2), masking_strategy='sft', "
-        f"B={args.batch} ragged T<={args.length} ({base['tokens']} tokens) V={args.vocab}, "
-        f"padded logits {logits / mib:.0f} MiB float32, {args.threads} thread(s), "
-        f"median of {args.repeats}"
+        f"GRPO step on torchrl's LLM stack (1-layer Qwen2, H={args.hidden}, {args.dtype}), "
+        f"masking_strategy='sft', B={args.batch} ragged T<={args.length} ({tokens} tokens) "
+        f"V={args.vocab}, padded logits {logits / MIB:.0f} MiB float32, {args.threads} "
+        f"thread(s), median of {args.repeats}, cap {args.memory_gib:g} GiB per path"
     )
     header = (
-        f"{'path':<34} {'peak MiB':>9} {'vs torchrl':>11} {'x logits':>9} {'saved MiB':>10} "
-        f"{'time s':>8} {'time ratio':>11}"
+        f"{'path':<43} {'extra MiB':>9} {'vs torchrl':>10} {'x logits':>8} {'peak MiB':>9} "
+        f"{'saved MiB':>9} {'time s':>7} {'time ratio':>10}"
     )
     print(header)
     print("-" * len(header))
-    names = {
-        "wrapper": "wrapper only (logits, backward)",
-        "torchrl": "torchrl.objectives.llm.GRPOLoss",
-        "ours": "torchrl_grpo.GRPOLoss",
-    }
-    ref = results["torchrl"]
-    for path in PATHS:
-        r = results[path]
-        diff = r["peak_bytes"] - ref["peak_bytes"]
+    ref = results.get("torchrl", {})
+    for path, r in results.items():
+        if "error" in r:
+            print(f"{NAMES[path]:<43} did not fit: {r['error']}")
+            continue
+        ratio = r["extra_bytes"] / ref["extra_bytes"] if "extra_bytes" in ref else float("nan")
+        time_ratio = r["median_s"] / ref["median_s"] if "median_s" in ref else float("nan")
         print(
-            f"{names[path]:<34} {r['peak_bytes'] / mib:>9.0f} {diff / mib:>+11.0f} "
-            f"{diff / logits:>+9.2f} {r['saved_bytes'] / mib:>10.0f} {r['median_s']:>8.2f} "
-            f"{r['median_s'] / ref['median_s']:>11.2f}"
+            f"{NAMES[path]:<43} {r['extra_bytes'] / MIB:>9.0f} {ratio:>10.3f} "
+            f"{r['extra_bytes'] / logits:>8.2f} {r['peak_bytes'] / MIB:>9.0f} "
+            f"{r['saved_bytes'] / MIB:>9.0f} {r['median_s']:>7.2f} {time_ratio:>10.2f}"
         )
-    diffs = {
-        k: abs(results["torchrl"]["values"][k] - results["ours"]["values"][k]) for k in VALUE_KEYS
-    }
+    if "values" not in ref:
+        return
     print()
-    print("max |torchrl - ours|: " + ", ".join(f"{k} {v:.1e}" for k, v in diffs.items()))
+    for path, r in results.items():
+        if path in ("torchrl", "wrapper") or "values" not in r:
+            continue
+        gaps = ", ".join(f"{k} {abs(r['values'][k] - ref['values'][k]):.1e}" for k in VALUE_KEYS)
+        grad = relative_gap(r["grads"], ref["grads"])
+        print(f"|{path} - torchrl|: {gaps}, gradient (relative, max) {grad:.1e}")
 
 
 if __name__ == "__main__":

@@ -349,6 +349,46 @@ def tiny_qwen2(tokenizer, seed: int = 0):
     return Qwen2ForCausalLM(config).eval()
 
 
+def tiny_causal_lm(tokenizer, family: str = "qwen2", *, tied: bool = False, head_bias: bool = False):
+    """A one-layer causal LM of the ``family`` (``"qwen2"`` or ``"llama"``), in eval mode.
+
+    ``tied`` shares the embedding with the output layer; ``head_bias`` gives the output layer a
+    (random) bias, as a few model families have.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    config_cls, model_cls = {
+        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+        "llama": (LlamaConfig, LlamaForCausalLM),
+    }[family]
+    config = config_cls(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.eos_token_id,
+        tie_word_embeddings=tied,
+    )
+    torch.manual_seed(1)
+    model = model_cls(config).eval()
+    if head_bias:
+        head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=True)
+        head.weight = model.lm_head.weight
+        model.lm_head = head
+    return model
+
+
+@pytest.fixture
+def make_causal_lm():
+    """:func:`tiny_causal_lm`, as a fixture."""
+    return tiny_causal_lm
+
+
 @pytest.fixture
 def tiny_llm():
     """``(model, tokenizer)``: a fresh tiny Qwen2 and its character tokenizer."""
@@ -356,11 +396,16 @@ def tiny_llm():
     return tiny_qwen2(tokenizer), tokenizer
 
 
-def llm_scorer(model, tokenizer, *, pad_output: bool = False):
-    """torchrl's training-side wrapper: scores ``("tokens", "full")`` (``generate=False``)."""
+def llm_scorer(model, tokenizer, *, pad_output: bool = False, lean: bool = False, **kwargs):
+    """torchrl's training-side wrapper: scores ``("tokens", "full")`` (``generate=False``).
+
+    ``lean=True`` builds this package's ``LeanTransformersWrapper`` with the same arguments.
+    """
     from torchrl.modules.llm import TransformersWrapper
 
-    return TransformersWrapper(
+    from torchrl_grpo import LeanTransformersWrapper
+
+    return (LeanTransformersWrapper if lean else TransformersWrapper)(
         model,
         tokenizer=tokenizer,
         input_mode="tokens",
@@ -368,6 +413,7 @@ def llm_scorer(model, tokenizer, *, pad_output: bool = False):
         generate=False,
         return_log_probs=True,
         pad_output=pad_output,
+        **kwargs,
     )
 
 

@@ -121,3 +121,60 @@ class TestLLMMaskedDist:
     def test_missing_method_is_a_clear_error(self):
         with pytest.raises(NotImplementedError, match="has no _get_sft_dist"):
             _compat.llm_masked_dist(object(), None, "sft")
+
+
+class TestTransformersWrapperScoring:
+    MESSAGE = (
+        "torchrl_grpo._compat.check_transformers_wrapper_scoring: torchrl's TransformersWrapper "
+        "no longer scores tokens through {name}, so LeanTransformersWrapper's override of it "
+        "would not run and the logits would be built again."
+    )
+
+    @pytest.mark.parametrize("name", sorted(_compat.TRANSFORMERS_WRAPPER_SCORING))
+    def test_the_overridden_methods_exist(self, name):
+        from torchrl.modules.llm import TransformersWrapper
+
+        assert callable(getattr(TransformersWrapper, name, None)), self.MESSAGE.format(name=name)
+        _compat.check_transformers_wrapper_scoring(TransformersWrapper)
+
+    @pytest.mark.parametrize(
+        "name", ["_model_forward_with_padded_sequences", "_model_forward_with_packed_sequences"]
+    )
+    def test_scoring_runs_the_model_through_them(self, name, tiny_llm, make_llm_batch):
+        """Every generate=False forward calls one of the two, and reads the logits it returns."""
+        from torchrl.modules.llm import TransformersWrapper
+
+        model, tokenizer = tiny_llm
+        batch = make_llm_batch(model, tokenizer)
+        calls = []
+
+        class Spy(TransformersWrapper):
+            pass
+
+        original = getattr(TransformersWrapper, name)
+
+        def spy(self, *args, **kwargs):
+            calls.append(kwargs.get("logits_only", False))
+            return original(self, *args, **kwargs)
+
+        setattr(Spy, name, spy)
+        wrapper = Spy(
+            model,
+            tokenizer=tokenizer,
+            input_mode="tokens",
+            generate=False,
+            pad_model_input=name.endswith("padded_sequences"),
+        )
+        wrapper(batch.copy())
+        _compat.llm_masked_dist(wrapper, batch.copy(), "sft")
+        assert calls == [False, True], self.MESSAGE.format(name=name)
+
+    def test_a_changed_signature_is_a_clear_error(self):
+        from torchrl.modules.llm import TransformersWrapper
+
+        class Renamed(TransformersWrapper):
+            def _model_forward_with_padded_sequences(self, tokens, mask, **kwargs):
+                raise AssertionError
+
+        with pytest.raises(RuntimeError, match="lost the parameters"):
+            _compat.check_transformers_wrapper_scoring(Renamed)

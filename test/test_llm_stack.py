@@ -1,7 +1,8 @@
 """torchrl's GRPOTrainer driving this package's GRPOLoss and MCAdvantage on torchrl's LLM stack.
 
 A tiny Qwen2 (``tiny_llm``), torchrl's env, wrappers, collector, log-prob transforms and trainer,
-as a torchrl LLM user wires them; only the loss and the advantage transform are this package's.
+as a torchrl LLM user wires them; only the loss and the advantage transform are this package's,
+and, in one of the two runs of each test, the wrappers (``LeanTransformersWrapper``).
 """
 
 import copy
@@ -35,7 +36,7 @@ from torchrl.modules.llm import TransformersWrapper
 from torchrl.record.loggers import CSVLogger
 from torchrl.trainers.algorithms.grpo import GRPOTrainer
 
-from torchrl_grpo import GRPOLoss, MCAdvantage
+from torchrl_grpo import GRPOLoss, LeanTransformersWrapper, MCAdvantage
 
 PROMPTS = ["3 9 1 4=", "1 2 3 4=", "5 5 5 5=", "7 0 0 1="]
 GROUP = 4  # completions per prompt
@@ -61,16 +62,17 @@ class EvenFirstDigit(Transform):
         return reward_spec
 
 
-def wrapper(model, tokenizer, **kwargs):
-    return TransformersWrapper(
-        model, tokenizer=tokenizer, input_mode="tokens", pad_output=True, **kwargs
-    )
-
-
-@pytest.fixture
-def pipeline(tiny_llm):
-    """The collector (env, sampler, log-prob transforms), buffer and loss of a GRPO run."""
+@pytest.fixture(params=[TransformersWrapper, LeanTransformersWrapper])
+def pipeline(tiny_llm, request):
+    """The collector (env, sampler, log-prob transforms), buffer and loss of a GRPO run, with
+    torchrl's wrapper or this package's lean one for sampling, scoring and the reference."""
     model, tokenizer = tiny_llm
+
+    def wrapper(model, tokenizer, **kwargs):
+        return request.param(
+            model, tokenizer=tokenizer, input_mode="tokens", pad_output=True, **kwargs
+        )
+
     loader = DataLoader(
         [TensorDict(query=PROMPTS, batch_size=[len(PROMPTS)])],
         batch_size=None,

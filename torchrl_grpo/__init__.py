@@ -8,6 +8,8 @@
 * :class:`TokenCategorical`: token log-probs and entropy for large vocabularies, memory-lean;
   :class:`HiddenTokenCategorical`: the same from hidden states and the output layer, chunk by
   chunk, without the logits.
+* :class:`LeanTransformersWrapper`: torchrl's ``TransformersWrapper`` that scores tokens from
+  hidden states, so that a GRPO step on torchrl's LLM stack never builds the logits.
 * :class:`OverlongPenalty`: DAPO's soft overlong penalty, a reward transform.
 * :mod:`torchrl_grpo.advantages` and :mod:`torchrl_grpo.loss_terms`: the math, as pure functions.
 """
@@ -19,6 +21,7 @@ from torchrl_grpo.advantages import (
     trajectory_returns,
 )
 from torchrl_grpo.envs import SameStartGroups
+from torchrl_grpo.llm import HiddenLLMMaskedCategorical, LeanTransformersWrapper
 from torchrl_grpo.loss import (
     CISPOLoss,
     DAPOLoss,
@@ -46,7 +49,9 @@ __all__ = [
     "GRPOLoss",
     "GRPOLossOutput",
     "GSPOLoss",
+    "HiddenLLMMaskedCategorical",
     "HiddenTokenCategorical",
+    "LeanTransformersWrapper",
     "MCAdvantage",
     "MCAdvantageSelector",
     "OverlongPenalty",

@@ -16,6 +16,7 @@ from tensordict import TensorDictBase
 from torch.distributions import Distribution
 from torchrl.data import ReplayBuffer
 from torchrl.envs.transforms import Compose, Transform
+from torchrl.modules.llm import TransformersWrapper
 
 # The public methods of a replay buffer that hand data to (or append) its transforms; inside them
 # the buffer is fully built, so reading its ``transform`` and ``storage`` is safe.
@@ -119,3 +120,49 @@ def llm_masked_dist(wrapper, tensordict: TensorDictBase, masking_strategy: str) 
             "(see torchrl_grpo._compat)."
         )
     return method(tensordict)
+
+
+# --- torchrl.modules.llm: where TransformersWrapper runs the model to score tokens -----------------
+
+#: The methods of ``TransformersWrapper`` through which every ``generate=False`` input mode runs
+#: the causal LM, with the parameters ``LeanTransformersWrapper`` overrides them with (it returns
+#: shifted hidden states where they return shifted logits), and the helper it calls.
+TRANSFORMERS_WRAPPER_SCORING = {
+    "_model_forward_with_padded_sequences": (
+        "tokens_full_padded",
+        "attention_mask_full_padded",
+        "pad_val",
+        "logits_only",
+    ),
+    "_model_forward_with_packed_sequences": (
+        "flat_input_ids",
+        "block_diag_attention_mask",
+        "pad",
+        "logits_only",
+    ),
+    "_pack_sequences": ("input_ids", "attention_mask"),
+}
+
+
+def check_transformers_wrapper_scoring(cls: type = TransformersWrapper) -> None:
+    """Raise unless ``cls`` still scores tokens through the methods the lean wrapper overrides.
+
+    Reliance (torchrl 0.14.1): ``TransformersWrapper``'s ``generate=False`` paths (tokens,
+    text, history) call ``_model_forward_with_padded_sequences`` or
+    ``_model_forward_with_packed_sequences`` and read ``(log_probs, logits)`` back, and the
+    packed one packs with ``_pack_sequences``. If torchrl renamed them, a subclass overriding
+    them would silently build the logits again.
+
+    Raises:
+        RuntimeError: a method is missing or its parameters changed (named in the message).
+    """
+    for name, params in TRANSFORMERS_WRAPPER_SCORING.items():
+        method = getattr(cls, name, None)
+        found = () if method is None else tuple(inspect.signature(method).parameters)
+        missing = [p for p in params if p not in found]
+        if method is None or missing:
+            raise RuntimeError(
+                f"torchrl's {cls.__name__}.{name} is missing or lost the parameters {missing}: "
+                "this torchrl release scores tokens differently, and LeanTransformersWrapper "
+                "would build the logits (see torchrl_grpo._compat)."
+            )

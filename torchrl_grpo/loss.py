@@ -54,6 +54,7 @@ from torchrl_grpo.loss_terms import (
     sapo_loss,
     sequence_log_ratio,
 )
+from torchrl_grpo.llm.lean_wrapper import HiddenLLMMaskedCategorical
 from torchrl_grpo.token_dist import token_log_prob_entropy
 
 __all__ = [
@@ -926,10 +927,10 @@ class GRPOLoss(ClipPPOLoss):
                     f"masking_strategy={self.masking_strategy!r} needs {needs} in the batch; "
                     f"the wrapper failed with: {err}"
                 ) from err
-        logits, mask = dist.logits, dist.mask.bool()  # (B, T, V), (B, T)
+        mask = dist.mask.bool()  # (B, T)
         # the wrapper may compute elsewhere than the batch lives (TransformersWrapper(device=)):
-        # the loss follows the logits
-        device = logits.device
+        # the loss follows the policy's mask
+        device = mask.device
         stored = _Stored(*(None if value is None else value.to(device) for value in stored))
         tokens = self._get_input(tensordict, tk.action, "the sampled tokens", padding=-100)
         tokens = tokens.to(device)
@@ -944,7 +945,7 @@ class GRPOLoss(ClipPPOLoss):
         mask = mask & self._token_mask(tensordict, mask.shape, mask.device)
         truncated = self._truncated(tensordict, mask.shape, last_tokens=tokens[:, -1])
         truncated = None if truncated is None else truncated.to(device)
-        log_prob, entropy = token_log_prob_entropy(logits, tokens.masked_fill(~mask, -100))
+        log_prob, entropy = _token_log_prob_entropy(dist, tokens.masked_fill(~mask, -100))
         entropy = entropy if self._needs_entropy else None
         return self._line_up(log_prob, mask, entropy, stored._replace(old=old_log_prob), truncated)
 
@@ -1195,6 +1196,18 @@ LLM_KEYS = {
     "sample_log_prob": ("log_probs", "full"),
     "ref_log_prob": ("next", "ref_log_probs", "full"),
 }
+
+
+def _token_log_prob_entropy(dist, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs and entropies ``(B, T)`` of an LLM wrapper's masked distribution, in one pass.
+
+    From its logits through :func:`~torchrl_grpo.token_log_prob_entropy`, or, for a
+    distribution that holds no logits (:class:`~torchrl_grpo.LeanTransformersWrapper`'s), its
+    own ``log_prob_entropy``. Tokens below zero are padding.
+    """
+    if isinstance(dist, HiddenLLMMaskedCategorical):
+        return dist.log_prob_entropy(tokens)
+    return token_log_prob_entropy(dist.logits, tokens)
 
 
 def _has(tensordict: TensorDictBase, key: NestedKey) -> bool:

@@ -43,6 +43,10 @@ __all__ = [
 
 #: Elements per chunk (rows x vocabulary) when no chunk size is given: 2**20 float32 = 4 MiB.
 _CHUNK_ELEMENTS = 2**20
+#: The same for :class:`~torchrl_grpo.LeanTransformersWrapper`, 64 MiB: each chunk streams the
+#: whole output layer (``V x H``) through three matrix products, so a chunk must be tall enough
+#: for that read to pay off (110 positions at Qwen's vocabulary; see ``docs/loss.rst``).
+_HIDDEN_CHUNK_ELEMENTS = 2**24
 #: On an accelerator (CUDA...), at most this many chunks: a small chunk is launch-bound there,
 #: so each chunk holds ``1 / _ACCELERATOR_CHUNKS`` of the positions (at least
 #: ``_CHUNK_ELEMENTS``). The temporaries (about three float32 chunks in backward) then stay near
@@ -51,14 +55,19 @@ _ACCELERATOR_CHUNKS = 128
 
 
 def _chunk_rows(
-    chunk_size: int | None, vocab: int, positions: int = 0, device: torch.device | None = None
+    chunk_size: int | None,
+    vocab: int,
+    positions: int = 0,
+    device: torch.device | None = None,
+    *,
+    elements: int = _CHUNK_ELEMENTS,
 ) -> int:
     """Rows (positions) per chunk: ``chunk_size``, or the default for the device.
 
     The one place that sizes the chunks of both the logits and the hidden-state paths. On the
-    CPU the default fills ``_CHUNK_ELEMENTS`` (a cache-friendly 4 MiB block); on an accelerator
-    it cuts the ``positions`` into at most ``_ACCELERATOR_CHUNKS`` chunks, because there each
-    chunk costs a dozen kernel launches whatever its size.
+    CPU the default fills ``elements`` (by default ``_CHUNK_ELEMENTS``, a cache-friendly 4 MiB
+    block); on an accelerator it cuts the ``positions`` into at most ``_ACCELERATOR_CHUNKS``
+    chunks, because there each chunk costs a dozen kernel launches whatever its size.
 
     Examples:
         >>> _chunk_rows(None, 32768)  # CPU: 32 positions of a 32k vocabulary
@@ -67,9 +76,11 @@ def _chunk_rows(
         64
         >>> _chunk_rows(10, 151936, 8192, torch.device("cuda"))  # an explicit size wins
         10
+        >>> _chunk_rows(None, 151936, elements=_HIDDEN_CHUNK_ELEMENTS)  # the lean wrapper's
+        110
     """
     if chunk_size is None:
-        rows = max(1, _CHUNK_ELEMENTS // vocab)
+        rows = max(1, elements // vocab)
         if device is not None and device.type != "cpu":
             rows = max(rows, -(-positions // _ACCELERATOR_CHUNKS))
         return rows

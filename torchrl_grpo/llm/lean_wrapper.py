@@ -1,0 +1,545 @@
+"""torchrl's ``TransformersWrapper`` without the logits.
+
+At an LLM's vocabulary the ``[B, T, V]`` logits dominate the memory of a GRPO step: torchrl's
+``TransformersWrapper`` builds them inside the model's forward, shifts them, unpads them into a
+list and pads them again for the loss, so that the peak is several times their size whatever the
+loss does with them. :class:`LeanTransformersWrapper` is the same wrapper with one change: where
+torchrl calls the causal LM and reads its logits, it calls the model's body for the last hidden
+states ``[B, T, H]`` and carries those, shifted and padded exactly as torchrl carries the logits.
+Token log-probs and entropies are computed from them and the output layer chunk by chunk
+(:func:`~torchrl_grpo.token_log_prob_entropy_from_hidden`): each chunk's logits are built,
+reduced to three numbers per position and dropped, in the forward pass and again in the
+backward pass. Everything else (input modes, tokenization, masks, output entries, generation)
+is torchrl's own code, inherited.
+
+For a loss, the wrapper's masked distributions (``_get_sft_dist`` and the others torchrl's and
+this package's ``GRPOLoss`` call) are :class:`HiddenLLMMaskedCategorical`: torchrl's
+``LLMMaskedCategorical`` with the same ``mask``, ``log_prob`` and ``entropy``, computed from the
+hidden states.
+"""
+
+from __future__ import annotations
+
+from numbers import Integral
+
+import torch
+from tensordict import TensorDictBase
+from torch.distributions import Categorical
+from torchrl.modules.distributions import LLMMaskedCategorical
+from torchrl.modules.llm import TransformersWrapper
+
+from torchrl_grpo import _compat
+from torchrl_grpo.token_dist import (
+    _HIDDEN_CHUNK_ELEMENTS,
+    HiddenTokenCategorical,
+    _chunk_rows,
+    token_log_prob_entropy_from_hidden,
+)
+
+__all__ = ["HiddenLLMMaskedCategorical", "LeanTransformersWrapper"]
+
+#: Config attributes of models whose logits are not ``lm_head(last hidden state)`` (Gemma 2's
+#: soft cap, Cohere's scale, Granite's divisor), with the value that means "none".
+_LOGIT_TRANSFORMS = {"final_logit_softcapping": None, "logit_scale": 1.0, "logits_scaling": 1.0}
+
+
+class HiddenLLMMaskedCategorical(HiddenTokenCategorical):
+    """torchrl's ``LLMMaskedCategorical`` over ``softmax(W h + b)``, without the logits.
+
+    A position-level masked categorical as torchrl's: :attr:`mask` ``[B, T]`` marks the
+    positions that count; :meth:`log_prob` is ``0`` (and sends no gradient) at masked positions
+    and at tokens equal to ``ignore_index``; :meth:`entropy` is ``0`` at masked positions (as
+    torchrl's). The values come from
+    :func:`~torchrl_grpo.token_log_prob_entropy_from_hidden` on the hidden states and the output
+    layer, so no ``[B, T, V]`` tensor exists; :meth:`log_prob` and :meth:`entropy` share one
+    autograd node, and :meth:`log_prob_entropy` returns both at once.
+
+    .. math:: \\pi(a \\mid h_t) = \\operatorname{softmax}(W h_t + b)_a
+
+    Args:
+        hidden (torch.Tensor): hidden states ``[..., H]``, aligned with the tokens they score.
+        mask (torch.Tensor): boolean ``[...]`` (``hidden.shape[:-1]``), ``True`` where a
+            position counts.
+        weight (torch.Tensor): the output layer's weight ``[V, H]``.
+        bias (torch.Tensor, optional): its bias ``[V]``.
+        chunk_size (int, optional): positions per chunk; see
+            :func:`~torchrl_grpo.token_log_prob_entropy_from_hidden`.
+        ignore_index (int): the token id that means "no token". Defaults to ``-100``.
+
+    Examples:
+        >>> import torch
+        >>> from torchrl.modules.distributions import LLMMaskedCategorical
+        >>> _ = torch.manual_seed(0)
+        >>> hidden, head = torch.randn(2, 5, 8), torch.nn.Linear(8, 50, bias=False)
+        >>> mask = torch.tensor([[0, 1, 1, 1, 1], [0, 0, 0, 1, 1]], dtype=torch.bool)
+        >>> tokens = torch.randint(50, (2, 5))
+        >>> lean = HiddenLLMMaskedCategorical(hidden, mask, head.weight)
+        >>> ref = LLMMaskedCategorical(head(hidden), mask)
+        >>> torch.allclose(lean.log_prob(tokens), ref.log_prob(tokens), atol=1e-6)
+        True
+        >>> torch.allclose(lean.entropy(), ref.entropy(), atol=1e-5)
+        True
+    """
+
+    def __init__(
+        self,
+        hidden: torch.Tensor,
+        mask: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        chunk_size: int | None = None,
+        ignore_index: int = -100,
+    ):
+        head = _Head(weight, bias)
+        super().__init__(hidden, head, chunk_size=chunk_size)
+        if mask.shape != self.batch_shape:
+            raise ValueError(
+                f"mask {tuple(mask.shape)} does not match the hidden states "
+                f"{tuple(hidden.shape)}: expected a position-level mask of shape "
+                f"{tuple(self.batch_shape)}."
+            )
+        self._mask = mask.bool()
+        self.ignore_index = ignore_index
+
+    @property
+    def mask(self) -> torch.Tensor:
+        """The position-level mask ``[B, T]``."""
+        return self._mask
+
+    @property
+    def position_level_masking(self) -> bool:
+        """Always ``True`` (torchrl's ``LLMMaskedCategorical`` attribute)."""
+        return True
+
+    def _tokens(self, value: torch.Tensor) -> torch.Tensor:
+        value = value.long()
+        ignored = ~self._mask | (value == self.ignore_index)
+        return value.masked_fill(ignored, -100)
+
+    def log_prob_entropy(self, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-probs of ``value`` and entropies in one pass (one autograd node).
+
+        Masked positions and ``ignore_index`` tokens get a log-prob of ``0``; the entropy is
+        returned at every position, masked or not (a loss masks it itself).
+
+        Args:
+            value (torch.Tensor): token ids ``[B, T]``.
+
+        Returns:
+            tuple[torch.Tensor, torch.Tensor]: ``(log_prob, entropy)``, each ``[B, T]``.
+        """
+        log_prob, entropy = token_log_prob_entropy_from_hidden(
+            self.hidden, self.weight, self._tokens(value), self.bias, chunk_size=self.chunk_size
+        )
+        self._entropy = (entropy, torch.is_grad_enabled())
+        return log_prob, entropy
+
+    def log_prob(self, value: torch.Tensor) -> torch.Tensor:
+        """Log-probs of token ids; ``0`` at masked positions and ``ignore_index`` tokens.
+
+        Args:
+            value (torch.Tensor): token ids ``[B, T]``.
+
+        Returns:
+            torch.Tensor: ``[B, T]`` log-probs (float32 at least).
+        """
+        return self.log_prob_entropy(value)[0]
+
+    def entropy(self) -> torch.Tensor:
+        """Entropies ``[B, T]``; ``0`` at masked positions, as torchrl's.
+
+        (torchrl fills masked positions' logits with the dtype's lowest value, whose
+        normalised logits round to zero, so that its ``Categorical`` entropy is zero there.)
+
+        Returns:
+            torch.Tensor: ``[B, T]`` entropies (float32 at least).
+        """
+        entropy = super().entropy()
+        return torch.where(self._mask, entropy, torch.zeros_like(entropy))
+
+    @property
+    def mode(self) -> torch.Tensor:
+        """The most likely token at each position (``0`` at masked positions, as torchrl's)."""
+        return super().mode.masked_fill(~self._mask, 0)
+
+    def sample(self, sample_shape: torch.Size | tuple[int, ...] = ()) -> torch.Tensor:
+        """Sample token ids without gradient; uniform at masked positions, as torchrl's.
+
+        Args:
+            sample_shape (torch.Size or tuple of int): extra leading dimensions.
+
+        Returns:
+            torch.Tensor: token ids, ``sample_shape + batch_shape``.
+        """
+        drawn = super().sample(sample_shape)
+        uniform = torch.randint_like(drawn, self.weight.shape[0])
+        return torch.where(self._mask, drawn, uniform)
+
+
+class _Head:
+    """An output layer given as tensors (what :class:`HiddenTokenCategorical` reads)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        self.weight, self.bias = weight, bias
+
+
+def _checked_chunk_size(chunk_size) -> int | None:
+    if chunk_size is None:
+        return None
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, Integral) or chunk_size <= 0:
+        raise ValueError(
+            f"chunk_size must be a positive integer (positions per chunk) or None, "
+            f"got {chunk_size!r}."
+        )
+    return int(chunk_size)
+
+
+def output_layer(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Linear]:
+    """The body and the output layer of a causal LM: ``logits = head(body(...)[0])``.
+
+    Found through the Hugging Face model API: the body is ``model.base_model`` (the
+    ``base_model_prefix`` attribute, e.g. ``model.model`` for Qwen2 and Llama), the head
+    ``model.get_output_embeddings()``.
+
+    Args:
+        model (torch.nn.Module): a ``...ForCausalLM`` model.
+
+    Returns:
+        tuple[torch.nn.Module, torch.nn.Linear]: ``(body, head)``.
+
+    Raises:
+        ValueError: the model has no body or output layer this can find (the attributes
+            looked for are named), or the head is not a linear layer.
+        NotImplementedError: the model transforms its logits beyond the head (a soft cap or a
+            scale), which this wrapper does not reproduce.
+    """
+    name = type(model).__name__
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    if head is None:
+        raise ValueError(
+            f"LeanTransformersWrapper needs the model's output layer: {name}."
+            "get_output_embeddings() is missing or returned None. Pass the causal LM "
+            "(e.g. Qwen2ForCausalLM), not its base model."
+        )
+    weight = getattr(head, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.ndim != 2:
+        raise ValueError(
+            f"LeanTransformersWrapper needs a linear output layer with a [V, H] weight; "
+            f"{name}.get_output_embeddings() is a {type(head).__name__}."
+        )
+    body = getattr(model, "base_model", None)
+    if not isinstance(body, torch.nn.Module) or body is model:
+        prefix = getattr(model, "base_model_prefix", None)
+        raise ValueError(
+            f"LeanTransformersWrapper needs the model's body (the transformer without its "
+            f"head): {name}.base_model (base_model_prefix={prefix!r}) is missing or is the "
+            "model itself."
+        )
+    config = getattr(model, "config", None)
+    for attribute, neutral in _LOGIT_TRANSFORMS.items():
+        value = getattr(config, attribute, neutral)
+        if value != neutral:
+            raise NotImplementedError(
+                f"{name} transforms its logits beyond the output layer (config.{attribute}="
+                f"{value!r}); LeanTransformersWrapper computes head(hidden) only. Use "
+                "torchrl's TransformersWrapper for this model."
+            )
+    return body, head
+
+
+def _ignored_positions(attention_mask: torch.Tensor) -> torch.Tensor:
+    """torchrl's positions of log-prob ``0``: each row's first attended token, and padding.
+
+    The rule of ``TransformersWrapper._compute_log_probs_from_model_output``: a row whose
+    first attended token is not found (no padding on its left) has position 0.
+    """
+    mask = attention_mask.bool()  # (B, T)
+    first = ~mask[:, :-1] & mask[:, 1:]  # (B, T - 1)
+    first = torch.cat([torch.zeros_like(first[:, :1]), first], -1)  # (B, T)
+    first[~first.any(-1), 0] = True
+    return first | ~mask
+
+
+class LeanTransformersWrapper(TransformersWrapper):
+    """torchrl's ``TransformersWrapper`` that never builds the ``[B, T, V]`` logits.
+
+    Built exactly as ``TransformersWrapper`` (every argument of it is accepted, with its
+    defaults), plus the two keywords below. With ``generate=False`` it scores tokens from the
+    model's last hidden states and output layer chunk by chunk: the ``("log_probs", "full")``
+    it writes, and the distributions a loss gets from it (:class:`HiddenLLMMaskedCategorical`),
+    have torchrl's values and gradients, and no vocabulary-sized tensor exists at any time,
+    in the forward or the backward pass. Input modes ``"tokens"``, ``"history"`` and
+    ``"text"``, ``pad_output`` ``True`` or ``False``, packed or padded model input: all are
+    torchrl's code, inherited; only the call of the model differs. With ``generate=True`` it
+    is torchrl's wrapper unchanged (generation samples token by token, one position at a time).
+
+    It is an ``LLMWrapperBase`` and a ``TransformersWrapper``, so torchrl's ``GRPOLoss``,
+    ``RetrieveLogProb``, ``GRPOTrainer`` and collectors accept it, as does this package's
+    :class:`~torchrl_grpo.GRPOLoss`, which reads log-prob and entropy from one pass.
+
+    Supported models: causal LMs whose logits are ``lm_head(base_model(...).last_hidden_state)``,
+    such as the Qwen2 / Qwen2.5 / Qwen3, Llama and Mistral families, with tied or untied
+    embeddings and a head with or without a bias. Models that transform their logits further
+    (Gemma 2's soft cap, Cohere's scale) are rejected at construction.
+
+    Precision: the log-sum-exp is accumulated in float32 at least (bf16 and fp16 logits are
+    upcast a chunk at a time), so the log-probs of a bf16 model are float32 where torchrl's
+    are bf16. ``cast_head_to_float32=True`` also computes the head's matrix product in float32
+    (as ScaleRL and TRL's ``cast_lm_head_to_fp32``), at the cost of a float32 copy of the head's
+    weight for the step.
+
+    Args:
+        model: a Hugging Face causal LM (or a name, loaded by torchrl's constructor).
+
+    Keyword Args:
+        chunk_size (int, optional): positions per chunk. Defaults to a chunk of
+            ``2**24`` logits (64 MiB in float32; 110 positions at Qwen's 151,936 tokens) on the
+            CPU, and ``1/128`` of the positions at least on an accelerator. Larger chunks
+            stream the head's weight fewer times (faster), smaller ones hold less memory.
+        cast_head_to_float32 (bool): compute the head in float32. Defaults to ``False``.
+        **kwargs: every keyword of ``torchrl.modules.llm.TransformersWrapper``.
+
+    Raises:
+        ValueError: ``chunk_size`` is not a positive integer, or the model has no body or
+            linear output layer this can find (the message names the attribute looked for).
+        NotImplementedError: the model transforms its logits beyond the head.
+        RuntimeError: the installed torchrl no longer scores through the methods this class
+            overrides (see ``torchrl_grpo._compat``).
+
+    Examples:
+        >>> import tensordict, torch
+        >>> from tensordict import TensorDict, lazy_stack
+        >>> from tokenizers import Tokenizer, models
+        >>> from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+        >>> from torchrl.modules.llm import TransformersWrapper
+        >>> from torchrl.modules.llm.policies.common import Tokens
+        >>> words = {f"w{i}": i for i in range(99)} | {"<pad>": 99}
+        >>> tokenizer = PreTrainedTokenizerFast(
+        ...     tokenizer_object=Tokenizer(models.WordLevel(words, unk_token="<pad>")),
+        ...     pad_token="<pad>")
+        >>> _ = torch.manual_seed(0)
+        >>> model = Qwen2ForCausalLM(Qwen2Config(vocab_size=100, hidden_size=16,
+        ...     intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        ...     num_key_value_heads=2, pad_token_id=99)).eval()
+        >>> kwargs = dict(tokenizer=tokenizer, input_mode="tokens", generate=False,
+        ...     return_log_probs=True, pad_output=False)
+        >>> lean = LeanTransformersWrapper(model, **kwargs)
+        >>> plain = TransformersWrapper(model, **kwargs)
+        >>> with tensordict.set_list_to_stack(True):
+        ...     batch = lazy_stack([TensorDict(tokens=Tokens(full=torch.randint(99, (n,))))
+        ...                         for n in (5, 3)])
+        ...     ours = lean(batch.copy()).get(("log_probs", "full"), as_list=True)
+        ...     theirs = plain(batch.copy()).get(("log_probs", "full"), as_list=True)
+        >>> all(torch.allclose(a, b, atol=1e-5) for a, b in zip(ours, theirs))
+        True
+
+        A loss gets the same masked distribution, computed from the hidden states:
+
+        >>> from torchrl_grpo import GRPOLoss
+        >>> isinstance(GRPOLoss(lean).actor_network, TransformersWrapper)
+        True
+    """
+
+    def __init__(
+        self,
+        model,
+        *,
+        chunk_size: int | None = None,
+        cast_head_to_float32: bool = False,
+        **kwargs,
+    ):
+        chunk_size = _checked_chunk_size(chunk_size)
+        _compat.check_transformers_wrapper_scoring()
+        super().__init__(model, **kwargs)
+        output_layer(self.model)  # fail now, not at the first batch
+        self.chunk_size = chunk_size
+        self.cast_head_to_float32 = bool(cast_head_to_float32)
+
+    def get_new_version(self, **kwargs):
+        """A new wrapper around the same model with some arguments changed (torchrl's method).
+
+        ``chunk_size`` and ``cast_head_to_float32`` are kept unless given.
+
+        Returns:
+            LeanTransformersWrapper: the new wrapper.
+        """
+        chunk_size = kwargs.pop("chunk_size", self.chunk_size)
+        cast = kwargs.pop("cast_head_to_float32", self.cast_head_to_float32)
+        new = super().get_new_version(**kwargs)
+        new.chunk_size = _checked_chunk_size(chunk_size)
+        new.cast_head_to_float32 = bool(cast)
+        return new
+
+    # -- the head, as tensors ------------------------------------------------------------------
+
+    def _head(self) -> torch.Tensor:
+        """The output layer's weight ``[V, F]``, its bias (if any) folded in as a last column.
+
+        Folding ``b`` into ``W`` (with a constant 1 appended to each hidden state) makes the
+        zero rows torchrl uses for the first position give zero logits, as torchrl's shifted
+        logits, with or without a bias.
+        """
+        _, head = output_layer(self.model)
+        weight, bias = head.weight, head.bias
+        if self.cast_head_to_float32:
+            weight = weight.float()
+            bias = None if bias is None else bias.float()
+        if bias is not None:
+            weight = torch.cat([weight, bias.to(weight.dtype).unsqueeze(-1)], -1)  # (V, H + 1)
+        return weight
+
+    def _features(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Hidden states ``[B, T, H]`` as the head's inputs (float32, plus the bias column)."""
+        _, head = output_layer(self.model)
+        if self.cast_head_to_float32:
+            hidden = hidden.float()
+        if head.bias is not None:
+            hidden = torch.cat([hidden, torch.ones_like(hidden[..., :1])], -1)
+        return hidden
+
+    def _rows(self, vocab: int, positions: int, device: torch.device) -> int:
+        """Positions per chunk: ``chunk_size``, or a chunk of ``_HIDDEN_CHUNK_ELEMENTS`` logits."""
+        elements = _HIDDEN_CHUNK_ELEMENTS
+        return _chunk_rows(self.chunk_size, vocab, positions, device, elements=elements)
+
+    # -- scoring: torchrl's model calls, with hidden states in place of logits ------------------
+
+    def _score(self, hidden, input_ids, attention_mask, logits_only: bool):
+        """torchrl's shift of ``_compute_log_probs_from_model_output``, on hidden states.
+
+        Returns ``(log_probs [B, T] or None, shifted features [B, T, F])``: position ``t``
+        holds the state that predicts token ``t`` (zeros at ``t = 0``, as torchrl's logits).
+        """
+        features = self._features(hidden)  # (B, T, F)
+        shifted = torch.cat([torch.zeros_like(features[:, :1]), features[:, :-1]], 1)
+        if logits_only:
+            return None, shifted
+        tokens = torch.cat([torch.zeros_like(input_ids[:, :1]), input_ids[:, 1:]], 1)  # (B, T)
+        tokens = tokens.masked_fill(_ignored_positions(attention_mask), -100)
+        weight = self._head()
+        rows = self._rows(weight.shape[0], tokens.numel(), shifted.device)
+        log_probs, _ = token_log_prob_entropy_from_hidden(shifted, weight, tokens, chunk_size=rows)
+        return log_probs, shifted
+
+    def _model_forward_with_padded_sequences(
+        self,
+        tokens_full_padded: torch.Tensor,
+        attention_mask_full_padded: torch.Tensor,
+        *,
+        pad_val=None,
+        logits_only: bool = False,
+        **kwargs,
+    ):
+        """The model's body on left-padded tokens; ``(log_probs, shifted hidden states)``.
+
+        Overrides torchrl's method of the same name (see ``torchrl_grpo._compat``), which
+        returns ``(log_probs, shifted logits)``. Generation keywords are not passed: they do
+        not change the hidden states.
+        """
+        if tokens_full_padded.numel() == 0:
+            raise ValueError(
+                "Input contains empty sequences. Packing/padding requires at least one token "
+                "per sequence."
+            )
+        max_len = getattr(getattr(self.model, "config", None), "max_position_embeddings", None)
+        if max_len is not None and tokens_full_padded.shape[-1] > max_len:
+            raise ValueError(
+                f"Input sequence length ({tokens_full_padded.shape[-1]}) exceeds the model's "
+                f"max_position_embeddings ({max_len})."
+            )
+        body, _ = output_layer(self.model)
+        hidden = body(
+            input_ids=tokens_full_padded,
+            attention_mask=attention_mask_full_padded,
+            use_cache=False,
+        ).last_hidden_state
+        return self._score(hidden, tokens_full_padded, attention_mask_full_padded, logits_only)
+
+    def _model_forward_with_packed_sequences(
+        self,
+        flat_input_ids: torch.Tensor,
+        block_diag_attention_mask: torch.Tensor,
+        *,
+        pad: bool = True,
+        logits_only: bool = False,
+        **kwargs,
+    ):
+        """The model's body on packed sequences, as torchrl packs them.
+
+        Overrides torchrl's method of the same name; returns nested (or padded, ``pad=True``)
+        ``(log_probs, shifted hidden states)`` where torchrl returns logits.
+        """
+        if flat_input_ids.numel() == 0:
+            raise ValueError(
+                "Input contains empty sequences. Packing requires at least one token per "
+                "sequence."
+            )
+        packed_ids, packed_mask, meta = self._pack_sequences(
+            flat_input_ids, block_diag_attention_mask
+        )
+        body, _ = output_layer(self.model)
+        hidden = body(
+            input_ids=packed_ids,
+            attention_mask=packed_mask.unsqueeze(0),
+            position_ids=meta["position_ids"],
+            use_cache=False,
+        ).last_hidden_state
+        everything = torch.ones_like(packed_ids, dtype=torch.bool)
+        log_probs, shifted = self._score(hidden, packed_ids, everything, logits_only)
+        lengths = meta["sequence_lengths"]
+
+        def unpack(x):  # (1, L, ...) -> nested (B, j, ...), or right-padded as torchrl's
+            nested = torch.nested.nested_tensor_from_jagged(x.squeeze(0), lengths=lengths)
+            return nested.to_padded_tensor(padding=0.0) if pad else nested
+
+        return (None if log_probs is None else unpack(log_probs)), unpack(shifted)
+
+    # -- distributions: torchrl's masks, over hidden states -------------------------------------
+
+    def _lean(self, dist) -> HiddenLLMMaskedCategorical:
+        """torchrl's masked distribution, whose "logits" are our shifted hidden states."""
+        if isinstance(dist, LLMMaskedCategorical):
+            hidden, mask = dist.logits, dist.mask
+        elif isinstance(dist, Categorical):
+            raise NotImplementedError(
+                "LeanTransformersWrapper.get_dist needs a position-level mask: pass mask_key "
+                "(e.g. ('masks', 'all_attention_mask'))."
+            )
+        else:
+            raise TypeError(f"Unexpected distribution {type(dist).__name__} from torchrl.")
+        if hidden.is_nested:
+            raise NotImplementedError(
+                "LeanTransformersWrapper builds padded distributions only (as_nested_tensor "
+                "is not supported)."
+            )
+        weight = self._head()
+        rows = self._rows(weight.shape[0], mask.numel(), hidden.device)
+        return HiddenLLMMaskedCategorical(hidden, mask, weight, chunk_size=rows)
+
+    def get_dist(self, tensordict: TensorDictBase, *args, **kwargs) -> HiddenLLMMaskedCategorical:
+        """torchrl's ``get_dist``, as a :class:`HiddenLLMMaskedCategorical`.
+
+        Without ``mask_key`` the attention mask ``("masks", "all_attention_mask")`` is used
+        (torchrl would compare the logits with the padding value, which has no meaning for
+        hidden states).
+
+        Returns:
+            HiddenLLMMaskedCategorical: the masked token distribution.
+        """
+        if len(args) < 3 and kwargs.get("mask_key") is None:
+            kwargs["mask_key"] = ("masks", "all_attention_mask")
+        return self._lean(super().get_dist(tensordict, *args, **kwargs))
+
+    def _get_dist_with_prompt_mask(self, tensordict, *args, **kwargs):
+        return self._lean(super()._get_dist_with_prompt_mask(tensordict, *args, **kwargs))
+
+    def _get_dist_with_assistant_mask(self, tensordict, *args, **kwargs):
+        return self._lean(super()._get_dist_with_assistant_mask(tensordict, *args, **kwargs))
+
+    def _get_dist_with_attention_mask(self, tensordict, *args, **kwargs):
+        return self._lean(super()._get_dist_with_attention_mask(tensordict, *args, **kwargs))
+
+    def _get_dist_with_custom_mask(self, tensordict, mask, *args, **kwargs):
+        dist = super()._get_dist_with_custom_mask(tensordict, mask, *args, **kwargs)
+        return self._lean(dist)
