@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import resource
 import statistics
 import subprocess
@@ -70,6 +71,7 @@ def parse_args(argv=None):
     parser.add_argument("--repeats", type=int, default=3, help="timed passes per path")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--memory-gib", type=float, default=20.0, help="address space per path")
+    parser.add_argument("--chunk-size", type=int, help="the lean wrapper's chunk_size")
     parser.add_argument("--paths", nargs="+", choices=PATHS, default=list(PATHS))
     parser.add_argument("--worker", choices=PATHS, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
@@ -108,14 +110,16 @@ def make_model(args):
     return model, tokenizer
 
 
-def make_wrapper(path: str, model, tokenizer):
+def make_wrapper(path: str, model, tokenizer, chunk_size=None):
     from torchrl.modules.llm import TransformersWrapper
 
     from torchrl_grpo import LeanTransformersWrapper
 
-    cls = LeanTransformersWrapper if path in ("lean", "torchrl_on_lean") else TransformersWrapper
+    lean = path in ("lean", "torchrl_on_lean")
+    cls = LeanTransformersWrapper if lean else TransformersWrapper
     return cls(
         model,
+        **({"chunk_size": chunk_size} if lean else {}),
         tokenizer=tokenizer,
         input_mode="tokens",
         input_key=("tokens", "full"),
@@ -186,7 +190,8 @@ def worker(args) -> None:
     torch.set_num_threads(args.threads)
     with tensordict.set_list_to_stack(True):
         model, tokenizer = make_model(args)
-        step = make_step(args.worker, make_wrapper(args.worker, model, tokenizer))
+        wrapper = make_wrapper(args.worker, model, tokenizer, args.chunk_size)
+        step = make_step(args.worker, wrapper)
         step(make_batch(2, 8, args.vocab, seed=1))  # warm-up at a tiny size
         model.zero_grad(set_to_none=True)
         batch = make_batch(args.batch, args.length, args.vocab)
@@ -203,7 +208,9 @@ def worker(args) -> None:
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
                 values = step(batch)
         except (RuntimeError, MemoryError) as err:  # the address-space cap: out of memory
-            print(json.dumps({"error": f"{type(err).__name__}: {str(err)[:120]}"}))
+            tried = re.search(r"allocate (\d+) bytes", str(err))
+            what = f"{int(tried[1]) / 2**30:.1f} GiB" if tried else str(err)[:100]
+            print(json.dumps({"error": f"out of memory: could not allocate {what} more"}))
             return
         first = time.perf_counter() - start
         peak = max_rss_bytes()
@@ -232,6 +239,8 @@ def run_path(path: str, args) -> dict:
     for name in ("batch", "length", "vocab", "hidden", "dtype", "repeats", "threads"):
         cmd += [f"--{name}", str(getattr(args, name))]
     cmd += ["--memory-gib", str(args.memory_gib)]
+    if args.chunk_size is not None:
+        cmd += ["--chunk-size", str(args.chunk_size)]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     lines = proc.stdout.strip().splitlines()
     if proc.returncode != 0 or not lines:
@@ -257,6 +266,7 @@ def main(args) -> None:
         f"masking_strategy='sft', B={args.batch} ragged T<={args.length} ({tokens} tokens) "
         f"V={args.vocab}, padded logits {logits / MIB:.0f} MiB float32, {args.threads} "
         f"thread(s), median of {args.repeats}, cap {args.memory_gib:g} GiB per path"
+        + (f", lean chunk_size={args.chunk_size}" if args.chunk_size else "")
     )
     header = (
         f"{'path':<43} {'extra MiB':>9} {'vs torchrl':>10} {'x logits':>8} {'peak MiB':>9} "
@@ -267,7 +277,7 @@ def main(args) -> None:
     ref = results.get("torchrl", {})
     for path, r in results.items():
         if "error" in r:
-            print(f"{NAMES[path]:<43} did not fit: {r['error']}")
+            print(f"{NAMES[path]:<43} did not fit in {args.memory_gib:g} GiB: {r['error']}")
             continue
         ratio = r["extra_bytes"] / ref["extra_bytes"] if "extra_bytes" in ref else float("nan")
         time_ratio = r["median_s"] / ref["median_s"] if "median_s" in ref else float("nan")

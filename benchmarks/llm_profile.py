@@ -96,7 +96,7 @@ def profile_pipeline(ex, cfg, steps: int, contiguous: bool) -> dict[str, float]:
     finally:
         if not contiguous:
             ex.Contiguous = real_contiguous
-    loss_fn = ex.make_loss(ex.make_scorer(model, tokenizer), cfg)
+    loss_fn = ex.make_loss(ex.make_scorer(model, tokenizer, cfg), cfg)
     eval_accuracy = ex.GreedyAccuracy(
         tokenizer, eval_digits, ex.make_sampler(model, tokenizer, cfg, greedy=True)
     )
@@ -177,7 +177,7 @@ def per_call(ex, cfg) -> list[tuple[str, float, float]]:
     )
     prompts = torch.tensor(tokenizer([ex.prompt_text(d) for d in digits.tolist()])["input_ids"])
     sampler = ex.make_sampler(model, tokenizer, cfg)
-    scorer = ex.make_scorer(model, tokenizer)
+    scorer = ex.make_scorer(model, tokenizer, cfg)
 
     def sample_wrapper():
         return sampler(TensorDict({("tokens", "prompt"): prompts}, batch_size=[rows]))

@@ -6,9 +6,10 @@ components, nothing is downloaded:
 
 * a ``transformers`` Qwen2 with a tiny config, created locally, and a character-level
   ``PreTrainedTokenizerFast`` built with the ``tokenizers`` library;
-* a ``TransformersWrapper`` that samples ``group_size`` completions per prompt, and one
-  (``generate=False``) that scores tokens: the log-probs of the loss, the warm start and the
-  reference policy;
+* a ``TransformersWrapper`` that samples ``group_size`` completions per prompt, and
+  ``torchrl_grpo.LeanTransformersWrapper`` (``generate=False``, torchrl's wrapper scoring tokens
+  from hidden states, without the logits) for the log-probs of the loss, the warm start and the
+  reference policy (``--no-lean``: torchrl's ``TransformersWrapper`` for those too);
 * the task as a torchrl LLM environment (``DatasetChatEnv`` fed by a ``DataLoader``, repeating
   each prompt ``group_size`` times) whose reward is a torchrl ``Transform``;
 * an ``LLMCollector`` writing into a ``ReplayBuffer`` (``LazyStackStorage``) whose
@@ -71,7 +72,7 @@ from tqdm import tqdm
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 from transformers.utils import logging as hf_logging
 
-from torchrl_grpo import GRPOLoss, MCAdvantage
+from torchrl_grpo import GRPOLoss, LeanTransformersWrapper, MCAdvantage
 
 set_list_to_stack(True).set()  # torchrl's LLM envs keep lists of strings as stacks
 
@@ -84,6 +85,7 @@ class Settings:
     out: str = "runs/llm_grpo"  # each run writes its CSV metrics and PNG in a new folder here
     threads: int = 1  # torch threads; 1 is fastest on a 2-core machine shared with other jobs
     device: str = "cpu"  # where the model and its wrappers compute (cpu, cuda, ...)
+    lean: bool = True  # score with LeanTransformersWrapper (no logits); --no-lean: torchrl's
     # task
     digits: int = 4  # digits per prompt; the answer is their sum
     eval_prompts: int = 500  # held-out prompts for the greedy accuracy (fixed, never trained on)
@@ -336,18 +338,23 @@ def make_sampler(model, tokenizer, cfg: Settings, greedy: bool = False) -> Trans
 
 
 def make_scorer(
-    model, tokenizer, log_probs_key: str = "log_probs", device: str | None = None
+    model, tokenizer, cfg: Settings, log_probs_key: str = "log_probs", pad_output: bool = True
 ) -> TransformersWrapper:
-    """Teacher-forced log-probs of ``("tokens", "full")``: written at ``(log_probs_key, "full")``."""
-    return TransformersWrapper(
+    """Teacher-forced log-probs of ``("tokens", "full")``: written at ``(log_probs_key, "full")``.
+
+    ``LeanTransformersWrapper`` (``cfg.lean``) is torchrl's wrapper computing them from the
+    model's hidden states chunk by chunk: the same numbers, without the ``[B, T, V]`` logits.
+    """
+    cls = LeanTransformersWrapper if cfg.lean else TransformersWrapper
+    return cls(
         model,
         tokenizer=tokenizer,
         input_mode="tokens",
         generate=False,
         return_log_probs=True,
-        pad_output=True,
+        pad_output=pad_output,
         log_probs_key=log_probs_key,
-        device=_device(device),
+        device=_device(cfg.device),
     )
 
 
@@ -388,13 +395,12 @@ def make_collector(cfg: Settings, model, ref_model, tokenizer, gen, exclude):
         )
     )
     unread = ("answer", "step_count", "terminated", "truncated")  # the loss reads none of them
+    ref_scorer = make_scorer(ref_model, tokenizer, cfg, "ref_log_probs")
     score = Compose(
         Contiguous(),
         ExcludeTransform(*unread, *[("next", key) for key in (*unread, "query", "tokens")]),
-        RetrieveLogProb(make_scorer(model, tokenizer, device=cfg.device), assistant_only=False),
-        RetrieveLogProb(
-            make_scorer(ref_model, tokenizer, "ref_log_probs", cfg.device), assistant_only=False
-        ),
+        RetrieveLogProb(make_scorer(model, tokenizer, cfg), assistant_only=False),
+        RetrieveLogProb(ref_scorer, assistant_only=False),
     )
     collector = LLMCollector(
         env,
@@ -433,10 +439,7 @@ def warm_start(model, tokenizer, cfg: Settings, gen, exclude, val_accuracy) -> i
     where ``val_accuracy()`` (greedy, on validation prompts, not the held-out evaluation set)
     reaches ``cfg.sft_target``. Returns the number of steps taken.
     """
-    scorer = TransformersWrapper(  # as make_scorer, but ragged output: read right-padded below
-        model, tokenizer=tokenizer, input_mode="tokens", generate=False, return_log_probs=True,
-        device=_device(cfg.device),
-    )  # fmt: skip
+    scorer = make_scorer(model, tokenizer, cfg, pad_output=False)  # ragged: read right-padded
     optim = torch.optim.AdamW(model.parameters(), lr=cfg.sft_lr)
     p = 2 * cfg.digits  # prompt length in tokens, the same for every prompt
     for step in range(1, cfg.sft_max_steps + 1):
@@ -499,7 +502,7 @@ def main(argv=None) -> dict:
 
     rows = cfg.prompts_per_step * cfg.group_size
     collector, rb = make_collector(cfg, model, ref_model, tokenizer, train_gen, eval_codes)
-    loss_fn = make_loss(make_scorer(model, tokenizer, device=cfg.device), cfg)
+    loss_fn = make_loss(make_scorer(model, tokenizer, cfg), cfg)
     optim = torch.optim.Adam(model.parameters(), lr=cfg.lr)
     warmup = min(cfg.warmup_steps, cfg.steps - 1)
     schedule = torch.optim.lr_scheduler.SequentialLR(

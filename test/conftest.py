@@ -349,7 +349,9 @@ def tiny_qwen2(tokenizer, seed: int = 0):
     return Qwen2ForCausalLM(config).eval()
 
 
-def tiny_causal_lm(tokenizer, family: str = "qwen2", *, tied: bool = False, head_bias: bool = False):
+def tiny_causal_lm(
+    tokenizer, family: str = "qwen2", *, tied: bool = False, head_bias: bool = False
+):
     """A one-layer causal LM of the ``family`` (``"qwen2"`` or ``"llama"``), in eval mode.
 
     ``tied`` shares the embedding with the output layer; ``head_bias`` gives the output layer a

@@ -19,7 +19,13 @@ import torchrl_grpo
 from torchrl_grpo import advantages, loss_terms
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
-PAGES_WITH_TESTCODE = ["quickstart.rst", "concepts.rst", "migration.rst", "variants.rst"]
+PAGES_WITH_TESTCODE = [
+    "quickstart.rst",
+    "concepts.rst",
+    "migration.rst",
+    "variants.rst",
+    "loss.rst",
+]
 DIRECTIVE = re.compile(r"^\.\. (testcode|testoutput)::\s*(\S*)\s*$")
 
 

@@ -96,7 +96,7 @@ def pipeline(ex, tokenizer):
     collector, rb = ex.make_collector(
         cfg, model, copy.deepcopy(model), tokenizer, gen, torch.tensor([-1])
     )
-    loss_fn = ex.make_loss(ex.make_scorer(model, tokenizer), cfg)
+    loss_fn = ex.make_loss(ex.make_scorer(model, tokenizer, cfg), cfg)
     return cfg, model, collector, rb, loss_fn
 
 
@@ -119,8 +119,15 @@ class TestPipeline:
         (advantage,) = [t for t in rb.transform if isinstance(t, torchrl_grpo.MCAdvantage)]
         assert advantage.prompt_key == "query" and advantage.grpo_size == cfg.group_size
         assert isinstance(loss_fn, torchrl_grpo.GRPOLoss)
-        assert isinstance(loss_fn.actor_network, TransformersWrapper)
+        # the log-probs of the loss, the sampling policy and the reference: the lean wrapper
+        assert isinstance(loss_fn.actor_network, torchrl_grpo.LeanTransformersWrapper)
         assert not loss_fn.actor_network.generate and loss_fn.actor_network.model is model
+        score = getattr(collector.postproc, "__wrapped__", collector.postproc)  # under no_grad
+        scorers = [t.model for t in score if isinstance(t, RetrieveLogProb)]
+        assert [type(s) for s in scorers] == [torchrl_grpo.LeanTransformersWrapper] * 2
+        assert scorers[0].model is model and scorers[1].model is not model
+        plain = ex.make_scorer(model, scorers[0].tokenizer, ex.parse_args([*TINY, "--no-lean"]))
+        assert type(plain) is TransformersWrapper
         source = EXAMPLE.read_text()
         assert "GRPOTrainer(" in source and ex.GRPOTrainer is GRPOTrainer
         assert ex.RetrieveLogProb is RetrieveLogProb

@@ -37,6 +37,7 @@ from torchrl.modules.llm import LLMWrapperBase
 from torchrl.objectives import AUTO_LOSS_MASK_KEYS, ClipPPOLoss
 
 from torchrl_grpo import _compat
+from torchrl_grpo.llm.lean_wrapper import HiddenLLMMaskedCategorical
 from torchrl_grpo.loss_terms import (
     AGGREGATIONS,
     INFERENCE_CORRECTIONS,
@@ -54,7 +55,6 @@ from torchrl_grpo.loss_terms import (
     sapo_loss,
     sequence_log_ratio,
 )
-from torchrl_grpo.llm.lean_wrapper import HiddenLLMMaskedCategorical
 from torchrl_grpo.token_dist import token_log_prob_entropy
 
 __all__ = [

@@ -43,10 +43,12 @@ __all__ = [
 
 #: Elements per chunk (rows x vocabulary) when no chunk size is given: 2**20 float32 = 4 MiB.
 _CHUNK_ELEMENTS = 2**20
-#: The same for :class:`~torchrl_grpo.LeanTransformersWrapper`, 64 MiB: each chunk streams the
+#: The same for :class:`~torchrl_grpo.LeanTransformersWrapper`, 32 MiB: each chunk streams the
 #: whole output layer (``V x H``) through three matrix products, so a chunk must be tall enough
-#: for that read to pay off (110 positions at Qwen's vocabulary; see ``docs/loss.rst``).
-_HIDDEN_CHUNK_ELEMENTS = 2**24
+#: for that read to pay off (55 positions at Qwen's vocabulary), and at most 32 MiB, the largest
+#: block glibc's allocator keeps for reuse instead of mapping it afresh (page faults) every
+#: time. See ``docs/loss.rst``, "Without the logits".
+_HIDDEN_CHUNK_ELEMENTS = 2**23
 #: On an accelerator (CUDA...), at most this many chunks: a small chunk is launch-bound there,
 #: so each chunk holds ``1 / _ACCELERATOR_CHUNKS`` of the positions (at least
 #: ``_CHUNK_ELEMENTS``). The temporaries (about three float32 chunks in backward) then stay near
@@ -77,7 +79,7 @@ def _chunk_rows(
         >>> _chunk_rows(10, 151936, 8192, torch.device("cuda"))  # an explicit size wins
         10
         >>> _chunk_rows(None, 151936, elements=_HIDDEN_CHUNK_ELEMENTS)  # the lean wrapper's
-        110
+        55
     """
     if chunk_size is None:
         rows = max(1, elements // vocab)

@@ -404,7 +404,9 @@ class TestGRPOLossOnLeanWrapper:
             out, grad = _run(loss_cls(lean, **kwargs), batch, model)
             _assert_same_loss(out, grad, ref, ref_grad)
 
-    @pytest.mark.parametrize("cls, kwargs", VARIANTS, ids=[f"{c.__name__}-{k}" for c, k in VARIANTS])
+    @pytest.mark.parametrize(
+        "cls, kwargs", VARIANTS, ids=[f"{c.__name__}-{k}" for c, k in VARIANTS]
+    )
     def test_every_variant_equals_the_logits_path(
         self, tiny_llm, make_llm_batch, make_llm_scorer, cls, kwargs
     ):

@@ -212,6 +212,18 @@ def output_layer(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Line
             looked for are named), or the head is not a linear layer.
         NotImplementedError: the model transforms its logits beyond the head (a soft cap or a
             scale), which this wrapper does not reproduce.
+
+    Examples:
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=8,
+        ...     intermediate_size=16, num_hidden_layers=1, num_attention_heads=2))
+        >>> body, head = output_layer(model)
+        >>> type(body).__name__, tuple(head.weight.shape)
+        ('LlamaModel', (50, 8))
+        >>> output_layer(model.model)
+        Traceback (most recent call last):
+        ...
+        ValueError: LeanTransformersWrapper needs the model's output layer: LlamaModel...
     """
     name = type(model).__name__
     get_head = getattr(model, "get_output_embeddings", None)
@@ -294,9 +306,10 @@ class LeanTransformersWrapper(TransformersWrapper):
 
     Keyword Args:
         chunk_size (int, optional): positions per chunk. Defaults to a chunk of
-            ``2**24`` logits (64 MiB in float32; 110 positions at Qwen's 151,936 tokens) on the
+            ``2**23`` logits (32 MiB in float32; 55 positions at Qwen's 151,936 tokens) on the
             CPU, and ``1/128`` of the positions at least on an accelerator. Larger chunks
-            stream the head's weight fewer times (faster), smaller ones hold less memory.
+            stream the head's weight fewer times (faster for a large ``H``), smaller ones hold
+            less memory.
         cast_head_to_float32 (bool): compute the head in float32. Defaults to ``False``.
         **kwargs: every keyword of ``torchrl.modules.llm.TransformersWrapper``.
 
@@ -472,8 +485,7 @@ class LeanTransformersWrapper(TransformersWrapper):
         """
         if flat_input_ids.numel() == 0:
             raise ValueError(
-                "Input contains empty sequences. Packing requires at least one token per "
-                "sequence."
+                "Input contains empty sequences. Packing requires at least one token per sequence."
             )
         packed_ids, packed_mask, meta = self._pack_sequences(
             flat_input_ids, block_diag_attention_mask
