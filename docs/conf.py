@@ -62,6 +62,7 @@ from torchrl_grpo.loss import *
 from torchrl_grpo.loss_terms import *
 from torchrl_grpo.rewards import *
 from torchrl_grpo.token_dist import *
+from torchrl_grpo.llm.lean_wrapper import *
 """
 doctest_test_doctest_blocks = "default"
 # The flags of pytest.ini, so that an example passes under both runners.

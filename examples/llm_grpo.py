@@ -43,6 +43,7 @@ import argparse
 import copy
 import dataclasses
 import gc
+import math
 import os
 from dataclasses import dataclass
 
@@ -106,7 +107,7 @@ class Settings:
     max_new_tokens: int = 3  # the longest right answer: two digits and end-of-sequence
     epochs: int = 2  # passes over each step's data
     minibatch: int = 64  # 8 minibatches per pass: 16 optimizer steps per GRPO step
-    lr: float = 5e-4  # Adam: linear warm-up, then cosine decay to 0 at `steps`
+    lr: float = 5e-4  # Adam: linear warm-up, then cosine decay to 0 at `steps` or `time_limit`
     warmup_steps: int = 10
     dynamic_sampling: bool = False  # drop groups whose completions all score the same (DAPO)
     clip_epsilon: float = 0.2  # the ratio is clipped to [1 - clip_epsilon, 1 + clip_epsilon_high]
@@ -431,6 +432,28 @@ def make_loss(scorer, cfg: Settings) -> GRPOLoss:
 # --------------------------------------------------------------------------------------------
 
 
+def lr_schedule(optim, cfg: Settings, deadline: float) -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear warm-up over ``warmup_steps``, then a cosine decay that reaches 0 at the last GRPO
+    step or at the time limit, whichever comes first.
+
+    ``deadline`` is the end of the time budget on ``time.perf_counter``'s clock: a run that the
+    time limit cuts short (a slower machine, a smaller ``--time-limit``) still ends at a small
+    learning rate instead of stopping in mid-schedule. With time to spare, the decay follows
+    the steps alone.
+    """
+    warmup = min(cfg.warmup_steps, cfg.steps - 1)
+    start = time.perf_counter()
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return 0.05 + 0.95 * step / warmup
+        by_steps = (step - warmup) / (cfg.steps - warmup)
+        by_time = (time.perf_counter() - start) / max(deadline - start, 1e-9)
+        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, max(by_steps, by_time))))
+
+    return torch.optim.lr_scheduler.LambdaLR(optim, factor)
+
+
 def warm_start(model, tokenizer, cfg: Settings, gen, exclude, val_accuracy) -> int:
     """Supervised next-token training on ``prompt -> answer <eos>`` until partly right.
 
@@ -504,15 +527,7 @@ def main(argv=None) -> dict:
     collector, rb = make_collector(cfg, model, ref_model, tokenizer, train_gen, eval_codes)
     loss_fn = make_loss(make_scorer(model, tokenizer, cfg), cfg)
     optim = torch.optim.Adam(model.parameters(), lr=cfg.lr)
-    warmup = min(cfg.warmup_steps, cfg.steps - 1)
-    schedule = torch.optim.lr_scheduler.SequentialLR(
-        optim,
-        [
-            torch.optim.lr_scheduler.LinearLR(optim, 0.05, total_iters=warmup),
-            torch.optim.lr_scheduler.CosineAnnealingLR(optim, cfg.steps - warmup),
-        ],
-        milestones=[warmup],
-    )
+    schedule = lr_schedule(optim, cfg, deadline=T0 + cfg.time_limit)
 
     logger = CSVLogger(generate_exp_name("llm_grpo", f"seed{cfg.seed}"), log_dir=cfg.out)
     trainer = GRPOTrainer(

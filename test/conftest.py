@@ -331,26 +331,16 @@ def tiny_tokenizer():
 
 def tiny_qwen2(tokenizer, seed: int = 0):
     """A one-layer ``Qwen2ForCausalLM`` (the family torchrl's recipe uses), in eval mode."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    config = Qwen2Config(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.eos_token_id,
-    )
-    torch.manual_seed(seed)
-    return Qwen2ForCausalLM(config).eval()
+    return tiny_causal_lm(tokenizer, "qwen2", seed=seed)
 
 
 def tiny_causal_lm(
-    tokenizer, family: str = "qwen2", *, tied: bool = False, head_bias: bool = False
+    tokenizer,
+    family: str = "qwen2",
+    *,
+    tied: bool = False,
+    head_bias: bool = False,
+    seed: int = 1,
 ):
     """A one-layer causal LM of the ``family`` (``"qwen2"`` or ``"llama"``), in eval mode.
 
@@ -376,7 +366,7 @@ def tiny_causal_lm(
         bos_token_id=tokenizer.eos_token_id,
         tie_word_embeddings=tied,
     )
-    torch.manual_seed(1)
+    torch.manual_seed(seed)
     model = model_cls(config).eval()
     if head_bias:
         head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=True)

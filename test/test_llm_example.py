@@ -165,6 +165,32 @@ class TestPipeline:
         assert 0.0 < out.entropy.item() < math.log(len(tokenizer))
 
 
+class TestLearningRateSchedule:
+    def _factors(self, ex, deadline_s: float, steps: int = 20, warmup: int = 4) -> list[float]:
+        cfg = ex.parse_args([*TINY, "--steps", str(steps), "--warmup-steps", str(warmup)])
+        optim = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+        schedule = ex.lr_schedule(optim, cfg, deadline=time.perf_counter() + deadline_s)
+        factors = [optim.param_groups[0]["lr"]]
+        for _ in range(steps):
+            optim.step()
+            schedule.step()
+            factors.append(optim.param_groups[0]["lr"])
+        return factors
+
+    def test_follows_the_steps_with_time_to_spare(self, ex):
+        """Warm-up from 0.05, then the cosine over the remaining steps: torchrl-free reference."""
+        factors = self._factors(ex, deadline_s=3600.0)
+        expected = [0.05 + 0.95 * k / 4 for k in range(4)]
+        expected += [0.5 * (1 + math.cos(math.pi * k / 16)) for k in range(17)]
+        assert factors == pytest.approx(expected, abs=1e-6)
+
+    def test_reaches_zero_at_the_time_limit(self, ex):
+        """A run cut short by the time limit ends at a learning rate of 0, not mid-schedule."""
+        factors = self._factors(ex, deadline_s=0.0)
+        assert factors[:4] == pytest.approx([0.05 + 0.95 * k / 4 for k in range(4)])
+        assert factors[4:] == [0.0] * 17
+
+
 def test_tiny_run_prints_a_result_line(tmp_path, device):
     """The script end to end on a tiny budget, on every available device (``--device``): one
     RESULT line, consistent with its own logs."""

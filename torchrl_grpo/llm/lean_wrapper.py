@@ -36,7 +36,7 @@ from torchrl_grpo.token_dist import (
     token_log_prob_entropy_from_hidden,
 )
 
-__all__ = ["HiddenLLMMaskedCategorical", "LeanTransformersWrapper"]
+__all__ = ["HiddenLLMMaskedCategorical", "LeanTransformersWrapper", "output_layer"]
 
 #: Config attributes of models whose logits are not ``lm_head(last hidden state)`` (Gemma 2's
 #: soft cap, Cohere's scale, Granite's divisor), with the value that means "none".
