@@ -126,7 +126,7 @@ def llm_masked_dist(wrapper, tensordict: TensorDictBase, masking_strategy: str) 
 
 #: The methods of ``TransformersWrapper`` through which every ``generate=False`` input mode runs
 #: the causal LM, with the parameters ``LeanTransformersWrapper`` overrides them with (it returns
-#: shifted hidden states where they return shifted logits), and the helper it calls.
+#: shifted hidden states where they return shifted logits), and the helpers it calls.
 TRANSFORMERS_WRAPPER_SCORING = {
     "_model_forward_with_padded_sequences": (
         "tokens_full_padded",
@@ -141,6 +141,7 @@ TRANSFORMERS_WRAPPER_SCORING = {
         "logits_only",
     ),
     "_pack_sequences": ("input_ids", "attention_mask"),
+    "repeat_interleave_causal": ("sequence_lengths",),
 }
 
 
@@ -149,8 +150,9 @@ def check_transformers_wrapper_scoring(cls: type = TransformersWrapper) -> None:
 
     Reliance (torchrl 0.14.1): ``TransformersWrapper``'s ``generate=False`` paths (tokens,
     text, history) call ``_model_forward_with_padded_sequences`` or
-    ``_model_forward_with_packed_sequences`` and read ``(log_probs, logits)`` back, and the
-    packed one packs with ``_pack_sequences``. If torchrl renamed them, a subclass overriding
+    ``_model_forward_with_packed_sequences`` and read ``(log_probs, logits)`` back; the
+    packed one packs with ``_pack_sequences`` (the lean one also builds its causal mask with
+    ``repeat_interleave_causal``). If torchrl renamed them, a subclass overriding
     them would silently build the logits again.
 
     Raises:

@@ -124,15 +124,11 @@ class TestLeanTransformersWrapper:
     @pytest.mark.parametrize("pad_model_input", [True, False], ids=["padded", "packed"])
     @pytest.mark.parametrize("mode", ["tokens", "text", "history"])
     def test_log_probs_and_entries_are_torchrl(self, tiny_llm, mode, pad_model_input):
+        """The numbers of torchrl's padded model input, packed or padded, in every input mode."""
         model, tokenizer = tiny_llm
-        plain, lean = _wrappers(
-            model,
-            tokenizer,
-            input_mode=mode,
-            pad_output=False,
-            pad_model_input=pad_model_input,
-            chat_template=TEMPLATE,
-        )
+        kwargs = dict(input_mode=mode, pad_output=False, chat_template=TEMPLATE)
+        plain, _ = _wrappers(model, tokenizer, pad_model_input=True, **kwargs)
+        _, lean = _wrappers(model, tokenizer, pad_model_input=pad_model_input, **kwargs)
         with tensordict.set_list_to_stack(True), torch.no_grad():
             expected = plain(_inputs(tokenizer, mode))
             out = lean(_inputs(tokenizer, mode))
@@ -141,10 +137,28 @@ class TestLeanTransformersWrapper:
             out.get(("log_probs", "full"), as_list=True),
             expected.get(("log_probs", "full"), as_list=True),
         ):
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
         for key in (("tokens", "full"), ("masks", "all_attention_mask")):
             for a, b in zip(out.get(key, as_list=True), expected.get(key, as_list=True)):
                 assert torch.equal(a, b), key
+
+    def test_packed_input_is_causal_per_sequence(self, tiny_llm):
+        """Each packed sequence is scored as if alone (torchrl 0.14.1's packed path is not:
+        its mask lets a token see the rest of its sequence; this test shows the gap)."""
+        model, tokenizer = tiny_llm
+        packed, lean = _wrappers(model, tokenizer, input_mode="tokens", pad_model_input=False)
+        lean.pad_model_input = False
+        with tensordict.set_list_to_stack(True), torch.no_grad():
+            ours = lean(_inputs(tokenizer, "tokens")).get(("log_probs", "full"), as_list=True)
+            theirs = packed(_inputs(tokenizer, "tokens")).get(("log_probs", "full"), as_list=True)
+            for row, tokens in enumerate(
+                _inputs(tokenizer, "tokens").get(("tokens", "full"), as_list=True)
+            ):  # noqa: E501
+                alone = model(tokens[None]).logits[0, :-1].log_softmax(-1)
+                alone = alone.gather(-1, tokens[1:, None])[:, 0]
+                torch.testing.assert_close(ours[row][1:], alone, rtol=1e-5, atol=1e-5)
+                assert ours[row][0] == 0
+        assert max((a - b).abs().max() for a, b in zip(ours, theirs)) > 1e-2  # torchrl's gap
 
     def test_pad_output_true(self, tiny_llm):
         model, tokenizer = tiny_llm
@@ -403,6 +417,17 @@ class TestGRPOLossOnLeanWrapper:
         for loss_cls in (GRPOLoss, TorchrlGRPOLoss):  # ours, and torchrl's own on the lean one
             out, grad = _run(loss_cls(lean, **kwargs), batch, model)
             _assert_same_loss(out, grad, ref, ref_grad)
+
+    def test_packed_model_input_gives_the_padded_loss(
+        self, tiny_llm, make_llm_batch, make_llm_scorer
+    ):
+        model, tokenizer = tiny_llm
+        batch = make_llm_batch(model, tokenizer)
+        plain = make_llm_scorer(model, tokenizer)
+        packed = make_llm_scorer(model, tokenizer, lean=True, pad_model_input=False)
+        ref, ref_grad = _run(TorchrlGRPOLoss(plain, masking_strategy="sft"), batch, model)
+        out, grad = _run(GRPOLoss(packed, masking_strategy="sft"), batch, model)
+        _assert_same_loss(out, grad, ref, ref_grad)
 
     @pytest.mark.parametrize(
         "cls, kwargs", VARIANTS, ids=[f"{c.__name__}-{k}" for c, k in VARIANTS]

@@ -283,8 +283,11 @@ class LeanTransformersWrapper(TransformersWrapper):
     have torchrl's values and gradients, and no vocabulary-sized tensor exists at any time,
     in the forward or the backward pass. Input modes ``"tokens"``, ``"history"`` and
     ``"text"``, ``pad_output`` ``True`` or ``False``, packed or padded model input: all are
-    torchrl's code, inherited; only the call of the model differs. With ``generate=True`` it
-    is torchrl's wrapper unchanged (generation samples token by token, one position at a time).
+    torchrl's code, inherited; only the call of the model differs. With
+    ``pad_model_input=False`` (packed sequences) each sequence attends causally to itself
+    only, so that packed and padded input give the same numbers (torchrl 0.14.1's packed path
+    lets a token see the rest of its sequence). With ``generate=True`` it is torchrl's wrapper
+    unchanged (generation samples token by token, one position at a time).
 
     It is an ``LLMWrapperBase`` and a ``TransformersWrapper``, so torchrl's ``GRPOLoss``,
     ``RetrieveLogProb``, ``GRPOTrainer`` and collectors accept it, as does this package's
@@ -418,18 +421,20 @@ class LeanTransformersWrapper(TransformersWrapper):
 
     # -- scoring: torchrl's model calls, with hidden states in place of logits ------------------
 
-    def _score(self, hidden, input_ids, attention_mask, logits_only: bool):
+    def _score(self, hidden, input_ids, ignored, logits_only: bool):
         """torchrl's shift of ``_compute_log_probs_from_model_output``, on hidden states.
 
         Returns ``(log_probs [B, T] or None, shifted features [B, T, F])``: position ``t``
-        holds the state that predicts token ``t`` (zeros at ``t = 0``, as torchrl's logits).
+        holds the state that predicts token ``t`` (zeros at ``t = 0``, as torchrl's logits);
+        the log-prob is ``0`` where ``ignored`` ``[B, T]`` is set (a sequence's first token,
+        padding).
         """
         features = self._features(hidden)  # (B, T, F)
         shifted = torch.cat([torch.zeros_like(features[:, :1]), features[:, :-1]], 1)
         if logits_only:
             return None, shifted
         tokens = torch.cat([torch.zeros_like(input_ids[:, :1]), input_ids[:, 1:]], 1)  # (B, T)
-        tokens = tokens.masked_fill(_ignored_positions(attention_mask), -100)
+        tokens = tokens.masked_fill(ignored, -100)
         weight = self._head()
         rows = self._rows(weight.shape[0], tokens.numel(), shifted.device)
         log_probs, _ = token_log_prob_entropy_from_hidden(shifted, weight, tokens, chunk_size=rows)
@@ -467,7 +472,8 @@ class LeanTransformersWrapper(TransformersWrapper):
             attention_mask=attention_mask_full_padded,
             use_cache=False,
         ).last_hidden_state
-        return self._score(hidden, tokens_full_padded, attention_mask_full_padded, logits_only)
+        ignored = _ignored_positions(attention_mask_full_padded)
+        return self._score(hidden, tokens_full_padded, ignored, logits_only)
 
     def _model_forward_with_packed_sequences(
         self,
@@ -478,28 +484,41 @@ class LeanTransformersWrapper(TransformersWrapper):
         logits_only: bool = False,
         **kwargs,
     ):
-        """The model's body on packed sequences, as torchrl packs them.
+        """The model's body on packed sequences, each attending causally to itself only.
 
         Overrides torchrl's method of the same name; returns nested (or padded, ``pad=True``)
-        ``(log_probs, shifted hidden states)`` where torchrl returns logits.
+        ``(log_probs, shifted hidden states)`` where torchrl returns logits. Unlike torchrl
+        0.14.1, which attends over the whole block of each sequence (later tokens included)
+        and scores each sequence's first token from the end of the previous one, the mask is
+        causal within each sequence and every sequence's first token has log-prob ``0``: the
+        packed path gives the numbers of the padded one.
         """
         if flat_input_ids.numel() == 0:
             raise ValueError(
                 "Input contains empty sequences. Packing requires at least one token per sequence."
             )
-        packed_ids, packed_mask, meta = self._pack_sequences(
-            flat_input_ids, block_diag_attention_mask
+        packed_ids, _, meta = self._pack_sequences(flat_input_ids, block_diag_attention_mask)
+        lengths = meta["sequence_lengths"]
+        mask = block_diag_attention_mask  # nested (B, j): the sequences' own attention masks
+        attended = (mask.values() if mask.is_nested else mask.reshape(-1)).bool()  # (L,)
+        # same sequence, not ahead, and not padding (text input arrives padded by the
+        # tokenizer); a padding position sees itself, so that no row is empty
+        causal = self.repeat_interleave_causal(lengths)  # (L, L)
+        causal &= attended[None, :] | torch.eye(
+            len(attended), dtype=torch.bool, device=attended.device
         )
         body, _ = output_layer(self.model)
         hidden = body(
             input_ids=packed_ids,
-            attention_mask=packed_mask.unsqueeze(0),
+            attention_mask=causal[None, None],
             position_ids=meta["position_ids"],
             use_cache=False,
         ).last_hidden_state
-        everything = torch.ones_like(packed_ids, dtype=torch.bool)
-        log_probs, shifted = self._score(hidden, packed_ids, everything, logits_only)
-        lengths = meta["sequence_lengths"]
+        starts = torch.zeros_like(attended)  # (L,)
+        starts[lengths.cumsum(0) - lengths] = True
+        before = torch.cat([attended.new_zeros(1), attended[:-1]]) & ~starts
+        ignored = ~attended | (attended & ~before)  # padding, and each sequence's first token
+        log_probs, shifted = self._score(hidden, packed_ids, ignored[None], logits_only)
 
         def unpack(x):  # (1, L, ...) -> nested (B, j, ...), or right-padded as torchrl's
             nested = torch.nested.nested_tensor_from_jagged(x.squeeze(0), lengths=lengths)
