@@ -169,6 +169,22 @@ class TestTransformersWrapperScoring:
         _compat.llm_masked_dist(wrapper, batch.copy(), "sft")
         assert calls == [False, True], self.MESSAGE.format(name=name)
 
+    @pytest.mark.parametrize("strategy", sorted(_compat.LLM_MASKED_DIST_METHODS))
+    def test_masking_strategies_reach_the_overridden_builders(
+        self, strategy, tiny_llm, make_llm_batch, make_llm_scorer
+    ):
+        """torchrl's _get_sft_dist (...) build their distribution through the _get_dist_with_*
+        methods: the lean wrapper's overrides of those turn it into a hidden-state one."""
+        from torchrl_grpo import HiddenLLMMaskedCategorical
+
+        model, tokenizer = tiny_llm
+        batch = make_llm_batch(model, tokenizer)
+        lean = make_llm_scorer(model, tokenizer, lean=True)
+        dist = _compat.llm_masked_dist(lean, batch.copy(), strategy)
+        assert isinstance(dist, HiddenLLMMaskedCategorical), self.MESSAGE.format(
+            name=f"{_compat.LLM_MASKED_DIST_METHODS[strategy]} -> _get_dist_with_*"
+        )
+
     def test_a_changed_signature_is_a_clear_error(self):
         from torchrl.modules.llm import TransformersWrapper
 

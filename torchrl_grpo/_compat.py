@@ -142,6 +142,13 @@ TRANSFORMERS_WRAPPER_SCORING = {
     ),
     "_pack_sequences": ("input_ids", "attention_mask"),
     "repeat_interleave_causal": ("sequence_lengths",),
+    # the builders of the masked distributions, which it overrides to return them over hidden
+    # states (``_get_sft_dist`` and the others of LLM_MASKED_DIST_METHODS call them)
+    "_get_dist_with_prompt_mask": ("tensordict",),
+    "_get_dist_with_assistant_mask": ("tensordict",),
+    "_get_dist_with_attention_mask": ("tensordict",),
+    "_get_dist_with_custom_mask": ("tensordict", "mask"),
+    "get_dist": ("tensordict", "mask_key"),
 }
 
 
@@ -152,7 +159,8 @@ def check_transformers_wrapper_scoring(cls: type = TransformersWrapper) -> None:
     text, history) call ``_model_forward_with_padded_sequences`` or
     ``_model_forward_with_packed_sequences`` and read ``(log_probs, logits)`` back; the
     packed one packs with ``_pack_sequences`` (the lean one also builds its causal mask with
-    ``repeat_interleave_causal``). If torchrl renamed them, a subclass overriding
+    ``repeat_interleave_causal``); the masking strategies' distributions are built by the
+    ``_get_dist_with_*`` methods. If torchrl renamed them, a subclass overriding
     them would silently build the logits again.
 
     Raises:
