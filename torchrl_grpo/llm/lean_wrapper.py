@@ -406,7 +406,8 @@ class LeanTransformersWrapper(TransformersWrapper):
         return weight
 
     def _features(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Hidden states ``[B, T, H]`` as the head's inputs (float32, plus the bias column)."""
+        """Hidden states ``[B, T, H]`` as the head's inputs: in float32 with
+        ``cast_head_to_float32``, and with a constant-1 column when the head has a bias."""
         _, head = output_layer(self.model)
         if self.cast_head_to_float32:
             hidden = hidden.float()
