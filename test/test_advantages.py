@@ -4,7 +4,7 @@ import math
 
 import pytest
 import torch
-from conftest import reference_discounted_returns
+from helpers import reference_discounted_returns
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

@@ -2,15 +2,18 @@
 
 import functools
 import io
+from pathlib import Path
 
 import pytest
 import torch
-from conftest import released, trajectory
+from helpers import checkpoints, released, trajectory
 from tensordict import NonTensorData, TensorDict, lazy_stack
 from torchrl.data import LazyMemmapStorage, LazyTensorStorage, ReplayBuffer
 
 from torchrl_grpo import MCAdvantage
 from torchrl_grpo.checkpoint import EmptyStorageCheckpointer, allow_empty_dumps
+
+DATA = Path(__file__).parent / "data"
 
 
 def halves(num_groups=4, size=4, seed=0):
@@ -201,3 +204,31 @@ class TestDevices:
         assert sorted(released(got)) == sorted(want)
         for uid, adv in released(got).items():
             torch.testing.assert_close(adv.cpu(), want[uid])
+
+
+class TestCheckpointsOfEarlierVersions:
+    """``state_dict()`` files written by torchrl_grpo 0.1.0 (``test/data``, see
+    ``helpers.checkpoints``) load, and the restored transform goes on as the one that saved them
+    would have: same queues, statistics, releases and advantages."""
+
+    @pytest.mark.parametrize("name", sorted(checkpoints.CASES))
+    def test_load_and_go_on(self, name):
+        kwargs, before = checkpoints.CASES[name]
+        whole = MCAdvantage(**kwargs)
+        for insertion in checkpoints.stream(name)[:before]:
+            whole.inv(insertion)
+        restored = MCAdvantage(**kwargs)
+        saved = torch.load(checkpoints.path(DATA, name), weights_only=True)
+        restored.load_state_dict(saved)
+        assert restored.get_stats() == whole.get_stats()
+        assert list(restored.queues) == list(whole.queues)
+        for group in whole.queues:
+            for a, b in zip(restored.queues[group], whole.queues[group], strict=True):
+                assert a["uid"].tolist() == b["uid"].tolist()
+        rest = zip(checkpoints.stream(name)[before:], checkpoints.stream(name)[before:])
+        released_steps = 0
+        for mine, theirs in rest:
+            a, b = released(restored.inv(mine)), released(whole.inv(theirs))
+            assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+            released_steps += len(a)
+        assert released_steps > 0 and restored.get_stats() == whole.get_stats()

@@ -4,7 +4,7 @@ import io
 
 import pytest
 import torch
-from conftest import trajectory
+from helpers import trajectory
 from tensordict import NonTensorData, TensorDict, lazy_stack
 
 from torchrl_grpo import _pending

@@ -5,7 +5,7 @@ import re
 
 import pytest
 import torch
-from conftest import bad_inputs, trajectory
+from helpers import bad_inputs, trajectory
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tensordict import NonTensorData, NonTensorStack, TensorDict, lazy_stack

@@ -4,7 +4,7 @@ import random
 
 import pytest
 import torch
-from conftest import trajectory
+from helpers import trajectory
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tensordict import TensorDict

@@ -6,7 +6,7 @@ where they serve the public estimators.
 
 import pytest
 import torch
-from conftest import reference_discounted_returns
+from helpers import reference_discounted_returns
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

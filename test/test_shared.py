@@ -11,7 +11,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import (
+from helpers import (
     bad_inputs,
     collector_stream,
     random_chunks,

@@ -7,7 +7,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import (
+from helpers import (
     assert_same_releases,
     bad_inputs,
     collector_stream,

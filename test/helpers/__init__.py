@@ -1,0 +1,30 @@
+"""Helpers shared by the test files: ``from helpers import trajectory`` (the transform's
+trajectories and streams), ``helpers.writers`` (shared mode's writer processes), ``helpers.llm``
+(a tiny local language model) and ``helpers.checkpoints`` (checkpoints of earlier versions).
+Fixtures are in ``conftest.py``."""
+
+from helpers.trajectories import (
+    assert_same_releases,
+    bad_inputs,
+    collector_stream,
+    next_uid,
+    random_chunks,
+    random_stream,
+    reference_discounted_returns,
+    released,
+    trajectory,
+)
+from helpers.writers import wait_for_file
+
+__all__ = [
+    "assert_same_releases",
+    "bad_inputs",
+    "collector_stream",
+    "next_uid",
+    "random_chunks",
+    "random_stream",
+    "reference_discounted_returns",
+    "released",
+    "trajectory",
+    "wait_for_file",
+]

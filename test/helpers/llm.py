@@ -1,0 +1,135 @@
+"""A tiny language model for torchrl's LLM stack, built locally (nothing is downloaded): a
+character tokenizer, a one-layer causal LM, torchrl's scoring wrapper and a GRPO batch."""
+
+from __future__ import annotations
+
+import torch
+
+LLM_CHARS = "0123456789 ="
+
+
+def tiny_tokenizer():
+    """A character-level ``PreTrainedTokenizerFast`` over ``LLM_CHARS`` plus EOS and PAD."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {c: i for i, c in enumerate(LLM_CHARS)}
+    vocab["<eos>"] = len(vocab)
+    vocab["<pad>"] = len(vocab)
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    core.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    core.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<eos>", pad_token="<pad>")
+
+
+def tiny_qwen2(tokenizer, seed: int = 0):
+    """A one-layer ``Qwen2ForCausalLM`` (the family torchrl's recipe uses), in eval mode."""
+    return tiny_causal_lm(tokenizer, "qwen2", seed=seed)
+
+
+def tiny_causal_lm(
+    tokenizer,
+    family: str = "qwen2",
+    *,
+    tied: bool = False,
+    head_bias: bool = False,
+    seed: int = 1,
+):
+    """A one-layer causal LM of the ``family`` (``"qwen2"`` or ``"llama"``), in eval mode.
+
+    ``tied`` shares the embedding with the output layer; ``head_bias`` gives the output layer a
+    (random) bias, as a few model families have.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    config_cls, model_cls = {
+        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+        "llama": (LlamaConfig, LlamaForCausalLM),
+    }[family]
+    config = config_cls(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.eos_token_id,
+        tie_word_embeddings=tied,
+    )
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
+    if head_bias:
+        head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=True)
+        head.weight = model.lm_head.weight
+        model.lm_head = head
+    return model
+
+
+def llm_scorer(model, tokenizer, *, pad_output: bool = False, lean: bool = False, **kwargs):
+    """torchrl's training-side wrapper: scores ``("tokens", "full")`` (``generate=False``).
+
+    ``lean=True`` builds this package's ``LeanTransformersWrapper`` with the same arguments.
+    """
+    from torchrl.modules.llm import TransformersWrapper
+
+    from torchrl_grpo import LeanTransformersWrapper
+
+    return (LeanTransformersWrapper if lean else TransformersWrapper)(
+        model,
+        tokenizer=tokenizer,
+        input_mode="tokens",
+        input_key=("tokens", "full"),
+        generate=False,
+        return_log_probs=True,
+        pad_output=pad_output,
+        **kwargs,
+    )
+
+
+def llm_batch(model, tokenizer, prompts, *, seed: int = 0, drift: float = 0.3):
+    """A ragged lazy stack as torchrl's LLM stack writes it, ready for a GRPO loss.
+
+    ``TransformersWrapper`` samples one completion per prompt (tokens input); the stored
+    ``("log_probs", "full")`` are the scorer's, shifted by ``drift`` noise so that ratios leave
+    the clip band; ``("next", "ref_log_probs", "full")`` likewise; ``advantage`` is per
+    sequence, ``[B, 1, 1]`` as torchrl's LLM rewards; ``("masks", "all_assistant_mask")``
+    marks the response tokens.
+    """
+    import tensordict
+    from tensordict import TensorDict, lazy_stack
+    from torchrl.modules.llm import TransformersWrapper
+    from torchrl.modules.llm.policies.common import Tokens
+
+    sampler = TransformersWrapper(
+        model,
+        tokenizer=tokenizer,
+        input_mode="tokens",
+        generate=True,
+        return_log_probs=True,
+        pad_output=False,
+        generate_kwargs={
+            "max_new_tokens": 4,
+            "do_sample": True,
+            "suppress_tokens": [tokenizer.pad_token_id],
+        },
+    )
+    prompt_ids = [torch.tensor(tokenizer(p)["input_ids"]) for p in prompts]
+    g = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    with tensordict.set_list_to_stack(True), torch.no_grad():
+        data = sampler(lazy_stack([TensorDict({"tokens": Tokens(prompt=p)}) for p in prompt_ids]))
+        scored = llm_scorer(model, tokenizer)(data.copy())
+        steps = []
+        for step, log_prob, prompt in zip(
+            data.unbind(0), scored.get(("log_probs", "full"), as_list=True), prompt_ids
+        ):
+            assistant = torch.arange(log_prob.numel()) >= prompt.numel()
+            step.set(("log_probs", "full"), log_prob + drift * torch.randn(log_prob.shape, generator=g))  # fmt: skip
+            step.set(("next", "ref_log_probs", "full"), log_prob + drift * torch.randn(log_prob.shape, generator=g))  # fmt: skip
+            step.set(("masks", "all_assistant_mask"), assistant)
+            step.set("advantage", torch.randn(1, 1, generator=g))
+            steps.append(step)
+    return lazy_stack(steps)
