@@ -25,7 +25,8 @@ from hypothesis import strategies as st
 from tensordict import NonTensorData, TensorDict, lazy_stack
 from torchrl.data import LazyTensorStorage, ReplayBuffer
 
-from torchrl_grpo import MCAdvantage, MCAdvantageSelector, _shared
+from torchrl_grpo import MCAdvantage, MCAdvantageSelector
+from torchrl_grpo.mcadvantage import shared as _shared
 from torchrl_grpo.advantages import group_relative_advantage
 
 PAUSE = "TORCHRL_GRPO_SHARED_TEST_PAUSE"
@@ -158,7 +159,7 @@ class TestOwner:
         t.reset_stats()
         assert t.completed_trajectories == 0 and t.queued_trajectories == 2
         t.clear_queues()
-        assert t.queued_trajectories == 0 and t._load().num_pending == 0
+        assert t.queued_trajectories == 0 and t._replica.to_plain()["pending"]["steps"] is None
 
     def test_settings_changed_after_sharing_reach_the_owner(self):
         t = shared(grpo_size=3, prompt_key="seed")

@@ -363,12 +363,13 @@ class TestMemoryLimits:
         t = MCAdvantage(4, prompt_key="seed")
         for i in range(0, len(trajs), per_call):
             t.inv(torch.cat(trajs[i : i + per_call]))
-            state = t._load()
-            held = [chunk for chunk in state.chunks if chunk is not None]
-            live = int(state.lengths.sum())
+            pending = t._replica.state.pending
+            held = [chunk for chunk in pending.chunks.steps if chunk is not None]
+            live = int(pending.spans[:, 2].sum())  # the LENGTH column
             assert sum(len(chunk) for chunk in held) <= 2 * live + 1024 + 5 * per_call
-            assert len(state.chunks) <= 2 * len(held) + 64 + per_call
-        assert t.queued_trajectories == 0 and not [c for c in t._load().chunks if c is not None]
+            assert len(pending.chunks.steps) <= 2 * len(held) + 64 + per_call
+        chunks = t._replica.state.pending.chunks.steps
+        assert t.queued_trajectories == 0 and not [c for c in chunks if c is not None]
 
     def test_invalid_limits(self):
         for kw, message in [
@@ -788,14 +789,14 @@ class TestSharedStateReadsTakeTheLock:
     def test_reads(self, read):
         t = MCAdvantage(2, prompt_key="seed")
         t.inv(trajectory(0, [1.0]))
-        t._lock = lock = _CountingLock()
+        t._replica.lock = lock = _CountingLock()
         read(t)
         assert lock.entered >= 1
 
     def test_writes(self):
         t = MCAdvantage(2, prompt_key="seed")
         t.inv(trajectory(0, [1.0]))
-        t._lock = lock = _CountingLock()
+        t._replica.lock = lock = _CountingLock()
         t.written_groups = 5
         del t.queues[0]
         assert lock.entered >= 2 and t.written_groups == 5 and t.queued_trajectories == 0

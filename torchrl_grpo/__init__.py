@@ -38,7 +38,7 @@ from torchrl_grpo.token_dist import (
     token_log_prob_entropy,
     token_log_prob_entropy_from_hidden,
 )
-from torchrl_grpo.transform import MCAdvantage, MCAdvantageSelector
+from torchrl_grpo.mcadvantage import MCAdvantage, MCAdvantageSelector
 
 __version__ = "0.1.0"
 

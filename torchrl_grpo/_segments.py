@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["Segments", "dense_codes", "discounted_suffix_sum"]
+__all__ = ["Segments", "dense_codes", "dense_codes_and_order", "discounted_suffix_sum"]
 
 
 def _num_segments(index: Tensor, num: int | None) -> int:
@@ -262,11 +262,11 @@ def _scaled_suffix_sum(rows: Tensor, gamma: float) -> Tensor:
 def dense_codes(keys: Tensor, *, span: int | None = None) -> tuple[Tensor, int]:
     """A code in ``[0, num)`` per key, equal iff the keys are, numbered in increasing key order.
 
-    Keys within a compact range (ids, seeds, small states: at most ``4 n + 1024`` apart) are coded
-    through a table of the range, with no sort; others through one sort (``torch.unique``).
+    Integer keys within a compact range (ids, seeds, small states: at most ``4 n + 1024`` apart)
+    are coded through a table of the range, with no sort; others through one sort.
 
     Args:
-        keys: integer keys, shape ``(n,)``.
+        keys: keys, shape ``(n,)``.
         span: when the caller knows that every key lies in ``[0, span)``, a compact range: the
             table is used without looking for the range.
 
@@ -278,14 +278,36 @@ def dense_codes(keys: Tensor, *, span: int | None = None) -> tuple[Tensor, int]:
         >>> dense_codes(torch.tensor([7, 3, 7, 10]))
         (tensor([1, 0, 1, 2]), 3)
     """
+    codes, num, _ = dense_codes_and_order(keys, span=span)
+    return codes, num
+
+
+def dense_codes_and_order(
+    keys: Tensor, *, span: int | None = None
+) -> tuple[Tensor, int, Tensor | None]:
+    """:func:`dense_codes`, and the stable order of the keys by code when the codes came from a
+    sort (``None`` from the table): keys grouped by code, in their order within a code.
+
+    Examples:
+        >>> import torch
+        >>> dense_codes_and_order(torch.tensor([0.5, -1.0, 0.5]))
+        (tensor([1, 0, 1]), 2, tensor([1, 0, 2]))
+    """
     if keys.numel() == 0:
-        return keys.long(), 0
-    low, high = (0, span - 1) if span is not None else (int(v) for v in torch.aminmax(keys))
-    if high - low <= 4 * keys.numel() + 1024:  # a table of the range: no sort
-        shifted = (keys - low).long() if low else keys.long()
-        present = torch.zeros(high - low + 1, dtype=torch.bool, device=keys.device)
-        present.index_fill_(0, shifted, True)
-        table = torch.cumsum(present, 0) - 1
-        return table.index_select(0, shifted), int(table[-1]) + 1
-    uniques, codes = torch.unique(keys, return_inverse=True)
-    return codes, uniques.numel()
+        return keys.long(), 0, None
+    integers = not (keys.is_floating_point() or keys.is_complex() or keys.dtype == torch.bool)
+    if integers:
+        low, high = (0, span - 1) if span is not None else (int(v) for v in torch.aminmax(keys))
+        if high - low <= 4 * keys.numel() + 1024:  # a table of the range: no sort
+            shifted = (keys - low).long() if low else keys.long()
+            present = torch.zeros(high - low + 1, dtype=torch.bool, device=keys.device)
+            present.index_fill_(0, shifted, True)
+            table = torch.cumsum(present, 0) - 1
+            return table.index_select(0, shifted), int(table[-1]) + 1, None
+    sorted_keys, order = torch.sort(keys, stable=True)
+    starts = torch.ones_like(sorted_keys, dtype=torch.bool)
+    torch.ne(sorted_keys[1:], sorted_keys[:-1], out=starts[1:])
+    numbers = torch.cumsum(starts, 0) - 1
+    codes = torch.empty_like(order)
+    codes[order] = numbers
+    return codes, int(numbers[-1]) + 1, order

@@ -1,9 +1,9 @@
 """Shared mode: the transform's state lives in one owner process, and every writer calls it.
 
 :meth:`MCAdvantage.share_memory_ <torchrl_grpo.MCAdvantage.share_memory_>` (called by
-``ReplayBuffer(shared=True)``) hands the transform's state to an *owner*: a process started once
-per process that shares (spawned, as torchrl's managers are), which keeps a process-local copy of
-the transform and serves requests over a Unix socket. Writers (any process the transform is
+``ReplayBuffer(shared=True)``) hands the transform's settings and state to an *owner*: a process
+started once per process that shares (spawned, as torchrl's managers are), which keeps them as a
+:class:`~torchrl_grpo.mcadvantage.replica.Replica` and serves requests over a Unix socket. Writers (any process the transform is
 pickled to: spawned workers, Ray tasks on the same machine) send each insertion there and get back
 what it releases; the trainer's reads (statistics, the pending groups, checkpoints) are requests
 too. So an insertion ships what it brings and what it releases, never the pending state: its cost
@@ -64,6 +64,8 @@ from multiprocessing.connection import wait
 import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase
+
+from torchrl_grpo.mcadvantage.replica import OPERATIONS, Replica
 
 _HEADER = struct.Struct("<Q")
 _ACK, _DONE = b"A", b"D"
@@ -176,31 +178,6 @@ def _recv(sock: socket.socket) -> bytearray:
     return _recv_exactly(sock, size)
 
 
-# --- what may be asked of the owner ---------------------------------------------------------------
-
-#: The transform's methods that run in the owner when it is shared, by name (see :func:`owned`).
-OWNED: dict = {}
-
-
-def owned(method):
-    """Run ``method`` in the owner process when the transform is shared (``self._owner``).
-
-    The owner runs the undecorated ``method`` on its process-local copy of the transform, so the
-    method is written once, for the local state.
-    """
-    name = method.__qualname__
-    OWNED[name] = method
-
-    @functools.wraps(method)
-    def forward(self, *args):
-        owner = self.__dict__.get("_owner")
-        if owner is not None:
-            return owner.call(name, *args)
-        return method(self, *args)
-
-    return forward
-
-
 # --- the writer's side ----------------------------------------------------------------------------
 
 
@@ -211,7 +188,9 @@ class OwnerGone(ConnectionError):
 class Owner:
     """A handle on one shared transform in an owner process; pickled with the transform.
 
-    Each thread of each process opens its own connection on first use.
+    It offers the operations of the :class:`~torchrl_grpo.mcadvantage.replica.Replica` it
+    stands for (:data:`~torchrl_grpo.mcadvantage.replica.OPERATIONS`, and :meth:`insert`), each
+    run in the owner. Each thread of each process opens its own connection on first use.
     """
 
     def __init__(self, address: str, authkey: bytes, key: str):
@@ -268,8 +247,13 @@ class Owner:
                 f"MCAdvantage: lost the owner process of this shared transform ({err!r})."
             ) from err
 
+    def __getattr__(self, name: str):
+        if name in OPERATIONS:
+            return functools.partial(self.call, name)
+        raise AttributeError(name)
+
     def call(self, name: str, *args):
-        """``name(transform, *args)`` in the owner (see :func:`owned`)."""
+        """The replica's operation ``name`` with ``args``, in the owner."""
         reply = self._exchange(pickle.dumps((self.key, name, args), protocol=5))
         kind, value, caught = pickle.loads(reply)
         _warn(caught)
@@ -344,8 +328,9 @@ _server: dict = {}  # this process's owner: pid, address, authkey, process
 _server_lock = threading.Lock()
 
 
-def share(transform) -> Owner:
-    """Hand ``transform``'s state (a local one) to this process's owner, started on first use.
+def share(replica: Replica) -> Owner:
+    """Hand ``replica`` (a transform's local settings and state) to this process's owner,
+    started on first use.
 
     The owner waits ``TORCHRL_GRPO_SHARED_TIMEOUT`` seconds (read now; default 60) for a writer's
     acknowledgement before it gives up the writer's insertion.
@@ -354,18 +339,17 @@ def share(transform) -> Owner:
         if _server.get("pid") != os.getpid() or not _server["process"].is_alive():
             _server.update(_start(), pid=os.getpid())
         address, authkey = _server["address"], _server["authkey"]
-    state = transform.__getstate__()
-    state.update(_container=None, _owner=None)
-    try:
-        replica = pickle.dumps((type(transform), state), protocol=5)
-    except (pickle.PicklingError, AttributeError, TypeError) as err:
-        raise TypeError(
-            "MCAdvantage.share_memory_: the transform goes to its owner process by pickling, and "
-            f"it cannot be pickled ({err}); a custom candidate_selector must be defined at module "
-            "level."
-        ) from err
+    with replica.lock:
+        try:
+            payload = pickle.dumps((replica.options, replica.state), protocol=5)
+        except (pickle.PicklingError, AttributeError, TypeError) as err:
+            raise TypeError(
+                "MCAdvantage.share_memory_: the transform goes to its owner process by pickling, "
+                f"and it cannot be pickled ({err}); a custom candidate_selector must be defined at "
+                "module level."
+            ) from err
     owner = Owner(address, authkey, secrets.token_hex(8))
-    owner.call("register", replica, _timeout())
+    owner.call("register", payload, _timeout())
     return owner
 
 
@@ -397,8 +381,6 @@ def _serve(address: str, authkey: bytes, ready) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the trainer (as managers do)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # (how its parent ends it at exit)
     torch.set_num_threads(1)
-    import torchrl_grpo.transform  # noqa: F401 (what register needs, imported once)
-
     # The process holds the pending state, many small objects that live long, and each request
     # makes more: collect the young ones less often, and never look at what the imports made
     # (this halves the owner's time per insertion).
@@ -419,11 +401,11 @@ def _serve(address: str, authkey: bytes, ready) -> None:
 
 
 class _Server:
-    """The transforms of the owner process (process-local copies) and the one lock over them."""
+    """The replicas of the owner process and the one lock over them."""
 
     def __init__(self, authkey: bytes):
         self.authkey = authkey
-        self.transforms: dict = {}
+        self.replicas: dict = {}
         self.timeouts: dict = {}
         self.lock = threading.RLock()
 
@@ -460,24 +442,24 @@ class _Server:
                     value = self.register(key, *args)
                 elif name == "forget":
                     value = None
-                    self.transforms.pop(key, None)
+                    self.replicas.pop(key, None)
                     self.timeouts.pop(key, None)
+                elif name in OPERATIONS:
+                    value = getattr(self.get(key), name)(*args)
                 else:
-                    value = OWNED[name](self.get(key), *args)
+                    raise AttributeError(f"MCAdvantage: no operation {name!r} in the owner.")
                 return _reply(_ACCEPTED, value, caught)
             except Exception as err:  # raised in the caller
                 return _reply(_REJECTED, _picklable(err), caught)
 
-    def register(self, key: str, state: bytes, timeout: float) -> None:
-        cls, state = pickle.loads(state)  # MCAdvantage, or a subclass
-        transform = cls.__new__(cls)
-        transform.__setstate__(state)
-        transform._lock = self.lock
-        self.transforms[key], self.timeouts[key] = transform, timeout
+    def register(self, key: str, payload: bytes, timeout: float) -> None:
+        options, state = pickle.loads(payload)
+        self.replicas[key] = Replica(options, state, lock=self.lock)
+        self.timeouts[key] = timeout
 
-    def get(self, key: str):
+    def get(self, key: str) -> Replica:
         try:
-            return self.transforms[key]
+            return self.replicas[key]
         except KeyError:
             raise OwnerGone(
                 "MCAdvantage: the owner holds no such shared transform any more (the transform "
@@ -500,16 +482,15 @@ class _Server:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             try:
-                transform = self.get(key)
-                out, state, marks = transform._insert(transform._load(), decode(payload))
-                released = None if out is None else encode(out)
+                replica = self.get(key)
+                outcome = replica.attempt(decode(payload))
+                released = None if outcome.out is None else encode(outcome.out)
             except Exception as err:  # rejected: nothing changed
                 return _REJECTED, _reply(_REJECTED, _picklable(err), caught), None
         if released is None:
-            transform._commit(state, marks)
+            replica.commit(outcome)
             return _ACCEPTED, _reply(_ACCEPTED, None, caught), None
-        commit = partial(transform._commit, state, marks)
-        return _RELEASED, _reply(_RELEASED, released, caught), commit
+        return _RELEASED, _reply(_RELEASED, released, caught), partial(replica.commit, outcome)
 
     def deliver(self, sock: socket.socket, key: str, reply: bytes, commit) -> bool:
         """Send the released steps; commit once the writer acknowledges them (the lock held)."""

@@ -1,0 +1,131 @@
+"""Group ids: prompts (strings) or tensor ids (a reset seed, an index), decided once, when read.
+
+:class:`TensorIds` holds one row of ``k`` values per trajectory, compared by value;
+:class:`PromptIds` one string per trajectory. Both offer what grouping needs (a dense integer
+code per trajectory, equal iff the ids are; counts per group; selection and concatenation), so
+the steps that group trajectories never ask which kind they hold.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from torchrl_grpo._segments import dense_codes_and_order
+
+__all__ = ["GroupIds", "PromptIds", "TensorIds"]
+
+
+class GroupIds:
+    """One group id per trajectory, in arrival order; ``len`` is their number."""
+
+    __slots__ = ("values",)
+    kind = ""
+
+    def __init__(self, values):
+        self.values = values
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    def codes(self, before: GroupIds | None = None) -> tuple[Tensor, Tensor | None]:
+        """A dense integer code for each id of ``before`` (pending trajectories) then of these
+        (incoming ones), equal iff the ids are; and the stable order of the trajectories by code
+        (grouped, arrival order within a group) when finding the codes sorted them, else
+        ``None``."""
+        raise NotImplementedError
+
+
+class TensorIds(GroupIds):
+    """``(n, k)`` tensor ids on the CPU."""
+
+    __slots__ = ()
+    kind = "tensors"
+
+    @property
+    def width(self) -> int:
+        return self.values.shape[1]
+
+    def cat(self, other: TensorIds) -> TensorIds:
+        """These ids then ``other``'s, in this dtype."""
+        incoming = other.values
+        if incoming.dtype != self.values.dtype:
+            incoming = incoming.to(self.values.dtype)
+        return TensorIds(torch.cat([self.values, incoming]))
+
+    def select(self, index: Tensor) -> TensorIds:
+        return TensorIds(self.values.index_select(0, index))
+
+    def codes(self, before: GroupIds | None = None) -> tuple[Tensor, Tensor | None]:
+        keys = self.values
+        if before is not None and len(before):
+            pending = before.values
+            keys = torch.cat([pending, keys.to(torch.promote_types(pending.dtype, keys.dtype))])
+        if keys.shape[1] > 1:
+            return torch.unique(keys, dim=0, return_inverse=True)[1], None
+        codes, _, order = dense_codes_and_order(keys.reshape(-1))
+        return codes, order
+
+    def same_as(self, one: TensorIds) -> Tensor:
+        """``(n,)`` bool: which of these ids equal the one id of ``one``."""
+        same = self.values == one.values  # (n, k)
+        if same.shape[1] > 1:
+            same = same.all(1, keepdim=True)
+        return same.view(-1)
+
+    def counts(self) -> list[int]:
+        """Trajectories per distinct id."""
+        if not len(self):
+            return []
+        return torch.unique(self.values, dim=0, return_counts=True)[1].tolist()
+
+    def python(self) -> list:
+        """Each id as torchrl's queues key it: a number, or a tuple for several values."""
+        return [row[0] if len(row) == 1 else tuple(row) for row in self.values.tolist()]
+
+    def to_plain(self) -> Tensor:
+        return self.values
+
+
+class PromptIds(GroupIds):
+    """One string per trajectory."""
+
+    __slots__ = ()
+    kind = "strings"
+
+    def cat(self, other: PromptIds) -> PromptIds:
+        return PromptIds(self.values + other.values)
+
+    def select(self, index: Tensor) -> PromptIds:
+        return PromptIds([self.values[i] for i in index.tolist()])
+
+    def codes(self, before: GroupIds | None = None) -> tuple[Tensor, Tensor | None]:
+        table: dict = {}
+        everything = (before.values if before is not None else []) + self.values
+        codes = [table.setdefault(k, len(table)) for k in everything]
+        return torch.tensor(codes, dtype=torch.long), None
+
+    def same_as(self, one: PromptIds) -> Tensor:
+        prompt = one.values[0]
+        return torch.tensor([k == prompt for k in self.values], dtype=torch.bool)
+
+    def counts(self) -> list[int]:
+        counts: dict = {}
+        for key in self.values:
+            counts[key] = counts.get(key, 0) + 1
+        return list(counts.values())
+
+    def python(self) -> list:
+        return list(self.values)
+
+    def to_plain(self) -> list:
+        return list(self.values)
+
+
+def ids_from_plain(plain) -> GroupIds | None:
+    """The ids a checkpoint saved (:meth:`GroupIds.to_plain`); ``None`` for none."""
+    if plain is None:
+        return None
+    if isinstance(plain, list):
+        return PromptIds(list(plain))
+    return TensorIds(plain.cpu())

@@ -1,0 +1,120 @@
+"""One insertion, in order: :func:`insert` is the whole path of a batch through the transform.
+
+Both the transform (:class:`~torchrl_grpo.mcadvantage.replica.Replica`, in its own process) and
+the owner process of a shared transform run it. It is a function of the settings, the state and
+the input: it returns the steps to store, the next state and the trajectory ids to mark, and
+changes nothing; the caller makes the next state the state (:func:`commit`) once the insertion
+went through. Everything that can be wrong with the input raises before a next state exists.
+"""
+
+from __future__ import annotations
+
+from tensordict import TensorDictBase
+from torchrl import torchrl_logger
+
+from torchrl_grpo.mcadvantage import groups, limits, pending, read, release, returns, tails
+from torchrl_grpo.mcadvantage.options import Options
+from torchrl_grpo.mcadvantage.records import NOTHING_RELEASED, Outcome, State
+from torchrl_grpo.mcadvantage.registry import ENDED
+from torchrl_grpo.mcadvantage.stats import count
+
+__all__ = ["commit", "insert"]
+
+
+def insert(options: Options, state: State, tensordict: TensorDictBase) -> Outcome:
+    """Insert ``tensordict`` (what ``rb.extend`` / ``rb.add`` received) into ``state``.
+
+    1. Trajectories that cross insertions are joined with the held tails (``traj_key``); the
+       unfinished ones are held.
+    2. The complete trajectories are read and checked: steps, bounds, rewards, group ids.
+    3. Their returns are computed (float64, and torchrl's where its rules compare them).
+    4. The groups now complete are found: rounds of ``grpo_size``, or candidate selection.
+    5. Their advantages are written and the groups the filters keep are released.
+    6. The counters are updated, and what no group released stays pending.
+    7. The memory limits give up what waited too long.
+
+    Raises:
+        KeyError, ValueError, TypeError, RuntimeError, NotImplementedError: a bad input, or a
+            limit with ``on_overflow="raise"``; the state is then as it was.
+    """
+    clock = state.insertions + 1
+    state, marks, complete = _join_tails(options, state, tensordict)  # 1.
+    batch = None
+    if complete is not None:  # 2.
+        batch = read.read_insertion(complete, options.keys, state.pending)
+    if batch is None:  # nothing completes, or no step
+        state = State(state.pending, state.tails, state.stats, clock)
+        return _finish(options, None, state, marks)
+    _check_ragged(options, batch)
+    estimator, group_filter = options.estimator, options.group_filter  # 3.
+    exact = options.selects or group_filter.keep_return_bounds is not None
+    incoming = returns.insertion_returns(batch, estimator.trajectory_return, exact=exact)
+    both = None  # pending ++ incoming: only where a group is chosen by return or released
+    if options.selects:  # 4.
+        both = returns.concat(state.pending.returns, incoming)
+        rounds = groups.select_candidates(
+            state.pending, batch, options.selection, options.grpo_size, both, group_filter
+        )
+    else:
+        rounds = groups.find_rounds(state.pending, batch, options.grpo_size)
+    released = NOTHING_RELEASED  # 5.
+    if rounds.num_rounds:
+        both = returns.concat(state.pending.returns, incoming) if both is None else both
+        released = release.release(state.pending, batch, rounds, both, options)
+    stats = count(  # 6.
+        state.stats,
+        batch,
+        incoming.value,
+        rounds,
+        released,
+        trajectory_return=estimator.trajectory_return,
+        group_size=options.grpo_size,
+    )
+    held = pending.remaining(state.pending, batch, rounds.consumed, incoming, state.insertions)
+    if options.verbose:
+        _log(batch.num_trajectories, rounds, released, held.num_pending)
+    return _finish(options, released.out, State(held, state.tails, stats, clock), marks)
+
+
+def commit(state: State, marks: tuple) -> State:
+    """Record in the tails' id registry the trajectory ids an insertion ended or gave up, and
+    return its state, now the transform's."""
+    for ids, status in marks:
+        state.tails.registry.mark(ids, status)
+    return state
+
+
+def _join_tails(options: Options, state: State, tensordict: TensorDictBase):
+    """``(state, marks, complete)``: with trajectory ids, the state with the next tails, the
+    ids that end to mark, and the complete trajectories (or ``None``); else the input as is."""
+    dense = tails.streamed(state.tails, tensordict, options.trajectory_keys)
+    if dense is None:
+        return state, (), tensordict
+    joined = tails.join(state.tails, dense, options.trajectory_keys, state.insertions)
+    stats = state.stats
+    if joined.dropped_steps:  # steps of given-up trajectories, left out
+        stats = {**stats, "evicted_steps": stats["evicted_steps"] + joined.dropped_steps}
+    state = State(state.pending, joined.tails, stats, state.insertions)
+    return state, ((joined.ended, ENDED),), joined.complete
+
+
+def _finish(options: Options, out, state: State, marks: tuple) -> Outcome:
+    state, marks = limits.apply_limits(options.limits, state, marks)  # 7.
+    return Outcome(out, state, marks)
+
+
+def _check_ragged(options: Options, batch) -> None:
+    if batch.steps.ragged and options.estimator.reward_to_go_gamma is not None:
+        raise ValueError(
+            "MCAdvantage: reward_to_go_gamma discounts each reward element along the steps "
+            f"of its trajectory, which needs as many elements under {options.keys.reward!r} "
+            "at every step; this insertion's steps are ragged (a lazy stack)."
+        )
+
+
+def _log(trajectories: int, rounds, released, pending: int) -> None:
+    dropped = rounds.num_rounds - released.written + rounds.given_up
+    torchrl_logger.info(
+        f"MCAdvantage: {trajectories} trajectories in, {released.written} groups written, "
+        f"{dropped} dropped, {pending} trajectories pending."
+    )

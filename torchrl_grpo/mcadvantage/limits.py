@@ -1,0 +1,112 @@
+"""The memory limits: incomplete groups and unfinished trajectories that waited too long.
+
+``max_pending_groups`` bounds the incomplete groups held, ``max_pending_age`` how many insertions
+a group (from its first trajectory) or an unfinished trajectory (from its first step) may wait.
+Past them, :func:`apply_limits` gives up the oldest (counted in ``evicted_*``, with a
+``RuntimeWarning``), or, with ``on_overflow="raise"``, rejects the insertion before anything
+changed. Given-up trajectory ids are marked so that their later steps are left out.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from torchrl_grpo.mcadvantage import pending as pending_
+from torchrl_grpo.mcadvantage import tails as tails_
+from torchrl_grpo.mcadvantage.options import Limits
+from torchrl_grpo.mcadvantage.records import QUEUED_AT, STARTED_AT, State
+from torchrl_grpo.mcadvantage.registry import GIVEN_UP
+from torchrl_grpo.mcadvantage.store import LENGTH
+
+__all__ = ["apply_limits", "evict_groups"]
+
+#: Frames from the warning up to the caller of ``transform.inv`` (``rb.extend`` or user code):
+#: apply_limits, insert, Replica.insert, MCAdvantage._inv_call, Transform.inv.
+_STACKLEVEL = 6
+
+
+def apply_limits(limits: Limits, state: State, marks: tuple) -> tuple[State, tuple]:
+    """``state`` (after an insertion, its clock counting it) within ``limits``, and the ids to
+    mark: ``marks`` and the given-up tails'.
+
+    Raises:
+        RuntimeError: with ``on_overflow="raise"``, if anything would be given up.
+    """
+    if limits.max_groups is None and limits.max_age is None:
+        return state, marks
+    pending, groups, trajectories = evict_groups(limits, state.pending, state.insertions)
+    tails, unfinished, steps = state.tails, 0, 0
+    if limits.max_age is not None and tails.num_tails:
+        old = state.insertions - 1 - tails.meta[:, STARTED_AT] >= limits.max_age  # (H,)
+        if bool(old.any()):
+            if limits.on_overflow == "raise":
+                raise RuntimeError(
+                    f"MCAdvantage: {int(old.sum())} unfinished trajectories are older than "
+                    f"max_pending_age={limits.max_age}; the insertion was rejected and nothing "
+                    "changed."
+                )
+            before = int(tails.pieces[:, LENGTH].sum())
+            tails, gone = tails_.drop(tails, ~old)
+            steps = before - int(tails.pieces[:, LENGTH].sum())
+            unfinished = gone.shape[0]
+            marks = (*marks, (gone, GIVEN_UP))
+    if not groups and not steps:
+        return state, marks
+    also = f" and {unfinished} unfinished trajectories" if steps else ""
+    warnings.warn(
+        f"MCAdvantage: {groups} incomplete group(s) ({trajectories} trajectories){also} exceed "
+        f"max_pending_groups={limits.max_groups} / max_pending_age={limits.max_age}; the "
+        "oldest were dropped (see evicted_groups).",
+        RuntimeWarning,
+        stacklevel=_STACKLEVEL,
+    )
+    stats = dict(state.stats)
+    stats["evicted_groups"] += groups
+    stats["evicted_trajectories"] += trajectories + unfinished
+    stats["evicted_steps"] += steps
+    return State(pending, tails, stats, state.insertions), marks
+
+
+def evict_groups(limits: Limits, pending, clock: int):
+    """Give up the incomplete groups past ``limits`` (those that started first go first).
+
+    Args:
+        limits: the bounds, and what to do past them.
+        pending: what is held after an insertion.
+        clock: the insertions so far, this one included.
+
+    Returns:
+        ``(pending, groups, trajectories)``: what stays, and how many groups and trajectories
+        went.
+
+    Raises:
+        RuntimeError: with ``on_overflow="raise"``, if any group would be evicted.
+    """
+    if pending.num_pending == 0:
+        return pending, 0, 0
+    codes, _ = pending.ids.codes()  # (Q,)
+    num = int(codes.max()) + 1
+    first = torch.full((num,), clock, dtype=torch.long)
+    queued = pending.spans[:, QUEUED_AT]
+    first = first.scatter_reduce(0, codes, queued, reduce="amin")  # (G,) oldest arrival
+    evicted = torch.zeros(num, dtype=torch.bool)
+    if limits.max_age is not None:
+        evicted |= clock - 1 - first >= limits.max_age
+    if limits.max_groups is not None:
+        excess = int((~evicted).sum()) - limits.max_groups
+        if excess > 0:  # the groups that started first go, ties by arrival of their ids
+            order = torch.argsort(first.masked_fill(evicted, -1), stable=True)
+            evicted[order[: int(evicted.sum()) + excess]] = True
+    if not evicted.any():
+        return pending, 0, 0
+    gone = evicted[codes]  # (Q,)
+    groups, trajectories = int(evicted.sum()), int(gone.sum())
+    if limits.on_overflow == "raise":
+        raise RuntimeError(
+            f"MCAdvantage: {groups} incomplete group(s) ({trajectories} trajectories) exceed "
+            f"max_pending_groups={limits.max_groups} / max_pending_age={limits.max_age}; the "
+            "insertion was rejected and nothing changed."
+        )
+    return pending_.drop(pending, ~gone), groups, trajectories

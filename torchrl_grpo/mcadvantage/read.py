@@ -1,0 +1,287 @@
+"""One insertion, read and checked: its steps, where each trajectory starts and ends, its rewards
+and its group id.
+
+:func:`read_insertion` is the only place that looks at what the user passed to ``extend``/``add``;
+every later step works on the :class:`~torchrl_grpo.mcadvantage.records.Insertion` it returns.
+It reads every input shape the same way (``[N]`` steps, ``[B, T]`` rows, one step without a
+batch dimension, lazy stacks of ragged steps), decides once whether the steps are dense or
+ragged (:mod:`~torchrl_grpo.mcadvantage.steps`) and whether the group ids are prompts or tensors
+(:mod:`~torchrl_grpo.mcadvantage.ids`), and raises before anything else runs, so that a bad
+input changes no state.
+
+Devices: the steps stay where they are (a CUDA insertion is stored, gathered and released on
+CUDA); what the transform computes from them (done flags, group ids, rewards, and from them every
+index, count and advantage) is read onto the CPU here, once. The bookkeeping is many tiny
+operations that would each cost a kernel launch on an accelerator, and it meets the data again
+only as CPU index tensors (which index CUDA data as they are) and as the advantage, written on the
+reward's device.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+from tensordict import LazyStackedTensorDict, TensorDictBase, is_leaf_nontensor, lazy_stack
+from torch import Tensor
+
+from torchrl_grpo.mcadvantage.ids import GroupIds, PromptIds, TensorIds
+from torchrl_grpo.mcadvantage.options import Keys
+from torchrl_grpo.mcadvantage.records import Insertion, Pending
+from torchrl_grpo.mcadvantage.steps import DenseSteps, RaggedSteps, Steps, get_entry
+
+__all__ = ["read_insertion", "trajectory_bounds"]
+
+
+def read_insertion(tensordict: TensorDictBase, keys: Keys, pending: Pending) -> Insertion | None:
+    """Read one insertion; ``None`` if it holds no step.
+
+    Args:
+        tensordict: what was passed to ``extend``: ``[N]`` steps, ``[B, T]`` rows that each end
+            with a done step, one step (``[]``), or a lazy stack of steps.
+        keys: the keys to read.
+        pending: what is held back; the insertion's steps and group ids must be of the same
+            kind (dense or ragged steps; string or tensor ids of one width).
+
+    Raises:
+        KeyError: a key is missing (the message names it and lists the input's keys).
+        RuntimeError: the input does not end with a done step (as torchrl).
+        ValueError: done flags or rewards of the wrong shape, an empty or non-finite reward,
+            rewards with different numbers of elements at a step, or tensor ids of another width
+            than the pending ones.
+        TypeError: a group id or an anchor state that is neither a string nor a tensor, or
+            strings mixed with tensors.
+    """
+    steps, done, group_id = _flat_steps(tensordict, keys, pending.ragged)
+    if steps is None:
+        return None
+    starts, lengths, width = trajectory_bounds(done)
+    num_steps = done.shape[0]
+    if keys.reward_weights:
+        rewards, per_step = _weighted_rewards(steps, keys.reward_weights)
+    else:
+        rewards, per_step = _checked_rewards(steps, keys.reward)
+    if keys.anchor is not None:
+        _check_anchors(steps, keys.anchor)
+    if isinstance(per_step, int):
+        reward_lengths = lengths if per_step == 1 else lengths * per_step
+        reward_width = width * per_step
+    else:  # elements per trajectory: differences of the running count at the trajectory ends
+        ends = starts + lengths - 1
+        reward_lengths = torch.diff(torch.cumsum(per_step, 0)[ends], prepend=ends.new_zeros(1))
+        reward_width = None
+    return Insertion(
+        steps=steps,
+        starts=starts,
+        lengths=lengths,
+        width=width,
+        group_ids=_group_ids(steps, starts, keys.group, pending, group_id),
+        rewards=rewards,
+        reward_lengths=reward_lengths,
+        reward_width=reward_width,
+        num_steps=num_steps,
+        num_trajectories=lengths.shape[0],
+    )
+
+
+def trajectory_bounds(done: Tensor) -> tuple[Tensor, Tensor, int]:
+    """Where the trajectories of an insertion start, how long they are, and their common length.
+
+    Args:
+        done: ``(N,)`` bool, the done flag of every step; the last one is set.
+
+    Returns:
+        ``(starts, lengths, width)``: two ``(n,)`` tensors, and the length of every trajectory
+        when all have the same (else ``0``). The tensors of a lone trajectory are shared
+        constants: never write to them.
+
+    Examples:
+        >>> import torch
+        >>> trajectory_bounds(torch.tensor([True, False, True]))
+        (tensor([0, 1]), tensor([1, 2]), 0)
+    """
+    ends = done.nonzero()  # (n, 1) last step of each trajectory
+    if ends.shape[0] == 1:  # one trajectory (the last step is done): nothing to compute
+        return _ZERO, _one_length(done.shape[0]), done.shape[0]
+    ends = ends.squeeze(1)  # (n,)
+    lengths = torch.diff(ends, prepend=_MINUS_ONE)
+    shortest, longest = (int(v) for v in torch.aminmax(lengths))
+    return ends - lengths + 1, lengths, shortest if shortest == longest else 0
+
+
+def _flat_steps(tensordict: TensorDictBase, keys: Keys, ragged: bool):
+    """``(steps, done, group_id)``: the input as flat steps, their ``(N,)`` done flags
+    (checked), and the group id entry when it is a tensor of the flat dense steps (else
+    ``None``: read from the steps); ``(None, None, None)`` for an input of no step. Steps are
+    ragged if the held ones are, or if they do not stack."""
+    if tensordict.batch_dims == 0:
+        tensordict = tensordict.unsqueeze(0)
+    if isinstance(tensordict, LazyStackedTensorDict):
+        concrete = _materialize(tensordict)
+        ragged = ragged or concrete is None
+        tensordict = tensordict if concrete is None else concrete
+    shape = tensordict.batch_size
+    if shape.numel() == 0:
+        return None, None, None
+    done = get_entry(tensordict, keys.done, "done")
+    group_id = get_entry(tensordict, keys.group, "group id")  # checked before any work
+    done = _done_flags(done, shape, keys.done)  # (N,)
+    if len(shape) > 1:
+        flat = tensordict.reshape(-1)
+        tensordict = lazy_stack(list(flat.unbind(0))) if ragged else flat
+        group_id = None
+    if ragged:
+        return RaggedSteps(list(tensordict.unbind(0))), done, None
+    return DenseSteps(tensordict), done, group_id if isinstance(group_id, Tensor) else None
+
+
+def _materialize(tensordict: LazyStackedTensorDict) -> TensorDictBase | None:
+    """A lazy stack as one contiguous TensorDict, or ``None`` if its steps are ragged."""
+    try:
+        concrete = tensordict.contiguous()
+    except RuntimeError:
+        return None
+    # contiguous() may silently drop stacked non-tensor entries; keep the lazy form then.
+    lazy_keys = set(tensordict.keys(True, True, is_leaf=is_leaf_nontensor))
+    if lazy_keys - set(concrete.keys(True, True, is_leaf=is_leaf_nontensor)):
+        return None
+    return concrete
+
+
+def _done_flags(done, shape: torch.Size, key) -> Tensor:
+    """The ``(N,)`` done flags, checked: one per step, and every row ends with one."""
+    if not isinstance(done, Tensor) or done.numel() != shape.numel():
+        raise ValueError(
+            f"MCAdvantage: the done key {key!r} must hold one flag per step, got shape "
+            f"{tuple(getattr(done, 'shape', ()))} for a batch of {tuple(shape)}."
+        )
+    done = done.reshape(-1)
+    row_ends = done[-1:] if len(shape) == 1 else done.view(-1, shape[-1])[:, -1]  # (rows,)
+    if not (bool(row_ends) if row_ends.shape[0] == 1 else bool(row_ends.all())):
+        row = int((~row_ends.bool()).nonzero()[0])
+        raise RuntimeError(
+            "MCAdvantage: expected complete trajectories, but the input's last step "
+            f"(row {row} of batch {tuple(shape)}) has {key!r}=False."
+        )
+    done = done.cpu()  # bookkeeping is on the CPU whatever the data's device (no-op there)
+    return done if done.dtype == torch.bool else done.bool()
+
+
+def _checked_rewards(steps: Steps, key) -> tuple[Tensor, int | Tensor]:
+    """Every reward element, flat and checked non-empty and finite, and the elements of each
+    step (an int when every step has as many, else one count per step)."""
+    values, per_step = steps.reward_elements(key)
+    if isinstance(per_step, int) and per_step == 0:
+        per_step = torch.zeros(len(steps), dtype=torch.long)  # reported below
+    if isinstance(per_step, Tensor) and not bool(per_step.all()):
+        step = int((per_step == 0).nonzero()[0])
+        raise ValueError(f"MCAdvantage: the reward under {key!r} is empty at step {step}.")
+    if not _all_finite(values):
+        bad = ~torch.isfinite(values)
+        first = int(bad.nonzero()[0])
+        step = (
+            first // per_step
+            if isinstance(per_step, int)
+            else int(torch.searchsorted(torch.cumsum(per_step, 0), first, right=True))
+        )
+        raise ValueError(
+            f"MCAdvantage: {int(bad.sum())} non-finite reward value(s) under {key!r}, the first "
+            f"at step {step} (value {float(values[bad][0])})."
+        )
+    return values, per_step
+
+
+def _weighted_rewards(
+    steps: Steps, weights: tuple[tuple[object, float], ...]
+) -> tuple[Tensor, int | Tensor]:
+    """The weighted sum of several rewards' elements (float64), each read and checked as one
+    reward is, and the elements of each step; every reward has as many elements at each step."""
+    total, first_key, first_per_step = None, None, None
+    for key, weight in weights:
+        values, per_step = _checked_rewards(steps, key)
+        if first_key is None:
+            first_key, first_per_step = key, per_step
+        elif not _same_counts(per_step, first_per_step):
+            raise ValueError(
+                f"MCAdvantage: the rewards under {key!r} and {first_key!r} must have as many "
+                "elements at every step."
+            )
+        term = values.double() * weight
+        total = term if total is None else total.add_(term)
+    if not _all_finite(total):  # finite terms whose weighted sum overflows
+        raise ValueError(
+            f"MCAdvantage: the weighted sum of the rewards {[k for k, _ in weights]} overflows."
+        )
+    return total, first_per_step
+
+
+def _same_counts(a: int | Tensor, b: int | Tensor) -> bool:
+    """Whether two per-step element counts (an int for all steps, or one per step) agree."""
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
+    return bool((torch.as_tensor(a) == torch.as_tensor(b)).all())
+
+
+def _check_anchors(steps: Steps, key) -> None:
+    """Every step has an anchor state under ``key``: a tensor entry (one row per step), or a
+    string per step (for ragged steps, a tensor or a string each)."""
+    values = steps.entries(key, "anchor")
+    if isinstance(values, Tensor):  # a TensorDict entry: one row per step
+        return
+    for value in values:
+        if not isinstance(value, (Tensor, str)):
+            raise TypeError(
+                f"MCAdvantage: the anchor state under {key!r} must be a tensor or a string, got "
+                f"{type(value).__name__}: {value!r:.80}."
+            )
+
+
+def _group_ids(steps: Steps, starts: Tensor, key, pending: Pending, group_id) -> GroupIds:
+    """The group id of each trajectory, read at its first step (from ``group_id``, the flat
+    steps' tensor entry, when given), checked against the pending ones: tensor ids of one
+    width, or strings."""
+    n = starts.shape[0]
+    if group_id is None:
+        values = steps.entries(key, "group id", starts)
+    else:
+        values = group_id[:1] if n == 1 else group_id.index_select(0, starts)
+    if isinstance(values, list) and values and isinstance(values[0], Tensor):  # ragged steps
+        values = torch.stack([value.cpu() for value in values])
+    held = pending.ids if pending.num_pending else None
+    if isinstance(values, Tensor):
+        ids = TensorIds(values.reshape(n, -1).cpu())
+        if held is not None and held.kind == ids.kind and held.width != ids.width:
+            raise ValueError(
+                f"MCAdvantage: group ids under {key!r} have {ids.width} values per "
+                f"trajectory, but the pending ones have {held.width}."
+            )
+    else:
+        for group_id in values:
+            if not isinstance(group_id, str):
+                raise TypeError(
+                    f"MCAdvantage: the group id under {key!r} must be a string or a tensor, got "
+                    f"{type(group_id).__name__}: {group_id!r:.80}."
+                )
+        ids = PromptIds(values)
+    if held is not None and held.kind != ids.kind:
+        raise TypeError(
+            f"MCAdvantage: group ids under {key!r} are {ids.kind}, but the pending groups are "
+            f"keyed by {held.kind}; use one kind of group id per transform."
+        )
+    return ids
+
+
+def _all_finite(x: Tensor) -> bool:
+    """Whether every value is finite; one reduction when it is (a NaN or inf makes the sum so)."""
+    return math.isfinite(x.sum().item()) or bool(torch.isfinite(x).all())
+
+
+_ZERO = torch.zeros(1, dtype=torch.long)  # the start of a lone trajectory (never written to)
+_MINUS_ONE = torch.full((1,), -1, dtype=torch.long)  # the end before the first step (read-only)
+
+
+@functools.lru_cache(maxsize=4096)
+def _one_length(n: int) -> Tensor:
+    """``torch.tensor([n])``, made once per length (never written to): a lone trajectory's."""
+    return torch.tensor([n])

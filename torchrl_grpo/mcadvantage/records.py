@@ -1,0 +1,171 @@
+"""The records an insertion passes from step to step, and the state it leaves: data only.
+
+Every step module reads and builds these records and none defines one, so no step imports
+another to know its record's shape. Records are immutable: an insertion builds a new
+:class:`State` and the transform takes it only once the insertion went through (a rejected one
+changes nothing). The settings are in :mod:`~torchrl_grpo.mcadvantage.options`.
+
+Span tables (see :mod:`~torchrl_grpo.mcadvantage.store`) start with the columns ``CHUNK``,
+``OFFSET``, ``LENGTH``; the fourth is named here for each table.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+from torch import Tensor
+
+from torchrl_grpo.mcadvantage.store import Chunks
+
+if TYPE_CHECKING:
+    from tensordict import TensorDictBase
+
+    from torchrl_grpo.mcadvantage.ids import GroupIds
+    from torchrl_grpo.mcadvantage.registry import IdRegistry
+    from torchrl_grpo.mcadvantage.steps import Steps
+
+__all__ = [
+    "LAST_COUNT",
+    "NOTHING_RELEASED",
+    "QUEUED_AT",
+    "STARTED_AT",
+    "TAIL_ID",
+    "TRAJ",
+    "Insertion",
+    "Joined",
+    "Outcome",
+    "Pending",
+    "Released",
+    "Returns",
+    "Rounds",
+    "State",
+    "Tails",
+]
+
+QUEUED_AT = 3  # ``Pending.spans``: the insertion that queued the trajectory (its age's start)
+TRAJ = 3  # ``Tails.pieces``: the trajectory id of the piece
+TAIL_ID, STARTED_AT, LAST_COUNT = range(3)  # the columns of ``Tails.meta``
+
+# Empty tables, shared: a state's tensors are never written in place.
+_NO_SPANS = torch.zeros(0, 4, dtype=torch.long)
+_NO_META = torch.zeros(0, 3, dtype=torch.long)
+_NO_VALUES = torch.zeros(0, dtype=torch.float64)
+
+
+class Returns(NamedTuple):
+    """The returns of some trajectories, in the two precisions the transform uses."""
+
+    value: Tensor  # (n,) float64: what the advantage is computed from
+    torchrl: Tensor | None  # (n,) reward dtype, reduced as torchrl does; None: not needed
+
+
+class Insertion(NamedTuple):
+    """One insertion, read and checked, split into trajectories (tensors 1-D, on the CPU)."""
+
+    steps: Steps  # (N,) the steps, trajectory after trajectory
+    starts: Tensor  # (n,) first step of each trajectory
+    lengths: Tensor  # (n,) steps of each trajectory
+    width: int  # the steps of every trajectory when all have as many, else 0
+    group_ids: GroupIds  # (n,) one per trajectory, read at its first step
+    rewards: Tensor  # (E,) every reward element, trajectory after trajectory (with several
+    # rewards, their weighted sum in float64)
+    reward_lengths: Tensor  # (n,) reward elements of each trajectory
+    reward_width: int | None  # the same for reward elements; None: not known (found on use)
+    num_steps: int  # N
+    num_trajectories: int  # n
+
+
+class Rounds(NamedTuple):
+    """The complete groups an insertion releases ("rounds" of ``grpo_size`` trajectories).
+
+    Trajectories are numbered pending first (``0 .. Q-1``, in arrival order), then incoming
+    (``Q .. Q+n-1``).
+    """
+
+    members: Tensor  # (M,) released trajectories, increasing
+    member_round: Tensor  # (M,) the released group of each member, in [0, num_rounds)
+    num_rounds: int
+    consumed: Tensor | None  # (Q + n,) bool: leave the pending store; None: none does
+    given_up: int = 0  # candidate groups full without an accepted subset (torchrl: dropped)
+    rescued: int = 0  # accepted only thanks to oversampling (torchrl's rescued_groups)
+    unselected: int = 0  # candidates of selected groups left out (torchrl's counter)
+    selected: int = 0  # groups the candidate selection selected (each attempt, as torchrl)
+    filtered: bool = False  # the group filters were applied when the rounds were chosen
+
+
+class Released(NamedTuple):
+    """What the released groups give storage."""
+
+    out: TensorDictBase | None  # the steps to store, advantages written (None: nothing)
+    written: int  # released groups that passed the filters
+    selected: int  # released groups that passed selection; 0 for rounds chosen by candidate
+    # selection, which counts its own
+
+
+#: What an insertion that completes no group releases.
+NOTHING_RELEASED = Released(out=None, written=0, selected=0)
+
+
+class Pending(NamedTuple):
+    """The trajectories of incomplete groups, held in arrival order.
+
+    Trajectory ``j`` is span ``spans[j]`` of ``chunks`` (its columns ``CHUNK``, ``OFFSET``,
+    ``LENGTH``, ``QUEUED_AT``), has group id ``ids[j]`` and returns ``returns[j]``.
+    """
+
+    chunks: Chunks = Chunks()
+    spans: Tensor = _NO_SPANS  # (Q, 4)
+    ids: GroupIds | None = None  # None: no id was ever held (any kind may come)
+    returns: Returns = Returns(_NO_VALUES, None)  # torchrl's only with selection or bounds
+    ragged: bool = False  # ragged steps were seen: steps are read as ragged from then on
+
+    @property
+    def num_pending(self) -> int:
+        return self.spans.shape[0]
+
+
+class Tails(NamedTuple):
+    """What arrived of the trajectories that have not ended yet (``traj_key``).
+
+    Tail ``h`` (trajectory ``meta[h, TAIL_ID]``) is the concatenation of its pieces in arrival
+    order; piece ``p`` is span ``pieces[p]`` of ``chunks`` (columns ``CHUNK``, ``OFFSET``,
+    ``LENGTH``, ``TRAJ``). ``meta`` is sorted by id; its columns are ``TAIL_ID``, ``STARTED_AT``
+    (the insertion of the tail's first step) and ``LAST_COUNT`` (its last step count, ``-1``
+    without a step counter).
+    """
+
+    chunks: Chunks = Chunks()
+    pieces: Tensor = _NO_SPANS  # (P, 4), in arrival order
+    meta: Tensor = _NO_META  # (H, 3)
+    registry: IdRegistry | None = None  # which ids ended or were given up (shared, monotonic)
+
+    @property
+    def num_tails(self) -> int:
+        return self.meta.shape[0]
+
+
+class State(NamedTuple):
+    """Everything one transform holds between insertions."""
+
+    pending: Pending
+    tails: Tails
+    stats: dict  # the counters (see torchrl_grpo.mcadvantage.stats)
+    insertions: int  # insertions that went through: the clock of the ages
+
+
+class Joined(NamedTuple):
+    """An insertion split by trajectory id and joined with the held tails."""
+
+    complete: TensorDictBase | None  # (M,) steps of the completed trajectories, or None
+    tails: Tails  # the tails held after the insertion
+    ended: Tensor  # (c,) ids of the completed trajectories (to mark once committed)
+    dropped_steps: int  # steps of given-up trajectories that arrived and were left out
+
+
+class Outcome(NamedTuple):
+    """One insertion's result, applied only when it is committed."""
+
+    out: TensorDictBase | None  # the steps to store, or None
+    state: State  # the next state
+    marks: tuple  # ((ids, status), ...) to mark in the tails' id registry on commit

@@ -1,0 +1,47 @@
+"""Which trajectory ids have ended (or been given up), for trajectories that cross insertions."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["ENDED", "GIVEN_UP", "RUNNING", "IdRegistry"]
+
+RUNNING, ENDED, GIVEN_UP = 0, 1, 2  # what the registry knows of an id
+
+
+class IdRegistry:
+    """Which trajectory ids have ended (or been given up): one byte per id, grown by doubling.
+
+    Monotonic: an id is marked once its trajectory is released or evicted, and never unmarked.
+    Successive states share it (marking, the only write, happens when an insertion commits), so
+    that keeping it costs nothing per insertion.
+
+    Examples:
+        >>> import torch
+        >>> registry = IdRegistry()
+        >>> registry.mark(torch.tensor([2]), ENDED)
+        >>> registry.status(torch.tensor([0, 2, 9])).tolist() == [RUNNING, ENDED, RUNNING]
+        True
+    """
+
+    def __init__(self, marks: Tensor | None = None):
+        self.marks = torch.zeros(0, dtype=torch.uint8) if marks is None else marks
+
+    def status(self, ids: Tensor) -> Tensor:
+        """``(n,)`` uint8: ``RUNNING`` (never ended, or never seen), ``ENDED`` or ``GIVEN_UP``."""
+        out = torch.zeros(ids.shape, dtype=torch.uint8)
+        known = ids < self.marks.shape[0]
+        out[known] = self.marks[ids[known]]
+        return out
+
+    def mark(self, ids: Tensor, value: int) -> None:
+        """Record ``value`` for ``ids`` (ids that ended, or were given up)."""
+        if ids.numel() == 0:
+            return
+        top = int(ids.max()) + 1
+        if top > self.marks.shape[0]:
+            grown = torch.zeros(max(top, 2 * self.marks.shape[0]), dtype=torch.uint8)
+            grown[: self.marks.shape[0]] = self.marks
+            self.marks = grown
+        self.marks[ids] = value

@@ -1,0 +1,274 @@
+"""Releasing complete groups: their steps gathered, the group filters, the advantages written.
+
+The math is :func:`~torchrl_grpo.advantages.group_relative_advantage` (with several rewards,
+:func:`~torchrl_grpo.advantages.multi_reward_advantage`; with step groups,
+:func:`~torchrl_grpo.advantages.step_level_advantage`); this module fetches their inputs from the
+released trajectories and writes their output back, as the loss module does.
+
+Released trajectory ``m`` is a contiguous run of ``steps[m]`` steps (``elems[m]`` reward
+elements) of the output, so every per-step value is a per-run value repeated
+(:class:`~torchrl_grpo.advantages.Segments`), never gathered by a per-step index.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from torchrl_grpo.advantages import (
+    RETURN_REDUCTIONS,
+    Segments,
+    anchor_step_groups,
+    discounted_returns,
+    group_relative_advantage,
+    multi_reward_advantage,
+    step_level_advantage,
+)
+from torchrl_grpo.mcadvantage import filters
+from torchrl_grpo.mcadvantage import returns as returns_
+from torchrl_grpo.mcadvantage.options import Options
+from torchrl_grpo.mcadvantage.pending import gather
+from torchrl_grpo.mcadvantage.records import Insertion, Pending, Released, Returns, Rounds
+from torchrl_grpo.mcadvantage.steps import Steps
+from torchrl_grpo.mcadvantage.store import LENGTH
+
+__all__ = ["release", "released_anchors"]
+
+
+class _Samples(NamedTuple):
+    """The released trajectories' rewards, as the advantage reads them."""
+
+    values: Tensor  # (E,) every reward element (float64 once weighted or discounted)
+    dtype: torch.dtype  # the reward's, which the advantage is written in
+    steps: Tensor  # (M,) steps of each released trajectory
+    elems: Tensor  # (M,) reward elements of each
+    per_step: int | Tensor  # elements of each step: an int, or (S,) counts when ragged
+    width: int | None  # the steps of every trajectory when known to be equal (0: they differ)
+    per_key: list | None  # with several rewards, each one's elements (or returns): K x (E,)
+
+    def by_steps(self) -> Segments:  # each released trajectory as a run of its steps
+        return Segments(None, lengths=self.steps, width=self.width)
+
+    def by_elems(self) -> Segments:  # ... and as a run of its reward elements
+        return Segments(None, lengths=self.elems)
+
+
+def release(
+    pending: Pending, batch: Insertion, rounds: Rounds, returns: Returns, options: Options
+) -> Released:
+    """Gather the released trajectories' steps, write their advantages, drop filtered groups.
+
+    Args:
+        pending: the pending trajectories before the insertion.
+        batch: the insertion.
+        rounds: the released groups (at least one).
+        returns: ``(Q + n,)`` the returns of pending ++ incoming.
+        options: the estimator, the group filters and the keys.
+    """
+    estimator, keys = options.estimator, options.keys
+    members, member_round, num_rounds = rounds.members, rounds.member_round, rounds.num_rounds
+    q = pending.num_pending
+    everything = q == 0 and members.shape[0] == batch.num_trajectories
+    if everything:
+        steps, released = batch.lengths, returns
+    else:
+        lengths = batch.lengths
+        if q:
+            lengths = torch.cat([pending.spans[:, LENGTH], lengths])  # (Q + n,)
+        steps, released = lengths[members], returns_.take(returns, members)  # (M,)
+    out = gather(pending, batch, members)  # (S,) steps (copies when ragged)
+    samples = _samples(out, steps, batch.width if everything else None, options)
+    if estimator.trajectory_return is None:  # every reward element is a sample; runs: members
+        x, runs = samples.values, samples.elems
+    else:  # every trajectory's return is a sample
+        x, runs = released.value, None
+        if samples.per_key is not None:  # each reward's returns
+            reduce = RETURN_REDUCTIONS[estimator.trajectory_return]
+            by_elems = samples.by_elems()
+            samples = samples._replace(per_key=[reduce(v, by_elems) for v in samples.per_key])
+    keep, selected = None, 0 if rounds.filtered else num_rounds
+    if options.group_filter.active and not rounds.filtered:
+        selection, keep = filters.filter_groups(
+            options.group_filter,
+            x,
+            member_round,
+            num_rounds,
+            runs=runs,
+            torchrl_returns=_by_round(released.torchrl, member_round, num_rounds),
+        )
+        selected = int(selection.sum())
+    adv = _group_advantage(x, runs, samples.per_key, member_round, num_rounds, options)
+    if estimator.step_groups is not None:
+        adv = _with_step_groups(adv, samples, out, member_round, num_rounds, options)
+    adv = _on_elements(adv, samples, options)
+    out.write(keys.advantage, adv, keys.reward)  # on the reward's device, in its shape
+    return _written(out, keep, samples, member_round, num_rounds, selected)
+
+
+def _samples(out: Steps, steps: Tensor, width: int | None, options: Options) -> _Samples:
+    """The released steps' reward elements (weighted with several rewards, discounted to go
+    with ``reward_to_go_gamma``) and how they split into trajectories and steps."""
+    keys, gamma = options.keys, options.estimator.reward_to_go_gamma
+    values, per_step = out.reward_elements(keys.reward)  # computed on the CPU
+    dtype = values.dtype
+    if isinstance(per_step, Tensor):  # ragged: elements per trajectory from the running count
+        ends = torch.cumsum(steps, 0) - 1
+        elems = torch.diff(torch.cumsum(per_step, 0)[ends], prepend=ends.new_zeros(1))  # (M,)
+    else:
+        elems = steps if per_step == 1 else steps * per_step  # (M,)
+
+    def to_go(v: Tensor) -> Tensor:  # (dense steps only: ragged ones are rejected on reading)
+        return _rewards_to_go(v, steps=steps, per_step=per_step, gamma=gamma, width=width)
+
+    per_key = None
+    if keys.reward_weights:  # GDPO: each reward's elements, and their weighted sum
+        per_key = [out.reward_elements(key)[0].double() for key, _ in keys.reward_weights]
+        if gamma is not None:
+            per_key = [to_go(v) for v in per_key]
+        values = sum(w * v for (_, w), v in zip(keys.reward_weights, per_key))  # (E,)
+    elif gamma is not None:
+        values = to_go(values)  # (E,) float64
+    return _Samples(values, dtype, steps, elems, per_step, width, per_key)
+
+
+def _group_advantage(x, runs, per_key, member_round, num_rounds: int, options: Options):
+    """The group-level advantage of every sample: per trajectory (a return mode) or per reward
+    element (``runs``: elements per trajectory)."""
+    estimator = options.estimator
+    kw = dict(
+        baseline=estimator.baseline,
+        scale_rewards=estimator.scale_rewards,
+        epsilon=estimator.epsilon,
+        whiten=estimator.whiten,
+        lengths=runs,
+    )
+    if per_key is None:
+        return group_relative_advantage(x, member_round, num_rounds, **kw)
+    weights = [w for _, w in options.keys.reward_weights]
+    return multi_reward_advantage(
+        torch.stack(per_key, 1),
+        member_round,
+        num_rounds,
+        weights=torch.tensor(weights, dtype=torch.float64),
+        **kw,
+    )
+
+
+def _with_step_groups(adv, samples: _Samples, out: Steps, member_round, num_rounds, options):
+    """GiGPO: the group-level advantage weighted, plus each step's advantage within its step
+    group (steps of one group with the same anchor state); per step in a return mode, per
+    reward element otherwise."""
+    estimator = options.estimator
+    groups, per_step = estimator.step_groups, samples.per_step
+    values = samples.values
+    if isinstance(per_step, Tensor):
+        step_rewards = Segments(None, lengths=per_step).sum(values.double())  # (S,)
+    elif per_step > 1:
+        step_rewards = values.double().view(-1, per_step).sum(1)  # (S,)
+    else:
+        step_rewards = values  # (S,)
+    trajectories = samples.by_steps()
+    step_round = trajectories.expand(member_round)  # (S,)
+    anchors = released_anchors(out, options.keys.anchor)  # (S, ...)
+    step_group, num_step_groups = anchor_step_groups(step_round, anchors, num_rounds)
+    term = step_level_advantage(
+        step_rewards,
+        samples.steps,
+        step_group,
+        num_step_groups,
+        gamma=groups.gamma,
+        baseline=estimator.baseline,
+        scale_rewards=estimator.scale_rewards,
+        epsilon=estimator.epsilon,
+        width=trajectories.width,
+    )  # (S,)
+    if estimator.trajectory_return is not None:
+        adv = trajectories.expand(adv)  # (S,)
+    elif isinstance(per_step, Tensor) or per_step > 1:
+        term = term.repeat_interleave(per_step)  # (E,)
+    if groups.episode_weight != 1.0:
+        adv = groups.episode_weight * adv
+    return adv.add(term, alpha=groups.step_weight)
+
+
+def _on_elements(adv: Tensor, samples: _Samples, options: Options) -> Tensor:
+    """The advantage divided by each trajectory's length with ``step_norm``, in the reward's
+    dtype, on every reward element ``(E,)``: from per trajectory (a return mode), per step (step
+    groups in a return mode) or per element."""
+    estimator = options.estimator
+    per_trajectory = estimator.trajectory_return is not None
+    per_step_adv = per_trajectory and estimator.step_groups is not None
+    if estimator.step_norm:  # per trajectory: on its return, its steps or its elements
+        norm = samples.steps.to(adv.dtype)  # (M,)
+        if per_step_adv:
+            norm = samples.by_steps().expand(norm)
+        elif not per_trajectory:
+            norm = samples.by_elems().expand(norm)
+        adv = adv / norm
+    dtype = samples.dtype
+    adv = adv.to(dtype if dtype.is_floating_point else torch.get_default_dtype())
+    if not per_trajectory:
+        return adv
+    if isinstance(samples.per_step, Tensor):  # ragged: each step's count of elements
+        if per_step_adv:
+            return adv.repeat_interleave(samples.per_step)
+        return samples.by_elems().expand(adv)
+    adv = adv if per_step_adv else samples.by_steps().expand(adv)  # (S,)
+    if samples.per_step == 1:
+        return adv
+    return adv.unsqueeze(1).expand(-1, samples.per_step).reshape(-1)  # (E,)
+
+
+def _written(out: Steps, keep, samples: _Samples, member_round, num_rounds: int, selected: int):
+    """What storage receives: every released step, or those of the groups the filters keep."""
+    if keep is None or bool(keep.all()):
+        return Released(out.output(), num_rounds, selected)
+    written = int(keep.sum())
+    keep_step = samples.by_steps().expand(keep[member_round])  # (S,)
+    kept = out.keep(keep_step) if written else None
+    return Released(None if kept is None else kept.output(), written, selected)
+
+
+def _rewards_to_go(
+    values: Tensor, *, steps: Tensor, per_step: int, gamma: float, width: int | None
+) -> Tensor:
+    """Each reward element's discounted sum to the end of its trajectory, float64 ``(E,)``.
+
+    ``values`` holds ``per_step`` elements for each step, the released trajectories one after
+    the other (``steps`` each); element ``j`` of a step is discounted along element ``j`` of the
+    later steps of its trajectory, as torchrl's ``reward2go`` treats trailing dimensions.
+    """
+    if per_step == 1:
+        return discounted_returns(values, steps, gamma, width=width)
+    columns = values.view(-1, per_step).T.reshape(-1)  # (k * S,): element j of every step, ...
+    to_go = discounted_returns(columns, steps.repeat(per_step), gamma, width=width)
+    return to_go.view(per_step, -1).T.reshape(-1)
+
+
+def released_anchors(out: Steps, key) -> Tensor:
+    """The released steps' anchor states as a tensor ``(S, ...)`` compared by value.
+
+    Strings, and tensors whose shape differs from step to step (ragged token ids), become one
+    integer code per distinct value through a dictionary: a Python loop over the steps, which only
+    such anchors need (pass a tensor, or a hash, to stay vectorized).
+    """
+    values = out.entries(key, "anchor")
+    if isinstance(values, Tensor):
+        return values.cpu()
+    if values and all(isinstance(v, Tensor) for v in values):
+        if len({tuple(v.shape) for v in values}) == 1:
+            return torch.stack([v.cpu() for v in values])
+        values = [(str(v.dtype), tuple(v.shape), *v.reshape(-1).tolist()) for v in values]
+    table: dict = {}
+    return torch.tensor([table.setdefault(v, len(table)) for v in values], dtype=torch.long)
+
+
+def _by_round(values: Tensor | None, member_round: Tensor, num_rounds: int) -> Tensor | None:
+    """``(M,)`` values of released trajectories as ``(R, size)``, each round in arrival order."""
+    if values is None:
+        return None
+    if num_rounds > 1:
+        values = values[torch.argsort(member_round, stable=True)]
+    return values.view(num_rounds, -1)

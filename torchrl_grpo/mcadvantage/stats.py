@@ -1,0 +1,111 @@
+"""The transform's counters: torchrl's ``MCAdvantage`` statistics, and those of its limits.
+
+The counters are a plain dict in the state, replaced (never changed in place) by each insertion
+that goes through, so that a rejected one changes none of them.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from torchrl_grpo.advantages import Segments
+from torchrl_grpo.mcadvantage.records import Insertion, Released, Rounds, State
+from torchrl_grpo.mcadvantage.store import LENGTH
+
+__all__ = ["STAT_NAMES", "count", "fresh_stats", "snapshot"]
+
+STAT_NAMES = (
+    "completed_trajectories",
+    "completed_decisions",
+    "trajectory_return_sum",
+    "trajectory_return_max",
+    "successful_trajectories",
+    "completed_groups",
+    "written_groups",
+    "dropped_groups",
+    "rescued_groups",
+    "selected_trajectories",
+    "unselected_trajectories",
+    # beyond torchrl: groups given up on by the memory limits (``max_pending_*``)
+    "evicted_groups",
+    "evicted_trajectories",
+    # beyond torchrl: steps of unfinished trajectories given up (``traj_key``), held or arriving
+    "evicted_steps",
+)
+
+
+def fresh_stats() -> dict:
+    """Every counter at its start value (torchrl's, plus the eviction counters).
+
+    Examples:
+        >>> fresh_stats()["trajectory_return_max"]
+        -inf
+    """
+    stats = dict.fromkeys(STAT_NAMES, 0)
+    stats["trajectory_return_sum"] = 0.0
+    stats["trajectory_return_max"] = float("-inf")
+    return stats
+
+
+def count(
+    stats: dict,
+    batch: Insertion,
+    returns: Tensor,
+    rounds: Rounds,
+    released: Released,
+    *,
+    trajectory_return: str | None,
+    group_size: int,
+) -> dict:
+    """The counters after an insertion (a new dict).
+
+    Args:
+        stats: before the insertion.
+        batch: the insertion.
+        returns: ``(n,)`` the incoming trajectories' float64 returns.
+        rounds: the groups it completed.
+        released: how many of them were selected and written.
+        trajectory_return: the return mode (``None``: per-step samples).
+        group_size: ``grpo_size``.
+    """
+    stats = dict(stats)
+    stats["completed_trajectories"] += batch.num_trajectories
+    stats["completed_decisions"] += batch.num_steps
+    if trajectory_return is not None:  # torchrl sums the rewards, whatever the return mode
+        if trajectory_return == "sum":
+            sums = returns
+        else:
+            runs = Segments(None, lengths=batch.reward_lengths, width=batch.reward_width)
+            sums = runs.sum(batch.rewards.double())  # (n,)
+        if sums.shape[0] == 1:  # one value: read once
+            total = most = sums.item()
+            successful = int(total > 0)
+        else:
+            total, most = float(sums.sum()), float(sums.max())
+            successful = int((sums > 0).sum())
+        stats["trajectory_return_sum"] += total
+        stats["trajectory_return_max"] = max(stats["trajectory_return_max"], most)
+        stats["successful_trajectories"] += successful
+        stats["selected_trajectories"] += (rounds.selected + released.selected) * group_size
+    stats["completed_groups"] += rounds.num_rounds + rounds.given_up
+    stats["written_groups"] += released.written
+    stats["dropped_groups"] += rounds.num_rounds - released.written + rounds.given_up
+    stats["rescued_groups"] += rounds.rescued
+    stats["unselected_trajectories"] += rounds.unselected
+    return stats
+
+
+def snapshot(state: State) -> dict:
+    """The counters and the sizes of what is held: every name of torchrl's ``get_stats()``,
+    and ``held_trajectories`` / ``held_steps`` of the unfinished tails."""
+    stats = dict(state.stats)
+    pending, tails = state.pending, state.tails
+    counts = pending.ids.counts() if pending.num_pending else []
+    stats.update(
+        queued_groups=len(counts),
+        queued_trajectories=pending.num_pending,
+        max_queued_trajectories_per_group=max(counts, default=0),
+        held_trajectories=tails.num_tails,
+        held_steps=int(tails.pieces[:, LENGTH].sum()) if tails.pieces.shape[0] else 0,
+    )
+    return stats

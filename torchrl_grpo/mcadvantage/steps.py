@@ -1,0 +1,224 @@
+"""Steps of trajectories laid one after the other: dense or ragged, decided once, when read.
+
+An insertion's steps are *dense* when they concatenate into one flat TensorDict (every entry has
+the same shape at every step), and *ragged* otherwise: token sequences of different lengths in a
+lazy stack are kept as a list of step TensorDicts. :class:`DenseSteps` and :class:`RaggedSteps`
+offer the same operations, so the steps of an insertion (taking trajectories, joining pieces,
+reading a reward, writing the advantage) never ask which kind they hold.
+
+Devices: steps stay where they are. What the transform computes from them is read onto the CPU
+(:meth:`Steps.elements`); only index tensors and the advantage go back to the data's device.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from tensordict import TensorDict, TensorDictBase, lazy_stack
+from torch import Tensor
+
+__all__ = ["DenseSteps", "RaggedSteps", "Steps", "get_entry"]
+
+
+def get_entry(tensordict: TensorDictBase, key, role: str):
+    """``tensordict[key]``; a ``KeyError`` naming the ``role`` and the keys present if absent."""
+    value = tensordict.get(key, None)
+    if value is None:
+        raise KeyError(
+            f"MCAdvantage: the {role} key {key!r} is missing from the input "
+            f"(keys: {sorted(map(str, tensordict.keys(True, True)))})."
+        )
+    return value
+
+
+class Steps:
+    """Steps one after the other; ``len`` is their number. Subclasses hold the data."""
+
+    __slots__ = ("data",)
+    ragged = False
+
+    def __init__(self, data):
+        self.data = data
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    @staticmethod
+    def cat(parts: list[Steps]) -> Steps:
+        """The steps of ``parts``, one after the other, on the device of the last (the newest
+        data): a new TensorDict, or the one part as it is. Dense parts whose entries differ in
+        shape (a reward of one element, then of two) cannot be concatenated: the result is then
+        ragged, as when any part is; ragged results hold copies of the steps (a shallow copy
+        each), so that what is written on them does not reach the parts."""
+        ragged = any(part.ragged for part in parts)
+        if len(parts) == 1 and not ragged:
+            return parts[0]
+        parts = _on_one_device(parts)
+        if not ragged:
+            try:
+                return DenseSteps(torch.cat([part.data for part in parts]))
+            except RuntimeError:
+                pass
+        return RaggedSteps([step.copy() for part in parts for step in part.step_list()])
+
+    def take_sorted(self, index: Tensor) -> Steps:
+        """Steps ``index`` (increasing); a contiguous run is a view, the whole is ``self``."""
+        first, last = int(index[0]), int(index[-1])
+        if last - first + 1 == index.numel():
+            return (
+                self if first == 0 and index.numel() == len(self) else self.window(first, last + 1)
+            )
+        return self.take(index)
+
+    def entries(self, key, role: str, at: Tensor | None = None) -> Tensor | list:
+        """The entry ``key`` of every step (or of steps ``at``): a tensor with one row per step,
+        or a list of one value per step (strings, or tensors of different shapes).
+
+        Raises:
+            KeyError: a step lacks ``key`` (the message names the ``role``).
+        """
+        raise NotImplementedError
+
+    def reward_elements(self, key) -> tuple[Tensor, int | Tensor]:
+        """Every element of the reward ``key`` at every step, flat, on the CPU, and the elements
+        of each step: an int when every step has as many, else ``(N,)`` counts.
+
+        Raises:
+            KeyError: a step lacks ``key``.
+            ValueError: a dense reward is not a tensor with one row per step.
+        """
+        raise NotImplementedError
+
+    def device(self) -> torch.device | None:
+        """Where the steps' tensors are (``None``: they hold none)."""
+        raise NotImplementedError
+
+
+class DenseSteps(Steps):
+    """Steps as one flat TensorDict ``[N]``."""
+
+    __slots__ = ()
+
+    def take(self, index: Tensor) -> DenseSteps:
+        return DenseSteps(self.data[index])
+
+    def window(self, start: int, stop: int) -> DenseSteps:
+        return DenseSteps(self.data[start:stop])
+
+    def keep(self, mask: Tensor) -> DenseSteps | None:
+        return DenseSteps(self.data[mask]) if bool(mask.any()) else None
+
+    def step_list(self) -> list:
+        return list(self.data.unbind(0))
+
+    def output(self) -> TensorDictBase:
+        return self.data
+
+    def reward_elements(self, key) -> tuple[Tensor, int]:
+        value = get_entry(self.data, key, "reward")
+        num_steps = self.data.shape[0]
+        if not isinstance(value, Tensor) or value.ndim == 0 or value.shape[0] != num_steps:
+            raise ValueError(
+                f"MCAdvantage: the reward under {key!r} must be a tensor with one entry per step "
+                f"({num_steps}), got {type(value).__name__} of shape "
+                f"{tuple(getattr(value, 'shape', ()))}."
+            )
+        return value.reshape(-1).cpu(), math.prod(value.shape[1:])
+
+    def write(self, key, values: Tensor, like) -> None:
+        """Set ``key`` to ``values`` (one per element of ``like``), shaped and placed as ``like``."""
+        reference = self.data.get(like)
+        self.data.set(key, values.to(reference.device).reshape(reference.shape))
+
+    def entries(self, key, role: str, at: Tensor | None = None) -> Tensor | list:
+        value = get_entry(self.data, key, role)
+        if isinstance(value, Tensor):
+            return value if at is None else value.index_select(0, at)
+        if hasattr(value, "tolist"):  # NonTensorStack / NonTensorData: strings
+            values = value.tolist()
+            values = values if isinstance(values, list) else [values] * self.data.shape[0]
+        else:
+            values = [value] * self.data.shape[0]
+        return values if at is None else [values[i] for i in at.tolist()]
+
+    def device(self) -> torch.device | None:
+        if self.data.device is not None:
+            return self.data.device
+        for value in self.data.values(True, True):
+            if isinstance(value, Tensor):
+                return value.device
+        return None
+
+    def to(self, device: torch.device) -> DenseSteps:
+        return DenseSteps(self.data.to(device))
+
+    def to_plain(self):
+        return self.data.to_dict()
+
+    @staticmethod
+    def from_plain(plain, num_steps: int) -> DenseSteps:
+        return DenseSteps(TensorDict.from_dict(plain, batch_size=[num_steps]))
+
+
+class RaggedSteps(Steps):
+    """Steps as a list of step TensorDicts whose entries may differ in shape."""
+
+    __slots__ = ()
+    ragged = True
+
+    def take(self, index: Tensor) -> RaggedSteps:
+        return RaggedSteps([self.data[i] for i in index.tolist()])
+
+    def window(self, start: int, stop: int) -> RaggedSteps:
+        return RaggedSteps(self.data[start:stop])
+
+    def keep(self, mask: Tensor) -> RaggedSteps | None:
+        kept = [step for step, k in zip(self.data, mask.tolist()) if k]
+        return RaggedSteps(kept) if kept else None
+
+    def step_list(self) -> list:
+        return self.data
+
+    def output(self) -> TensorDictBase:
+        return lazy_stack(self.data)
+
+    def reward_elements(self, key) -> tuple[Tensor, Tensor]:
+        values = [get_entry(step, key, "reward") for step in self.data]
+        counts = torch.tensor([value.numel() for value in values])
+        return torch.cat([value.reshape(-1).cpu() for value in values]), counts
+
+    def write(self, key, values: Tensor, like) -> None:
+        """Set ``key`` at each step to its share of ``values``, shaped and placed as ``like``."""
+        references = [step.get(like) for step in self.data]
+        pieces = values.split([reference.numel() for reference in references])
+        for step, piece, reference in zip(self.data, pieces, references):
+            step.set(key, piece.to(reference.device).reshape(reference.shape))
+
+    def entries(self, key, role: str, at: Tensor | None = None) -> Tensor | list:
+        steps = self.data if at is None else [self.data[i] for i in at.tolist()]
+        values = (get_entry(step, key, role) for step in steps)
+        return [getattr(value, "data", value) for value in values]
+
+    def device(self) -> torch.device | None:
+        return DenseSteps(self.data[0]).device() if self.data else None
+
+    def to(self, device: torch.device) -> RaggedSteps:
+        return RaggedSteps([step.to(device) for step in self.data])
+
+    def to_plain(self):
+        return [step.to_dict() for step in self.data]
+
+    @staticmethod
+    def from_plain(plain, num_steps: int) -> RaggedSteps:
+        return RaggedSteps([TensorDict.from_dict(step, batch_size=[]) for step in plain])
+
+
+def _on_one_device(parts: list[Steps]) -> list[Steps]:
+    """Parts about to be concatenated, moved to the device of the last (the newest data) where
+    they differ: pending steps restored onto the CPU (``map_location``) join CUDA ones."""
+    devices = [part.device() for part in parts]
+    target = devices[-1]
+    if target is None or all(device == target for device in devices):
+        return parts
+    return [part if device == target else part.to(target) for part, device in zip(parts, devices)]

@@ -1,0 +1,303 @@
+"""Trajectories that cross insertions: the unfinished tails, held until their trajectory ends.
+
+A torchrl collector cuts its batches every ``frames_per_batch`` steps, so a trajectory can start
+in one insertion and end in a later one. Every step carries its trajectory's id (torchrl's
+``("collector", "traj_ids")``, unique across a collector's workers). :func:`join` splits an
+insertion by id, joins each piece with the tail held for its id, and returns the trajectories
+that are now complete, each contiguous and in the order their last step arrived, ready to be
+read; the pieces that do not end with a done step become (or extend) held tails. Only the
+unfinished steps of an insertion are kept (one copy, a chunk of
+:mod:`~torchrl_grpo.mcadvantage.store`), and a tail's pieces are gathered once more when its
+trajectory completes: an insertion's cost depends on what it brings and completes, not on how
+much is held.
+
+What the ids and an optional step counter let :func:`join` check, before anything changes:
+
+* an id whose trajectory already ended (or was given up) comes back: ``ValueError``;
+* a done step in the middle of an id's steps (an id reused within one insertion): ``ValueError``;
+* with a step counter (torchrl's ``StepCounter`` writes ``"step_count"``): a trajectory whose first
+  step is not step 0 (its earlier part is missing), a continuation that does not continue its
+  tail's count, or a gap inside a piece: ``ValueError``. Without one, a continuation whose earlier
+  part never arrived cannot be told from a new trajectory.
+
+Negative ids are torchrl's marker of frames a preemptive collector did not collect: those steps
+are not data and are left out.
+"""
+
+from __future__ import annotations
+
+import torch
+from tensordict import LazyStackedTensorDict, TensorDictBase
+from torch import Tensor
+
+from torchrl_grpo.mcadvantage.options import TrajectoryKeys
+from torchrl_grpo.mcadvantage.records import LAST_COUNT, TAIL_ID, TRAJ, Joined, Tails
+from torchrl_grpo.mcadvantage.registry import ENDED, GIVEN_UP, IdRegistry
+from torchrl_grpo.mcadvantage.steps import DenseSteps, get_entry
+from torchrl_grpo.mcadvantage.store import CHUNK, LENGTH, LENIENT, OFFSET, ranges
+
+__all__ = ["drop", "held_steps", "join", "streamed", "tail_index"]
+
+
+def streamed(tails: Tails, tensordict: TensorDictBase, keys: TrajectoryKeys):
+    """The insertion as dense steps if it is read by trajectory id, else ``None`` (it is then
+    split at its done flags).
+
+    Raises:
+        NotImplementedError: ragged steps (a lazy stack of token sequences) arrive while
+            unfinished trajectories are held: pieces of ragged steps cannot be joined.
+    """
+    if keys.traj is None or keys.traj not in tensordict.keys(include_nested=True):
+        return None
+    if isinstance(tensordict, LazyStackedTensorDict):
+        try:
+            return tensordict.contiguous()
+        except RuntimeError:  # ragged steps (token sequences): complete trajectories only
+            if tails.num_tails:
+                raise NotImplementedError(
+                    "MCAdvantage: trajectories that cross insertions need dense steps; this "
+                    "insertion is a ragged lazy stack while unfinished trajectories are held."
+                ) from None
+            return None
+    return tensordict
+
+
+def join(tails: Tails, tensordict: TensorDictBase, keys: TrajectoryKeys, clock: int) -> Joined:
+    """Split ``tensordict`` by trajectory id and join it with the held tails.
+
+    Args:
+        tails: what is held before the insertion.
+        tensordict: the insertion, dense: ``[N]`` steps, or ``[B, T]`` rows (a collector's
+            layout: each row one environment's steps, in time order).
+        keys: where the ids, done flags and (optionally) step counts are.
+        clock: the insertion's number (a new tail's ``STARTED_AT``).
+
+    Returns:
+        The completed trajectories, in the order their last step comes in the row-major
+        flattened input (each contiguous, its group id at its first step), and the next tails.
+
+    Raises:
+        KeyError: a key is missing.
+        ValueError: an id that already ended comes back, a done step inside an id's steps, a
+            step count that does not continue, or a per-step entry of the wrong shape.
+    """
+    registry = tails.registry if tails.registry is not None else IdRegistry()
+    flat, ids, done, count = _per_step_entries(tensordict, keys)
+    pieces = _split_by_id(ids, done, keys)
+    status = registry.status(pieces.ids)  # (p,)
+    if bool((status == ENDED).any()):
+        raise ValueError(
+            f"MCAdvantage: trajectory id {int(pieces.ids[status == ENDED][0])} under "
+            f"{keys.traj!r} ended in an earlier insertion and arrives again: ids must not be "
+            "reused (the ids of several collectors writing one buffer must not overlap)."
+        )
+    given_up = status == GIVEN_UP  # continuations of evicted tails: left out, counted
+    completes = pieces.last_done & ~given_up  # (p,)
+    held, slot = tail_index(tails, pieces.ids)  # (p,) whether each piece continues a held tail
+    sorted_count = None if count is None else count[pieces.order]
+    if sorted_count is not None:
+        _check_counts(sorted_count, pieces, held & ~given_up, slot, tails, keys, given_up)
+    done_pieces = completes.nonzero().squeeze(1)  # (c,) in the order of their last step
+    done_pieces = done_pieces[torch.argsort(pieces.order[pieces.ends[done_pieces]])]
+    ended = pieces.ids[done_pieces]
+    complete = None
+    if done_pieces.numel():
+        index = pieces.order[ranges(pieces.starts[done_pieces], pieces.lengths[done_pieces])]
+        complete = _complete(tails, flat, index, pieces.lengths[done_pieces], ended)
+    open_pieces = (~completes & ~given_up).nonzero().squeeze(1)  # (o,)
+    last_count = None
+    if sorted_count is not None and open_pieces.numel():
+        last_count = sorted_count[pieces.ends[open_pieces]]
+    new_tails = _next_tails(
+        tails._replace(registry=registry),
+        leaving=pieces.ids[completes | given_up],
+        flat=flat,
+        index=pieces.order[ranges(pieces.starts[open_pieces], pieces.lengths[open_pieces])],
+        ids=pieces.ids[open_pieces],
+        lengths=pieces.lengths[open_pieces],
+        last_count=last_count,
+        clock=clock,
+    )
+    dropped = int(pieces.lengths[given_up].sum()) if bool(given_up.any()) else 0
+    return Joined(complete=complete, tails=new_tails, ended=ended, dropped_steps=dropped)
+
+
+def tail_index(tails: Tails, ids: Tensor) -> tuple[Tensor, Tensor]:
+    """``(held, slot)``: whether each of ``ids`` has a held tail, and its row of ``meta``."""
+    if not tails.num_tails:
+        return torch.zeros(ids.shape, dtype=torch.bool), torch.zeros_like(ids)
+    column = tails.meta[:, TAIL_ID].contiguous()
+    slot = torch.searchsorted(column, ids).clamp_max(tails.num_tails - 1)
+    return tails.meta[slot, TAIL_ID] == ids, slot
+
+
+def held_steps(tails: Tails) -> tuple[TensorDictBase | None, Tensor]:
+    """Every held step, tail after tail (in ``meta`` order), and ``(H,)`` steps per tail."""
+    _, slot = tail_index(tails, tails.pieces[:, TRAJ].contiguous())
+    lengths = torch.zeros(tails.num_tails, dtype=torch.long)
+    lengths.index_add_(0, slot, tails.pieces[:, LENGTH])
+    if not tails.num_tails:
+        return None, lengths
+    pieces = tails.pieces[torch.argsort(slot, stable=True)]
+    return tails.chunks.gather(pieces).output(), lengths
+
+
+def drop(tails: Tails, keep: Tensor) -> tuple[Tails, Tensor]:
+    """``tails`` without the rows of ``meta`` where ``keep`` is False, and the dropped ids."""
+    gone = tails.meta[~keep, TAIL_ID]
+    leaving = torch.isin(tails.pieces[:, TRAJ], gone)
+    kept, dropped = tails.pieces[~leaving], tails.pieces[leaving, CHUNK]
+    chunks, pieces = tails.chunks.tidy(kept, dropped, LENIENT)
+    return tails._replace(chunks=chunks, pieces=pieces, meta=tails.meta[keep]), gone
+
+
+class _Pieces:
+    """An insertion's steps grouped by trajectory id: piece ``i`` is steps
+    ``order[starts[i] : starts[i] + lengths[i]]`` of the flat input, of trajectory ``ids[i]``."""
+
+    __slots__ = ("order", "ids", "starts", "lengths", "ends", "last_done")
+
+    def __init__(self, order, ids, starts, lengths, last_done):
+        self.order, self.ids, self.starts, self.lengths = order, ids, starts, lengths
+        self.ends = starts + lengths - 1  # (p,) last step of each piece, in ``order``
+        self.last_done = last_done  # (p,) whether the piece ends with a done step
+
+
+def _per_step_entries(tensordict: TensorDictBase, keys: TrajectoryKeys):
+    """The flat steps (frames a preemptive collector did not fill left out), and their ids,
+    done flags and step counts (``None`` without a counter), each ``(N,)`` on the CPU."""
+    shape = tensordict.batch_size
+    flat = tensordict.reshape(-1) if len(shape) > 1 else tensordict
+    ids = _per_step(flat, keys.traj, "trajectory id", shape).long()  # (N,)
+    done = _per_step(flat, keys.done, "done", shape).bool()  # (N,)
+    count = None
+    if keys.count is not None and flat.get(keys.count, None) is not None:
+        count = _per_step(flat, keys.count, "step count", shape).long()
+    valid = ids >= 0
+    if not bool(valid.all()):  # frames a preemptive collector did not fill: not data
+        keep = valid.nonzero().squeeze(1)
+        flat, ids, done = flat[keep], ids[keep], done[keep]
+        count = None if count is None else count[keep]
+    return flat, ids, done, count
+
+
+def _split_by_id(ids: Tensor, done: Tensor, keys: TrajectoryKeys) -> _Pieces:
+    """Each id's steps, in input order; a done step inside one is an error."""
+    order = torch.argsort(ids, stable=True)  # (N,) grouped by id, input order within an id
+    sorted_ids = ids[order]
+    first = torch.ones_like(sorted_ids, dtype=torch.bool)
+    torch.ne(sorted_ids[1:], sorted_ids[:-1], out=first[1:])
+    starts = first.nonzero().squeeze(1)  # (p,) positions in `order`
+    lengths = torch.diff(starts, append=starts.new_full((1,), ids.shape[0]))  # (p,)
+    ends = starts + lengths - 1
+    sorted_done = done[order]
+    inner = sorted_done.clone()
+    inner[ends] = False
+    if bool(inner.any()):
+        at = int(inner.nonzero()[0])
+        raise ValueError(
+            f"MCAdvantage: trajectory id {int(sorted_ids[at])} under {keys.traj!r} has a done "
+            "step before its last step in this insertion: an id must name one trajectory "
+            "(it was reused after its trajectory ended)."
+        )
+    return _Pieces(order, sorted_ids[starts], starts, lengths, sorted_done[ends])
+
+
+def _per_step(flat: TensorDictBase, key, role: str, shape: torch.Size) -> Tensor:
+    value = get_entry(flat, key, role)
+    if not isinstance(value, Tensor) or value.numel() != flat.shape[0]:
+        raise ValueError(
+            f"MCAdvantage: {key!r} must hold one {role} per step, got shape "
+            f"{tuple(getattr(value, 'shape', ()))} for a batch of {tuple(shape)}."
+        )
+    return value.reshape(-1).cpu()  # bookkeeping is on the CPU (see mcadvantage/read.py)
+
+
+def _check_counts(count, pieces: _Pieces, held, slot, tails: Tails, keys, skip) -> None:
+    """Step counts: 0 at a new trajectory's first step, +1 from a tail to its continuation, and
+    +1 from step to step inside a piece."""
+    starts = pieces.starts
+    first_count = count[starts]  # (p,)
+    expected = torch.zeros_like(first_count)
+    if tails.num_tails:
+        tail_last = tails.meta[slot, LAST_COUNT]  # -1 where the tail was held without counts
+        continued = torch.where(tail_last >= 0, tail_last + 1, first_count)
+        expected = torch.where(held, continued, expected)
+    wrong = (first_count != expected) & ~skip  # given-up trajectories are left out anyway
+    if bool(wrong.any()):
+        i = int(wrong.nonzero()[0])
+        what = (
+            f"continues a held tail whose last step count was {int(expected[i]) - 1}"
+            if bool(held[i])
+            else "starts a trajectory (no tail is held for it)"
+        )
+        raise ValueError(
+            f"MCAdvantage: trajectory id {int(pieces.ids[i])} {what}, but its first step here "
+            f"has {keys.count!r}={int(first_count[i])}: its earlier part is missing."
+        )
+    within = torch.ones_like(count, dtype=torch.bool)
+    within[starts] = False  # the first step of a piece is checked above
+    if bool(skip.any()):
+        within[ranges(starts[skip], pieces.lengths[skip])] = False
+    gap = within & (torch.diff(count, prepend=count[:1]) != 1)
+    if bool(gap.any()):
+        at = int(gap.nonzero()[0])
+        piece = int(torch.searchsorted(starts, at, right=True)) - 1
+        raise ValueError(
+            f"MCAdvantage: trajectory id {int(pieces.ids[piece])} goes from {keys.count!r}="
+            f"{int(count[at - 1])} to {int(count[at])}: steps are missing."
+        )
+
+
+def _complete(tails: Tails, flat, index: Tensor, lengths: Tensor, ids: Tensor):
+    """Trajectories ``ids`` as their held pieces then their new steps (``flat[index]``,
+    trajectory after trajectory, ``lengths`` each), one after the other: one concatenation of
+    the chunks involved and the insertion, and one indexing (held chunks are small: only the
+    unfinished pieces of an insertion)."""
+    held = torch.isin(tails.pieces[:, TRAJ], ids) if tails.num_tails else None
+    if held is None or not bool(held.any()):
+        return flat[index]
+    pieces = tails.pieces[held]
+    sorted_ids, rank = torch.sort(ids)
+    position = rank[torch.searchsorted(sorted_ids, pieces[:, TRAJ].contiguous())]  # (P',)
+    by_trajectory = torch.argsort(position, stable=True)  # arrival order kept within one
+    pieces, position = pieces[by_trajectory], position[by_trajectory]
+    held_lengths = torch.zeros_like(lengths).index_add_(0, position, pieces[:, LENGTH])
+    used, local = torch.unique(pieces[:, CHUNK], return_inverse=True)  # the chunks involved
+    chunks = tails.chunks.add(DenseSteps(flat))  # the insertion as the last chunk
+    whole, starts = chunks.concatenated([*used.tolist(), len(tails.chunks.steps)])
+    total = held_lengths + lengths  # (c,)
+    out_start = torch.cumsum(total, 0) - total
+    out = torch.empty(int(total.sum()), dtype=torch.long)
+    old = ranges(starts[local] + pieces[:, OFFSET], pieces[:, LENGTH])
+    out[ranges(out_start, held_lengths)] = old
+    out[ranges(out_start + held_lengths, lengths)] = starts[-1] + index
+    return whole.take(out).output()
+
+
+def _next_tails(tails: Tails, *, leaving, flat, index, ids, lengths, last_count, clock) -> Tails:
+    """``tails`` without the trajectories ``leaving``, with the unfinished pieces (``flat[index]``,
+    ``lengths`` steps each, of trajectories ``ids``) appended as one new chunk."""
+    pieces, meta, chunks = tails.pieces, tails.meta, tails.chunks
+    dropped = pieces[:0, CHUNK]
+    if leaving.numel() and tails.num_tails:
+        left = torch.isin(pieces[:, TRAJ], leaving)
+        pieces, dropped = pieces[~left], pieces[left, CHUNK]
+        meta = meta[~torch.isin(meta[:, TAIL_ID], leaving)]
+    if ids.numel():
+        offset = torch.cumsum(lengths, 0) - lengths
+        number = torch.full_like(offset, len(chunks.steps))
+        pieces = torch.cat([pieces, torch.stack([number, offset, lengths, ids], 1)])
+        chunks = chunks.add(DenseSteps(flat[index]))
+        held, slot = tail_index(Tails(meta=meta), ids)
+        counts = torch.full_like(ids, -1) if last_count is None else last_count
+        if bool(held.any()):  # continued tails: their last count moves on
+            meta = meta.clone()
+            meta[slot[held], LAST_COUNT] = counts[held]
+        fresh = ~held
+        if bool(fresh.any()):
+            started = torch.full_like(ids[fresh], clock)
+            meta = torch.cat([meta, torch.stack([ids[fresh], started, counts[fresh]], 1)])
+            meta = meta[torch.argsort(meta[:, TAIL_ID])]
+    chunks, pieces = chunks.tidy(pieces, dropped, LENIENT)
+    return Tails(chunks=chunks, pieces=pieces, meta=meta, registry=tails.registry)

@@ -1,0 +1,464 @@
+"""``MCAdvantage``: the replay-buffer transform, as torchrl sees it.
+
+The class turns its arguments into one checked :class:`~torchrl_grpo.mcadvantage.options.Options`
+record, keeps its state in a :class:`~torchrl_grpo.mcadvantage.replica.Replica` (in this process,
+or in an owner process once shared), and hands every insertion to it: the order of an insertion
+is :func:`~torchrl_grpo.mcadvantage.insert.insert`. The rest is torchrl's surface: the settings
+and counters as attributes, the statistics, the pending groups (:attr:`MCAdvantage.queues`) and
+checkpoints.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+from tensordict import NestedKey, TensorDictBase
+from torchrl.envs.transforms import Transform
+from torchrl.objectives.llm import MCAdvantageSelector
+
+from torchrl_grpo._compat import calling_replay_buffer
+from torchrl_grpo.checkpoint import allow_empty_dumps
+from torchrl_grpo.mcadvantage import shared
+from torchrl_grpo.mcadvantage.options import (
+    KEYWORDS,
+    Options,
+    StepGroups,
+    make_options,
+    read_setting,
+    with_setting,
+)
+from torchrl_grpo.mcadvantage.queues import PendingGroups
+from torchrl_grpo.mcadvantage.replica import Replica
+from torchrl_grpo.mcadvantage.state_io import upgrade_state_dict
+
+__all__ = ["MCAdvantage", "MCAdvantageSelector", "PendingGroups"]
+
+
+class Setting(property):
+    """A setting of the transform, read from its :class:`Options` and changed by replacing them
+    (in the owner process too, once shared): no check beyond those of the step that reads it,
+    as torchrl's attributes."""
+
+    def __init__(self, doc: str):
+        super().__init__(self._get, self._set, doc=doc)
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.name = name
+
+    def _get(self, transform: MCAdvantage):
+        return read_setting(transform._options, self.name)
+
+    def _set(self, transform: MCAdvantage, value) -> None:
+        transform._set_options(with_setting(transform._options, self.name, value))
+
+
+class Counter(property):
+    """One of torchrl's counters (see :meth:`MCAdvantage.get_stats`), readable and settable."""
+
+    def __init__(self, doc: str):
+        super().__init__(self._get, self._set, doc=doc)
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.name = name
+
+    def _get(self, transform: MCAdvantage):
+        return transform._replica.counter(self.name)
+
+    def _set(self, transform: MCAdvantage, value) -> None:
+        transform._replica.set_counter(self.name, value)
+
+
+class MCAdvantage(Transform):
+    """Group-relative Monte-Carlo advantages, written when a replay buffer is extended.
+
+    A drop-in for :class:`torchrl.objectives.llm.MCAdvantage` (torchrl 0.14.1): the same
+    arguments, defaults, validation errors, statistics and numbers, computed in a few tensor passes
+    per insertion instead of a Python loop over trajectories. Append it to a
+    :class:`~torchrl.data.ReplayBuffer`; every ``extend``/``add`` then
+
+    1. flattens the input and splits it into trajectories at the done flags (each row of a
+       ``[B, T]`` input must end with done), or, when the steps carry a trajectory id
+       (``traj_key``, torchrl's ``("collector", "traj_ids")``), by id: a trajectory whose last
+       step in the insertion is not done is held and joined with its continuation in later
+       insertions, so that a collector's batches cut every ``frames_per_batch`` steps can be
+       inserted as they come;
+    2. reads each trajectory's group id at its first step: a string (the prompt) or a tensor
+       (e.g. an environment seed), compared by value;
+    3. queues trajectories by group id; when a group holds ``grpo_size`` trajectories it writes
+       their ``advantage`` and releases them to storage, each trajectory in the order it arrived
+       (an insertion released whole goes to storage as it came, without a copy). Groups still
+       short of ``grpo_size`` stay pending (``None`` is returned if nothing completes).
+
+    Advantages follow :func:`~torchrl_grpo.advantages.group_relative_advantage`. With
+    ``trajectory_return=None`` (torchrl's default) every reward element of every step of the group
+    is one sample; otherwise each trajectory is reduced to one return and its advantage is
+    broadcast to all its steps.
+
+    What is held back is in :attr:`queues` (a live view: clearing it drops it), in
+    ``state_dict()``, and in the statistics of :meth:`get_stats`. Appended to a buffer, the
+    transform lets ``rb.dumps`` save the storage while nothing is stored yet.
+
+    Args:
+        grpo_size: trajectories per group (an integer, as every size below).
+        prompt_key: key of the group id. Defaults to ``"query"``.
+        rewards_key: key of the rewards. Defaults to ``("next", "reward")``.
+        advantage_key: key written with the advantages. Defaults to ``"advantage"``.
+        done_key: key of the done flags. Defaults to ``("next", "done")``.
+        verbose: log each released group.
+
+    Keyword Args:
+        trajectory_return: ``None`` (per-step normalization), or how a trajectory's rewards become
+            its return: ``"sum"``, ``"max"``, ``"mean"`` (torchrl) or ``"last"`` (step-wise GRPO:
+            the final reward is broadcast to every step).
+        reward_to_go_gamma: ``None`` (default), or a discount ``gamma`` in ``[0, 1]`` that makes,
+            with ``trajectory_return=None``, each step's sample its discounted reward-to-go
+            instead of its reward: ``G_t = r_t + gamma * G_{t+1}`` with ``G_T = r_T`` at the
+            trajectory's last step, i.e. ``G_t = sum over k >= t of gamma**(k - t) * r_k``
+            (REINFORCE's reward-to-go, torchrl's ``reward2go``; see
+            :func:`~torchrl_grpo.advantages.discounted_returns`). It is computed at release, on
+            whole trajectories (joined across insertions with ``traj_key``), so a collector's
+            ``frames_per_batch`` batches can be inserted as they come. A reward of several
+            elements per step is discounted element by element (as ``reward2go`` does with
+            trailing dimensions). ``0`` gives the rewards themselves, ``1`` the undiscounted sum
+            to the end. Requires ``trajectory_return=None``; not with ``anchor_key`` (GiGPO
+            discounts its step level with ``step_reward_gamma``), nor with ragged steps.
+        keep_return_bounds: exclusive ``(low, high)`` bounds on a group's mean return; a group
+            outside them is dropped (DAPO dynamic sampling), decided as torchrl decides it.
+            Requires ``trajectory_return``.
+        candidate_group_size: trajectories to collect before giving up on a group (oversampling).
+            Defaults to ``grpo_size``; larger values require ``trajectory_return``.
+        candidate_selection_min_size: candidates needed before the first selection attempt.
+        candidate_selector: an :class:`MCAdvantageSelector` choosing ``grpo_size`` candidates.
+        scale_rewards: ``"group"`` (default: per-group std), ``"batch"`` (std over every sample
+            released by the same insertion, mean still per group) or ``"none"`` (Dr. GRPO).
+        baseline: ``"mean"`` (default), ``"leave_one_out"`` (RLOO) or ``"pass_at_k"`` (GRPO
+            pass@k, verl ``grpo_passk``: a group's unique best sample gets its gap to the
+            runner-up, every other sample ``0``).
+        std_threshold: groups whose sample std is at or below it are dropped and counted in
+            ``dropped_groups`` (Trinity-RFT). ``None`` (default) keeps every group.
+        step_norm: divide each trajectory's advantages by its number of steps.
+        epsilon: floor of the std (``clamp_min``). Defaults to ``1e-6``, as torchrl.
+        whiten: after the baseline and the scale, whiten the advantages over every sample
+            released by the same insertion: subtract their mean, divide by their std
+            (REINFORCE++-baseline with ``scale_rewards="none"``). ``None`` (default): on with
+            ``reward_weights`` (GDPO's batch normalization, as TRL), off otherwise.
+        reward_weights: ``{reward key: weight}``, several rewards (GDPO, TRL's
+            ``multi_objective_aggregation="normalize_then_sum"``): each is normalized within its
+            group by ``baseline`` and ``scale_rewards``, then the weighted sum is taken (and
+            whitened, see ``whiten``). Its keys replace ``rewards_key`` (the first one gives the
+            advantage its shape); the group filters, candidate selection and statistics see the
+            weighted sum of the rewards. ``None`` (default): the one reward under ``rewards_key``.
+        anchor_key: key of each step's anchor state (a tensor compared by value: an id, a grid
+            cell, an observation; or a string), for GiGPO's step-level groups: the steps of a
+            released group with equal anchors form a step group, and each step's advantage
+            becomes ``episode_reward_weight * A_group + step_reward_weight * A_step``, where
+            ``A_step`` normalizes the step's discounted return (``step_reward_gamma``) within its
+            step group by ``baseline`` and ``scale_rewards``. ``None`` (default): no step groups.
+        episode_reward_weight: weight of the group-level advantage with ``anchor_key``
+            (default ``1.0``, ROLL's).
+        step_reward_weight: weight of the step-level advantage (default ``1.0``, ROLL's).
+        step_reward_gamma: discount of the step-level returns (default ``0.95``, ROLL's).
+        max_pending_groups: most incomplete groups held at once. ``None`` (default): no limit.
+        max_pending_age: a group still incomplete this many insertions after its first
+            trajectory arrived is given up. ``None`` (default): no limit.
+        on_overflow: what happens past a limit: ``"drop_oldest"`` (default) evicts the groups that
+            started first, counts them in ``evicted_groups`` / ``evicted_trajectories`` and warns;
+            ``"raise"`` rejects the insertion with a ``RuntimeError``, changing nothing.
+        traj_key: key of the trajectory id of every step. When the input has it, trajectories
+            may cross insertions: the unfinished ones are held (:attr:`held_trajectories`) and
+            completed by later insertions, with the same advantages as inserting each whole
+            trajectory when its last step arrives (in the order of the last steps in the
+            row-major flattened input). Ids must be unique across everything written through the
+            transform (torchrl's collectors, multi-worker ones included, guarantee it); an id
+            that comes back after its trajectory ended raises ``ValueError``. A held trajectory
+            older than ``max_pending_age`` insertions is given up, and the steps of its id that
+            arrive later are left out (``evicted_steps``). Negative ids (torchrl's frames a
+            preemptive collector did not fill) are not data. Defaults to
+            ``("collector", "traj_ids")``; ``None`` always splits at the done flags (torchrl's
+            behaviour).
+        step_count_key: key of a step counter (torchrl's ``StepCounter`` writes
+            ``"step_count"``), read with ``traj_key`` when the input has it: a trajectory must
+            start at 0 and count up by one across insertions, so that a continuation whose
+            earlier part is missing raises ``ValueError``. ``None``: not checked.
+
+    Raises:
+        ValueError: for inconsistent arguments (same conditions as torchrl), and for the added
+            keywords: empty or non-finite ``reward_weights``, a ``rewards_key`` they leave out,
+            step-level weights without ``anchor_key``, a ``step_reward_gamma`` or a
+            ``reward_to_go_gamma`` outside ``[0, 1]``, ``reward_to_go_gamma`` with a
+            ``trajectory_return`` or an ``anchor_key``.
+        TypeError: for a size that is not an integer (``2.7``, ``True``), and a
+            ``reward_to_go_gamma`` that is not a real number.
+
+    Examples:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> from torchrl.data import LazyTensorStorage, ReplayBuffer
+        >>> from torchrl_grpo import MCAdvantage
+        >>> rb = ReplayBuffer(storage=LazyTensorStorage(100), batch_size=4)
+        >>> _ = rb.append_transform(MCAdvantage(grpo_size=2, prompt_key="seed", trajectory_return="sum"))
+        >>> steps = TensorDict(  # two trajectories of seed 7, with returns 1 and 3
+        ...     seed=torch.tensor([7, 7, 7, 7]),
+        ...     next=TensorDict(
+        ...         reward=torch.tensor([[0.0], [1.0], [1.0], [2.0]]),
+        ...         done=torch.tensor([[False], [True], [False], [True]]),
+        ...         batch_size=[4],
+        ...     ),
+        ...     batch_size=[4],
+        ... )
+        >>> _ = rb.extend(steps)
+        >>> rb[:]["advantage"].squeeze(-1)
+        tensor([-0.7071, -0.7071,  0.7071,  0.7071])
+    """
+
+    requires_shared_write_state = True
+
+    def __init__(
+        self,
+        grpo_size: int,
+        prompt_key: NestedKey = "query",
+        rewards_key: NestedKey = ("next", "reward"),
+        advantage_key: NestedKey = "advantage",
+        done_key: NestedKey = ("next", "done"),
+        verbose: bool = False,
+        *,
+        trajectory_return: str | None = None,
+        reward_to_go_gamma: float | None = None,
+        keep_return_bounds: tuple[float, float] | None = None,
+        candidate_group_size: int | None = None,
+        candidate_selection_min_size: int | None = None,
+        candidate_selector: MCAdvantageSelector | None = None,
+        scale_rewards: str = "group",
+        baseline: str = "mean",
+        std_threshold: float | None = None,
+        step_norm: bool = False,
+        epsilon: float = 1e-6,
+        whiten: bool | None = None,
+        reward_weights: Mapping[NestedKey, float] | None = None,
+        anchor_key: NestedKey | None = None,
+        episode_reward_weight: float | None = None,
+        step_reward_weight: float | None = None,
+        step_reward_gamma: float | None = None,
+        max_pending_groups: int | None = None,
+        max_pending_age: int | None = None,
+        on_overflow: str = "drop_oldest",
+        traj_key: NestedKey | None = ("collector", "traj_ids"),
+        step_count_key: NestedKey | None = "step_count",
+    ):
+        super().__init__()
+        arguments = {name: value for name, value in locals().items() if name in _KEYWORDS}
+        options = make_options(
+            grpo_size, prompt_key, rewards_key, advantage_key, done_key, verbose, **arguments
+        )
+        keys = options.keys
+        self.in_keys = [prompt_key, *([k for k, _ in keys.reward_weights] or [keys.reward])]
+        self.in_keys += [done_key] + ([anchor_key] if anchor_key is not None else [])
+        self.out_keys = [advantage_key]
+        self._options = options
+        self._replica = Replica(options)  # replaced by the owner's handle once shared
+        self._buffer_searched = False  # looked for the buffer writing through this transform
+        self.register_load_state_dict_pre_hook(_read_earlier_checkpoints)
+
+    # --- the settings (see the arguments) -------------------------------------------------------
+
+    grpo_size = Setting("Trajectories per group.")
+    verbose = Setting("Log each insertion.")
+    prompt_key = Setting("Key of the group id.")
+    rewards_key = Setting("Key of the rewards.")
+    done_key = Setting("Key of the done flags.")
+    advantage_key = Setting("Key written with the advantages.")
+    anchor_key = Setting("Key of each step's anchor state (GiGPO).")
+    trajectory_return = Setting("How a return is reduced.")
+    reward_to_go_gamma = Setting("Discount of the per-step reward-to-go (``None``: off).")
+    baseline = Setting("``mean``, ``leave_one_out``, ``pass_at_k``.")
+    scale_rewards = Setting("``group``, ``batch`` or ``none``.")
+    epsilon = Setting("Floor of the scale.")
+    step_norm = Setting("Divide by each trajectory's steps.")
+    whiten = Setting("Whiten over the released samples.")
+    keep_return_bounds = Setting("Dynamic sampling bounds.")
+    std_threshold = Setting("Groups with a std at or below go.")
+    candidate_group_size = Setting("Candidates per group.")
+    candidate_selection_min_size = Setting("Candidates to try with.")
+    candidate_selector = Setting("Picks among candidates.")
+    max_pending_groups = Setting("Most incomplete groups held.")
+    max_pending_age = Setting("Most insertions a group may wait.")
+    on_overflow = Setting("``drop_oldest`` or ``raise``.")
+    traj_key = Setting("Key of the trajectory ids.")
+    step_count_key = Setting("Key of the step counter.")
+
+    @property
+    def reward_weights(self) -> dict | None:
+        """``{reward key: weight}`` (GDPO), or ``None`` for the one reward under ``rewards_key``."""
+        return dict(self._options.keys.reward_weights) or None
+
+    @property
+    def step_groups(self) -> StepGroups | None:
+        """GiGPO's ``episode_weight``, ``step_weight`` and ``gamma``; ``None`` without anchors."""
+        return self._options.estimator.step_groups
+
+    def _set_options(self, options: Options) -> None:
+        self._options = options
+        self._replica.set_options(options)
+
+    # --- torchrl's counters ----------------------------------------------------------------------
+
+    completed_trajectories = Counter("Trajectories inserted whole (or completed by their tail).")
+    completed_decisions = Counter("Their steps.")
+    trajectory_return_sum = Counter("Sum of their summed rewards (with a return mode).")
+    trajectory_return_max = Counter("Largest summed reward (with a return mode).")
+    successful_trajectories = Counter("Trajectories whose summed reward is positive.")
+    completed_groups = Counter("Groups complete (written or dropped).")
+    written_groups = Counter("Groups written to storage.")
+    dropped_groups = Counter("Groups dropped by the filters or given up by selection.")
+    rescued_groups = Counter("Groups accepted only thanks to oversampling.")
+    selected_trajectories = Counter("Trajectories of the groups that passed selection.")
+    unselected_trajectories = Counter("Candidates of selected groups left out.")
+    evicted_groups = Counter("Incomplete groups given up by the memory limits.")
+    evicted_trajectories = Counter("Their trajectories, and unfinished ones given up.")
+    evicted_steps = Counter("Steps of unfinished trajectories given up, held or arriving.")
+
+    # --- where the state lives ---------------------------------------------------------------
+
+    @property
+    def is_shared(self) -> bool:
+        """Whether the pending groups and statistics are shared between processes."""
+        return not isinstance(self._replica, Replica)
+
+    def share_memory_(self) -> MCAdvantage:
+        """Share the pending groups and statistics with every process the transform goes to.
+
+        Called by :meth:`torchrl.data.ReplayBuffer.share` (``ReplayBuffer(shared=True)``), so that
+        trajectories of one group written by different processes complete one group. The state
+        moves to an owner process (started once per process that shares, as torchrl's manager
+        is), which every copy of the transform calls: an insertion sends its steps and gets back
+        what it releases, whatever is pending. A writer killed in the middle of an insertion
+        blocks no other, and its insertion is wholly in the state or wholly out (see
+        ``docs/transform.rst``, "Many writers"). As in torchrl, setting
+        ``TORCHRL_MC_ADVANTAGE_LOCAL_QUEUES=1`` keeps the state process-local.
+
+        The settings go along, and a setting changed later reaches the owner.
+
+        Returns:
+            ``self``.
+
+        Raises:
+            TypeError: the transform cannot be pickled to its owner (a ``candidate_selector``
+                whose class is defined inside a function).
+
+        Examples:
+            >>> from torchrl_grpo import MCAdvantage
+            >>> t = MCAdvantage(grpo_size=2, prompt_key="seed").share_memory_()
+            >>> t.is_shared, t.queued_trajectories
+            (True, 0)
+        """
+        if self.is_shared or os.environ.get("TORCHRL_MC_ADVANTAGE_LOCAL_QUEUES") == "1":
+            return self
+        owner = shared.share(self._replica)
+        self._replica = owner
+        shared.finalize_with(self, owner)
+        return self
+
+    # --- checkpoints: the pending groups and counters travel in state_dict() --------------------
+
+    def get_extra_state(self) -> dict:
+        """What ``state_dict()`` holds under ``"_extra_state"``: every pending trajectory, the
+        group ids, returns, counters and insertion clock, as tensors and plain Python values (so
+        that ``torch.load(..., weights_only=True)`` reads it)."""
+        return self._replica.to_plain()
+
+    def set_extra_state(self, state: dict) -> None:
+        """Restore what :meth:`get_extra_state` saved (``load_state_dict()`` calls it).
+
+        Raises:
+            RuntimeError: the checkpoint holds groups of another ``grpo_size``.
+        """
+        self._replica.load_plain(state)
+
+    def set_container(self, container) -> None:
+        """torchrl's hook when the transform is appended; also lets the buffer's storage be saved
+        while still empty (see :mod:`torchrl_grpo.checkpoint`)."""
+        super().set_container(container)
+        self._buffer_searched = self._find_buffer()  # not found: look again at the next insertion
+
+    def _find_buffer(self) -> bool:
+        """Let the storage of the buffer calling into this transform be saved while empty."""
+        buffer = calling_replay_buffer(self)
+        if buffer is not None:
+            allow_empty_dumps(buffer)
+        return buffer is not None
+
+    # --- torchrl's statistics API ----------------------------------------------------------------
+
+    def reset_stats(self) -> None:
+        """Reset the counters of write decisions (pending groups are kept)."""
+        self._replica.reset_stats()
+
+    def clear_queues(self) -> None:
+        """Forget every pending trajectory, held unfinished ones included (statistics are kept).
+
+        The ids of the held trajectories are given up: their steps that arrive later are left
+        out (counted in ``evicted_steps``), rather than taken for new trajectories.
+        """
+        self._replica.clear()
+
+    def get_stats(self) -> dict[str, float | int]:
+        """A snapshot of the counters and of the pending queues' sizes.
+
+        Returns:
+            A dict with every name of torchrl's ``MCAdvantage.get_stats()``, and
+            ``held_trajectories`` / ``held_steps`` (unfinished trajectories, ``traj_key``).
+
+        Examples:
+            >>> from torchrl_grpo import MCAdvantage
+            >>> MCAdvantage(grpo_size=4).get_stats()["queued_trajectories"]
+            0
+        """
+        return self._replica.stats()
+
+    @property
+    def held_trajectories(self) -> int:
+        """Number of trajectories whose first steps arrived but not their last (``traj_key``)."""
+        return self._replica.stats()["held_trajectories"]
+
+    @property
+    def queued_groups(self) -> int:
+        """Number of incomplete groups held back."""
+        return self._replica.stats()["queued_groups"]
+
+    @property
+    def queued_trajectories(self) -> int:
+        """Number of trajectories held back in incomplete groups."""
+        return self._replica.stats()["queued_trajectories"]
+
+    @property
+    def max_queued_trajectories_per_group(self) -> int:
+        """Largest number of trajectories held back for one group."""
+        return self._replica.stats()["max_queued_trajectories_per_group"]
+
+    @property
+    def queues(self) -> PendingGroups:
+        """The pending groups, a live mapping ``group id -> trajectories`` (see
+        :class:`~torchrl_grpo.mcadvantage.queues.PendingGroups`): ``queues.clear()`` and
+        ``del queues[group]`` drop pending trajectories, as with torchrl's queues."""
+        return PendingGroups(lambda: self._replica)
+
+    # --- the transform ---------------------------------------------------------------------------
+
+    def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
+        """Identity: advantages are written on insertion (:meth:`inv`), not on sampling."""
+        return tensordict
+
+    def _inv_call(self, tensordict: TensorDictBase) -> TensorDictBase | None:
+        if not self._buffer_searched:  # once: the buffer writing through us, if any
+            self._find_buffer()
+            self._buffer_searched = True
+        return self._replica.insert(tensordict)
+
+
+_KEYWORDS = frozenset(KEYWORDS)
+
+
+def _read_earlier_checkpoints(module: MCAdvantage, state_dict, prefix, *args) -> None:
+    """``load_state_dict``'s pre-hook: checkpoints written before the state was extra state."""
+    upgrade_state_dict(state_dict, prefix, module.grpo_size)
