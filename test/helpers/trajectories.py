@@ -212,3 +212,52 @@ def collector_stream(num_envs, num_groups, size, seed, *, max_len=7, steps_per_b
             whole.append(row[mask])
         completed.append(whole)
     return batches, completed
+
+
+def halves(num_groups=4, size=4, seed=0):
+    """Trajectories of ``num_groups`` groups: the first halves, then the second halves."""
+    gen = torch.Generator().manual_seed(seed)
+    trajs = [
+        [
+            trajectory(g, torch.randn(int(torch.randint(1, 4, (1,), generator=gen)), generator=gen))
+            for _ in range(size)
+        ]
+        for g in range(num_groups)
+    ]
+    first = [t for group in trajs for t in group[: size // 2]]
+    second = [t for group in trajs for t in group[size // 2 :]]
+    return torch.cat(first), torch.cat(second)
+
+
+def stream_outputs(transform, chunks):
+    """uid -> advantage of everything ``transform`` released over the insertions ``chunks``."""
+    out = {}
+    for chunk in chunks:
+        out.update(released(transform.inv(chunk)))
+    return out
+
+
+def same_output(got, want):
+    """Two insertions' outputs release the same steps, with bit-identical advantages."""
+    if want is None:
+        assert got is None
+        return
+    assert got is not None and got["uid"].tolist() == want["uid"].tolist()
+    torch.testing.assert_close(got["advantage"], want["advantage"], rtol=0, atol=0)
+
+
+def streaming(**kwargs):
+    """The transform of the streaming tests: groups of 3 by ``"seed"``, joined by trajectory id."""
+    return MCAdvantage(grpo_size=3, prompt_key="seed", **kwargs)
+
+
+def flat_items(state, prefix=()):
+    """``(path, leaf)`` of a nested checkpoint (dicts, lists and tuples walked through)."""
+    if isinstance(state, dict):
+        for key, value in state.items():
+            yield from flat_items(value, (*prefix, str(key)))
+    elif isinstance(state, (list, tuple)):
+        for i, value in enumerate(state):
+            yield from flat_items(value, (*prefix, str(i)))
+    else:
+        yield prefix, state

@@ -9,9 +9,13 @@ changed. Given-up trajectory ids are marked so that their later steps are left o
 
 from __future__ import annotations
 
+import inspect
+import os
 import warnings
 
+import tensordict
 import torch
+import torchrl
 
 from torchrl_grpo.mcadvantage import pending as pending_
 from torchrl_grpo.mcadvantage import tails as tails_
@@ -22,9 +26,11 @@ from torchrl_grpo.mcadvantage.store import LENGTH
 
 __all__ = ["apply_limits", "evict_groups"]
 
-#: Frames from the warning up to the caller of ``transform.inv`` (``rb.extend`` or user code):
-#: apply_limits, insert, Replica.insert, MCAdvantage._inv_call, Transform.inv.
-_STACKLEVEL = 6
+#: The packages whose frames a warning skips to point at the line that inserted.
+_INTERNAL = tuple(
+    os.path.dirname(path) + os.sep
+    for path in (os.path.dirname(os.path.abspath(__file__)), torchrl.__file__, tensordict.__file__)
+)
 
 
 def apply_limits(limits: Limits, state: State, marks: tuple) -> tuple[State, tuple]:
@@ -60,7 +66,7 @@ def apply_limits(limits: Limits, state: State, marks: tuple) -> tuple[State, tup
         f"max_pending_groups={limits.max_groups} / max_pending_age={limits.max_age}; the "
         "oldest were dropped (see evicted_groups).",
         RuntimeWarning,
-        stacklevel=_STACKLEVEL,
+        stacklevel=_caller_level(),
     )
     stats = dict(state.stats)
     stats["evicted_groups"] += groups
@@ -110,3 +116,12 @@ def evict_groups(limits: Limits, pending, clock: int):
             "insertion was rejected and nothing changed."
         )
     return pending_.drop(pending, ~gone), groups, trajectories
+
+
+def _caller_level() -> int:
+    """The ``stacklevel`` that makes a warning of the caller name the first frame outside this
+    package, torchrl and tensordict: the user's ``rb.extend`` or ``transform.inv``."""
+    frame, level = inspect.currentframe().f_back, 1
+    while frame is not None and frame.f_code.co_filename.startswith(_INTERNAL):
+        frame, level = frame.f_back, level + 1
+    return level

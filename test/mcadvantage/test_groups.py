@@ -1,56 +1,19 @@
-"""Tests of torchrl_grpo/_grouping.py: group codes, complete rounds, selection, eviction."""
+"""Tests of torchrl_grpo/mcadvantage/groups.py: complete rounds and candidate selection."""
 
-import pytest
 import torch
-from helpers import trajectory
+from helpers import (
+    assert_same_releases,
+    random_chunks,
+    random_stream,
+)
+from helpers.states import insertion, store  # noqa: E402
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tensordict import TensorDict
 from torchrl.objectives.llm import MCAdvantageSelector
 
-from torchrl_grpo import _pending
-from torchrl_grpo._grouping import (
-    NOTHING,
-    Limits,
-    Selection,
-    evict,
-    find_rounds,
-    group_codes,
-    select_candidates,
-)
-from torchrl_grpo._pending import Pending, Returns
-from torchrl_grpo._reading import Keys, read_insertion
-from torchrl_grpo._release import GroupFilter
-
-KEYS = Keys(group="seed", reward=("next", "reward"), done=("next", "done"), advantage="advantage")
-
-
-def ids_of(values):
-    return values if isinstance(values[0], str) else torch.tensor(values).reshape(len(values), -1)
-
-
-def store(ids, arrival=None):
-    """A store of one-step trajectories with these group ids (and insertion of arrival)."""
-    if not ids:
-        return Pending()
-    n = len(ids)
-    arrival = torch.zeros(n, dtype=torch.long) if arrival is None else torch.tensor(arrival)
-    spans = _pending.spans_of(0, torch.arange(n), torch.ones(n, dtype=torch.long), arrival)
-    insertions = int(arrival.max()) + 1
-    return Pending(
-        chunks=[TensorDict(step=torch.arange(n), batch_size=[n])],
-        chunk_sizes=[n],
-        spans=spans,
-        keys=ids_of(ids),
-        returns=torch.zeros(n, dtype=torch.float64),
-        insertions=insertions,
-    )
-
-
-def insertion(ids, rewards=None, key="seed"):
-    rewards = rewards or [0.0] * len(ids)
-    trajs = [trajectory(g, [r], key=key) for g, r in zip(ids, rewards)]
-    return read_insertion(torch.cat(trajs), KEYS._replace(group=key), Pending())
+from torchrl_grpo.mcadvantage.groups import NOTHING, find_rounds, select_candidates
+from torchrl_grpo.mcadvantage.options import GroupFilter, Selection
+from torchrl_grpo.mcadvantage.records import Pending, Returns
 
 
 def reference_rounds(ids, size):
@@ -69,35 +32,6 @@ def rounds_of(result):
     for m, r in zip(result.members.tolist(), result.member_round.tolist()):
         by_round.setdefault(r, []).append(m)
     return sorted(sorted(r) for r in by_round.values())
-
-
-class TestGroupCodes:
-    @pytest.mark.parametrize(
-        "ids",
-        [
-            [3, 1, 3, 2, 1],  # compact integers: no sort
-            [10**12, -5, 10**12, 7],  # far apart: sorted
-            [0.5, -1.5, 0.5],  # floats
-            [[1, 2], [2, 1], [1, 2]],  # several values per id
-            ["b", "a", "b"],  # prompts
-        ],
-    )
-    def test_equal_codes_iff_equal_ids(self, ids):
-        pending, incoming = ids[:2], ids[2:]
-        codes, order = group_codes(ids_of(pending), ids_of(incoming))
-        assert sorted(set(codes.tolist())) == list(range(len({str(i) for i in ids})))
-        for a in range(len(ids)):
-            for b in range(len(ids)):
-                assert (codes[a] == codes[b]) == (ids[a] == ids[b])
-        if order is not None:  # by code, arrival order within a code
-            assert codes[order].tolist() == sorted(codes.tolist())
-            for c in set(codes.tolist()):
-                positions = [int(j) for j in order if codes[j] == c]
-                assert positions == sorted(positions)
-
-    def test_nothing_pending(self):
-        codes, _ = group_codes(None, ids_of([4, 4, 9]))
-        assert codes.tolist() == [0, 0, 1]
 
 
 class TestFindRounds:
@@ -172,26 +106,16 @@ class TestSelectCandidates:
         assert result.num_rounds == 0 and not result.consumed.any()
 
 
-class TestEvict:
-    def test_oldest_groups_go_first(self):
-        state = store([5, 6, 5, 7], arrival=[0, 1, 2, 3])
-        out = evict(state, Limits(max_groups=2, max_age=None, on_overflow="drop_oldest"))
-        assert (out.groups, out.trajectories) == (1, 2)
-        assert out.state.keys.flatten().tolist() == [6, 7]
+class TestSelectorInPerStepMode:
+    def test_ignored_as_in_torchrl(self):
+        """torchrl consults the selector only with a trajectory return."""
 
-    def test_age_in_insertions(self):
-        # 4 insertions so far (0 to 3): group 5 waited 3, group 6 waited 1, group 7 none
-        state = store([5, 6, 7], arrival=[0, 2, 3])
-        out = evict(state, Limits(max_groups=None, max_age=2, on_overflow="drop_oldest"))
-        assert out.state.keys.flatten().tolist() == [6, 7] and out.groups == 1
+        class Never(MCAdvantageSelector):
+            def select(self, candidates, *, group_size, keep_return_bounds=None):
+                return None
 
-    def test_raise_names_the_limits(self):
-        state = store([5, 6], arrival=[0, 1])
-        with pytest.raises(RuntimeError, match="max_pending_groups=1 / max_pending_age=None"):
-            evict(state, Limits(max_groups=1, max_age=None, on_overflow="raise"))
-
-    def test_within_limits_or_empty(self):
-        state = store([5, 6], arrival=[0, 1])
-        limits = Limits(max_groups=2, max_age=5, on_overflow="raise")
-        assert evict(state, limits).state is state
-        assert evict(Pending(), limits).groups == 0
+        chunks = random_chunks(random_stream(5, 3, 4), 4)
+        ours = assert_same_releases(
+            chunks, dict(grpo_size=3, prompt_key="seed", candidate_selector=Never())
+        )
+        assert ours.get_stats()["written_groups"] == 5

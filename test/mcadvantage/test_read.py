@@ -1,17 +1,22 @@
-"""Tests of torchrl_grpo/_reading.py: one insertion read and checked, whatever its shape."""
+"""Tests of torchrl_grpo/mcadvantage/read.py: one insertion read and checked, whatever its shape."""
 
 import random
 import re
 
 import pytest
 import torch
-from helpers import bad_inputs, trajectory
+from helpers import (
+    bad_inputs,
+    trajectory,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tensordict import NonTensorData, NonTensorStack, TensorDict, lazy_stack
 
-from torchrl_grpo._pending import Pending
-from torchrl_grpo._reading import Keys, on_one_device, read_insertion, trajectory_bounds
+from torchrl_grpo.mcadvantage.ids import PromptIds, TensorIds
+from torchrl_grpo.mcadvantage.options import Keys
+from torchrl_grpo.mcadvantage.read import read_insertion, trajectory_bounds
+from torchrl_grpo.mcadvantage.records import Pending
 
 KEYS = Keys(group="seed", reward=("next", "reward"), done=("next", "done"), advantage="advantage")
 EMPTY = Pending()
@@ -20,7 +25,8 @@ EMPTY = Pending()
 def pending_with(keys, ragged=False):
     """A store holding one trajectory per group id in ``keys`` (only the ids matter here)."""
     n = len(keys)
-    return Pending(spans=torch.zeros(n, 4, dtype=torch.long), keys=keys, ragged=ragged)
+    ids = PromptIds(keys) if isinstance(keys, list) else TensorIds(keys)
+    return Pending(spans=torch.zeros(n, 4, dtype=torch.long), ids=ids, ragged=ragged)
 
 
 class TestTrajectoryBounds:
@@ -49,11 +55,11 @@ class TestReadInsertion:
     def test_flat_steps(self):
         td = torch.cat([trajectory(3, [1.0, 2.0]), trajectory(5, [4.0]), trajectory(3, [0.5, 0.5])])
         batch = read_insertion(td, KEYS, EMPTY)
-        assert batch.data is td and batch.num_steps == 5 and batch.num_trajectories == 3
+        assert batch.steps.data is td and batch.num_steps == 5 and batch.num_trajectories == 3
         assert batch.starts.tolist() == [0, 2, 3] and batch.lengths.tolist() == [2, 1, 2]
-        assert batch.width == 0 and batch.group_ids.tolist() == [[3], [5], [3]]
+        assert batch.width == 0 and batch.group_ids.values.tolist() == [[3], [5], [3]]
         assert batch.rewards.tolist() == [1.0, 2.0, 4.0, 0.5, 0.5]
-        assert batch.reward_lengths.tolist() == [2, 1, 2] and not batch.ragged
+        assert batch.reward_lengths.tolist() == [2, 1, 2] and not batch.steps.ragged
 
     def test_every_shape_reads_the_same(self):
         """``[B, T]`` rows, ``[N]`` steps, a dense lazy stack and a lone step: one reading."""
@@ -64,12 +70,13 @@ class TestReadInsertion:
         expected = read_insertion(flat, KEYS, EMPTY)
         for td in (rows, lazy_stack(list(flat.unbind(0)))):
             batch = read_insertion(td, KEYS, EMPTY)
-            for name in ("starts", "lengths", "group_ids", "rewards", "reward_lengths"):
+            for name in ("starts", "lengths", "rewards", "reward_lengths"):
                 assert torch.equal(getattr(batch, name), getattr(expected, name)), name
+            assert torch.equal(batch.group_ids.values, expected.group_ids.values)
             assert (batch.width, batch.num_steps) == (expected.width, expected.num_steps)
-            assert (batch.data == flat).all()
+            assert (batch.steps.data == flat).all()
         step = read_insertion(trajectory(2, [3.0])[0], KEYS, EMPTY)  # no batch dimension
-        assert step.lengths.tolist() == [1] and step.group_ids.tolist() == [[2]]
+        assert step.lengths.tolist() == [1] and step.group_ids.values.tolist() == [[2]]
 
     def test_nothing_to_read(self):
         assert read_insertion(trajectory(0, [1.0])[:0], KEYS, EMPTY) is None
@@ -86,12 +93,12 @@ class TestReadInsertion:
             [trajectory("a", [1.0], key="query"), trajectory("b", [1.0], key="query")]
         )
         assert isinstance(stacked.get("query"), NonTensorStack)
-        assert read_insertion(stacked, keys, EMPTY).group_ids == ["a", "b"]
+        assert read_insertion(stacked, keys, EMPTY).group_ids.values == ["a", "b"]
         one = trajectory("c", [1.0, 2.0], key="query")
         assert isinstance(one.get("query"), NonTensorData)
-        assert read_insertion(one, keys, EMPTY).group_ids == ["c"]
+        assert read_insertion(one, keys, EMPTY).group_ids.values == ["c"]
         wide = torch.cat([trajectory(4, [1.0], width=2), trajectory(6, [1.0, 1.0], width=2)])
-        assert read_insertion(wide, KEYS, EMPTY).group_ids.tolist() == [[4, 4], [6, 6]]
+        assert read_insertion(wide, KEYS, EMPTY).group_ids.values.tolist() == [[4, 4], [6, 6]]
 
     def test_ragged_steps(self):
         steps = [
@@ -103,14 +110,14 @@ class TestReadInsertion:
             for n, d in ((2, False), (3, True), (1, True))
         ]
         batch = read_insertion(lazy_stack(steps), KEYS._replace(group="query"), EMPTY)
-        assert batch.ragged and len(batch.data) == 3
+        assert batch.steps.ragged and len(batch.steps) == 3
         assert batch.lengths.tolist() == [2, 1] and batch.reward_lengths.tolist() == [5, 1]
-        assert batch.reward_width is None and batch.group_ids == ["p", "p"]
+        assert batch.reward_width is None and batch.group_ids.values == ["p", "p"]
         assert batch.rewards.tolist() == [2.0, 2.0, 3.0, 3.0, 3.0, 1.0]
 
     def test_dense_steps_are_read_as_steps_once_the_store_is_ragged(self):
         batch = read_insertion(trajectory(0, [1.0, 2.0]), KEYS, Pending(ragged=True))
-        assert batch.ragged and [int(step["seed"]) for step in batch.data] == [0, 0]
+        assert batch.steps.ragged and [int(step["seed"]) for step in batch.steps.data] == [0, 0]
 
     def test_the_input_is_not_modified(self):
         td = torch.cat([trajectory(1, [1.0]), trajectory(1, [2.0])])
@@ -217,7 +224,7 @@ class TestSeveralRewardsAndAnchors:
             read_insertion(bad, keys, EMPTY)
         steps = [s.clone() for s in trajectory(0, [1.0, 2.0], obs=["a", "b"]).unbind(0)]
         steps[0]["next", "reward"] = torch.ones(3)  # ragged
-        assert read_insertion(lazy_stack(steps), keys, EMPTY).ragged
+        assert read_insertion(lazy_stack(steps), keys, EMPTY).steps.ragged
 
 
 class TestDevices:
@@ -225,19 +232,7 @@ class TestDevices:
         """The bookkeeping is on the CPU whatever the data's device; the steps stay there."""
         data = torch.cat([trajectory(1, [1.0, 2.0]), trajectory(2, [3.0])]).to(device)
         batch = read_insertion(data, KEYS, Pending())
-        assert batch.data["next", "reward"].device.type == device.type
-        for value in (batch.starts, batch.lengths, batch.group_ids, batch.rewards):
+        assert batch.steps.data["next", "reward"].device.type == device.type
+        for value in (batch.starts, batch.lengths, batch.group_ids.values, batch.rewards):
             assert value.device.type == "cpu"
         assert batch.rewards.tolist() == [1.0, 2.0, 3.0]
-
-    def test_pieces_joined_on_the_newest_device(self):
-        """Pending steps restored on one device join newer steps on another: moved to the newest
-        (``meta`` stands in for an accelerator on a CPU-only machine)."""
-        old, new = trajectory(1, [1.0]), trajectory(1, [2.0]).to("meta")
-        moved = on_one_device([old, new])
-        assert [p.device.type for p in moved] == ["meta", "meta"]
-        assert moved[1] is new
-        same = [trajectory(1, [1.0]), trajectory(2, [2.0])]
-        assert all(a is b for a, b in zip(on_one_device(same), same))  # nothing to move
-        ragged = on_one_device([[old], new])  # lists of ragged steps move step by step
-        assert ragged[0][0]["next", "reward"].device.type == "meta"

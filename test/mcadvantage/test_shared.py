@@ -1,5 +1,6 @@
-"""Tests of torchrl_grpo/_shared.py: shared mode (the state in an owner process) against local mode,
-writer processes, and writers killed in the middle of an insertion."""
+"""Tests of torchrl_grpo/mcadvantage/shared.py: shared mode (the state in an owner process) against
+local mode, writer processes, shared replay buffers, and writers killed in the middle of an
+insertion."""
 
 import gc
 import os
@@ -26,8 +27,8 @@ from tensordict import NonTensorData, TensorDict, lazy_stack
 from torchrl.data import LazyTensorStorage, ReplayBuffer
 
 from torchrl_grpo import MCAdvantage, MCAdvantageSelector
-from torchrl_grpo.mcadvantage import shared as _shared
 from torchrl_grpo.advantages import group_relative_advantage
+from torchrl_grpo.mcadvantage import shared as _shared
 
 PAUSE = "TORCHRL_GRPO_SHARED_TEST_PAUSE"
 
@@ -365,3 +366,64 @@ def test_encode_decode_round_trip():
     assert back["nested"].batch_size == (3, 4) and back.get_non_tensor("note") == "a string"
     assert (back == td).all()
     assert _shared.decode(_shared.encode(None)) is None
+
+
+def _write_from_process(rb, trajs):
+    for t in trajs:
+        rb.extend(t)
+
+
+class TestManyWriters:
+    def test_shared_replay_buffer_across_processes(self):
+        import multiprocessing as mp
+
+        transform = MCAdvantage(4, prompt_key="seed", trajectory_return="sum")
+        rb = ReplayBuffer(storage=LazyTensorStorage(1000, shared_init=True), shared=True)
+        rb.append_transform(transform)
+        assert transform.is_shared
+        trajs = [trajectory(g, [float(i), 1.0]) for g in range(5) for i in range(4)]
+        trajs = trajs[:-1]  # the last group stays one short
+        ctx = mp.get_context("spawn")
+        procs = [ctx.Process(target=_write_from_process, args=(rb, trajs[w::2])) for w in range(2)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout=120)
+        assert [p.exitcode for p in procs] == [0, 0]
+        # every group's trajectories came from both processes, and four groups completed
+        assert len(rb) == 4 * 4 * 2 and transform.queued_trajectories == 3
+        stats = transform.get_stats()
+        assert stats["completed_trajectories"] == len(trajs) and stats["written_groups"] == 4
+        assert sorted(set(rb[:]["seed"].tolist())) == [0, 1, 2, 3]
+
+    def test_inside_a_ray_replay_buffer(self):
+        ray = pytest.importorskip("ray", reason="the `dist` extra (ray) is not installed")
+        from functools import partial
+
+        from torchrl.data import RayReplayBuffer
+
+        rb = RayReplayBuffer(
+            storage=partial(LazyTensorStorage, 1000),
+            transform_factory=partial(MCAdvantage, 4, prompt_key="seed", trajectory_return="sum"),
+            ray_init_config={"num_cpus": 2, "include_dashboard": False, "log_to_driver": False},
+            remote_config={"num_cpus": 0},
+        )
+        try:
+
+            @ray.remote(num_cpus=1)
+            def write(client, trajs):
+                for t in trajs:
+                    client.extend(t)
+                return len(trajs)
+
+            trajs = [trajectory(g, [float(i), 1.0]) for g in range(5) for i in range(4)][:-1]
+            remote = ray.get(write.remote(rb.client(), trajs[1::2]))  # another process
+            for t in trajs[::2]:
+                rb.extend(t)
+            assert remote == len(trajs[1::2])
+            assert len(rb) == 4 * 4 * 2  # four groups completed across the two writers
+            sample = rb.sample(8)
+            assert sample["advantage"].shape == (8, 1)
+        finally:
+            rb.shutdown()
+            ray.shutdown()

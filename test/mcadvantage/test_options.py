@@ -1,0 +1,80 @@
+"""Tests of torchrl_grpo/mcadvantage/options.py: the settings, checked once."""
+
+import pytest
+import torch
+
+from torchrl_grpo import MCAdvantage
+from torchrl_grpo.mcadvantage.options import (
+    SETTINGS,
+    Limits,
+    TrajectoryKeys,
+    make_options,
+    read_setting,
+    with_setting,
+)
+
+
+class TestIntegerArguments:
+    @pytest.mark.parametrize(
+        "kw, name",
+        [
+            (dict(grpo_size=2.7), "grpo_size"),
+            (dict(grpo_size=2.0), "grpo_size"),
+            (dict(grpo_size=True), "grpo_size"),
+            (dict(grpo_size="4"), "grpo_size"),
+            (dict(grpo_size=2, candidate_group_size=3.5), "candidate_group_size"),
+            (dict(grpo_size=2, candidate_selection_min_size=False), "candidate_selection_min_size"),
+            (dict(grpo_size=2, max_pending_groups=1.5), "max_pending_groups"),
+            (dict(grpo_size=2, max_pending_age=True), "max_pending_age"),
+        ],
+    )
+    def test_non_integers_are_rejected(self, kw, name):
+        with pytest.raises(TypeError, match=f"{name} must be an integer, got"):
+            MCAdvantage(**kw)
+
+    def test_integer_types_are_converted(self):
+        import numpy as np
+
+        t = MCAdvantage(
+            np.int64(4),
+            trajectory_return="sum",
+            candidate_group_size=torch.tensor(6),
+            max_pending_groups=np.int32(3),
+        )
+        assert (t.grpo_size, t.candidate_group_size, t.max_pending_groups) == (4, 6, 3)
+        assert all(type(v) is int for v in (t.grpo_size, t.candidate_group_size))
+
+
+class TestMakeOptions:
+    def test_arguments_grouped_by_the_step_that_reads_them(self):
+        options = make_options(4, "seed", trajectory_return="sum", max_pending_groups=3)
+        assert options.grpo_size == 4 and options.keys.group == "seed"
+        assert options.estimator.trajectory_return == "sum"
+        assert options.limits == Limits(3, None, "drop_oldest")
+        assert options.trajectory_keys == TrajectoryKeys(
+            ("collector", "traj_ids"), ("next", "done"), "step_count"
+        )
+        assert make_options(2, traj_key=None).trajectory_keys.count is None
+
+    def test_unknown_keyword(self):
+        with pytest.raises(TypeError, match=r"unexpected keyword arguments \['gama'\]"):
+            make_options(2, gama=0.9)
+
+    def test_selection_runs_only_where_it_can_differ(self):
+        assert not make_options(2, trajectory_return="sum").selects
+        assert make_options(2, trajectory_return="sum", candidate_group_size=3).selects
+        assert not make_options(2).selects  # per-step mode: torchrl never selects
+
+
+class TestSettings:
+    def test_every_setting_is_read_and_replaced_by_name(self):
+        options = make_options(2, "seed")
+        for name in SETTINGS:
+            changed = with_setting(options, name, "new")
+            assert read_setting(changed, name) == "new", name
+            assert read_setting(options, name) != "new", name  # a new record
+
+    def test_the_transform_has_an_attribute_for_each(self):
+        t = MCAdvantage(2, prompt_key="seed")
+        for name in SETTINGS:
+            assert getattr(t, name) == read_setting(t._options, name), name
