@@ -195,7 +195,8 @@ def token_log_prob_entropy(
     """Log-prob of the sampled tokens and entropy of a categorical over a large vocabulary.
 
     .. math:: \\log \\pi(a_t) = x_{t,a_t} - \\operatorname{logsumexp}_v x_{t,v}, \\qquad
-        H_t = \\operatorname{logsumexp}_v x_{t,v} - \\sum_v \\operatorname{softmax}(x_t)_v\\, x_{t,v}
+        H_t = \\operatorname{logsumexp}_v x_{t,v}
+            - \\sum_v \\operatorname{softmax}(x_t)_v\\, x_{t,v}
 
     Same values as ``Categorical(logits=logits).log_prob(tokens)`` and ``.entropy()`` (within
     float32 rounding), computed in one autograd node that keeps no full-vocabulary tensor for
@@ -553,7 +554,8 @@ class HiddenTokenCategorical(Distribution):
         weight = getattr(head, "weight", None)
         if not isinstance(weight, torch.Tensor) or weight.ndim != 2:
             raise ValueError(
-                f"head must have a 2-d weight [V, H] (a torch.nn.Linear); got {type(head).__name__}."
+                "head must have a 2-d weight [V, H] (a torch.nn.Linear); "
+                f"got {type(head).__name__}."
             )
         if hidden.ndim < 1 or hidden.shape[-1] != weight.shape[1]:
             raise ValueError(
