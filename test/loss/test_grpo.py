@@ -80,6 +80,44 @@ class TestGRPOLoss:
         for key in ("loss_objective", "loss_entropy", "entropy", "clip_fraction", "kl_approx"):
             torch.testing.assert_close(out.get(key), ref[key], msg=key)
 
+    @pytest.mark.parametrize("masking_strategy", ["sft", "rlhf", "generic"])
+    @pytest.mark.parametrize("clip_epsilon", [0.2, (0.2, 0.28)])
+    def test_equals_torchrl_grpo_loss(
+        self, tiny_llm, make_llm_batch, make_llm_scorer, masking_strategy, clip_epsilon
+    ):
+        from torchrl.objectives.llm import GRPOLoss as TorchrlGRPOLoss
+
+        model, tokenizer = tiny_llm
+        batch = make_llm_batch(model, tokenizer)
+        scorer = make_llm_scorer(model, tokenizer)
+        kwargs = dict(masking_strategy=masking_strategy, clip_epsilon=clip_epsilon)
+        ref, ref_grad = run_loss(TorchrlGRPOLoss(scorer, **kwargs), batch, model)
+        out, grad = run_loss(GRPOLoss(scorer, **kwargs), batch, model)
+
+        assert 0 < ref.clip_fraction < 1  # the comparison exercises clipping
+        for key in ("loss_objective", "loss_entropy", "ESS"):
+            torch.testing.assert_close(out[key], ref.get(key), rtol=1e-5, atol=1e-7, msg=key)
+        torch.testing.assert_close(grad, ref_grad, rtol=1e-4, atol=1e-7)
+
+    def test_kl_mask_threshold_matches_torchrl_objective(
+        self, tiny_llm, make_llm_batch, make_llm_scorer
+    ):
+        from torchrl.objectives.llm import GRPOLoss as TorchrlGRPOLoss
+
+        model, tokenizer = tiny_llm
+        batch = make_llm_batch(model, tokenizer, drift=0.5)
+        scorer = make_llm_scorer(model, tokenizer)
+        ref, ref_grad = run_loss(
+            TorchrlGRPOLoss(scorer, kl_mask_threshold=0.05, entropy_bonus=False), batch, model
+        )
+        out, grad = run_loss(
+            GRPOLoss(scorer, kl_mask_threshold=0.05, entropy_bonus=False), batch, model
+        )
+        plain = GRPOLoss(scorer, entropy_bonus=False)(batch.copy())
+        assert out.loss_objective != plain.loss_objective  # some tokens were left out
+        torch.testing.assert_close(out.loss_objective, ref.loss_objective, rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(grad, ref_grad, rtol=1e-4, atol=1e-7)
+
     def test_output_type_and_out_keys(self):
         actor = cartpole_actor()
         loss = GRPOLoss(actor)
