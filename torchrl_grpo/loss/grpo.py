@@ -531,7 +531,9 @@ class GRPOLoss(ClipPPOLoss):
             inference, fallback = "for kl_to_inference_coeff", True
         elif self.off_policy_mask_threshold is not None:
             inference, fallback = "for off_policy_mask_threshold", True
-        reads_eos = self.is_llm and self.mask_truncated_completions
+        end_tokens = ()  # TRL's rule for an LLM wrapper's batch without a truncated entry
+        if self.is_llm and self.mask_truncated_completions:
+            end_tokens = _end_tokens(getattr(self.actor_network, "tokenizer", None))
         return _ReadPlan(
             owner=type(self).__name__,
             keys=self.tensor_keys,
@@ -544,9 +546,7 @@ class GRPOLoss(ClipPPOLoss):
             inference_fallback=fallback,
             proximal=self.decoupled,
             truncated=self.mask_truncated_completions,
-            end_tokens=_end_tokens(getattr(self.actor_network, "tokenizer", None))
-            if reads_eos
-            else (),
+            end_tokens=end_tokens,
             entropy=bool(self.entropy_bonus) or self.top_entropy_quantile is not None,
             samples_mc_entropy=self.samples_mc_entropy,
         )

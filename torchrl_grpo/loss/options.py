@@ -173,11 +173,7 @@ def loss_options(
     k = SimpleNamespace(**keywords)
     is_llm = isinstance(actor_network, LLMWrapperBase)
     masking_strategy = _masking_strategy(k.masking_strategy, actor_network, is_llm)
-    if k.ref_log_prob_padding_side not in ("left", "right"):
-        raise ValueError(
-            "ref_log_prob_padding_side must be 'left' or 'right', got "
-            f"{k.ref_log_prob_padding_side!r}."
-        )
+    _check_padding_side(k.ref_log_prob_padding_side)
     aggregation, reduction = _aggregation_and_reduction(k.aggregation, k.reduction)
     if isinstance(k.entropy_coeff, dict):
         raise TypeError("GRPOLoss takes a scalar entropy_coeff (single-head policies only).")
@@ -195,9 +191,7 @@ def loss_options(
         _check_sign(name, getattr(k, name), "non-negative")
     clip_epsilon, no_lower_bound = _clip_band(k.clip_epsilon)
     bounds = {"inference_correction_low": low, "inference_correction_high": high}
-    coefficients = {
-        name: bounds[name] if name in bounds else getattr(k, name) for name in COEFFICIENTS
-    }
+    coefficients = {name: bounds.get(name, getattr(k, name, None)) for name in COEFFICIENTS}
     return LossOptions(
         is_llm=is_llm,
         masking_strategy=masking_strategy,
@@ -260,6 +254,11 @@ def _masking_strategy(masking_strategy: str | None, actor_network: Any, is_llm: 
             f"masking_strategy must be one of {list(MASKING_STRATEGIES)}, got {masking_strategy!r}."
         )
     return masking_strategy
+
+
+def _check_padding_side(side: str) -> None:
+    if side not in ("left", "right"):
+        raise ValueError(f"ref_log_prob_padding_side must be 'left' or 'right', got {side!r}.")
 
 
 def _aggregation_and_reduction(aggregation, reduction: str | None):
