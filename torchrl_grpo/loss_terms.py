@@ -2,7 +2,7 @@
 
 Everything here takes plain tensors shaped ``(B, T)`` -- ``B`` sequences of ``T`` (padded)
 tokens -- and, where padding matters, a boolean ``mask`` of the same shape that is ``True`` on
-real tokens. No TensorDict, no keys, no modules: :class:`torchrl_grpo.loss.GRPOLoss` fetches the
+real tokens. No TensorDict, no keys, no modules: :class:`torchrl_grpo.GRPOLoss` fetches the
 tensors and calls these functions.
 
 Conventions:
@@ -135,7 +135,7 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
     Returns:
         torch.Tensor: a scalar. ``nan`` if ``mask`` has no ``True`` entry (the mean of nothing);
-        :class:`~torchrl_grpo.loss.GRPOLoss` rejects such a batch before it gets here.
+        :class:`~torchrl_grpo.GRPOLoss` rejects such a batch before it gets here.
 
     Examples:
         >>> import torch

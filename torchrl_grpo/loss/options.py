@@ -1,4 +1,4 @@
-"""The settings of a :class:`~torchrl_grpo.loss.GRPOLoss`, checked once into a frozen record.
+"""The settings of a :class:`~torchrl_grpo.GRPOLoss`, checked once into a frozen record.
 
 :func:`loss_options` takes the loss's keywords as given, rejects what cannot work together
 (before any module is built, so that a bad call leaves nothing half-made), resolves the names of
@@ -149,7 +149,7 @@ def loss_options(
         TypeError: for a keyword of ``replaced`` (the message names what replaces it) or a
             per-head ``entropy_coeff``.
         ValueError: for an unknown variant name, an invalid coefficient, or a variant's
-            setting given without the variant (see :class:`~torchrl_grpo.loss.GRPOLoss`).
+            setting given without the variant (see :class:`~torchrl_grpo.GRPOLoss`).
 
     Examples:
         >>> import inspect

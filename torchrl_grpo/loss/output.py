@@ -1,4 +1,4 @@
-"""What :class:`~torchrl_grpo.loss.GRPOLoss` returns: the loss terms and the metrics, as a
+"""What :class:`~torchrl_grpo.GRPOLoss` returns: the loss terms and the metrics, as a
 tensordict ``TensorClass`` read like ClipPPOLoss's TensorDict output."""
 
 from __future__ import annotations

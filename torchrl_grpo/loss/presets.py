@@ -1,6 +1,6 @@
 """The published variants as presets: GRPOLoss with a paper's defaults, one table each.
 
-A preset is a :class:`~torchrl_grpo.loss.GRPOLoss` whose keyword defaults are its class's
+A preset is a :class:`~torchrl_grpo.GRPOLoss` whose keyword defaults are its class's
 ``defaults``; the keywords a caller gives win, and every other GRPOLoss keyword is taken.
 A new preset is a subclass of :class:`_Preset` with its docstring and its ``defaults``.
 """
