@@ -612,30 +612,19 @@ class TestReadLLM:
         loss.set_keys(truncated=("next", "truncated"))
         assert loss(nested).truncated_fraction.item() == pytest.approx(1 / 5)
 
-    def test_llm_wrapper_computing_elsewhere(self, device, tiny_llm, make_llm_batch):
+    def test_llm_wrapper_computing_elsewhere(
+        self, device, tiny_llm, make_llm_batch, make_llm_scorer
+    ):
         """``TransformersWrapper(device=...)`` with the batch left where it is (on the CPU, as a
         replay buffer holds it): the loss follows the wrapper's logits."""
-        from torchrl.modules.llm import TransformersWrapper
-
         model, tokenizer = tiny_llm
         batch = make_llm_batch(model, tokenizer)
         kwargs = dict(kl_to_ref_coeff=0.1)
-
-        def scorer(m, dev):
-            return TransformersWrapper(
-                m,
-                tokenizer=tokenizer,
-                input_mode="tokens",
-                input_key=("tokens", "full"),
-                generate=False,
-                return_log_probs=True,
-                pad_output=False,
-                device=dev,
-            )
-
-        ref, ref_grad = run_loss(GRPOLoss(scorer(model, None), **kwargs), batch, model)
+        scorer = make_llm_scorer(model, tokenizer, device=None)
+        ref, ref_grad = run_loss(GRPOLoss(scorer, **kwargs), batch, model)
         moved = copy.deepcopy(model).to(device)
-        out, grad = run_loss(GRPOLoss(scorer(moved, device), **kwargs), batch, moved)
+        scorer = make_llm_scorer(moved, tokenizer, device=device)
+        out, grad = run_loss(GRPOLoss(scorer, **kwargs), batch, moved)
         for key, value in ref.items():
             torch.testing.assert_close(out[key].cpu(), value, rtol=1e-4, atol=1e-6, msg=key)
         torch.testing.assert_close(grad.cpu(), ref_grad, rtol=1e-4, atol=1e-6)
