@@ -19,9 +19,9 @@ __all__ = ["CISPOLoss", "DAPOLoss", "DrGRPOLoss", "GSPOLoss", "SAPOLoss"]
 
 
 class _PresetSignature:
-    """``inspect.signature(Preset)``: GRPOLoss's keywords with the preset's defaults (its
-    ``required`` ones without a default). Read on the class only: an instance's signature stays
-    that of its ``forward``."""
+    """``inspect.signature(Preset)``, which the docs show: GRPOLoss's keywords with the
+    preset's defaults (its ``required`` ones without a default). On the class only: an instance
+    keeps the call signature of any GRPOLoss."""
 
     def __get__(self, instance: Any, owner: type[_Preset]) -> inspect.Signature:
         if instance is not None:
