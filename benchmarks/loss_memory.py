@@ -61,7 +61,7 @@ PATHS = tuple(path for group in GROUPS.values() for path in group)
 NAMES = {
     "plain": "Categorical (plain)",
     "lean": "TokenCategorical (lean)",
-    "variants": "lean + every new variant",
+    "variants": "lean + per-token variants",
     "head": "Linear + TokenCategorical",
     "hidden": "HiddenTokenCategorical",
 }
