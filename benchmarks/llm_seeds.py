@@ -6,7 +6,7 @@
 
 Each run is a fresh process (the example's own ``wall_s`` starts before its imports; the table
 also shows the process's wall time measured from here). The targets are those of the example on
-torchrl's LLM stack (issue 11): greedy accuracy on the held-out prompts up by at least 45 points
+torchrl's LLM stack: greedy accuracy on the held-out prompts up by at least 45 points
 (absolute) from the warm start, within 200 s of process wall time on a 2-core CPU. The runs are
 sequential so that they do not compete for the CPU; other jobs on the machine still do, so the
 load average is printed with each run (run it under ``flock /tmp/heavy.lock`` on a shared

@@ -9,9 +9,9 @@ From logits: three paths run :class:`torchrl_grpo.GRPOLoss` (entropy bonus on, s
 gradient flows too) on the same ``[B, T, V]`` float32 logits, a leaf tensor standing for the
 output of an LLM head. The actor's ``distribution_class`` is ``torch.distributions.Categorical``
 (plain) or :class:`torchrl_grpo.token_dist.TokenCategorical` (lean); the third path is the lean
-one with every loss variant of issue 14 switched on at once (SAPO's objective, the
+one with the loss variants that add per-token work switched on at once (SAPO's objective, the
 ``sequence_mask`` inference correction, off-policy sequence masking, decoupled PPO with a
-behaviour cap, top-20% entropy tokens, masking of truncated completions), to check that the new
+behaviour cap, top-20% entropy tokens, masking of truncated completions), to check that these
 terms stay within the memory budget.
 
 From hidden states: two paths start from the last hidden states ``[B, T, H]`` (a leaf) and an
@@ -61,7 +61,7 @@ PATHS = tuple(path for group in GROUPS.values() for path in group)
 NAMES = {
     "plain": "Categorical (plain)",
     "lean": "TokenCategorical (lean)",
-    "variants": "lean + every new variant",
+    "variants": "lean + per-token variants",
     "head": "Linear + TokenCategorical",
     "hidden": "HiddenTokenCategorical",
 }
@@ -70,7 +70,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 SAME = (("plain", "lean"), ("head", "hidden"))
 VALUE_KEYS = ("loss_objective", "loss_entropy", "entropy", "ESS", "clip_fraction", "kl_approx")
 GRAD_STRIDE = 101
-#: Every variant of issue 14 at once (SAPO, inference correction, OPSM, decoupled, entropy, truncated).
+#: The variants that add per-token work, at once: SAPO, inference correction, OPSM, decoupled PPO,
+#: high-entropy tokens, truncated completions.
 VARIANTS = {
     "objective": "sapo",
     "inference_correction": "sequence_mask",
@@ -168,16 +169,19 @@ def make_case(
             actor = ProbabilisticTensorDictSequential(
                 TensorDictModule(head, ["hidden"], ["logits"]),
                 ProbabilisticTensorDictModule(
-                    in_keys=["logits"], out_keys=["tokens"],
-                    distribution_class=TokenCategorical, distribution_kwargs=kwargs,
+                    in_keys=["logits"],
+                    out_keys=["tokens"],
+                    distribution_class=TokenCategorical,
+                    distribution_kwargs=kwargs,
                 ),
-            )  # fmt: skip
+            )
         else:
             actor = ProbabilisticTensorDictModule(
-                in_keys=["hidden"], out_keys=["tokens"],
+                in_keys=["hidden"],
+                out_keys=["tokens"],
                 distribution_class=HiddenTokenCategorical,
                 distribution_kwargs={"head": head, **kwargs},
-            )  # fmt: skip
+            )
     log_prob = log_prob.float()
 
     def noise(*shape):  # drawn on the CPU, then moved: the same numbers on every device
@@ -211,9 +215,15 @@ def worker(args) -> None:
     step(*make_case(args.worker, 2, 8, 64, 16, device=device, dtype=dtype))  # warm-up, tiny
 
     loss, batch, leaves = make_case(
-        args.worker, args.batch, args.length, args.vocab, args.hidden, args.chunk_size,
-        device=device, dtype=dtype,
-    )  # fmt: skip
+        args.worker,
+        args.batch,
+        args.length,
+        args.vocab,
+        args.hidden,
+        args.chunk_size,
+        device=device,
+        dtype=dtype,
+    )
     numel = sum(leaf.numel() for leaf in leaves.values())
     if accelerator:  # the allocator's own counters; the gradients are counted as inputs
         torch.cuda.synchronize(device)

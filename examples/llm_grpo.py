@@ -483,10 +483,22 @@ def warm_start(model, tokenizer, cfg: Settings, gen, exclude, val_accuracy) -> i
 
 def plot(history: dict, path: str, acc_before: float) -> None:
     fig, ax = plt.subplots(figsize=(6.4, 3.6), dpi=100)
-    ax.plot(history["step"], history["reward"], color="tab:blue", alpha=0.6, lw=1,
-            label="mean reward of the samples")  # fmt: skip
-    ax.plot(history["eval_step"], history["accuracy"], "o-", color="tab:red", ms=3,
-            label="greedy accuracy, held-out prompts")  # fmt: skip
+    ax.plot(
+        history["step"],
+        history["reward"],
+        color="tab:blue",
+        alpha=0.6,
+        lw=1,
+        label="mean reward of the samples",
+    )
+    ax.plot(
+        history["eval_step"],
+        history["accuracy"],
+        "o-",
+        color="tab:red",
+        ms=3,
+        label="greedy accuracy, held-out prompts",
+    )
     ax.axhline(acc_before, color="gray", ls="--", lw=1, label="after the warm start")
     ax.set_xlabel("GRPO step")
     ax.set_ylim(0, 1)
@@ -519,8 +531,10 @@ def main(argv=None) -> dict:
     eval_accuracy = GreedyAccuracy(tokenizer, eval_digits, greedy)
     sft_steps = warm_start(model, tokenizer, cfg, train_gen, eval_codes, val_accuracy)
     acc_before = eval_accuracy()
-    print(f"warm start: {sft_steps} supervised steps, greedy accuracy {acc_before:.3f} "
-          f"on {cfg.eval_prompts} held-out prompts ({time.perf_counter() - T0:.0f} s)")  # fmt: skip
+    print(
+        f"warm start: {sft_steps} supervised steps, greedy accuracy {acc_before:.3f} "
+        f"on {cfg.eval_prompts} held-out prompts ({time.perf_counter() - T0:.0f} s)"
+    )
     ref_model = copy.deepcopy(model).requires_grad_(False)  # the frozen reference policy
 
     rows = cfg.prompts_per_step * cfg.group_size
@@ -588,8 +602,10 @@ def main(argv=None) -> dict:
     png = os.path.join(run_dir, "llm_grpo.png")
     plot(history, png, acc_before)
     wall_s = time.perf_counter() - T0
-    print(f"greedy accuracy {acc_before:.3f} -> {acc_after:.3f} after {step} GRPO steps; "
-          f"metrics in {run_dir}/scalars, plot in {png}")  # fmt: skip
+    print(
+        f"greedy accuracy {acc_before:.3f} -> {acc_after:.3f} after {step} GRPO steps; "
+        f"metrics in {run_dir}/scalars, plot in {png}"
+    )
     print(f"RESULT acc_before={acc_before:.4f} acc_after={acc_after:.4f} wall_s={wall_s:.1f}")
     return {"acc_before": acc_before, "acc_after": acc_after, "wall_s": wall_s}
 

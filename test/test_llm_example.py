@@ -1,4 +1,4 @@
-"""examples/llm_grpo.py: its task and reward, the torchrl components it is built from, a tiny run."""
+"""examples/llm_grpo.py: its task and reward, the torchrl components it uses, a tiny run."""
 
 import copy
 import csv
@@ -148,7 +148,8 @@ class TestPipeline:
         assert queries is None  # the strings are dropped before storage
         advantage = batch["advantage"].reshape(cfg.prompts_per_step, cfg.group_size)
         reward = batch["next", "reward"].reshape(cfg.prompts_per_step, cfg.group_size)
-        expected = (reward - reward.mean(-1, keepdim=True)) / reward.std(-1, keepdim=True).clamp_min(1e-6)  # fmt: skip
+        mean, std = reward.mean(-1, keepdim=True), reward.std(-1, keepdim=True).clamp_min(1e-6)
+        expected = (reward - mean) / std
         torch.testing.assert_close(advantage, expected)
 
         response = batch["tokens", "response"]

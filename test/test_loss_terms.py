@@ -348,8 +348,12 @@ class TestInferenceCorrections:
     def test_token_truncate_is_tis(self):
         old = torch.tensor([0.6, 0.3, 0.1]).log()
         inference = torch.tensor([0.2, 0.3, 0.5]).log()
-        weight, _ = truncate_importance_weight((old - inference)[None], torch.ones(1, 3, dtype=torch.bool), None, 2.0)  # fmt: skip
-        torch.testing.assert_close(weight[0], truncated_is_weight(old, inference, 2.0), rtol=0, atol=0)  # fmt: skip
+        weight, _ = truncate_importance_weight(
+            (old - inference)[None], torch.ones(1, 3, dtype=torch.bool), None, 2.0
+        )
+        torch.testing.assert_close(
+            weight[0], truncated_is_weight(old, inference, 2.0), rtol=0, atol=0
+        )
 
     def test_token_mask_icepop_band(self):
         weight, keep = INFERENCE_CORRECTIONS["token_mask"](self.LOG_W, MASK, 0.5, 5.0)

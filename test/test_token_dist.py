@@ -211,7 +211,9 @@ class TestTokenLogProbEntropyFromHidden:
             torch.testing.assert_close(a.grad, r.grad, rtol=1e-5, atol=1e-5)
 
     def test_gradcheck_float64(self):
-        h, weight, b, tokens = hidden_head_tokens(shape=(2, 3), hidden=3, vocab=5, dtype=torch.float64)  # fmt: skip
+        h, weight, b, tokens = hidden_head_tokens(
+            shape=(2, 3), hidden=3, vocab=5, dtype=torch.float64
+        )
         w = torch.randn(2, 3, dtype=torch.float64)
 
         def fn(h, weight, b):
@@ -251,7 +253,8 @@ class TestTokenLogProbEntropyFromHidden:
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             lp, ent = token_log_prob_entropy_from_hidden(h, weight, tokens, b, chunk_size=8)
-        own = [t for t in saved if t.data_ptr() not in (h.data_ptr(), weight.data_ptr(), b.data_ptr())]  # fmt: skip
+        inputs = (h.data_ptr(), weight.data_ptr(), b.data_ptr())
+        own = [t for t in saved if t.data_ptr() not in inputs]
         assert sum(t.numel() for t in own) <= 4 * 64  # index, pad flags, lse, entropy
 
         n_logits = 4 * 16 * 64

@@ -2,7 +2,7 @@
 
 Everything here takes plain tensors shaped ``(B, T)`` -- ``B`` sequences of ``T`` (padded)
 tokens -- and, where padding matters, a boolean ``mask`` of the same shape that is ``True`` on
-real tokens. No TensorDict, no keys, no modules: :class:`torchrl_grpo.loss.GRPOLoss` fetches the
+real tokens. No TensorDict, no keys, no modules: :class:`torchrl_grpo.GRPOLoss` fetches the
 tensors and calls these functions.
 
 Conventions:
@@ -29,7 +29,8 @@ References:
   Attention", arXiv:2506.13585.
 * Dual clip: Ye et al., 2020, "Mastering Complex Control in MOBA Games with Deep Reinforcement
   Learning", arXiv:1912.09729.
-* KL estimators: Schulman, 2020, "Approximating KL Divergence", http://joschu.net/blog/kl-approx.html.
+* KL estimators: Schulman, 2020, "Approximating KL Divergence",
+  http://joschu.net/blog/kl-approx.html.
 * Truncated importance sampling: Yao et al., 2025, "Your Efficient RL Framework Secretly Brings
   You Off-Policy RL Training", https://fengyao.notion.site/off-policy-rl.
 * SAPO: Gao et al., 2025, "Soft Adaptive Policy Optimization", arXiv:2511.20347.
@@ -58,6 +59,8 @@ __all__ = [
     "AGGREGATIONS",
     "INFERENCE_CORRECTIONS",
     "KL_ESTIMATORS",
+    "OBJECTIVES",
+    "RATIO_LEVELS",
     "aggregate_seq_mean_token_mean",
     "aggregate_seq_mean_token_sum",
     "aggregate_seq_mean_token_sum_norm",
@@ -132,7 +135,7 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
     Returns:
         torch.Tensor: a scalar. ``nan`` if ``mask`` has no ``True`` entry (the mean of nothing);
-        :class:`~torchrl_grpo.loss.GRPOLoss` rejects such a batch before it gets here.
+        :class:`~torchrl_grpo.GRPOLoss` rejects such a batch before it gets here.
 
     Examples:
         >>> import torch
@@ -287,7 +290,8 @@ def sequence_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Ten
     .. math::
 
         \\log s_i(\\theta) = \\frac{1}{|o_i|} \\sum_{t=1}^{|o_i|}
-            \\log \\frac{\\pi_\\theta(o_{i,t} \\mid q, o_{i,<t})}{\\pi_{old}(o_{i,t} \\mid q, o_{i,<t})}
+            \\log \\frac{\\pi_\\theta(o_{i,t} \\mid q, o_{i,<t})}
+                {\\pi_{old}(o_{i,t} \\mid q, o_{i,<t})}
 
     (Zheng et al., 2025). The gradient flows to every token of the sequence through the
     mean. A sequence with no real token gets ``log s = 0`` (ratio 1); it is masked out anyway.
@@ -310,6 +314,19 @@ def sequence_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Ten
     seq_len = mask.sum(-1, keepdim=True).clamp_min(1)  # (B, 1)
     seq_log_ratio = torch.where(mask, log_ratio, 0.0).sum(-1, keepdim=True) / seq_len  # (B, 1)
     return seq_log_ratio.expand_as(log_ratio)
+
+
+def _token_level(log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    # one value per token: the per-token log-ratio (or log-weight) as it is
+    return log_ratio
+
+
+#: ``ratio_level(log_ratio, mask) -> log_ratio``, all ``(B, T)``.
+RatioLevel = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+#: Levels of the importance ratio by name, for ``GRPOLoss(ratio_level=...)``: one ratio per
+#: token (PPO, GRPO) or GSPO's length-normalised one per sequence.
+RATIO_LEVELS: dict[str, RatioLevel] = {"token": _token_level, "sequence": sequence_log_ratio}
 
 
 def truncated_is_weight(
@@ -342,10 +359,6 @@ def truncated_is_weight(
         tensor([2.0000, 1.0000, 0.2000])
     """
     return (log_prob - inference_log_prob).detach().exp().clamp(max=cap)
-
-
-def _token_level(log_weight: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return log_weight
 
 
 def _sequence_level(log_weight: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -687,6 +700,34 @@ def sapo_loss(
     return -gate * advantage
 
 
+def _clip_objective(log_ratio, advantage, log_prob, log_clip_low, log_clip_high):
+    # the PPO surrogate does not use log_prob; the uniform signature lets objectives be swapped
+    return ppo_clip_loss(log_ratio, advantage, log_clip_low, log_clip_high)
+
+
+def _sapo_objective(
+    log_ratio, advantage, log_prob, log_clip_low, log_clip_high, *, temperature_pos, temperature_neg
+):
+    # SAPO's soft gate replaces the clip: the clip band is not used (it still sets the metrics)
+    return sapo_loss(log_ratio, advantage, temperature_pos, temperature_neg)
+
+
+#: ``objective(log_ratio, advantage, log_prob, log_clip_low, log_clip_high) -> per-token loss``,
+#: all ``(B, T)`` but the two clip bounds (scalars).
+Objective = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor
+]
+
+#: Surrogate objectives by name, for ``GRPOLoss(objective=...)``: PPO's clip
+#: (:func:`ppo_clip_loss`), :func:`cispo_loss` and SAPO's gate (:func:`sapo_loss`, whose
+#: temperatures ``GRPOLoss`` binds as ``temperature_pos`` / ``temperature_neg`` keywords).
+OBJECTIVES: dict[str, Objective] = {
+    "clip": _clip_objective,
+    "cispo": cispo_loss,
+    "sapo": _sapo_objective,
+}
+
+
 # ---------------------------------------------------------------------------------------------
 # KL estimators
 # ---------------------------------------------------------------------------------------------
@@ -965,7 +1006,8 @@ def effective_sample_size(log_weight: torch.Tensor, mask: torch.Tensor) -> torch
         >>> mask = torch.tensor([[True, True, False]])
         >>> effective_sample_size(torch.tensor([[0.3, 0.3, 5.0]]), mask)
         tensor(1.)
-        >>> effective_sample_size(torch.tensor([[0.0, 2.0, 0.0]]).log(), torch.ones(1, 3, dtype=torch.bool))
+        >>> every = torch.ones(1, 3, dtype=torch.bool)
+        >>> effective_sample_size(torch.tensor([[0.0, 2.0, 0.0]]).log(), every)
         tensor(0.3333)
     """
     with torch.no_grad():

@@ -7,7 +7,7 @@ dominate the memory of the loss. :func:`token_log_prob_entropy` computes both qu
 autograd node that saves only the logits (which the caller holds anyway) and three ``[B, T]``
 vectors, and works through the vocabulary in row chunks, so that its temporaries are a few
 ``chunk x V`` blocks. :class:`TokenCategorical` wraps it as a ``torch.distributions``
-distribution that torchrl actors and :class:`~torchrl_grpo.loss.GRPOLoss` use like
+distribution that torchrl actors and :class:`~torchrl_grpo.GRPOLoss` use like
 ``Categorical``.
 
 One step further, :func:`token_log_prob_entropy_from_hidden` starts from the last hidden states
@@ -195,7 +195,8 @@ def token_log_prob_entropy(
     """Log-prob of the sampled tokens and entropy of a categorical over a large vocabulary.
 
     .. math:: \\log \\pi(a_t) = x_{t,a_t} - \\operatorname{logsumexp}_v x_{t,v}, \\qquad
-        H_t = \\operatorname{logsumexp}_v x_{t,v} - \\sum_v \\operatorname{softmax}(x_t)_v\\, x_{t,v}
+        H_t = \\operatorname{logsumexp}_v x_{t,v}
+            - \\sum_v \\operatorname{softmax}(x_t)_v\\, x_{t,v}
 
     Same values as ``Categorical(logits=logits).log_prob(tokens)`` and ``.entropy()`` (within
     float32 rounding), computed in one autograd node that keeps no full-vocabulary tensor for
@@ -386,7 +387,7 @@ class TokenCategorical(Distribution):
     A drop-in for ``torch.distributions.Categorical(logits=...)`` as the ``distribution_class``
     of a torchrl actor whose head emits ``[B, T, V]`` logits. :meth:`log_prob` and
     :meth:`entropy` go through :func:`token_log_prob_entropy`; when both are asked for (as
-    :class:`~torchrl_grpo.loss.GRPOLoss` does with an entropy bonus), the entropy is the second
+    :class:`~torchrl_grpo.GRPOLoss` does with an entropy bonus), the entropy is the second
     output of the same fused node, so the backward pass visits the logits once. Sampling and
     :attr:`mode` are not memory-optimised (they run without gradient).
 
@@ -500,10 +501,10 @@ class HiddenTokenCategorical(Distribution):
     The distribution of :class:`TokenCategorical` with ``logits = head(hidden)``, but the
     ``[..., V]`` logits are never built: :meth:`log_prob` and :meth:`entropy` go through
     :func:`token_log_prob_entropy_from_hidden`, which computes them chunk by chunk, and share
-    one autograd node when both are asked for (as :class:`~torchrl_grpo.loss.GRPOLoss` does).
+    one autograd node when both are asked for (as :class:`~torchrl_grpo.GRPOLoss` does).
     Use it as the ``distribution_class`` of a torchrl actor whose network returns hidden states,
     with the output layer passed as ``distribution_kwargs={"head": lm_head}``; every term of
-    :class:`~torchrl_grpo.loss.GRPOLoss` then works unchanged. The head's parameters must belong
+    :class:`~torchrl_grpo.GRPOLoss` then works unchanged. The head's parameters must belong
     to the actor's network (e.g. the network holds the whole causal LM and returns its last
     hidden states) so that the loss sees and trains them. Sampling and :attr:`mode` work chunk by
     chunk too, without gradient.
@@ -553,7 +554,8 @@ class HiddenTokenCategorical(Distribution):
         weight = getattr(head, "weight", None)
         if not isinstance(weight, torch.Tensor) or weight.ndim != 2:
             raise ValueError(
-                f"head must have a 2-d weight [V, H] (a torch.nn.Linear); got {type(head).__name__}."
+                "head must have a 2-d weight [V, H] (a torch.nn.Linear); "
+                f"got {type(head).__name__}."
             )
         if hidden.ndim < 1 or hidden.shape[-1] != weight.shape[1]:
             raise ValueError(

@@ -127,8 +127,13 @@ def llm_batch(model, tokenizer, prompts, *, seed: int = 0, drift: float = 0.3):
             data.unbind(0), scored.get(("log_probs", "full"), as_list=True), prompt_ids
         ):
             assistant = torch.arange(log_prob.numel()) >= prompt.numel()
-            step.set(("log_probs", "full"), log_prob + drift * torch.randn(log_prob.shape, generator=g))  # fmt: skip
-            step.set(("next", "ref_log_probs", "full"), log_prob + drift * torch.randn(log_prob.shape, generator=g))  # fmt: skip
+            step.set(
+                ("log_probs", "full"), log_prob + drift * torch.randn(log_prob.shape, generator=g)
+            )
+            step.set(
+                ("next", "ref_log_probs", "full"),
+                log_prob + drift * torch.randn(log_prob.shape, generator=g),
+            )
             step.set(("masks", "all_assistant_mask"), assistant)
             step.set("advantage", torch.randn(1, 1, generator=g))
             steps.append(step)

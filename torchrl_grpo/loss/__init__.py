@@ -1,0 +1,66 @@
+"""GRPOLoss: torchrl's ClipPPOLoss without a critic, over real tokens, with GRPO's variants.
+
+The loss reads the batch, lines every tensor up as ``(B, T)`` sequences with one mask of real
+tokens, and calls the math of :mod:`torchrl_grpo.loss_terms`. Two kinds of policy are read:
+
+* a torchrl probabilistic actor (``ProbabilisticActor``...), as ClipPPOLoss reads it: classic
+  control (one action per step) or a token head over padded ``[B, T]`` responses;
+* a torchrl LLM wrapper (``TransformersWrapper``, ``vLLMWrapper``: an ``LLMWrapperBase``), as
+  :class:`torchrl.objectives.llm.GRPOLoss` reads it: ragged lazy stacks of
+  ``("tokens", "full")`` with torchrl's masking strategies.
+
+Everything that varies between the published variants is one keyword: the clip band
+(``clip_epsilon``), the dual clip (``clip_ratio_c``), the surrogate (``objective``: PPO's clip,
+CISPO, SAPO), the level of the importance ratio (``ratio_level``), the aggregation, the KL
+estimators, the KL trust region (``kl_mask_threshold``), the correction against the inference
+engine (``inference_correction``, or ``tis_cap``), off-policy sequence masking
+(``off_policy_mask_threshold``), decoupled PPO (``decoupled``), high-entropy token selection
+(``top_entropy_quantile``) and the masking of truncated completions
+(``mask_truncated_completions``). :class:`DAPOLoss`, :class:`DrGRPOLoss`, :class:`GSPOLoss`,
+:class:`CISPOLoss` and :class:`SAPOLoss` are the same class with the papers' defaults.
+
+The package, one concern a module: ``grpo.py`` (the module: keys, wiring, ``forward``),
+``options.py`` (the keywords checked into one record), ``inputs.py`` (a batch read into aligned
+tensors), ``output.py`` (:class:`GRPOLossOutput`) and ``presets.py`` (the papers' defaults).
+"""
+
+from torchrl_grpo.llm.lean_wrapper import HiddenLLMMaskedCategorical as HiddenLLMMaskedCategorical
+from torchrl_grpo.loss.grpo import GRPOLoss
+from torchrl_grpo.loss.inputs import LLM_KEYS as LLM_KEYS
+from torchrl_grpo.loss.inputs import MASK_SOURCES as MASK_SOURCES
+from torchrl_grpo.loss.inputs import MASKING_STRATEGIES as MASKING_STRATEGIES
+from torchrl_grpo.loss.options import INFERENCE_CORRECTION_BOUNDS as INFERENCE_CORRECTION_BOUNDS
+from torchrl_grpo.loss.options import SAPO_TEMPERATURES as SAPO_TEMPERATURES
+from torchrl_grpo.loss.options import TORCHRL_AGGREGATIONS as TORCHRL_AGGREGATIONS
+from torchrl_grpo.loss.output import GRPOLossOutput
+from torchrl_grpo.loss.presets import CISPOLoss, DAPOLoss, DrGRPOLoss, GSPOLoss, SAPOLoss
+from torchrl_grpo.loss_terms import AGGREGATIONS as AGGREGATIONS
+from torchrl_grpo.loss_terms import INFERENCE_CORRECTIONS as INFERENCE_CORRECTIONS
+from torchrl_grpo.loss_terms import KL_ESTIMATORS as KL_ESTIMATORS
+from torchrl_grpo.loss_terms import OBJECTIVES as OBJECTIVES
+from torchrl_grpo.loss_terms import RATIO_LEVELS as RATIO_LEVELS
+from torchrl_grpo.loss_terms import Objective as Objective
+from torchrl_grpo.loss_terms import RatioLevel as RatioLevel
+from torchrl_grpo.loss_terms import cispo_loss as cispo_loss
+from torchrl_grpo.loss_terms import clip_fractions as clip_fractions
+from torchrl_grpo.loss_terms import decoupled_behaviour_weight as decoupled_behaviour_weight
+from torchrl_grpo.loss_terms import dual_clip_loss as dual_clip_loss
+from torchrl_grpo.loss_terms import effective_sample_size as effective_sample_size
+from torchrl_grpo.loss_terms import high_entropy_token_mask as high_entropy_token_mask
+from torchrl_grpo.loss_terms import kl_trust_region_mask as kl_trust_region_mask
+from torchrl_grpo.loss_terms import masked_mean as masked_mean
+from torchrl_grpo.loss_terms import off_policy_sequence_mask as off_policy_sequence_mask
+from torchrl_grpo.loss_terms import ppo_clip_loss as ppo_clip_loss
+from torchrl_grpo.loss_terms import sapo_loss as sapo_loss
+from torchrl_grpo.loss_terms import sequence_log_ratio as sequence_log_ratio
+from torchrl_grpo.token_dist import token_log_prob_entropy as token_log_prob_entropy
+
+__all__ = [
+    "CISPOLoss",
+    "DAPOLoss",
+    "DrGRPOLoss",
+    "GRPOLoss",
+    "GRPOLossOutput",
+    "GSPOLoss",
+    "SAPOLoss",
+]

@@ -1,0 +1,683 @@
+"""GRPOLoss: the torchrl-facing loss module. Its keys, its wiring, and one call::
+
+    forward(batch) = read (inputs.py) -> terms (loss_terms.py) -> output (output.py)
+
+The settings are checked and resolved by :func:`~torchrl_grpo.loss.options.loss_options` before
+anything is built; the batch is read into aligned ``(B, T)`` tensors by the functions of
+:mod:`torchrl_grpo.loss.inputs`; the per-token math is :mod:`torchrl_grpo.loss_terms`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from tensordict import TensorDictBase
+from tensordict.nn import ProbabilisticTensorDictSequential
+from tensordict.utils import NestedKey
+from torchrl.modules.llm import LLMWrapperBase
+from torchrl.objectives import ClipPPOLoss
+
+from torchrl_grpo.loss.inputs import (
+    LLM_KEYS,
+    _end_tokens,
+    _Inputs,
+    _llm_masked_dist,
+    _read_actor,
+    _read_llm,
+    _read_stored,
+    _ReadPlan,
+)
+from torchrl_grpo.loss.options import COEFFICIENTS, LossOptions, loss_options
+from torchrl_grpo.loss.output import GRPOLossOutput
+from torchrl_grpo.loss_terms import (
+    INFERENCE_CORRECTIONS,
+    Objective,
+    RatioLevel,
+    clip_fractions,
+    decoupled_behaviour_weight,
+    dual_clip_loss,
+    effective_sample_size,
+    high_entropy_token_mask,
+    kl_trust_region_mask,
+    masked_mean,
+    off_policy_sequence_mask,
+)
+
+__all__ = ["GRPOLoss"]
+
+#: Names in ``locals()`` at the top of ``GRPOLoss.__init__`` that are not its settings.
+_NOT_SETTINGS = ("self", "__class__", "actor_network", "replaced")
+
+
+class GRPOLoss(ClipPPOLoss):
+    """GRPO loss: :class:`~torchrl.objectives.ClipPPOLoss` with no critic, over real tokens.
+
+    With the defaults, the loss is ClipPPOLoss's clipped surrogate (Schulman et al., 2017) on a
+    precomputed advantage -- the group-relative advantage of GRPO (Shao et al., 2024) -- averaged
+    over the real tokens of the batch:
+
+    .. math::
+
+        L = \\frac{1}{\\sum_i |o_i|} \\sum_i \\sum_{t} -\\min\\big(r_{i,t} A_{i,t},\\
+            \\operatorname{clip}(r_{i,t}, 1-\\varepsilon_{low}, 1+\\varepsilon_{high}) A_{i,t}\\big)
+            \\;-\\; c_H\\, \\bar{H} \\;+\\; \\beta_{ref}\\, \\overline{KL}_{ref}
+            \\;+\\; \\beta_{inf}\\, \\overline{KL}_{inf}
+
+    where ``r = pi_theta / pi_old``. The per-token pieces are the pure functions of
+    :mod:`torchrl_grpo.loss_terms`; each term of the output is returned separately
+    (:class:`GRPOLossOutput`), to be summed by the caller.
+
+    **Inputs: a torchrl actor.** The policy is any torchrl probabilistic actor
+    (:class:`~torchrl.modules.ProbabilisticActor`, a
+    :class:`~tensordict.nn.ProbabilisticTensorDictSequential`...). Its log-prob of the stored
+    action, read from the batch as :class:`~torchrl.objectives.ClipPPOLoss` does, sets the shape
+    every other entry is checked against:
+
+    * classic control: batch ``[N]``, log-prob ``[N]``, advantage ``[N]`` or ``[N, 1]``; each
+      step is a sequence of one token.
+    * tokens: log-prob ``[B, T]`` (``B`` padded responses of ``T`` tokens); advantage per token
+      (``[B, T]`` or ``[B, T, 1]``) or per sequence (``[B]``, ``[B, 1]`` or ``[B, 1, 1]``,
+      broadcast over the tokens); an optional boolean mask ``[B, T]`` that is ``True`` on real
+      tokens. Leading batch dimensions beyond two are flattened into ``B``; the last one is ``T``.
+
+    Keys (``set_keys``): ``advantage``, ``action``, ``sample_log_prob`` (the log-probs of the
+    policy the ratio is taken against, as in ClipPPOLoss; resolved from the actor), ``mask``
+    (``"mask"``; absent means every entry is real), ``ref_log_prob`` (``"ref_log_prob"``, read
+    only with ``kl_to_ref_coeff``; ``ref_log_probs``, torchrl's name, is accepted by
+    ``set_keys``), ``inference_log_prob`` (``"inference_log_prob"``: the sampler's
+    log-probs, read by ``inference_correction`` / ``tis_cap``, by the KL to inference and by
+    ``off_policy_mask_threshold``; when absent the last two take ``sample_log_prob`` instead,
+    torchrl's behaviour), ``proximal_log_prob`` (``"proximal_log_prob"``, read only with
+    ``decoupled=True``) and ``truncated`` (``"truncated"``: a per-sequence boolean, read only
+    with ``mask_truncated_completions``). torchrl's ``loss_mask_key`` entries
+    (``("collector", "mask")``...) are honoured too, and-ed with ``mask``.
+
+    **Inputs: a torchrl LLM wrapper.** With an
+    :class:`~torchrl.modules.llm.LLMWrapperBase` (``TransformersWrapper(generate=False)``,
+    ``vLLMWrapper``...) the batch is torchrl's LLM layout, as for
+    :class:`torchrl.objectives.llm.GRPOLoss`: the keys default to ``action=("tokens", "full")``,
+    ``sample_log_prob=("log_probs", "full")`` and ``ref_log_prob=("next", "ref_log_probs",
+    "full")``; ragged lazy stacks are read through tensordict's padded getters (left padding,
+    torchrl's convention). The wrapper scores ``("tokens", "full")``, and ``masking_strategy``
+    picks the real tokens from its masks: ``"sft"`` the response (attention mask without the
+    ``("tokens", "prompt")`` tokens), ``"rlhf"`` the assistant tokens (``("masks",
+    "all_assistant_mask")``), ``"generic"`` every attended token. A token whose stored
+    ``sample_log_prob`` is not finite (torchrl's NaN placeholders, e.g. the prompt slice of a
+    ``vLLMWrapper``'s ``LogProbs.full``) is not real either. Log-probs and entropy are computed
+    from the wrapper's logits by :func:`~torchrl_grpo.token_log_prob_entropy`, which keeps no
+    ``[B, T, V]`` temporary for the backward pass. Every variant and metric works the same on
+    both kinds of policy. See ``docs/migration.rst`` for the numbers that equal torchrl's and
+    the ones that differ by design.
+
+    **Padding** never enters the loss, the metrics or the gradient: padded entries of every input
+    are replaced by zeros with ``torch.where`` before any arithmetic (so ``nan`` pads are fine),
+    and every mean divides by the number of real tokens or non-empty sequences.
+
+    **Leaving a token out, two ways.** Tokens *excluded* from the loss are not counted by the
+    aggregation: those outside the KL trust region (``kl_mask_threshold``, as torchrl) and
+    those of truncated completions (``mask_truncated_completions``, as TRL and DAPO, where they
+    leave the batch). Tokens *zeroed* keep their place in the aggregation's denominator, as the
+    papers write them (a factor ``M_{i,t}`` or ``w_t`` inside the sum): off-policy sequence
+    masking, the masking modes of ``inference_correction``, the behaviour-weight cap of
+    decoupled PPO and high-entropy token selection. Metrics (ESS, clip fractions, KL means,
+    entropy) describe every real token either way. Only ``loss_objective`` is zeroed or
+    weighted; ``loss_entropy`` and the KL terms cover every token left in the loss.
+
+    **Degenerate cases.** A batch with no real token raises ``ValueError`` (there is nothing to
+    average, and a silent zero loss would hide a broken pipeline). A sequence with no real token
+    inside a batch is ignored: it is not counted by the per-sequence aggregations. A
+    sequence-level ratio of an empty sequence is 1.
+
+    Args:
+        actor_network (ProbabilisticTensorDictSequential or LLMWrapperBase): the policy.
+
+    Keyword Args:
+        clip_epsilon (float or tuple of float): ``eps`` or ``(eps_low, eps_high)``; the ratio is
+            clipped to ``[1 - eps_low, 1 + eps_high]`` (DAPO's clip-higher uses ``(0.2, 0.28)``).
+            ``eps_low = 1.0`` means no lower bound (CISPO). Schedulable buffers, as in
+            ClipPPOLoss: ``clip_epsilon``, or ``clip_epsilon_low`` / ``clip_epsilon_high``.
+            Defaults to ``0.2``.
+        entropy_bonus (bool): compute the entropy and its loss term. Defaults to ``True``.
+        samples_mc_entropy (int): Monte-Carlo samples for distributions without an analytic
+            entropy. Defaults to ``1``.
+        entropy_coeff (float): ``c_H``, a schedulable buffer. Defaults to ``0.01`` (ClipPPOLoss).
+        objective (str or callable): ``"clip"`` (PPO's clipped surrogate,
+            :func:`~torchrl_grpo.loss_terms.ppo_clip_loss`), ``"cispo"``
+            (:func:`~torchrl_grpo.loss_terms.cispo_loss`), ``"sapo"`` (SAPO's soft gate,
+            :func:`~torchrl_grpo.loss_terms.sapo_loss`), or a callable
+            ``(log_ratio, advantage, log_prob, log_clip_low, log_clip_high) -> per-token loss``.
+            Defaults to ``"clip"``.
+        sapo_temperature_pos (float, optional): SAPO's ``tau_pos`` (tokens with ``A > 0``),
+            only with ``objective="sapo"``. Defaults to ``1.0`` there (TRL's and the paper's).
+        sapo_temperature_neg (float, optional): SAPO's ``tau_neg`` (``A <= 0``). Defaults to
+            ``1.05`` with ``objective="sapo"``.
+        ratio_level (str or callable): ``"token"`` or ``"sequence"`` (GSPO's length-normalised
+            sequence ratio, :func:`~torchrl_grpo.loss_terms.sequence_log_ratio`), or a callable
+            ``(log_ratio, mask) -> log_ratio``. Defaults to ``"token"``.
+        aggregation (str or callable): how per-token losses become a scalar: a key of
+            :data:`~torchrl_grpo.loss_terms.AGGREGATIONS` (``"token_mean"``,
+            ``"seq_mean_token_mean"``, ``"seq_mean_token_sum"``, ``"seq_mean_token_sum_norm"``)
+            or a callable ``(loss, mask) -> scalar``. Applies to every ``loss_*`` term.
+            torchrl's names are accepted: ``"prompt_mean"`` is ``"seq_mean_token_mean"``
+            (empty sequences are left out of the mean, where torchrl counts them as zero) and
+            ``"none"`` is ``reduction="none"``. Defaults to ``"token_mean"``.
+        max_length (int, optional): the constant ``L_max`` of ``"seq_mean_token_sum_norm"``
+            (Dr. GRPO), required by it and rejected by the others.
+        clip_ratio_c (float, optional): dual clip ``c > 1`` for negative advantages
+            (:func:`~torchrl_grpo.loss_terms.dual_clip_loss`; ``3.0`` in the paper). Only with
+            ``objective="clip"`` or a custom objective. Schedulable buffer.
+        kl_to_ref_coeff (float, optional): ``beta_ref``; enables ``kl_to_ref`` /
+            ``loss_kl_to_ref`` (reads ``ref_log_prob``). Schedulable buffer.
+        kl_to_ref_estimator (str or callable): ``"k1"``, ``"k2"``, ``"k3"`` (clamped, verl's
+            ``low_var_kl``) or ``(log_prob, ref_log_prob) -> per-token estimate``.
+            Defaults to ``"k3"``.
+        kl_to_inference_coeff (float, optional): ``beta_inf``; enables ``kl_to_inference`` /
+            ``loss_kl_to_inference``. Schedulable buffer.
+        kl_to_inference_estimator (str or callable): as ``kl_to_ref_estimator``.
+            Defaults to ``"k3"``.
+        inference_correction (str or callable, optional): correct the trainer/inference
+            mismatch with the importance weight ``rho = pi_old / pi_inference`` (TRL's
+            ``vllm_importance_sampling_mode``), a key of
+            :data:`~torchrl_grpo.loss_terms.INFERENCE_CORRECTIONS`: ``"token_truncate"``
+            (TIS), ``"sequence_truncate"``, ``"token_mask"`` (IcePop with the band
+            ``(0.5, 5.0)``), ``"sequence_mask"`` (TRL's default mode); or a callable
+            ``(log_weight, mask, low, high) -> (weight, keep)``. The per-token objective is
+            multiplied by the weight (0 where masked). Reads ``inference_log_prob``. The share
+            of tokens masked is ``inference_masked_fraction``. Defaults to ``None`` (off).
+        inference_correction_bounds (tuple, optional): ``(low, high)``, either ``None`` for no
+            bound; the band outside which ``rho`` is truncated or masked. Defaults to
+            ``(None, 3.0)`` (TRL's ``vllm_importance_sampling_clip_min`` / ``_clip_max``).
+            Schedulable buffers ``inference_correction_low`` / ``inference_correction_high``.
+        tis_cap (float, optional): truncated importance sampling: multiply each token's loss by
+            ``min(pi_old / pi_inference, tis_cap)``, without gradient
+            (:func:`~torchrl_grpo.loss_terms.truncated_is_weight`; Yao et al., 2025, use 2):
+            the same as ``inference_correction="token_truncate"`` with bounds
+            ``(None, tis_cap)``, kept as a shorthand. Reads ``inference_log_prob``. Schedulable
+            buffer.
+        off_policy_mask_threshold (float, optional): DeepSeek-V3.2's off-policy sequence
+            masking: a sequence with a negative advantage whose mean
+            ``log pi_inference - log pi_theta`` over its real tokens exceeds this ``delta`` is
+            zeroed in ``loss_objective``
+            (:func:`~torchrl_grpo.loss_terms.off_policy_sequence_mask`; TRL's
+            ``off_policy_mask_threshold``, slime's ``--opsm-delta``). Reads
+            ``inference_log_prob`` (or ``sample_log_prob`` when absent). Schedulable buffer.
+        decoupled (bool): decoupled PPO (AReaL): the ratio and its clip are taken against
+            ``proximal_log_prob`` (the policy before this update), and each token's objective
+            is weighted by ``pi_prox / pi_behav``, ``sample_log_prob`` being the behaviour
+            policy that sampled it (:func:`~torchrl_grpo.loss_terms.decoupled_behaviour_weight`).
+            Defaults to ``False``.
+        behaviour_weight_cap (float, optional): with ``decoupled``, tokens whose behaviour
+            weight exceeds it are zeroed (AReaL's ``behav_imp_weight_cap``, ``> 1``).
+            Schedulable buffer.
+        top_entropy_quantile (float, optional): ``rho``: ``loss_objective`` only on the real
+            tokens whose entropy is in the top ``rho`` quantile of the batch
+            (:func:`~torchrl_grpo.loss_terms.high_entropy_token_mask`; TRL's
+            ``top_entropy_quantile``, ``0.2`` in Wang et al., 2025). The entropy is computed
+            even with ``entropy_bonus=False``. ``1.0`` keeps every token. Schedulable buffer.
+        mask_truncated_completions (bool): sequences flagged truncated leave the loss (TRL's
+            ``mask_truncated_completions``, DAPO's overlong filtering). The flag is the
+            ``truncated`` entry (per sequence, e.g. ``[B]``, ``[B, 1]``, or per token); with
+            an LLM wrapper and no such entry, a completion is truncated when its last token is
+            neither the tokenizer's EOS nor its pad token (TRL's rule). Defaults to ``False``.
+        kl_mask_threshold (float, optional): torchrl's KL-Mask: tokens whose
+            ``0.5 * (log pi_theta - log pi_old)**2`` exceeds it are left out of the ``loss_*``
+            terms (:func:`~torchrl_grpo.loss_terms.kl_trust_region_mask`); the metrics still
+            describe every real token. If no token is left, the loss terms are zero (the batch
+            sends no gradient). Schedulable buffer.
+        masking_strategy (str, optional): for LLM wrappers only: ``"sft"`` (default, as
+            torchrl), ``"rlhf"`` or ``"generic"`` (see above). Rejected for other actors,
+            whose real tokens come from the ``mask`` key.
+        ref_log_prob_padding_side (str): side on which ragged reference log-probs are padded,
+            as torchrl. Defaults to ``"left"``.
+        ref_log_prob_padding_value (float): their padding value. Defaults to ``0.0``.
+        reduction (str, optional): ``"mean"`` (apply ``aggregation``) or ``"none"`` (per-token
+            ``loss_*`` terms, zeros on padding). ``"sum"`` is not supported: choose an
+            aggregation. Defaults to ``"mean"``.
+        functional (bool, optional): as in ClipPPOLoss. Defaults to ``True`` for torchrl
+            actors and ``False`` for LLM wrappers (as torchrl's LLM losses).
+        device (torch.device, optional): device of the buffers.
+
+    Raises:
+        ValueError: for an unknown variant name, an invalid coefficient, ``reduction="sum"``,
+            a ``max_length`` that does not match the aggregation, a ``masking_strategy``
+            for an actor that is not an LLM wrapper, or a variant's setting given without the
+            variant (SAPO temperatures without SAPO, a behaviour cap without ``decoupled``,
+            bounds without ``inference_correction``, ``tis_cap`` with ``inference_correction``).
+        TypeError: for a ClipPPOLoss or torchrl ``GRPOLoss`` argument that has no meaning
+            without a critic (``critic_network``, ``clip_value``, ``gamma``...); the message
+            names what replaces it.
+
+    Examples:
+        A CartPole-style actor (4 observations, 2 actions), as for ClipPPOLoss:
+
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> from tensordict.nn import TensorDictModule
+        >>> from torchrl.modules import ProbabilisticActor
+        >>> _ = torch.manual_seed(0)
+        >>> net = TensorDictModule(torch.nn.Linear(4, 2), ["observation"], ["logits"])
+        >>> actor = ProbabilisticActor(net, in_keys=["logits"],
+        ...     distribution_class=torch.distributions.Categorical, return_log_prob=True)
+        >>> batch = actor(TensorDict({"observation": torch.randn(8, 4)}, [8])).detach()
+        >>> batch["advantage"] = torch.randn(8, 1)
+        >>> loss = GRPOLoss(actor, clip_epsilon=0.2, entropy_coeff=0.01)
+        >>> out = loss(batch)
+        >>> total = out.loss_objective + out.loss_entropy
+        >>> total.backward()
+        >>> out.ESS, out.clip_fraction  # fresh samples: every ratio is 1
+        (tensor(1.), tensor(0.))
+        >>> loss.clip_epsilon = 0.1  # schedulable, as in torchrl
+
+        Tokens: ``[B, T]`` responses with padding and a per-sequence advantage:
+
+        >>> net = TensorDictModule(torch.nn.Linear(3, 5), ["hidden"], ["logits"])
+        >>> policy = ProbabilisticActor(net, in_keys=["logits"], out_keys=["tokens"],
+        ...     distribution_class=torch.distributions.Categorical)
+        >>> batch = TensorDict({
+        ...     "hidden": torch.randn(2, 4, 3),
+        ...     "tokens": torch.randint(5, (2, 4)),
+        ...     "old_log_prob": torch.full((2, 4), -1.6),
+        ...     "advantage": torch.tensor([1.0, -1.0]),
+        ...     "mask": torch.tensor([[True, True, True, False], [True, True, False, False]]),
+        ... }, [2])
+        >>> from torchrl_grpo.loss import DAPOLoss
+        >>> loss = DAPOLoss(policy)
+        >>> loss.set_keys(sample_log_prob="old_log_prob")
+        >>> out = loss(batch)
+        >>> out.clip_fraction_low + out.clip_fraction_high == out.clip_fraction
+        tensor(True)
+    """
+
+    @dataclass
+    class _AcceptedKeys(ClipPPOLoss._AcceptedKeys):
+        """Tensordict keys of :class:`GRPOLoss`, changed with ``set_keys(name=key)``.
+
+        On top of ClipPPOLoss's keys (``advantage``, ``action``, ``sample_log_prob``...):
+
+        Attributes:
+            mask (NestedKey): boolean mask of real tokens, shaped like the log-prob. Optional:
+                absent means every entry is real. Defaults to ``"mask"``.
+            ref_log_prob (NestedKey): reference-policy log-probs of the sampled tokens, read
+                when ``kl_to_ref_coeff`` is set. Defaults to ``"ref_log_prob"``.
+            inference_log_prob (NestedKey): sampler (inference engine) log-probs, read by
+                ``inference_correction`` / ``tis_cap``, the KL to inference and off-policy
+                sequence masking. Defaults to ``"inference_log_prob"``.
+            proximal_log_prob (NestedKey): log-probs of the proximal policy of decoupled PPO,
+                read only with ``decoupled=True``. Defaults to ``"proximal_log_prob"``.
+            truncated (NestedKey): per-sequence boolean, ``True`` for a truncated completion,
+                read only with ``mask_truncated_completions``. Defaults to ``"truncated"``.
+        """
+
+        mask: NestedKey = "mask"
+        ref_log_prob: NestedKey = "ref_log_prob"
+        inference_log_prob: NestedKey = "inference_log_prob"
+        proximal_log_prob: NestedKey = "proximal_log_prob"
+        truncated: NestedKey = "truncated"
+
+    default_keys = _AcceptedKeys
+    tensor_keys: _AcceptedKeys
+    _schedulable_buffers = frozenset(COEFFICIENTS)
+
+    def __init__(
+        self,
+        actor_network: ProbabilisticTensorDictSequential | LLMWrapperBase | None = None,
+        *,
+        clip_epsilon: float | tuple[float, float] = 0.2,
+        entropy_bonus: bool = True,
+        samples_mc_entropy: int = 1,
+        entropy_coeff: float | None = None,
+        objective: str | Objective = "clip",
+        ratio_level: str | RatioLevel = "token",
+        aggregation: str | Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = "token_mean",
+        max_length: int | None = None,
+        clip_ratio_c: float | None = None,
+        kl_to_ref_coeff: float | None = None,
+        kl_to_ref_estimator: str | Callable = "k3",
+        kl_to_inference_coeff: float | None = None,
+        kl_to_inference_estimator: str | Callable = "k3",
+        kl_mask_threshold: float | None = None,
+        tis_cap: float | None = None,
+        sapo_temperature_pos: float | None = None,
+        sapo_temperature_neg: float | None = None,
+        inference_correction: str | Callable | None = None,
+        inference_correction_bounds: tuple[float | None, float | None] | None = None,
+        off_policy_mask_threshold: float | None = None,
+        decoupled: bool = False,
+        behaviour_weight_cap: float | None = None,
+        top_entropy_quantile: float | None = None,
+        mask_truncated_completions: bool = False,
+        masking_strategy: str | None = None,
+        ref_log_prob_padding_side: str = "left",
+        ref_log_prob_padding_value: float = 0.0,
+        reduction: str | None = None,
+        functional: bool | None = None,
+        device: torch.device | None = None,
+        **replaced,
+    ):
+        settings = dict(locals())  # the keyword-only arguments above, by name
+        for name in _NOT_SETTINGS:
+            settings.pop(name, None)
+        options = loss_options(actor_network, settings, replaced)
+        super().__init__(
+            actor_network,
+            None,
+            clip_epsilon=options.clip_epsilon,
+            entropy_bonus=options.entropy_bonus,
+            samples_mc_entropy=options.samples_mc_entropy,
+            entropy_coeff=options.entropy_coeff,
+            reduction=options.reduction,
+            functional=options.functional,
+            device=options.device,
+        )
+        self._wire(options)
+
+    def _wire(self, options: LossOptions) -> None:
+        """Set the resolved variants and register the schedulable coefficients."""
+        if options.no_lower_bound:
+            self.clip_epsilon_low.fill_(1.0)
+        self.is_llm = options.is_llm
+        self.masking_strategy = options.masking_strategy
+        self.ref_log_prob_padding_side = options.ref_log_prob_padding_side
+        self.ref_log_prob_padding_value = options.ref_log_prob_padding_value
+        self._objective = options.objective
+        self._ratio_level = options.ratio_level
+        self._aggregate = options.aggregate
+        self._kl_to_ref_estimator = options.kl_to_ref_estimator
+        self._kl_to_inference_estimator = options.kl_to_inference_estimator
+        self._inference_correction = options.inference_correction
+        self.decoupled = options.decoupled
+        self.mask_truncated_completions = options.mask_truncated_completions
+        device = self.entropy_coeff.device
+        for name, value in options.coefficients.items():
+            self.register_coeff_buffer(name, value, device=device)
+        if self.is_llm:  # torchrl's LLM layout (torchrl.objectives.llm.GRPOLoss's keys)
+            self.set_keys(**LLM_KEYS)
+        self._in_keys = None
+        self._out_keys = None
+
+    @property
+    def inference_correction(self) -> Callable | None:
+        """The correction against the inference engine (``tis_cap``: token truncation)."""
+        if self.tis_cap is not None:
+            return INFERENCE_CORRECTIONS["token_truncate"]
+        return self._inference_correction
+
+    @property
+    def inference_correction_bounds(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """``(low, high)`` of the inference band, read from the schedulable buffers."""
+        if self.tis_cap is not None:
+            return None, self.tis_cap
+        return self.inference_correction_low, self.inference_correction_high
+
+    @property
+    def clip_bounds(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(log(1 - eps_low), log(1 + eps_high))``, read from the schedulable buffers."""
+        buffers = dict(self.named_buffers(recurse=False))
+        low = buffers.get("clip_epsilon_low", buffers.get("clip_epsilon"))
+        high = buffers.get("clip_epsilon_high", buffers.get("clip_epsilon"))
+        return (-low).log1p(), high.log1p()
+
+    # --- keys -----------------------------------------------------------------------------
+
+    def set_keys(self, **kwargs) -> GRPOLoss:
+        """Change tensordict keys, as ClipPPOLoss's ``set_keys``.
+
+        ``ref_log_probs`` (torchrl's ``GRPOLoss`` name) is accepted for ``ref_log_prob``.
+        """
+        if "ref_log_probs" in kwargs:
+            kwargs["ref_log_prob"] = kwargs.pop("ref_log_probs")
+        return super().set_keys(**kwargs)
+
+    def _set_in_keys(self):
+        # ClipPPOLoss's __init__ calls this before the settings are set: read them with defaults
+        tk = self.tensor_keys
+        keys = [*self.actor_network.in_keys, tk.action, tk.sample_log_prob, tk.advantage, tk.mask]
+        if getattr(self, "kl_to_ref_coeff", None) is not None:
+            keys.append(tk.ref_log_prob)
+        tis_cap = getattr(self, "tis_cap", None)
+        if tis_cap is not None or getattr(self, "_inference_correction", None) is not None:
+            keys.append(tk.inference_log_prob)
+        if getattr(self, "decoupled", False):
+            keys.append(tk.proximal_log_prob)
+        if getattr(self, "mask_truncated_completions", False):
+            keys.append(tk.truncated)
+        self._in_keys = list(dict.fromkeys(keys))
+
+    @property
+    def out_keys(self):
+        if self._out_keys is None:
+            keys = [
+                "loss_objective",
+                "clip_fraction",
+                "clip_fraction_low",
+                "clip_fraction_high",
+                "kl_approx",
+                "ESS",
+            ]
+            if self.entropy_bonus:
+                keys += ["entropy", "loss_entropy"]
+            if self.kl_to_ref_coeff is not None:
+                keys += ["kl_to_ref", "loss_kl_to_ref"]
+            if self.kl_to_inference_coeff is not None:
+                keys += ["kl_to_inference", "loss_kl_to_inference"]
+            if self.inference_correction is not None:
+                keys.append("inference_masked_fraction")
+            if self.off_policy_mask_threshold is not None:
+                keys.append("off_policy_masked_fraction")
+            if self.decoupled:
+                keys.append("behaviour_masked_fraction")
+            if self.mask_truncated_completions:
+                keys.append("truncated_fraction")
+            self._out_keys = keys
+        return self._out_keys
+
+    @out_keys.setter
+    def out_keys(self, values):
+        self._out_keys = values
+
+    def make_value_estimator(self, value_type=None, **hyperparams):
+        """GRPO has no critic: the advantage comes with the batch (e.g. from ``MCAdvantage``).
+
+        Raises:
+            NotImplementedError: always.
+        """
+        raise NotImplementedError(
+            f"{type(self).__name__} has no critic and no value estimator: write the advantage "
+            f"into the batch under {self.tensor_keys.advantage!r} before calling the loss."
+        )
+
+    # --- forward: read -> terms -> output ---------------------------------------------------------
+
+    def forward(self, tensordict: TensorDictBase) -> GRPOLossOutput:
+        """Compute the loss terms and metrics of a batch.
+
+        Args:
+            tensordict (TensorDictBase): the batch; see the class docstring for the entries.
+
+        Returns:
+            GRPOLossOutput: the ``loss_*`` terms to sum and the metrics.
+
+        Raises:
+            KeyError: a required entry is missing (the key is named).
+            RuntimeError: a stored log-prob or advantage requires grad.
+            ValueError: an entry's shape does not match the policy's log-prob, a reference or
+                inference log-prob is not finite on a real token, or the batch has no real
+                token.
+            NotImplementedError: for multi-head (composite) action distributions.
+        """
+        tensordict = tensordict.copy()  # the policy writes into it; leave the input as is
+        plan = self._read_plan()
+        stored = _read_stored(tensordict, plan)  # before the policy writes into the batch
+        dist = self._distribution(tensordict)
+        read = _read_llm if self.is_llm else _read_actor
+        inputs = read(tensordict, dist, stored, plan)
+        out = self._terms(inputs)
+        if torch.compiler.is_compiling():
+            tensordict.clear_refs_for_compile_()
+        return GRPOLossOutput(**out, batch_size=[])
+
+    # --- read: what this call reads, and the policy's distribution over the batch -------------
+
+    def _read_plan(self) -> _ReadPlan:
+        """What this call reads from its batch: the keys, and the entries its settings need."""
+        inference, fallback = None, False
+        if self.inference_correction is not None:
+            inference = "for tis_cap" if self.tis_cap is not None else "for inference_correction"
+        elif self.kl_to_inference_coeff is not None:
+            inference, fallback = "for kl_to_inference_coeff", True
+        elif self.off_policy_mask_threshold is not None:
+            inference, fallback = "for off_policy_mask_threshold", True
+        end_tokens = ()  # TRL's rule for an LLM wrapper's batch without a truncated entry
+        if self.is_llm and self.mask_truncated_completions:
+            end_tokens = _end_tokens(getattr(self.actor_network, "tokenizer", None))
+        return _ReadPlan(
+            owner=type(self).__name__,
+            keys=self.tensor_keys,
+            loss_mask_key=self.loss_mask_key,
+            padded=self.is_llm,
+            masking_strategy=self.masking_strategy,
+            ref_padding=(self.ref_log_prob_padding_side, self.ref_log_prob_padding_value),
+            ref=self.kl_to_ref_coeff is not None,
+            inference=inference,
+            inference_fallback=fallback,
+            proximal=self.decoupled,
+            truncated=self.mask_truncated_completions,
+            end_tokens=end_tokens,
+            entropy=bool(self.entropy_bonus) or self.top_entropy_quantile is not None,
+            samples_mc_entropy=self.samples_mc_entropy,
+        )
+
+    def _distribution(self, tensordict: TensorDictBase):
+        """The policy's distribution over the batch, computed with the loss's parameters."""
+        with self._policy_params():
+            if self.is_llm:
+                return _llm_masked_dist(self.actor_network, tensordict, self.masking_strategy)
+            return self.actor_network.get_dist(tensordict)
+
+    def _policy_params(self):
+        """The context in which the policy runs with the loss's parameters."""
+        if self.functional:
+            return self.actor_network_params.to_module(
+                self.actor_network, preserve_module_state=False
+            )
+        return contextlib.nullcontext()
+
+    # --- terms: the math of loss_terms on the lined-up batch ------------------------------------
+
+    def _terms(self, x: _Inputs) -> dict[str, torch.Tensor]:
+        """The loss terms and metrics of a lined-up batch."""
+        mask, lp = x.mask, x.log_prob
+        # the policy the ratio and its clip are taken against: the proximal one (decoupled PPO)
+        # or the one that sampled the data
+        anchor = x.old_log_prob if x.proximal_log_prob is None else x.proximal_log_prob
+        loss_mask = self._loss_mask(x, anchor)
+        reduce = functools.partial(self._reduce, loss_mask=loss_mask, shape=x.shape)
+        log_clip_low, log_clip_high = self.clip_bounds
+        log_ratio = self._ratio_level(lp - anchor, mask)  # (B, T)
+        per_token = self._objective(log_ratio, x.advantage, lp, log_clip_low, log_clip_high)
+        if self.clip_ratio_c is not None:
+            per_token = dual_clip_loss(per_token, x.advantage, self.clip_ratio_c)
+        # tokens weighted or zeroed in the objective (they stay in the aggregation's denominator)
+        weight, keep, fractions = self._objective_factors(x, loss_mask)
+        if weight is not None:
+            per_token = per_token * weight
+        if keep is not None:
+            per_token = torch.where(keep, per_token, 0.0)
+        clip_fraction, clip_low, clip_high = clip_fractions(
+            log_ratio, mask, log_clip_low, log_clip_high
+        )
+        out = {
+            "loss_objective": reduce(per_token),
+            "clip_fraction": clip_fraction,
+            "clip_fraction_low": clip_low,
+            "clip_fraction_high": clip_high,
+            "kl_approx": masked_mean(anchor - lp, mask).detach(),
+            "ESS": effective_sample_size(log_ratio, mask),
+            **fractions,
+        }
+        if x.truncated is not None:
+            truncated = (x.truncated & mask).any(-1)  # (B,)
+            out["truncated_fraction"] = (truncated.sum() / mask.any(-1).sum()).to(lp.dtype)
+        return {**out, **self._regularisers(x, reduce)}
+
+    def _loss_mask(self, x: _Inputs, anchor: torch.Tensor) -> torch.Tensor:
+        """The tokens the loss terms cover (and the aggregation counts): the real ones, less
+        those outside the KL trust region and those of truncated completions. The metrics
+        describe every real token."""
+        loss_mask = x.mask
+        if self.kl_mask_threshold is not None:
+            in_region = kl_trust_region_mask(x.log_prob - anchor, self.kl_mask_threshold)
+            loss_mask = loss_mask & in_region
+        if x.truncated is not None:
+            loss_mask = loss_mask & ~x.truncated
+        return loss_mask
+
+    def _reduce(self, per_token, loss_mask: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+        """``(B, T)`` -> a scalar by the aggregation, or the per-token tensor (``"none"``)."""
+        if self.reduction == "none":
+            return torch.where(loss_mask, per_token, 0.0).reshape(shape)
+        if not loss_mask.any():  # every token excluded: no gradient
+            return (per_token * 0.0).sum()
+        return self._aggregate(per_token, loss_mask)
+
+    def _regularisers(self, x: _Inputs, reduce: Callable) -> dict[str, torch.Tensor]:
+        """The entropy bonus and the KL penalties: their metrics and their loss terms."""
+        out = {}
+        if self.entropy_bonus:
+            out["entropy"] = masked_mean(x.entropy, x.mask).detach()
+            out["loss_entropy"] = -self.entropy_coeff * reduce(x.entropy)
+        for name, coeff, other, estimator in (
+            ("kl_to_ref", self.kl_to_ref_coeff, x.ref_log_prob, self._kl_to_ref_estimator),
+            (
+                "kl_to_inference",
+                self.kl_to_inference_coeff,
+                x.inference_log_prob,
+                self._kl_to_inference_estimator,
+            ),
+        ):
+            if coeff is not None:
+                kl = estimator(x.log_prob, other)  # (B, T)
+                out[name] = masked_mean(kl, x.mask).detach()
+                out["loss_" + name] = coeff * reduce(kl)
+        return out
+
+    def _objective_factors(self, x: _Inputs, loss_mask: torch.Tensor):
+        """What multiplies each token's objective: ``(weight, keep, masked fractions)``.
+
+        Each enabled variant gives a detached weight and/or the tokens it keeps (one function
+        of :mod:`torchrl_grpo.loss_terms` each); ``weight`` and ``keep`` are ``None`` when no
+        variant is on, so the default loss runs no extra operation.
+        """
+        factors = []  # (weight or None, keep, name of its masked fraction or None)
+        if x.proximal_log_prob is not None:
+            w, k = decoupled_behaviour_weight(
+                x.proximal_log_prob, x.old_log_prob, self.behaviour_weight_cap
+            )
+            factors.append((w, k, "behaviour_masked_fraction"))
+        if self.inference_correction is not None:
+            low, high = self.inference_correction_bounds
+            log_weight = x.old_log_prob - x.inference_log_prob  # (B, T)
+            w, k = self.inference_correction(log_weight, x.mask, low, high)
+            factors.append((w, k, "inference_masked_fraction"))
+        if self.off_policy_mask_threshold is not None:
+            threshold = self.off_policy_mask_threshold
+            k = off_policy_sequence_mask(
+                x.log_prob, x.inference_log_prob, x.advantage, x.mask, threshold
+            )
+            factors.append((None, k, "off_policy_masked_fraction"))
+        if self.top_entropy_quantile is not None:
+            k = high_entropy_token_mask(x.entropy, loss_mask, self.top_entropy_quantile)
+            factors.append((None, k, None))
+        weight = keep = None
+        fractions = {}
+        for w, k, name in factors:
+            if name is not None:
+                fractions[name] = masked_mean((~k).to(x.log_prob.dtype), x.mask)
+            if w is not None:
+                weight = w if weight is None else weight * w
+            keep = k if keep is None else keep & k
+        return weight, keep, fractions

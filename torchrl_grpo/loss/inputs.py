@@ -1,0 +1,347 @@
+"""Reading a batch into aligned ``(B, T)`` tensors with one mask of real tokens.
+
+Two kinds of policy are read. A torchrl probabilistic actor gives its distribution's log-prob
+of the stored action, as ClipPPOLoss reads it (:func:`_read_actor`). A torchrl LLM wrapper scores
+``("tokens", "full")`` under a masking strategy, and the ragged entries of the batch are read
+left-padded, as :class:`torchrl.objectives.llm.GRPOLoss` reads them (:func:`_read_llm`). Both
+end in :func:`_line_up`: every entry checked against the policy's log-prob shape, flattened to
+``(B, T)`` sequences and zeroed on padding, so that the math of :mod:`torchrl_grpo.loss_terms`
+never sees a padded value.
+
+What a call reads is decided by the loss's settings at call time; the loss passes them as a
+:class:`_ReadPlan`, and nothing here reaches into the loss module.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+from tensordict import TensorDictBase, unravel_key
+from tensordict.nn import CompositeDistribution
+from tensordict.utils import NestedKey
+from torchrl.objectives import AUTO_LOSS_MASK_KEYS
+
+from torchrl_grpo import _compat
+from torchrl_grpo.llm.lean_wrapper import HiddenLLMMaskedCategorical
+from torchrl_grpo.token_dist import token_log_prob_entropy
+
+#: torchrl's keys for LLM-wrapper batches (those of ``torchrl.objectives.llm.GRPOLoss``).
+LLM_KEYS = {
+    "action": ("tokens", "full"),
+    "sample_log_prob": ("log_probs", "full"),
+    "ref_log_prob": ("next", "ref_log_probs", "full"),
+}
+#: The masking strategies of torchrl's LLM losses (``masking_strategy=...``).
+MASKING_STRATEGIES = tuple(_compat.LLM_MASKED_DIST_METHODS)
+#: What each masking strategy reads, for error messages.
+MASK_SOURCES = {
+    "sft": "('tokens', 'prompt') (or ('masks', 'all_assistant_mask')) and the attention mask",
+    "rlhf": "('masks', 'all_assistant_mask') (history input builds it)",
+    "generic": "('masks', 'all_attention_mask') or the wrapper's attention mask",
+}
+
+
+class _Inputs(NamedTuple):
+    """One batch read and lined up: every tensor ``(B, T)``, zeros where ``mask`` is False."""
+
+    log_prob: torch.Tensor  # current policy, differentiable
+    old_log_prob: torch.Tensor  # sample_log_prob: the ratio's anchor, or the behaviour policy
+    advantage: torch.Tensor
+    mask: torch.Tensor  # bool, True on real tokens
+    entropy: torch.Tensor | None  # differentiable; with entropy_bonus or top_entropy_quantile
+    ref_log_prob: torch.Tensor | None  # with kl_to_ref_coeff
+    inference_log_prob: torch.Tensor | None  # inference correction, KL to inference, OPSM
+    proximal_log_prob: torch.Tensor | None  # with decoupled: the ratio's anchor
+    truncated: torch.Tensor | None  # bool, True on the tokens of truncated completions
+    shape: torch.Size  # the policy log-prob's own shape (reduction="none" returns it)
+
+
+class _Stored(NamedTuple):
+    """The entries of the batch that are data, as stored (read before the policy runs)."""
+
+    advantage: torch.Tensor
+    old: torch.Tensor
+    ref: torch.Tensor | None
+    inference: torch.Tensor | None
+    proximal: torch.Tensor | None
+
+
+class _ReadPlan(NamedTuple):
+    """What one call reads from its batch and how: the loss's keys and settings at call time."""
+
+    owner: str  # the loss's class name, for error messages
+    keys: Any  # the loss's tensor_keys
+    loss_mask_key: Any  # torchrl's loss_mask_key: None, "auto" or a key; and-ed with keys.mask
+    padded: bool  # an LLM wrapper's batch: ragged entries are read left-padded
+    masking_strategy: str  # an LLM wrapper's: which of its tokens are real
+    ref_padding: tuple[str, float]  # side and value of the ragged reference log-probs
+    ref: bool  # read ref_log_prob (kl_to_ref_coeff)
+    inference: str | None  # why inference_log_prob is read ("for tis_cap"...); None: not read
+    inference_fallback: bool  # sample_log_prob stands in when inference_log_prob is absent
+    proximal: bool  # read proximal_log_prob (decoupled)
+    truncated: bool  # read or infer the truncated flags (mask_truncated_completions)
+    end_tokens: tuple[int, ...]  # EOS and pad ids: TRL's rule when no flag is stored
+    entropy: bool  # compute the entropy (entropy_bonus or top_entropy_quantile)
+    samples_mc_entropy: int
+
+
+def _read_stored(tensordict: TensorDictBase, plan: _ReadPlan) -> _Stored:
+    """The data entries of the batch, as stored, read before the policy runs."""
+    keys = plan.keys
+    if not isinstance(keys.sample_log_prob, NestedKey) or not isinstance(keys.action, NestedKey):
+        raise NotImplementedError(f"{plan.owner} supports single-head policies only.")
+    advantage = _get_input(tensordict, keys.advantage, "the advantage", plan)
+    old = _get_input(tensordict, keys.sample_log_prob, "the sampling log-probs", plan)
+    ref = inference = proximal = None
+    if plan.ref:
+        ref = _get_input(tensordict, keys.ref_log_prob, "for kl_to_ref_coeff", plan)
+    if plan.inference is not None:
+        key = keys.inference_log_prob
+        # torchrl's convention: without the sampler's own log-probs, the KL to inference (and
+        # OPSM's drift, as TRL) is taken against sample_log_prob
+        if plan.inference_fallback and not _has(tensordict, key):
+            key = keys.sample_log_prob
+        inference = _get_input(tensordict, key, plan.inference, plan)
+    if plan.proximal:
+        proximal = _get_input(tensordict, keys.proximal_log_prob, "for decoupled=True", plan)
+    return _Stored(advantage=advantage, old=old, ref=ref, inference=inference, proximal=proximal)
+
+
+def _llm_masked_dist(actor: Any, tensordict: TensorDictBase, masking_strategy: str):
+    """An LLM wrapper's masked token distribution over ``("tokens", "full")``; a failure is
+    told with what the masking strategy reads."""
+    try:
+        return _compat.llm_masked_dist(actor, tensordict, masking_strategy)
+    except (KeyError, ValueError, AttributeError) as err:
+        raise ValueError(
+            f"masking_strategy={masking_strategy!r} needs {MASK_SOURCES[masking_strategy]} in "
+            f"the batch; the wrapper failed with: {err}"
+        ) from err
+
+
+def _read_actor(
+    tensordict: TensorDictBase, dist: torch.distributions.Distribution, stored: _Stored, plan
+) -> _Inputs:
+    """A torchrl probabilistic actor: its distribution's log-prob of the stored action."""
+    if isinstance(dist, CompositeDistribution):
+        raise NotImplementedError(f"{plan.owner} supports single-head policies only.")
+    action = _get_input(tensordict, plan.keys.action, "the sampled action", plan)
+    log_prob = dist.log_prob(action)
+    if not log_prob.shape:
+        raise ValueError("The policy's log-prob is a scalar; expected a batch [N] or [B, T].")
+    entropy = _entropy(dist, plan.samples_mc_entropy) if plan.entropy else None
+    mask = _token_mask(tensordict, log_prob.shape, log_prob.device, plan)
+    truncated = _truncated(tensordict, log_prob.shape, plan)
+    return _line_up(log_prob, mask, entropy, stored, truncated, plan.keys)
+
+
+def _read_llm(tensordict: TensorDictBase, dist, stored: _Stored, plan: _ReadPlan) -> _Inputs:
+    """A torchrl LLM wrapper: its masked token distribution over ``("tokens", "full")``.
+
+    As :class:`torchrl.objectives.llm.GRPOLoss`: the wrapper builds the left-padded logits
+    and the mask of the masking strategy; tokens whose stored log-prob is not finite
+    (torchrl's NaN placeholders) are not real. Log-probs and entropy come from the logits
+    through :func:`~torchrl_grpo.token_log_prob_entropy`, which keeps no ``[B, T, V]``
+    temporary for the backward pass.
+    """
+    keys = plan.keys
+    mask = dist.mask.bool()  # (B, T)
+    # the wrapper may compute elsewhere than the batch lives (TransformersWrapper(device=)):
+    # the loss follows the policy's mask
+    device = mask.device
+    stored = _Stored(*(None if value is None else value.to(device) for value in stored))
+    tokens = _get_input(tensordict, keys.action, "the sampled tokens", plan, padding=-100)
+    tokens = tokens.to(device)
+    if tokens.shape != mask.shape:
+        raise ValueError(
+            f"{keys.action!r} has shape {tuple(tokens.shape)} once padded, but the policy's "
+            f"logits under masking_strategy={plan.masking_strategy!r} cover "
+            f"{tuple(mask.shape)}: the tokens and the wrapper's input disagree."
+        )
+    old_log_prob = _match_shape(stored.old, mask.shape, keys.sample_log_prob)
+    mask = mask & torch.isfinite(old_log_prob)
+    mask = mask & _token_mask(tensordict, mask.shape, mask.device, plan)
+    truncated = _truncated(tensordict, mask.shape, plan, last_tokens=tokens[:, -1])
+    truncated = None if truncated is None else truncated.to(device)
+    log_prob, entropy = _token_log_prob_entropy(dist, tokens.masked_fill(~mask, -100))
+    entropy = entropy if plan.entropy else None
+    return _line_up(log_prob, mask, entropy, stored._replace(old=old_log_prob), truncated, keys)
+
+
+def _get_input(
+    tensordict: TensorDictBase, key: NestedKey, why: str, plan: _ReadPlan, padding: float = 0.0
+) -> torch.Tensor:
+    """An entry that must be data: present, without gradient; padded left if ragged."""
+    if plan.padded:
+        side = "left"
+        if key == plan.keys.ref_log_prob:
+            side, padding = plan.ref_padding
+        value = tensordict.get(
+            key, None, as_padded_tensor=True, padding_side=side, padding_value=padding
+        )
+    else:
+        value = tensordict.get(key, None)
+    if value is None:
+        raise KeyError(
+            f"{plan.owner} needs {key!r} ({why}) in the input batch; "
+            f"found keys {sorted(map(str, tensordict.keys(True, True)))}."
+        )
+    if value.requires_grad:
+        raise RuntimeError(
+            f"The stored {key!r} requires grad: it must be data, not part of "
+            "the graph. Store it detached."
+        )
+    return value
+
+
+def _end_tokens(tokenizer: Any) -> tuple[int, ...]:
+    """The ids that end a finished completion: the tokenizer's EOS and pad tokens."""
+    ends = (getattr(tokenizer, name, None) for name in ("eos_token_id", "pad_token_id"))
+    return tuple(end for end in ends if end is not None)
+
+
+def _truncated(
+    tensordict: TensorDictBase, shape: torch.Size, plan: _ReadPlan, last_tokens=None
+) -> torch.Tensor | None:
+    """Per-token flags of truncated completions, with ``mask_truncated_completions``.
+
+    The ``truncated`` entry when present; for an LLM wrapper without it, TRL's rule on the
+    last token of each (left-padded) sequence: neither EOS nor the pad token.
+    """
+    if not plan.truncated:
+        return None
+    key = plan.keys.truncated
+    if _has(tensordict, key) or last_tokens is None:
+        why = "for mask_truncated_completions"
+        entry = _get_input(tensordict, key, why, plan, padding=False)
+        return _per_token(entry, shape, key).bool()
+    if not plan.end_tokens:
+        raise KeyError(
+            f"mask_truncated_completions needs {key!r} in the batch: the wrapper has no "
+            "tokenizer with an EOS or pad token to tell truncated completions apart."
+        )
+    finished = torch.isin(last_tokens, torch.tensor(plan.end_tokens, device=last_tokens.device))
+    return (~finished).unsqueeze(-1).expand(shape)
+
+
+def _token_mask(
+    tensordict: TensorDictBase, shape: torch.Size, device, plan: _ReadPlan
+) -> torch.Tensor:
+    """``mask`` and-ed with torchrl's loss-mask entries (``loss_mask_key``); all True if none."""
+    loss_mask = plan.loss_mask_key
+    if loss_mask is None:
+        extra = ()
+    else:
+        extra = AUTO_LOSS_MASK_KEYS if loss_mask == "auto" else (loss_mask,)
+    mask = torch.ones(shape, dtype=torch.bool, device=device)
+    for key in dict.fromkeys((plan.keys.mask, *extra)):
+        if tensordict.get(key, None) is not None:
+            entry = _get_input(tensordict, key, "a mask", plan, padding=False)
+            mask = mask & _per_token(entry, shape, key).bool().to(device)
+    return mask
+
+
+def _entropy(dist: torch.distributions.Distribution, samples_mc_entropy: int) -> torch.Tensor:
+    """Analytic entropy; a Monte-Carlo estimate where there is none (or it is not finite)."""
+    try:
+        entropy = dist.entropy()
+        if bool(torch.isfinite(entropy).all()):
+            return entropy
+    except NotImplementedError:
+        pass
+    sample_shape = (samples_mc_entropy,)
+    sample = dist.rsample(sample_shape) if dist.has_rsample else dist.sample(sample_shape)
+    return -dist.log_prob(sample).mean(0)
+
+
+def _line_up(log_prob, mask, entropy, stored: _Stored, truncated, keys) -> _Inputs:
+    """Every entry as ``(B, T)``, checked against the log-prob's shape, zeros on padding."""
+    shape = log_prob.shape
+    mask = _as_sequences(mask)  # (B, T)
+    if not mask.any():
+        raise ValueError(
+            f"The batch has no real token: the mask {keys.mask!r} is all False "
+            f"(shape {tuple(shape)}). There is nothing to average."
+        )
+
+    def tokens(x, key):  # (B, T), zeros on padding so nan/inf pads cannot leak
+        if x is None:
+            return None
+        return torch.where(mask, _as_sequences(_match_shape(x, shape, key)), 0.0)
+
+    for name, key, value in (
+        ("reference", keys.ref_log_prob, stored.ref),
+        ("inference", keys.inference_log_prob, stored.inference),
+        ("proximal", keys.proximal_log_prob, stored.proximal),
+    ):
+        if value is not None and not bool(torch.isfinite(tokens(value, key)).all()):
+            raise ValueError(
+                f"The {name} log-probs under {key!r} are not finite on some real tokens: "
+                "every token in the loss needs a finite log-prob."
+            )
+    advantage = _as_sequences(_per_token(stored.advantage, shape, keys.advantage))
+    return _Inputs(
+        log_prob=tokens(log_prob, "log_prob"),
+        old_log_prob=tokens(stored.old, keys.sample_log_prob),
+        advantage=torch.where(mask, advantage, 0.0),
+        mask=mask,
+        entropy=tokens(entropy, "entropy"),
+        ref_log_prob=tokens(stored.ref, keys.ref_log_prob),
+        inference_log_prob=tokens(stored.inference, keys.inference_log_prob),
+        proximal_log_prob=tokens(stored.proximal, keys.proximal_log_prob),
+        truncated=None if truncated is None else _as_sequences(truncated),
+        shape=shape,
+    )
+
+
+def _token_log_prob_entropy(dist, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs and entropies ``(B, T)`` of an LLM wrapper's masked distribution, in one pass.
+
+    From its logits through :func:`~torchrl_grpo.token_log_prob_entropy`, or, for a
+    distribution that holds no logits (:class:`~torchrl_grpo.LeanTransformersWrapper`'s), its
+    own ``log_prob_entropy``. Tokens below zero are padding.
+    """
+    if isinstance(dist, HiddenLLMMaskedCategorical):
+        return dist.log_prob_entropy(tokens)
+    return token_log_prob_entropy(dist.logits, tokens)
+
+
+def _has(tensordict: TensorDictBase, key: NestedKey) -> bool:
+    # a membership test that never stacks a ragged entry (``get`` would)
+    return unravel_key(key) in tensordict.keys(include_nested=True)
+
+
+def _as_sequences(x: torch.Tensor) -> torch.Tensor:
+    # [N] -> [N, 1] (one-token sequences); [..., T] -> [prod(...), T]
+    return x.reshape(-1, 1) if x.ndim == 1 else x.reshape(-1, x.shape[-1])
+
+
+def _match_shape(x: torch.Tensor, shape: torch.Size, key) -> torch.Tensor:
+    # an entry must have the log-prob's shape, optionally with a trailing singleton dimension
+    if x.shape == shape:
+        return x
+    if x.shape == shape + (1,):
+        return x.squeeze(-1)
+    raise ValueError(
+        f"{key!r} has shape {tuple(x.shape)}, but the policy's log-prob has shape "
+        f"{tuple(shape)}: expected {tuple(shape)} or {tuple(shape + (1,))}."
+    )
+
+
+def _per_token(adv: torch.Tensor, shape: torch.Size, key) -> torch.Tensor:
+    # per token ([B, T] or [B, T, 1]) or, for token batches, per sequence: [B] followed by
+    # singleton dimensions ([B], [B, 1], torchrl's LLM layout [B, 1, 1])
+    if adv.shape in (shape, shape + (1,)):
+        return _match_shape(adv, shape, key)
+    per_sequence = shape[:-1]
+    if len(shape) >= 2 and adv.shape[: len(per_sequence)] == per_sequence:
+        if adv.numel() == per_sequence.numel():
+            return adv.reshape(per_sequence + (1,)).expand(shape)
+    expected = [shape, shape + (1,)]
+    if len(shape) >= 2:
+        expected += [per_sequence, per_sequence + (1,), per_sequence + (1, 1)]
+    raise ValueError(
+        f"{key!r} has shape {tuple(adv.shape)}, but the policy's log-prob has shape "
+        f"{tuple(shape)}: expected one of {[tuple(s) for s in expected]}."
+    )

@@ -1,0 +1,374 @@
+"""The settings of a :class:`~torchrl_grpo.GRPOLoss`, checked once into a frozen record.
+
+:func:`loss_options` takes the loss's keywords as given, rejects what cannot work together
+(before any module is built, so that a bad call leaves nothing half-made), resolves the names of
+the variants into the callables of the registries of :mod:`torchrl_grpo.loss_terms`, and returns
+a :class:`LossOptions` that ``GRPOLoss.__init__`` wires into the module. A variant's factory
+(``_make_objective``, ``_make_inference_correction``, ``_make_aggregation``) binds the
+settings that variant takes and rejects those it does not.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType, SimpleNamespace
+from typing import Any
+
+import torch
+from torchrl.modules.llm import LLMWrapperBase
+
+from torchrl_grpo.loss.inputs import MASKING_STRATEGIES
+from torchrl_grpo.loss_terms import (
+    AGGREGATIONS,
+    INFERENCE_CORRECTIONS,
+    KL_ESTIMATORS,
+    OBJECTIVES,
+    RATIO_LEVELS,
+    Objective,
+    RatioLevel,
+)
+
+#: SAPO's temperatures (tau_pos, tau_neg) when none are given: the paper's and TRL's.
+SAPO_TEMPERATURES = (1.0, 1.05)
+#: The inference band when ``inference_correction`` is set without bounds: TRL's
+#: ``vllm_importance_sampling_clip_min`` / ``_clip_max`` defaults.
+INFERENCE_CORRECTION_BOUNDS = (None, 3.0)
+#: torchrl's ``GRPOLoss(aggregation=...)`` names, as this loss's aggregations.
+TORCHRL_AGGREGATIONS = {"prompt_mean": "seq_mean_token_mean"}
+#: The coefficients a GRPOLoss keeps as schedulable buffers (``loss.tis_cap = 1.5``), on top of
+#: ClipPPOLoss's ``clip_epsilon`` and ``entropy_coeff``; ``None`` when the variant is off.
+COEFFICIENTS = (
+    "clip_ratio_c",
+    "kl_to_ref_coeff",
+    "kl_to_inference_coeff",
+    "kl_mask_threshold",
+    "tis_cap",
+    "inference_correction_low",
+    "inference_correction_high",
+    "off_policy_mask_threshold",
+    "behaviour_weight_cap",
+    "top_entropy_quantile",
+)
+
+_NO_CRITIC = "GRPO has no critic: the advantage comes with the batch (torchrl_grpo.MCAdvantage)"
+#: ClipPPOLoss / torchrl GRPOLoss keywords that have no meaning here, and what replaces them.
+_REPLACED_KEYWORDS = {
+    **dict.fromkeys(
+        (
+            "critic_network",
+            "critic_coeff",
+            "loss_critic_type",
+            "clip_value",
+            "value_key",
+            "value_target_key",
+            "separate_losses",
+            "log_explained_variance",
+        ),
+        _NO_CRITIC,
+    ),
+    **dict.fromkeys(
+        ("gamma", "lmbda"),
+        "GRPO has no value estimator: returns and advantages are written by "
+        "torchrl_grpo.MCAdvantage (trajectory_return=...)",
+    ),
+    "normalize_advantage": "advantages are normalised per group by torchrl_grpo.MCAdvantage "
+    "(scale_rewards=...)",
+    "advantage_key": "use loss.set_keys(advantage=...)",
+    "entropy_coef": "use entropy_coeff",
+}
+
+
+@dataclass(frozen=True)
+class LossOptions:
+    """The validated settings of a GRPOLoss: what ``__init__`` wires into the module.
+
+    Attributes:
+        is_llm (bool): the policy is a torchrl LLM wrapper (``LLMWrapperBase``).
+        masking_strategy (str): ``"sft"``, ``"rlhf"`` or ``"generic"`` (read for LLM wrappers).
+        ref_log_prob_padding_side (str): ``"left"`` or ``"right"``.
+        ref_log_prob_padding_value (float): the padding of ragged reference log-probs.
+        clip_epsilon (float or tuple): as ClipPPOLoss takes it: an ``eps_low`` of 1 (no lower
+            bound) is given as 0, and ``no_lower_bound`` says to set it back after.
+        no_lower_bound (bool): ``eps_low = 1``, CISPO's weight without a lower bound.
+        entropy_bonus (bool), samples_mc_entropy (int), entropy_coeff (float or None),
+            reduction (str or None), functional (bool), device: ClipPPOLoss's settings.
+        objective (Objective): the per-token surrogate, SAPO's temperatures bound.
+        ratio_level (RatioLevel): ``(log_ratio, mask) -> log_ratio``.
+        aggregate (callable): ``(loss, mask) -> scalar``, Dr. GRPO's ``max_length`` bound.
+        kl_to_ref_estimator (callable), kl_to_inference_estimator (callable):
+            ``(log_prob, other_log_prob) -> per-token estimate``.
+        inference_correction (callable or None): ``(log_weight, mask, low, high) ->
+            (weight, keep)``; ``None`` when off or given as ``tis_cap``.
+        decoupled (bool), mask_truncated_completions (bool): as the keywords.
+        coefficients (Mapping[str, float or None]): the schedulable buffers of
+            :data:`COEFFICIENTS`, in that order; ``None`` when the variant is off.
+    """
+
+    is_llm: bool
+    masking_strategy: str
+    ref_log_prob_padding_side: str
+    ref_log_prob_padding_value: float
+    clip_epsilon: float | tuple[float, float]
+    no_lower_bound: bool
+    entropy_bonus: bool
+    samples_mc_entropy: int
+    entropy_coeff: float | None
+    reduction: str | None
+    functional: bool
+    device: torch.device | None
+    objective: Objective
+    ratio_level: RatioLevel
+    aggregate: Callable[..., torch.Tensor]
+    kl_to_ref_estimator: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    kl_to_inference_estimator: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    inference_correction: Callable | None
+    decoupled: bool
+    mask_truncated_completions: bool
+    coefficients: Mapping[str, float | None]
+
+
+def loss_options(
+    actor_network: Any, keywords: Mapping[str, Any], replaced: Mapping[str, Any]
+) -> LossOptions:
+    """Check a GRPOLoss's keywords and resolve its variants, before any module is built.
+
+    Args:
+        actor_network: the policy (an ``LLMWrapperBase`` switches to torchrl's LLM layout).
+        keywords (Mapping[str, Any]): every keyword-only argument of ``GRPOLoss.__init__``,
+            with its value (given or default).
+        replaced (Mapping[str, Any]): the other keywords given: ClipPPOLoss or torchrl
+            ``GRPOLoss`` arguments without meaning here, or unknown ones.
+
+    Returns:
+        LossOptions: the record ``GRPOLoss.__init__`` consumes.
+
+    Raises:
+        TypeError: for a keyword of ``replaced`` (the message names what replaces it) or a
+            per-head ``entropy_coeff``.
+        ValueError: for an unknown variant name, an invalid coefficient, or a variant's
+            setting given without the variant (see :class:`~torchrl_grpo.GRPOLoss`).
+
+    Examples:
+        >>> import inspect
+        >>> from torchrl_grpo.loss import GRPOLoss
+        >>> defaults = {
+        ...     name: p.default
+        ...     for name, p in inspect.signature(GRPOLoss).parameters.items()
+        ...     if p.kind is p.KEYWORD_ONLY
+        ... }
+        >>> options = loss_options(None, {**defaults, "clip_epsilon": (1.0, 3.0)}, {})
+        >>> options.clip_epsilon, options.no_lower_bound  # ClipPPOLoss gets eps_low = 0
+        ((0.0, 3.0), True)
+        >>> options.functional, options.coefficients["tis_cap"]
+        (True, None)
+        >>> loss_options(None, {**defaults, "clip_ratio_c": 0.5}, {})
+        Traceback (most recent call last):
+        ...
+        ValueError: clip_ratio_c must be greater than 1, got 0.5.
+    """
+    _reject_replaced(replaced)
+    k = SimpleNamespace(**keywords)
+    is_llm = isinstance(actor_network, LLMWrapperBase)
+    masking_strategy = _masking_strategy(k.masking_strategy, actor_network, is_llm)
+    _check_padding_side(k.ref_log_prob_padding_side)
+    aggregation, reduction = _aggregation_and_reduction(k.aggregation, k.reduction)
+    if isinstance(k.entropy_coeff, dict):
+        raise TypeError("GRPOLoss takes a scalar entropy_coeff (single-head policies only).")
+    objective = _make_objective(k.objective, k.sapo_temperature_pos, k.sapo_temperature_neg)
+    _check_dual_clip(objective, k.clip_ratio_c)
+    for name in ("tis_cap", "kl_mask_threshold", "off_policy_mask_threshold"):
+        _check_sign(name, getattr(k, name), "positive")
+    inference_correction, (low, high) = _make_inference_correction(
+        k.inference_correction, k.inference_correction_bounds, k.tis_cap
+    )
+    _check_decoupled(k.decoupled, k.behaviour_weight_cap)
+    if k.top_entropy_quantile is not None and not 0.0 <= k.top_entropy_quantile <= 1.0:
+        raise ValueError(f"top_entropy_quantile must be in [0, 1], got {k.top_entropy_quantile}.")
+    for name in ("kl_to_ref_coeff", "kl_to_inference_coeff"):
+        _check_sign(name, getattr(k, name), "non-negative")
+    clip_epsilon, no_lower_bound = _clip_band(k.clip_epsilon)
+    bounds = {"inference_correction_low": low, "inference_correction_high": high}
+    coefficients = {name: bounds.get(name, getattr(k, name, None)) for name in COEFFICIENTS}
+    return LossOptions(
+        is_llm=is_llm,
+        masking_strategy=masking_strategy,
+        ref_log_prob_padding_side=k.ref_log_prob_padding_side,
+        ref_log_prob_padding_value=float(k.ref_log_prob_padding_value),
+        clip_epsilon=clip_epsilon,
+        no_lower_bound=no_lower_bound,
+        entropy_bonus=k.entropy_bonus,
+        samples_mc_entropy=k.samples_mc_entropy,
+        entropy_coeff=k.entropy_coeff,
+        reduction=reduction,
+        # an LLM wrapper runs as it is (torchrl's LLM losses are not functional)
+        functional=not is_llm if k.functional is None else k.functional,
+        device=k.device,
+        objective=objective,
+        ratio_level=_lookup(RATIO_LEVELS, k.ratio_level, "ratio_level"),
+        aggregate=_make_aggregation(aggregation, k.max_length),
+        kl_to_ref_estimator=_lookup(KL_ESTIMATORS, k.kl_to_ref_estimator, "KL estimator"),
+        kl_to_inference_estimator=_lookup(
+            KL_ESTIMATORS, k.kl_to_inference_estimator, "KL estimator"
+        ),
+        inference_correction=inference_correction,
+        decoupled=bool(k.decoupled),
+        mask_truncated_completions=bool(k.mask_truncated_completions),
+        coefficients=MappingProxyType(coefficients),
+    )
+
+
+def _lookup(registry: Mapping[str, Callable], value: str | Callable, name: str) -> Callable:
+    """``value`` if it is a callable, else its entry in ``registry``."""
+    if callable(value):
+        return value
+    try:
+        return registry[value]
+    except (KeyError, TypeError):
+        raise ValueError(
+            f"Unknown {name} {value!r}: pass one of {sorted(registry)} or a callable."
+        ) from None
+
+
+def _reject_replaced(replaced: Mapping[str, Any]) -> None:
+    for name in replaced:
+        if name in _REPLACED_KEYWORDS:
+            raise TypeError(f"GRPOLoss takes no {name!r}: {_REPLACED_KEYWORDS[name]}.")
+    if replaced:
+        raise TypeError(f"GRPOLoss got unexpected keyword arguments {sorted(replaced)}.")
+
+
+def _masking_strategy(masking_strategy: str | None, actor_network: Any, is_llm: bool) -> str:
+    if masking_strategy is not None and not is_llm:
+        raise ValueError(
+            f"masking_strategy={masking_strategy!r} applies to torchrl LLM wrappers "
+            f"(LLMWrapperBase); this actor is a {type(actor_network).__name__}: mark real "
+            "tokens with the 'mask' key instead."
+        )
+    if masking_strategy is None:
+        return "sft"  # torchrl's default
+    if masking_strategy not in MASKING_STRATEGIES:
+        raise ValueError(
+            f"masking_strategy must be one of {list(MASKING_STRATEGIES)}, got {masking_strategy!r}."
+        )
+    return masking_strategy
+
+
+def _check_padding_side(side: str) -> None:
+    if side not in ("left", "right"):
+        raise ValueError(f"ref_log_prob_padding_side must be 'left' or 'right', got {side!r}.")
+
+
+def _aggregation_and_reduction(aggregation, reduction: str | None):
+    """torchrl's aggregation names translated; ``reduction`` checked."""
+    if aggregation == "none":  # torchrl's per-token output
+        aggregation, reduction = "token_mean", reduction or "none"
+    aggregation = TORCHRL_AGGREGATIONS.get(aggregation, aggregation)
+    if reduction not in (None, "mean", "none"):
+        raise ValueError(
+            f"GRPOLoss supports reduction='mean' (apply `aggregation`) or 'none', got "
+            f"{reduction!r}; for a sum over tokens use aggregation='seq_mean_token_sum' "
+            "or a callable."
+        )
+    return aggregation, reduction
+
+
+def _make_objective(objective, temperature_pos, temperature_neg) -> Objective:
+    """The objective; SAPO's with its temperatures bound (the defaults where not given)."""
+    fn = _lookup(OBJECTIVES, objective, "objective")
+    if fn is not OBJECTIVES["sapo"]:
+        if temperature_pos is not None or temperature_neg is not None:
+            raise ValueError(
+                f"sapo_temperature_pos / sapo_temperature_neg apply to objective='sapo', "
+                f"not {objective!r}."
+            )
+        return fn
+    taus = [
+        default if tau is None else tau
+        for tau, default in zip((temperature_pos, temperature_neg), SAPO_TEMPERATURES)
+    ]
+    if min(taus) <= 0:
+        raise ValueError(f"SAPO temperatures must be positive, got {tuple(taus)}.")
+    return functools.partial(fn, temperature_pos=taus[0], temperature_neg=taus[1])
+
+
+def _check_dual_clip(objective: Objective, clip_ratio_c: float | None) -> None:
+    if clip_ratio_c is None:
+        return
+    is_sapo = getattr(objective, "func", None) is OBJECTIVES["sapo"]
+    if objective is OBJECTIVES["cispo"] or is_sapo:
+        raise ValueError(
+            "clip_ratio_c (dual clip) applies to the PPO surrogate, not "
+            f"{'SAPO' if is_sapo else 'CISPO'}."
+        )
+    if clip_ratio_c <= 1.0:
+        raise ValueError(f"clip_ratio_c must be greater than 1, got {clip_ratio_c}.")
+
+
+def _check_sign(name: str, value: float | None, sign: str) -> None:
+    """``value`` is ``None`` (off), or ``"positive"`` / ``"non-negative"``."""
+    if value is not None and (value <= 0 if sign == "positive" else value < 0):
+        raise ValueError(f"{name} must be {sign}, got {value}.")
+
+
+def _make_inference_correction(correction, bounds, tis_cap):
+    """``(fn, (low, high))``: the correction and its band (``None`` fn for none)."""
+    if tis_cap is not None:
+        if correction is not None or bounds is not None:
+            raise ValueError(
+                "tis_cap is inference_correction='token_truncate' with bounds "
+                "(None, tis_cap): pass one or the other."
+            )
+        return None, (None, None)  # read from the tis_cap buffer
+    if correction is None:
+        if bounds is not None:
+            raise ValueError("inference_correction_bounds needs an inference_correction.")
+        return None, (None, None)
+    fn = _lookup(INFERENCE_CORRECTIONS, correction, "inference_correction")
+    low, high = INFERENCE_CORRECTION_BOUNDS if bounds is None else bounds
+    if (low is not None and low < 0) or (high is not None and high <= 0):
+        raise ValueError(
+            f"inference_correction_bounds must be a low >= 0 and a high > 0, got {bounds}."
+        )
+    if low is not None and high is not None and low >= high:
+        raise ValueError(f"inference_correction_bounds must have low < high, got {bounds}.")
+    return fn, (low, high)
+
+
+def _check_decoupled(decoupled: bool, behaviour_weight_cap: float | None) -> None:
+    if behaviour_weight_cap is None:
+        return
+    if not decoupled:
+        raise ValueError("behaviour_weight_cap applies to decoupled=True only.")
+    if behaviour_weight_cap <= 1.0:
+        raise ValueError(
+            f"behaviour_weight_cap must be greater than 1, got {behaviour_weight_cap}."
+        )
+
+
+def _clip_band(clip_epsilon):
+    """``(clip_epsilon as ClipPPOLoss takes it, no_lower_bound)``.
+
+    torchrl forbids ``eps_low >= 1`` (``log(0)``); here ``eps_low = 1`` means "no lower bound"
+    (CISPO): ClipPPOLoss gets 0, and the buffer is set back to 1 once registered.
+    """
+    no_lower_bound = isinstance(clip_epsilon, (tuple, list)) and float(clip_epsilon[0]) == 1.0
+    if no_lower_bound:
+        return (0.0, clip_epsilon[1]), True
+    return clip_epsilon, False
+
+
+def _make_aggregation(aggregation, max_length: int | None):
+    """The aggregation; Dr. GRPO's with ``max_length`` bound, which the others reject."""
+    fn = _lookup(AGGREGATIONS, aggregation, "aggregation")
+    wants_length = "max_length" in inspect.signature(fn).parameters
+    if wants_length and max_length is None:
+        raise ValueError(f"aggregation {aggregation!r} needs max_length (Dr. GRPO's L_max).")
+    if not wants_length and max_length is not None:
+        raise ValueError(
+            f"max_length={max_length} is only used by a length-normalised "
+            f"aggregation, not by {aggregation!r}."
+        )
+    return functools.partial(fn, max_length=max_length) if wants_length else fn

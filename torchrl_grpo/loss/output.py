@@ -1,0 +1,103 @@
+"""What :class:`~torchrl_grpo.GRPOLoss` returns: the loss terms and the metrics, as a
+tensordict ``TensorClass`` read like ClipPPOLoss's TensorDict output."""
+
+from __future__ import annotations
+
+import torch
+from tensordict import TensorClass
+
+
+class GRPOLossOutput(TensorClass["nocast"]):
+    # tensordict's TensorClass replaces the class docstring: it is set again below.
+
+    loss_objective: torch.Tensor
+    clip_fraction: torch.Tensor
+    clip_fraction_low: torch.Tensor
+    clip_fraction_high: torch.Tensor
+    kl_approx: torch.Tensor
+    ESS: torch.Tensor
+    entropy: torch.Tensor | None = None
+    loss_entropy: torch.Tensor | None = None
+    kl_to_ref: torch.Tensor | None = None
+    loss_kl_to_ref: torch.Tensor | None = None
+    kl_to_inference: torch.Tensor | None = None
+    loss_kl_to_inference: torch.Tensor | None = None
+    inference_masked_fraction: torch.Tensor | None = None
+    off_policy_masked_fraction: torch.Tensor | None = None
+    behaviour_masked_fraction: torch.Tensor | None = None
+    truncated_fraction: torch.Tensor | None = None
+
+    def __getitem__(self, index):
+        # out["loss_objective"], as a ClipPPOLoss TensorDict output is read
+        if isinstance(index, str) or (
+            isinstance(index, tuple) and index and all(isinstance(i, str) for i in index)
+        ):
+            value = self.get(index, None)
+            if value is None:
+                raise KeyError(f"{index!r} is not set in this {type(self).__name__}.")
+            return value
+        return super().__getitem__(index)
+
+    def total_loss(self) -> torch.Tensor:
+        """The sum of the ``loss_*`` terms: what torchrl's trainers minimise."""
+        return sum(value for key, value in self.items() if key.startswith("loss_"))
+
+    def mean(self, *args, reduce: bool | None = None, **kwargs):
+        # torchrl's GRPO recipe backpropagates ``loss.mean(reduce=True)``; on a TensorDict that
+        # is the mean of every field, metrics included, which divides the gradient by the number
+        # of fields. Here it is the total loss, whatever metrics are reported.
+        if reduce and not args and not kwargs:
+            return self.total_loss()
+        return super().mean(*args, reduce=reduce, **kwargs)
+
+
+GRPOLossOutput.__doc__ = """What :class:`GRPOLoss` returns: the terms to sum and the metrics to log.
+
+    Every ``loss_*`` field is a differentiable scalar (or, with ``reduction="none"``, a per-token
+    tensor of the policy's log-prob shape holding zeros on padding); the others are detached
+    scalars computed over real tokens only. Optional terms are ``None`` when not configured.
+
+    It is read like ClipPPOLoss's TensorDict output and like torchrl's ``GRPOLossOutput``:
+    ``out.loss_objective``, ``out["loss_objective"]``, ``out.items()`` (torchrl's ``Trainer``,
+    ``GRPOTrainer`` and PPO trainer sum the ``loss*`` entries). :meth:`total_loss` is that sum.
+    ``out.mean(reduce=True)``, which torchrl's GRPO recipe backpropagates, is :meth:`total_loss`
+    too: the mean over fields would divide the gradient by the number of fields, metrics
+    included, so adding a metric would rescale training.
+
+    Attributes:
+        loss_objective: the aggregated surrogate loss.
+        clip_fraction: share of real tokens whose ratio is outside the clip band.
+        clip_fraction_low: share below ``1 - eps_low``.
+        clip_fraction_high: share above ``1 + eps_high``.
+        kl_approx: ``mean(log pi_old - log pi_theta)``, as :class:`~torchrl.objectives.ClipPPOLoss`.
+        ESS: normalised effective sample size of the importance weights, in ``(0, 1]``.
+        entropy: mean per-token entropy of the policy (``None`` without ``entropy_bonus``).
+        loss_entropy: ``-entropy_coeff`` times the aggregated entropy.
+        kl_to_ref: mean KL estimate to the reference policy (``None`` without ``kl_to_ref_coeff``).
+        loss_kl_to_ref: ``kl_to_ref_coeff`` times the aggregated estimate.
+        kl_to_inference: mean KL estimate to the sampling policy.
+        loss_kl_to_inference: ``kl_to_inference_coeff`` times the aggregated estimate.
+        inference_masked_fraction: share of real tokens the correction against the inference
+            engine leaves out (weight 0: outside the band in the ``*_mask`` modes; 0 in the
+            truncating ones). With ``inference_correction`` or ``tis_cap``.
+        off_policy_masked_fraction: share of real tokens dropped by off-policy sequence masking
+            (with ``off_policy_mask_threshold``).
+        behaviour_masked_fraction: share of real tokens whose decoupled-PPO behaviour weight
+            exceeds ``behaviour_weight_cap`` (with ``decoupled=True``; 0 without a cap).
+        truncated_fraction: share of the sequences flagged truncated, which leave the loss
+            (with ``mask_truncated_completions``).
+
+    Examples:
+        >>> import torch
+        >>> out = GRPOLossOutput(
+        ...     loss_objective=torch.tensor(0.5), clip_fraction=torch.tensor(0.0),
+        ...     clip_fraction_low=torch.tensor(0.0), clip_fraction_high=torch.tensor(0.0),
+        ...     kl_approx=torch.tensor(0.0), ESS=torch.tensor(1.0),
+        ...     loss_entropy=torch.tensor(-0.25), entropy=torch.tensor(2.5), batch_size=[])
+        >>> out["loss_objective"], out.kl_to_ref
+        (tensor(0.5000), None)
+        >>> out.total_loss()  # loss_objective + loss_entropy
+        tensor(0.2500)
+        >>> out.mean(reduce=True)  # the same, not the mean of the seven fields
+        tensor(0.2500)
+    """

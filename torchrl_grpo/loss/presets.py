@@ -1,0 +1,271 @@
+"""The published variants as presets: GRPOLoss with a paper's defaults, one table each.
+
+A preset is a :class:`~torchrl_grpo.GRPOLoss` whose keyword defaults are its class's
+``defaults``; the keywords a caller gives win, and every other GRPOLoss keyword is taken.
+A new preset is a subclass of :class:`_Preset` with its docstring and its ``defaults``.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any, ClassVar
+
+from torchrl_grpo.loss.grpo import GRPOLoss
+from torchrl_grpo.loss.options import SAPO_TEMPERATURES
+
+__all__ = ["CISPOLoss", "DAPOLoss", "DrGRPOLoss", "GSPOLoss", "SAPOLoss"]
+
+
+class _PresetSignature:
+    """``inspect.signature(Preset)``, which the docs show: GRPOLoss's keywords with the
+    preset's defaults (its ``required`` ones without a default). On the class only: an instance
+    keeps the call signature of any GRPOLoss."""
+
+    def __get__(self, instance: Any, owner: type[_Preset]) -> inspect.Signature:
+        if instance is not None:
+            raise AttributeError("__signature__")
+        signature = inspect.signature(GRPOLoss)
+        parameters = []
+        for parameter in signature.parameters.values():
+            if parameter.name in owner.required:
+                parameter = parameter.replace(default=inspect.Parameter.empty)
+            elif parameter.name in owner.defaults:
+                parameter = parameter.replace(default=owner.defaults[parameter.name])
+            parameters.append(parameter)
+        return signature.replace(parameters=parameters)
+
+
+class _Preset(GRPOLoss):
+    """A GRPOLoss whose keyword defaults are the class's ``defaults``."""
+
+    #: The preset's keyword defaults, merged under the caller's keywords.
+    defaults: ClassVar[Mapping[str, Any]] = MappingProxyType({})
+    #: The keywords the preset has no default for, that the caller must give.
+    required: ClassVar[tuple[str, ...]] = ()
+    __signature__ = _PresetSignature()
+
+    def __init__(self, actor_network=None, **kwargs):
+        for name in self.required:
+            if name not in kwargs:
+                raise TypeError(
+                    f"{type(self).__name__}.__init__() missing 1 required keyword-only "
+                    f"argument: {name!r}"
+                )
+        super().__init__(actor_network, **{**self.defaults, **kwargs})
+
+
+class DAPOLoss(_Preset):
+    """GRPOLoss with DAPO's defaults: clip-higher and a global token mean, no KL.
+
+    DAPO (Yu et al., 2025, "DAPO: An Open-Source LLM Reinforcement Learning System at Scale",
+    arXiv:2503.14476) decouples the clip band, ``[1 - 0.2, 1 + 0.28]`` (Eq. 10), so that
+    low-probability tokens can grow, averages the loss over all tokens of the batch (its
+    token-level policy-gradient loss, ``"token_mean"``) and drops the KL penalty. Its dynamic
+    sampling and overlong shaping act on the data, not on the loss.
+
+    .. math:: L = \\frac{1}{\\sum_i |o_i|} \\sum_{i,t} -\\min\\big(r_{i,t} A_i,\\
+        \\operatorname{clip}(r_{i,t}, 0.8, 1.28) A_i\\big)
+
+    Args:
+        actor_network (ProbabilisticTensorDictSequential): the policy.
+
+    Keyword Args:
+        clip_epsilon: defaults to ``(0.2, 0.28)``.
+        aggregation: defaults to ``"token_mean"``.
+        entropy_coeff: defaults to ``0.0`` (the entropy is still reported).
+        **kwargs: any other :class:`GRPOLoss` keyword.
+
+    Examples:
+        >>> import torch
+        >>> from tensordict.nn import TensorDictModule
+        >>> from torchrl.modules import ProbabilisticActor
+        >>> net = TensorDictModule(torch.nn.Linear(3, 5), ["hidden"], ["logits"])
+        >>> policy = ProbabilisticActor(net, in_keys=["logits"], out_keys=["tokens"],
+        ...     distribution_class=torch.distributions.Categorical)
+        >>> loss = DAPOLoss(policy)
+        >>> loss.clip_epsilon_low, loss.clip_epsilon_high
+        (tensor(0.2000), tensor(0.2800))
+    """
+
+    defaults = MappingProxyType(
+        {"clip_epsilon": (0.2, 0.28), "aggregation": "token_mean", "entropy_coeff": 0.0}
+    )
+
+
+class DrGRPOLoss(_Preset):
+    """GRPOLoss with Dr. GRPO's defaults: token sums divided by a constant length, no KL.
+
+    Dr. GRPO (Liu et al., 2025, "Understanding R1-Zero-Like Training: A Critical Perspective",
+    arXiv:2503.20783) removes GRPO's two biases: the division by the response length ``|o_i|``
+    in the loss -- replaced here by the constant generation budget ``max_length`` -- and the
+    division by the reward standard deviation in the advantage (an advantage-side setting).
+
+    .. math:: L = \\frac{1}{G} \\sum_{i=1}^{G} \\frac{1}{L_{\\max}} \\sum_{t=1}^{|o_i|}
+        -\\min\\big(r_{i,t} A_i,\\ \\operatorname{clip}(r_{i,t}, 0.8, 1.2) A_i\\big)
+
+    Args:
+        actor_network (ProbabilisticTensorDictSequential): the policy.
+
+    Keyword Args:
+        max_length (int): ``L_max``, the maximum number of generated tokens. Required.
+        clip_epsilon: defaults to ``0.2``.
+        aggregation: defaults to ``"seq_mean_token_sum_norm"``.
+        entropy_coeff: defaults to ``0.0``.
+        **kwargs: any other :class:`GRPOLoss` keyword.
+
+    Examples:
+        >>> import torch
+        >>> from tensordict.nn import TensorDictModule
+        >>> from torchrl.modules import ProbabilisticActor
+        >>> net = TensorDictModule(torch.nn.Linear(3, 5), ["hidden"], ["logits"])
+        >>> policy = ProbabilisticActor(net, in_keys=["logits"], out_keys=["tokens"],
+        ...     distribution_class=torch.distributions.Categorical)
+        >>> loss = DrGRPOLoss(policy, max_length=1024)
+    """
+
+    defaults = MappingProxyType(
+        {"clip_epsilon": 0.2, "aggregation": "seq_mean_token_sum_norm", "entropy_coeff": 0.0}
+    )
+    required = ("max_length",)
+
+
+class GSPOLoss(_Preset):
+    """GRPOLoss with GSPO's defaults: a sequence-level ratio and a very narrow clip band.
+
+    GSPO (Zheng et al., 2025, "Group Sequence Policy Optimization", arXiv:2507.18071) clips the
+    length-normalised sequence ratio ``s_i`` instead of each token's, with the band
+    ``[1 - 3e-4, 1 + 4e-4]`` (Sec. 5.1), averages over sequences and uses no KL penalty.
+
+    .. math:: L = \\frac{1}{G} \\sum_{i=1}^{G} -\\min\\big(s_i A_i,\\
+        \\operatorname{clip}(s_i, 1 - 3\\cdot 10^{-4}, 1 + 4\\cdot 10^{-4}) A_i\\big), \\quad
+        s_i = \\exp\\Big(\\frac{1}{|o_i|} \\sum_t \\log r_{i,t}\\Big)
+
+    Args:
+        actor_network (ProbabilisticTensorDictSequential): the policy.
+
+    Keyword Args:
+        clip_epsilon: defaults to ``(3e-4, 4e-4)``.
+        ratio_level: defaults to ``"sequence"``.
+        aggregation: defaults to ``"seq_mean_token_mean"``.
+        entropy_coeff: defaults to ``0.0``.
+        **kwargs: any other :class:`GRPOLoss` keyword.
+
+    Examples:
+        >>> import torch
+        >>> from tensordict.nn import TensorDictModule
+        >>> from torchrl.modules import ProbabilisticActor
+        >>> net = TensorDictModule(torch.nn.Linear(3, 5), ["hidden"], ["logits"])
+        >>> policy = ProbabilisticActor(net, in_keys=["logits"], out_keys=["tokens"],
+        ...     distribution_class=torch.distributions.Categorical)
+        >>> loss = GSPOLoss(policy)
+    """
+
+    defaults = MappingProxyType(
+        {
+            "clip_epsilon": (3e-4, 4e-4),
+            "ratio_level": "sequence",
+            "aggregation": "seq_mean_token_mean",
+            "entropy_coeff": 0.0,
+        }
+    )
+
+
+class CISPOLoss(_Preset):
+    """GRPOLoss with CISPO's objective: a clipped, stop-gradient importance weight.
+
+    CISPO (MiniMax, 2025, "MiniMax-M1", arXiv:2506.13585) keeps every token's gradient
+    and only bounds its importance weight:
+
+    .. math:: L = -\\frac{1}{\\sum_i |o_i|} \\sum_{i,t}
+        \\operatorname{sg}\\big[\\operatorname{clip}(r_{i,t}, 1-\\varepsilon_{low},
+        1+\\varepsilon_{high})\\big] A_i \\log \\pi_\\theta(o_{i,t})
+
+    MiniMax-M1 imposes no lower bound (``eps_low = 1``) and tunes only the upper one, without
+    publishing its value; the default cap of the weight at ``4`` (``eps_high = 3``) follows
+    ScaleRL (Khatri et al., 2025, arXiv:2510.13786), which found CISPO insensitive to it in
+    ``{4, 5, 8}``. Unlike torchrl 0.14.1's ``CISPOLoss``, the weight carries no gradient, so
+    tokens outside the band still learn.
+
+    Args:
+        actor_network (ProbabilisticTensorDictSequential): the policy.
+
+    Keyword Args:
+        clip_epsilon: defaults to ``(1.0, 3.0)``: the weight is clipped to ``[0, 4]``.
+        objective: defaults to ``"cispo"``.
+        aggregation: defaults to ``"token_mean"``.
+        entropy_coeff: defaults to ``0.0``.
+        **kwargs: any other :class:`GRPOLoss` keyword.
+
+    Examples:
+        >>> import torch
+        >>> from tensordict.nn import TensorDictModule
+        >>> from torchrl.modules import ProbabilisticActor
+        >>> net = TensorDictModule(torch.nn.Linear(3, 5), ["hidden"], ["logits"])
+        >>> policy = ProbabilisticActor(net, in_keys=["logits"], out_keys=["tokens"],
+        ...     distribution_class=torch.distributions.Categorical)
+        >>> loss = CISPOLoss(policy)
+        >>> loss.clip_bounds[0]  # no lower bound
+        tensor(-inf)
+    """
+
+    defaults = MappingProxyType(
+        {
+            "clip_epsilon": (1.0, 3.0),
+            "objective": "cispo",
+            "aggregation": "token_mean",
+            "entropy_coeff": 0.0,
+        }
+    )
+
+
+class SAPOLoss(_Preset):
+    """GRPOLoss with SAPO's objective: a soft, temperature-controlled gate instead of the clip.
+
+    SAPO (Gao et al., 2025, "Soft Adaptive Policy Optimization", arXiv:2511.20347) replaces the
+    hard clip of the ratio by a sigmoid gate whose temperature depends on the advantage's sign
+    (:func:`~torchrl_grpo.loss_terms.sapo_loss`), and keeps GRPO's sequence-level averaging:
+
+    .. math:: L = -\\frac{1}{G} \\sum_{i=1}^{G} \\frac{1}{|o_i|} \\sum_{t=1}^{|o_i|}
+        \\frac{4}{\\tau_{i,t}}\\, \\sigma\\big(\\tau_{i,t} (r_{i,t} - 1)\\big) A_{i,t}, \\qquad
+        \\tau_{i,t} = \\tau_{pos} \\text{ if } A_{i,t} > 0 \\text{ else } \\tau_{neg}
+
+    with ``tau_pos = 1.0`` and ``tau_neg = 1.05`` (the paper's and TRL's defaults). Tokens far
+    off-policy get a smoothly vanishing gradient rather than none past a bound; on-policy the
+    gradient is GRPO's. ``clip_epsilon`` only sets the reported clip fractions.
+
+    Args:
+        actor_network (ProbabilisticTensorDictSequential or LLMWrapperBase): the policy.
+
+    Keyword Args:
+        sapo_temperature_pos: ``tau_pos``, defaults to ``1.0``.
+        sapo_temperature_neg: ``tau_neg``, defaults to ``1.05``.
+        aggregation: defaults to ``"seq_mean_token_mean"``.
+        entropy_coeff: defaults to ``0.0``.
+        **kwargs: any other :class:`GRPOLoss` keyword.
+
+    Examples:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> from tensordict.nn import TensorDictModule
+        >>> from torchrl.modules import ProbabilisticActor
+        >>> net = TensorDictModule(torch.nn.Linear(3, 5), ["hidden"], ["logits"])
+        >>> policy = ProbabilisticActor(net, in_keys=["logits"], out_keys=["tokens"],
+        ...     distribution_class=torch.distributions.Categorical, return_log_prob=True)
+        >>> batch = policy(TensorDict(hidden=torch.randn(2, 4, 3), batch_size=[2])).detach()
+        >>> batch["advantage"] = torch.tensor([1.0, -1.0])
+        >>> out = SAPOLoss(policy)(batch)  # on-policy: -(4 / tau) * sigmoid(0) * A per sequence
+        >>> round(out.loss_objective.item(), 4)  # (-2 / 1.0 + 2 / 1.05) / 2
+        -0.0476
+    """
+
+    defaults = MappingProxyType(
+        {
+            "objective": "sapo",
+            "sapo_temperature_pos": SAPO_TEMPERATURES[0],
+            "sapo_temperature_neg": SAPO_TEMPERATURES[1],
+            "aggregation": "seq_mean_token_mean",
+            "entropy_coeff": 0.0,
+        }
+    )
