@@ -205,9 +205,18 @@ def main(argv=None) -> dict:
         evals.append({"env_steps": 0, "wall_s": time.perf_counter() - START, "return": eval_return})
 
     return demo.finish_run(
-        run_dir, actor, history, evals, cfg.target_return, (eval_env, confirm_env), seconds,
-        START, solved=solved, env_steps=env_steps, eval_return=eval_return,
-    )  # fmt: skip
+        run_dir,
+        actor,
+        history,
+        evals,
+        cfg.target_return,
+        (eval_env, confirm_env),
+        seconds,
+        START,
+        solved=solved,
+        env_steps=env_steps,
+        eval_return=eval_return,
+    )
 
 
 if __name__ == "__main__":

@@ -295,9 +295,13 @@ def env_costs(demo) -> None:
         whole = {} if episodes is None else dict(trajs_per_batch=episodes, traj_format="cat")
         polled = []
         collector = Collector(
-            env, demo.make_actor(64), frames_per_batch=frames, total_frames=-1,
-            post_collect_hook=lambda steps: polled.append(steps.numel()), **whole,
-        )  # fmt: skip
+            env,
+            demo.make_actor(64),
+            frames_per_batch=frames,
+            total_frames=-1,
+            post_collect_hook=lambda steps: polled.append(steps.numel()),
+            **whole,
+        )
         batches = iter(collector)
 
         def step() -> int:

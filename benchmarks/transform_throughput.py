@@ -5,10 +5,10 @@ Every row writes the same data with ``rb.extend`` into a fresh ``ReplayBuffer`` 
 transform from this package, with torchrl 0.14.1's ``MCAdvantage``, and with no transform (the
 copy into storage, the floor). Times are the CPU time of this process (``time.process_time``; torch
 runs on one thread; with ``--device cuda`` the data and the storage are on the GPU and times are
-wall time after a synchronization), so that other processes sharing the machine do not inflate them, with the
-garbage collector paused while timing (as ``timeit`` does); the three are timed in turn,
-repeatedly, and each keeps its fastest time (as ``timeit`` advises). Ratios are
-within one run. ``torchrl/ours`` compares whole ``extend`` calls; ``own cost`` compares what each
+wall time after a synchronization), so that other processes sharing the machine do not inflate
+them, with the garbage collector paused while timing (as ``timeit`` does); the three are timed in
+turn, repeatedly, and each keeps its fastest time (as ``timeit`` advises). Ratios are within one
+run. ``torchrl/ours`` compares whole ``extend`` calls; ``own cost`` compares what each
 transform adds to the plain copy, ``(torchrl - plain) / (ours - plain)``.
 
 A second table times the estimators beyond torchrl's (REINFORCE++-baseline's whitening, pass@k,
@@ -209,7 +209,10 @@ def collector_batches(envs: int, steps: int, mean_len: int, batches: int, group:
         batch = timeline[:, b * steps : (b + 1) * steps].clone()
         flat_done = batch["next", "done"].reshape(-1)
         ended = batch["collector", "traj_ids"].reshape(-1)[flat_done]  # in last-step order
-        episodes = [timeline.reshape(-1)[(timeline["collector", "traj_ids"] == i).reshape(-1)] for i in ended.tolist()]  # fmt: skip
+        episodes = [
+            timeline.reshape(-1)[(timeline["collector", "traj_ids"] == i).reshape(-1)]
+            for i in ended.tolist()
+        ]
         out.append(batch)
         whole.append(torch.cat(episodes) if episodes else None)
     return out, whole

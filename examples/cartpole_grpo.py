@@ -212,7 +212,7 @@ def make_eval_env(num_envs: int, seeds: range, device="cpu") -> TransformedEnv:
 
 
 def make_actor(hidden: int) -> ProbabilisticActor:
-    """A categorical policy over CartPole's 2 actions; it writes ``action_log_prob`` for the loss."""
+    """A categorical policy over CartPole's 2 actions, writing ``action_log_prob`` for the loss."""
     net = MLP(
         in_features=4, out_features=2, num_cells=[hidden, hidden], activation_class=torch.nn.Tanh
     )
@@ -242,9 +242,11 @@ def evaluate(env: TransformedEnv, actor: ProbabilisticActor) -> float:
 
 
 def greedy_return(
-    actor: ProbabilisticActor, eval_env: TransformedEnv, confirm_env: TransformedEnv | None,
+    actor: ProbabilisticActor,
+    eval_env: TransformedEnv,
+    confirm_env: TransformedEnv | None,
     target: float,
-) -> tuple[float, bool]:  # fmt: skip
+) -> tuple[float, bool]:
     """The greedy policy's mean return on fresh episodes, and whether it solves the task.
 
     One episode per sub-env of ``eval_env``; if their mean reaches ``target``, one per sub-env of
@@ -297,9 +299,19 @@ def save_plot(history: list[dict], evals: list[dict], target: float, path: Path)
 
 
 def finish_run(
-    run_dir: Path, actor, history: list[dict], evals: list[dict], target: float, envs,
-    seconds: dict, start: float, *, solved: bool, env_steps: int, eval_return: float,
-) -> dict:  # fmt: skip
+    run_dir: Path,
+    actor,
+    history: list[dict],
+    evals: list[dict],
+    target: float,
+    envs,
+    seconds: dict,
+    start: float,
+    *,
+    solved: bool,
+    env_steps: int,
+    eval_return: float,
+) -> dict:
     """Save the policy (on the CPU) and the plot, close ``envs``, print the outputs folder, the
     seconds per phase and the ``RESULT`` line; returns the result as a dict. Shared with the PPO
     baseline (``benchmarks/cartpole_ppo.py``), so both end the same way."""
@@ -337,8 +349,8 @@ def main(argv: list[str] | None = None) -> dict:
         )
     except ImportError as error:  # tensorboard / wandb missing: say what to install
         raise SystemExit(
-            f"--logger {cfg.logger} needs the {cfg.logger} package: pip install -e '.[{cfg.logger}]' "
-            f"(or --logger csv). ({error})"
+            f"--logger {cfg.logger} needs the {cfg.logger} package: "
+            f"pip install -e '.[{cfg.logger}]' (or --logger csv). ({error})"
         ) from error
     run_dir.mkdir(parents=True, exist_ok=True)
     if logger is not None:
@@ -469,13 +481,15 @@ def main(argv: list[str] | None = None) -> dict:
             }
             if out is not None:  # no optimizer step yet (--epochs 0): no loss to log
                 out = out.detach()
-                metrics.update({
-                    "train/loss_objective": out.loss_objective,
-                    "train/entropy": out.entropy,
-                    "train/kl_approx": out.kl_approx,
-                    "train/clip_fraction": out.clip_fraction,
-                    "train/ESS": out.ESS,
-                })  # fmt: skip
+                metrics.update(
+                    {
+                        "train/loss_objective": out.loss_objective,
+                        "train/entropy": out.entropy,
+                        "train/kl_approx": out.kl_approx,
+                        "train/clip_fraction": out.clip_fraction,
+                        "train/ESS": out.ESS,
+                    }
+                )
             for name, value in metrics.items():
                 logger.log_scalar(name, float(value), step=env_steps)
         bar.update(env_steps - bar.n)
@@ -488,9 +502,18 @@ def main(argv: list[str] | None = None) -> dict:
         evals.append({"env_steps": 0, "wall_s": time.perf_counter() - START, "return": eval_return})
 
     return finish_run(
-        run_dir, actor, history, evals, cfg.target_return, (eval_env, confirm_env), seconds,
-        START, solved=solved, env_steps=env_steps, eval_return=eval_return,
-    )  # fmt: skip
+        run_dir,
+        actor,
+        history,
+        evals,
+        cfg.target_return,
+        (eval_env, confirm_env),
+        seconds,
+        START,
+        solved=solved,
+        env_steps=env_steps,
+        eval_return=eval_return,
+    )
 
 
 if __name__ == "__main__":

@@ -5,11 +5,11 @@ import math
 import pytest
 import torch
 from helpers import reference_discounted_returns
+from helpers.references import reference_advantage, reference_whiten
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from torchrl_grpo.advantages import (
-    Segments,
     anchor_step_groups,
     batch_whiten,
     discounted_returns,
@@ -23,44 +23,6 @@ from torchrl_grpo.advantages import (
     step_level_advantage,
     trajectory_returns,
 )
-
-
-def reference_advantage(
-    x, groups, baseline="mean", scale_rewards="group", epsilon=1e-6, whiten=False
-):
-    """One group at a time, in Python floats: the definition, written plainly."""
-    x, groups = x.double().tolist(), groups.tolist()
-    out = [0.0] * len(x)
-    everything = torch.tensor(x, dtype=torch.float64)
-    batch_std = float(everything.std()) if len(x) > 1 else 0.0
-    for g in set(groups):
-        idx = [i for i, gi in enumerate(groups) if gi == g]
-        vals = [x[i] for i in idx]
-        n = len(vals)
-        mean = sum(vals) / n
-        std = math.sqrt(sum((v - mean) ** 2 for v in vals) / (n - 1)) if n > 1 else 0.0
-        scale = {"group": std, "batch": batch_std, "none": 1.0}[scale_rewards]
-        for i in idx:
-            if baseline == "mean":
-                b = mean
-            elif baseline == "leave_one_out":
-                b = (sum(vals) - x[i]) / (n - 1) if n > 1 else x[i]
-            else:  # pass_at_k: the best of the others (a group of one: itself)
-                others = [x[j] for j in idx if j != i]
-                b = x[i] - (max(vals) - max(others)) if others else x[i]
-            out[i] = (x[i] - b) / max(scale, epsilon)
-    if whiten:
-        out = reference_whiten(out, [1.0] * len(out), epsilon).tolist()
-    return torch.tensor(out, dtype=torch.float64)
-
-
-def reference_whiten(x, weights, epsilon=1e-6):
-    """Each sample repeated ``weights[i]`` times (integers), then whitened, in Python floats."""
-    repeated = [v for v, w in zip(x, weights) for _ in range(int(w))]
-    n = len(repeated)
-    mean = sum(repeated) / n
-    std = math.sqrt(sum((v - mean) ** 2 for v in repeated) / (n - 1)) if n > 1 else 0.0
-    return torch.tensor([(v - mean) / max(std, epsilon) for v in x], dtype=torch.float64)
 
 
 class TestTrajectoryReturns:
@@ -215,89 +177,6 @@ class TestGroupRelativeAdvantage:
                 assert float(a.std()) == pytest.approx(1.0, rel=1e-6)
             if (v == v[0]).all():  # a constant group (or a group of one): exactly zero
                 assert (a == 0).all()
-
-
-class TestSegments:
-    """Runs (contiguous samples of one group) give the numbers of the per-sample index."""
-
-    @staticmethod
-    def runs(lengths, num_groups, seed=0):
-        gen = torch.Generator().manual_seed(seed)
-        lengths = torch.tensor(lengths)
-        run_group = torch.randint(0, num_groups, (lengths.numel(),), generator=gen)
-        x = torch.randn(int(lengths.sum()), generator=gen, dtype=torch.float64)
-        return x, lengths, run_group, run_group.repeat_interleave(lengths)
-
-    @pytest.mark.parametrize("lengths", [[3, 1, 4, 1, 5], [4, 4, 4, 4], [2], [1, 1, 1]])
-    def test_reductions_match_the_index(self, lengths):
-        x, lengths, run_group, index = self.runs(lengths, 3)
-        by_run, by_sample = Segments(run_group, 3, lengths), Segments(index, 3)
-        torch.testing.assert_close(by_run.sum(x), by_sample.sum(x))
-        torch.testing.assert_close(by_run.amax(x), by_sample.amax(x))
-        torch.testing.assert_close(by_run.last(x), by_sample.last(x))
-        assert torch.equal(by_run.count, by_sample.count)
-        values = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)
-        assert torch.equal(by_run.expand(values), by_sample.expand(values))
-
-    @pytest.mark.parametrize("scale_rewards", ["group", "batch", "none"])
-    @pytest.mark.parametrize("baseline", ["mean", "leave_one_out", "pass_at_k"])
-    @pytest.mark.parametrize("lengths", [[3, 1, 4, 1, 5, 9, 2, 6], [4] * 8])
-    @pytest.mark.parametrize("whiten", [False, True])
-    def test_advantage_matches_the_index(self, lengths, baseline, scale_rewards, whiten):
-        x, lengths, run_group, index = self.runs(lengths, 3, seed=1)
-        kw = dict(baseline=baseline, scale_rewards=scale_rewards, whiten=whiten)
-        got = group_relative_advantage(x, run_group, 3, lengths=lengths, **kw)
-        torch.testing.assert_close(got, group_relative_advantage(x, index, 3, **kw))
-        torch.testing.assert_close(got, reference_advantage(x, index, **kw))
-        mean, count = group_mean(x, run_group, 3, lengths=lengths)
-        torch.testing.assert_close(mean, group_mean(x, index, 3)[0])
-        std = group_std(x, run_group, 3, lengths=lengths)
-        torch.testing.assert_close(std, group_std(x, index, 3))
-
-    @pytest.mark.parametrize("scale_rewards", ["group", "batch", "none"])
-    @pytest.mark.parametrize("baseline", ["mean", "leave_one_out", "pass_at_k"])
-    @pytest.mark.parametrize("lengths", [[3, 1, 4], [5, 5], [7]])
-    def test_one_group(self, lengths, baseline, scale_rewards):
-        """A lone group takes plain reductions; same numbers as the definition."""
-        x, lengths, _, _ = self.runs(lengths, 1, seed=2)
-        runs, index = (
-            torch.zeros(lengths.numel(), dtype=torch.long),
-            torch.zeros(len(x), dtype=torch.long),
-        )
-        kw = dict(baseline=baseline, scale_rewards=scale_rewards)
-        want = reference_advantage(x, index, **kw)
-        torch.testing.assert_close(group_relative_advantage(x, index, 1, **kw), want)
-        torch.testing.assert_close(
-            group_relative_advantage(x, runs, 1, lengths=lengths, **kw), want
-        )
-        for reduction in ("sum", "mean", "max", "last"):
-            torch.testing.assert_close(
-                trajectory_returns(x, None, reduction=reduction, lengths=lengths.sum().reshape(1)),
-                trajectory_returns(x, index, reduction=reduction),
-            )
-
-    def test_constant_runs_give_exact_zeros(self):
-        x = torch.full((10,), 0.1, dtype=torch.float64)
-        lengths, run_group = torch.tensor([3, 3, 4]), torch.tensor([0, 0, 0])
-        assert (group_relative_advantage(x, run_group, lengths=lengths) == 0).all()
-
-    def test_trajectory_returns_by_lengths(self):
-        x, lengths, _, _ = self.runs([3, 1, 4], 1)
-        traj = torch.arange(3).repeat_interleave(lengths)
-        for reduction in ("sum", "mean", "max", "last"):
-            torch.testing.assert_close(
-                trajectory_returns(x, None, reduction=reduction, lengths=lengths),
-                trajectory_returns(x, traj, reduction=reduction),
-            )
-
-    def test_needs_an_index_or_lengths(self):
-        with pytest.raises(ValueError, match="index"):
-            Segments(None)
-
-
-# --------------------------------------------------------------------------------------------
-# slow references for the estimators beyond GRPO, one group (or trajectory) at a time
-# --------------------------------------------------------------------------------------------
 
 
 def reference_passk_verl(x, groups, norm_by_std=True, epsilon=1e-6):
@@ -730,9 +609,16 @@ class TestGiGPO:
     def test_matches_verl_agent(self, scale, seed):
         returns, groups, rewards, lengths, anchors = self.episodes(seed)
         got = gigpo_advantage(
-            returns, groups, rewards, lengths, anchors, gamma=0.9, step_weight=0.7,
-            episode_weight=1.3, scale_rewards=scale,
-        )  # fmt: skip
+            returns,
+            groups,
+            rewards,
+            lengths,
+            anchors,
+            gamma=0.9,
+            step_weight=0.7,
+            episode_weight=1.3,
+            scale_rewards=scale,
+        )
         want = reference_gigpo(returns, groups, rewards, lengths, anchors, 0.9, 1.3, 0.7, scale)
         torch.testing.assert_close(got, want)
 
@@ -768,9 +654,12 @@ class TestGiGPO:
     def test_shapes_are_checked(self):
         with pytest.raises(ValueError, match="lengths must have one entry per trajectory"):
             gigpo_advantage(
-                torch.ones(2), torch.zeros(2, dtype=torch.long), torch.ones(3),
-                torch.tensor([3]), torch.zeros(3),
-            )  # fmt: skip
+                torch.ones(2),
+                torch.zeros(2, dtype=torch.long),
+                torch.ones(3),
+                torch.tensor([3]),
+                torch.zeros(3),
+            )
 
 
 class TestDevices:

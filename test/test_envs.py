@@ -248,7 +248,8 @@ class TestSameStartGroupsErrors:
         assert transform.episodes_started == 3
         with pytest.raises(
             ValueError,
-            match=r"ran out of seeds: 3 more episode\(s\) after 3 started need seed number 2 .* has 2",
+            match=r"ran out of seeds: 3 more episode\(s\) after 3 started need seed number 2 "
+            r".* has 2",
         ):
             env.reset()
         assert transform.episodes_started == 3

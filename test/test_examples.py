@@ -54,9 +54,14 @@ class TestEnvironments:
         env = example.make_env(3, range(11, 100), group_size=4)
         torch.manual_seed(0)
         collector = Collector(
-            env, example.make_actor(hidden=8), frames_per_batch=30, total_frames=-1,
-            trajs_per_batch=10, traj_format="cat", exploration_type=ExplorationType.RANDOM,
-        )  # fmt: skip
+            env,
+            example.make_actor(hidden=8),
+            frames_per_batch=30,
+            total_frames=-1,
+            trajs_per_batch=10,
+            traj_format="cat",
+            exploration_type=ExplorationType.RANDOM,
+        )
         steps = next(iter(collector))
         collector.shutdown()
 

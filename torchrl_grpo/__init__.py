@@ -31,6 +31,7 @@ from torchrl_grpo.loss import (
     GSPOLoss,
     SAPOLoss,
 )
+from torchrl_grpo.mcadvantage import MCAdvantage, MCAdvantageSelector
 from torchrl_grpo.rewards import OverlongPenalty
 from torchrl_grpo.token_dist import (
     HiddenTokenCategorical,
@@ -38,7 +39,6 @@ from torchrl_grpo.token_dist import (
     token_log_prob_entropy,
     token_log_prob_entropy_from_hidden,
 )
-from torchrl_grpo.mcadvantage import MCAdvantage, MCAdvantageSelector
 
 __version__ = "0.1.0"
 

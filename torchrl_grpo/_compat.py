@@ -122,7 +122,7 @@ def llm_masked_dist(wrapper, tensordict: TensorDictBase, masking_strategy: str) 
     return method(tensordict)
 
 
-# --- torchrl.modules.llm: where TransformersWrapper runs the model to score tokens -----------------
+# --- torchrl.modules.llm: where TransformersWrapper runs the model to score tokens --------------
 
 #: The methods of ``TransformersWrapper`` through which every ``generate=False`` input mode runs
 #: the causal LM, with the parameters ``LeanTransformersWrapper`` overrides them with (it returns

@@ -195,7 +195,7 @@ class Segments:
 
 
 def discounted_suffix_sum(x: Tensor, lengths: Tensor, gamma: float, *, width: int = 0) -> Tensor:
-    r"""Within each run, :math:`y_t = \sum_{k \ge t} \gamma^{k - t} x_k` (the run's samples in order).
+    r"""Within each run, :math:`y_t = \sum_{k \ge t} \gamma^{k - t} x_k` (its samples in order).
 
     Two vectorized forms, the same numbers up to rounding, neither a Python loop over samples:
 

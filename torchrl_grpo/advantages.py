@@ -238,9 +238,10 @@ def group_std(
 
 
 # --- baselines ----------------------------------------------------------------------------------
-# A baseline gives x_i - b_i as centred_i * factor_g: the mean and leave-one-out baselines are affine
-# in the group mean (centred = x - mu_g, the deviations already at hand), pass@k is an indicator of
-# the group's best times the gap to the runner-up. The advantage is then one pass over the samples.
+# A baseline gives x_i - b_i as centred_i * factor_g: the mean and leave-one-out baselines are
+# affine in the group mean (centred = x - mu_g, the deviations already at hand), pass@k is an
+# indicator of the group's best times the gap to the runner-up. The advantage is then one pass over
+# the samples.
 
 
 def _mean_baseline(x: Tensor, dev: Tensor, seg: Segments, count: Tensor) -> tuple[Tensor, Tensor]:
@@ -793,7 +794,8 @@ def step_level_advantage(
         >>> import torch
         >>> r = torch.tensor([0.0, 1.0, 0.0, 0.0])  # two trajectories of two steps
         >>> same_start = torch.tensor([0, 1, 0, 2])  # their first steps share a state
-        >>> step_level_advantage(r, torch.tensor([2, 2]), same_start, gamma=0.5, scale_rewards="none")
+        >>> step_level_advantage(
+        ...     r, torch.tensor([2, 2]), same_start, gamma=0.5, scale_rewards="none")
         tensor([ 0.2500,  0.0000, -0.2500,  0.0000], dtype=torch.float64)
     """
     returns = discounted_returns(rewards, lengths, gamma, width=width)  # (N,)

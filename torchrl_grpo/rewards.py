@@ -1,4 +1,4 @@
-"""Reward shaping for GRPO: DAPO's soft overlong penalty, as a pure function and a torchrl transform.
+"""Reward shaping for GRPO: DAPO's soft overlong penalty, a pure function and a torchrl transform.
 
 DAPO (Yu et al., 2025, "DAPO: An Open-Source LLM Reinforcement Learning System at Scale",
 arXiv:2503.14476, Sec. 3.4, Eq. 13) punishes responses that run into the generation budget with
@@ -9,7 +9,8 @@ truncated answer, which is noise for a response whose reasoning was right:
 
     R_{length}(y) = \\begin{cases}
         0, & |y| \\le L_{max} - L_{cache} \\\\
-        \\dfrac{(L_{max} - L_{cache}) - |y|}{L_{cache}}, & L_{max} - L_{cache} < |y| \\le L_{max} \\\\
+        \\dfrac{(L_{max} - L_{cache}) - |y|}{L_{cache}},
+            & L_{max} - L_{cache} < |y| \\le L_{max} \\\\
         -1, & L_{max} < |y|
     \\end{cases}
 
@@ -104,7 +105,8 @@ class OverlongPenalty(Transform):
         >>> from torchrl_grpo import MCAdvantage, OverlongPenalty
         >>> steps = [TensorDict({
         ...     "prompt": torch.tensor(0), "tokens": TensorDict(response=torch.zeros(n)),
-        ...     "next": TensorDict(reward=torch.ones(1, 1), done=torch.ones(1, 1, dtype=torch.bool))})
+        ...     "next": TensorDict(
+        ...         reward=torch.ones(1, 1), done=torch.ones(1, 1, dtype=torch.bool))})
         ...     for n in (10, 18)]
         >>> rb = ReplayBuffer(storage=LazyStackStorage(10))
         >>> _ = rb.append_transform(MCAdvantage(grpo_size=2, prompt_key="prompt"))
@@ -162,7 +164,10 @@ class OverlongPenalty(Transform):
         if self.parent is not None:  # in an environment: the step's input; see _step
             return tensordict
         # replay buffer: a batch of steps, each with its ("next", reward)
-        key = ("next", *((self.reward_key,) if isinstance(self.reward_key, str) else self.reward_key))  # fmt: skip
+        key = (
+            "next",
+            *((self.reward_key,) if isinstance(self.reward_key, str) else self.reward_key),
+        )
         self._add_penalty(self._lengths(tensordict), tensordict, key)
         return tensordict
 

@@ -316,9 +316,12 @@ class TestEstimatorsBeyondTorchRL:
             trajectory(0, [0.0], next_format=[[2.0]]),
         ]
         t = MCAdvantage(
-            2, prompt_key="seed", trajectory_return="sum", reward_weights=GDPO_KEYS,
+            2,
+            prompt_key="seed",
+            trajectory_return="sum",
+            reward_weights=GDPO_KEYS,
             keep_return_bounds=(1.0, 2.5),
-        )  # fmt: skip
+        )
         _, out = self.release(t, trajs)  # weighted returns 3 and 1: mean 2, inside the bounds
         assert out.shape == (2,)
         stats = t.get_stats()
@@ -330,15 +333,28 @@ class TestEstimatorsBeyondTorchRL:
     def test_gigpo_matches_the_math(self, mode, scale):
         trajs, (returns, groups, rewards, lengths, states) = agent_episodes(seed=3)
         t = MCAdvantage(
-            3, prompt_key="seed", trajectory_return=mode, scale_rewards=scale, anchor_key="obs",
-            episode_reward_weight=0.5, step_reward_weight=2.0, step_reward_gamma=0.9,
-        )  # fmt: skip
+            3,
+            prompt_key="seed",
+            trajectory_return=mode,
+            scale_rewards=scale,
+            anchor_key="obs",
+            episode_reward_weight=0.5,
+            step_reward_weight=2.0,
+            step_reward_gamma=0.9,
+        )
         adv, _ = self.release(t, trajs)
         if mode == "sum":
             want = gigpo_advantage(
-                returns, groups, rewards, lengths, states, gamma=0.9,
-                episode_weight=0.5, step_weight=2.0, scale_rewards=scale,
-            )  # fmt: skip
+                returns,
+                groups,
+                rewards,
+                lengths,
+                states,
+                gamma=0.9,
+                episode_weight=0.5,
+                step_weight=2.0,
+                scale_rewards=scale,
+            )
         else:  # the episode level normalizes every reward element, as without anchors
             episode = group_relative_advantage(
                 rewards, groups, scale_rewards=scale, lengths=lengths
@@ -382,9 +398,14 @@ class TestEstimatorsBeyondTorchRL:
         trajs, (returns, groups, rewards, lengths, states) = agent_episodes(seed=9)
         fmt = torch.cat([t["next", "format"].reshape(-1) for t in trajs])
         t = MCAdvantage(
-            3, prompt_key="seed", trajectory_return="sum", reward_weights=GDPO_KEYS,
-            anchor_key="obs", step_norm=True, step_reward_weight=0.5,
-        )  # fmt: skip
+            3,
+            prompt_key="seed",
+            trajectory_return="sum",
+            reward_weights=GDPO_KEYS,
+            anchor_key="obs",
+            step_norm=True,
+            step_reward_weight=0.5,
+        )
         adv, _ = self.release(t, trajs)
         traj = torch.arange(len(lengths)).repeat_interleave(lengths)
         per_key = torch.stack(
@@ -423,16 +444,25 @@ class TestEstimatorsBeyondTorchRL:
         """Two runs from room 7: one reaches 8 and wins, one reaches 9 and loses."""
         trajs = [trajectory(0, [0.0, 1.0], obs=[7, 8]), trajectory(0, [0.0, 0.0], obs=[7, 9])]
         t = MCAdvantage(
-            2, prompt_key="seed", trajectory_return="sum", scale_rewards="none", anchor_key="obs",
+            2,
+            prompt_key="seed",
+            trajectory_return="sum",
+            scale_rewards="none",
+            anchor_key="obs",
             step_reward_gamma=0.5,
-        )  # fmt: skip
+        )
         adv, _ = self.release(t, trajs)
         # episode: +-0.5; step group {first steps}: returns 0.5, 0 -> +-0.25; lone steps: 0
         assert adv.tolist() == [0.75, 0.5, -0.75, -0.5]
         t = MCAdvantage(
-            2, prompt_key="seed", trajectory_return="sum", scale_rewards="none", anchor_key="obs",
-            step_reward_gamma=0.5, step_norm=True,
-        )  # fmt: skip
+            2,
+            prompt_key="seed",
+            trajectory_return="sum",
+            scale_rewards="none",
+            anchor_key="obs",
+            step_reward_gamma=0.5,
+            step_norm=True,
+        )
         adv, _ = self.release(t, trajs)
         assert adv.tolist() == [0.375, 0.25, -0.375, -0.25]
 
@@ -624,9 +654,10 @@ class TestRewardToGo:
             out=("next", "format_rtg"),
         )
         ref = MCAdvantage(
-            3, prompt_key="seed",
+            3,
+            prompt_key="seed",
             reward_weights={("next", "reward_rtg"): 1.0, ("next", "format_rtg"): 0.5},
-        )  # fmt: skip
+        )
         torch.testing.assert_close(
             got.inv(steps)["advantage"], ref.inv(discounted)["advantage"], atol=1e-5, rtol=1e-5
         )

@@ -204,8 +204,16 @@ class TestOwner:
         releases: the same at 2 and at 200 pending trajectories."""
         sizes = []
         send, recv = _shared._send, _shared._recv
-        monkeypatch.setattr(_shared, "_send", lambda sock, data: (sizes.append(("sent", len(data))), send(sock, data))[1])  # fmt: skip
-        monkeypatch.setattr(_shared, "_recv", lambda sock: (data := recv(sock), sizes.append(("received", len(data))))[0])  # fmt: skip
+        monkeypatch.setattr(
+            _shared,
+            "_send",
+            lambda sock, data: (sizes.append(("sent", len(data))), send(sock, data))[1],
+        )
+        monkeypatch.setattr(
+            _shared,
+            "_recv",
+            lambda sock: (data := recv(sock), sizes.append(("received", len(data))))[0],
+        )
         shipped = []
         for pending in (2, 200):
             t = shared(grpo_size=2, prompt_key="seed", trajectory_return="sum")
@@ -291,7 +299,9 @@ class TestWriterProcesses:
         local = MCAdvantage(**kwargs)
         local.inv(torch.cat(trajs))
         stats, want = t.get_stats(), local.get_stats()
-        assert stats.pop("trajectory_return_sum") == pytest.approx(want.pop("trajectory_return_sum"))  # fmt: skip
+        assert stats.pop("trajectory_return_sum") == pytest.approx(
+            want.pop("trajectory_return_sum")
+        )
         assert stats == want
 
     @pytest.mark.parametrize("where", ["request", "ack", "done", "reply"])
@@ -345,7 +355,9 @@ class TestWriterProcesses:
             assert int(completing["uid"][0]) not in uids and t.queued_trajectories == 0
             group0 = stored[stored["seed"] == 0]
             assert group0["uid"].tolist() == torch.cat([first, late])["uid"].tolist()
-            assert group0["advantage"].squeeze(-1).tolist() == pytest.approx([-0.7071, 0.7071], abs=1e-4)  # fmt: skip
+            assert group0["advantage"].squeeze(-1).tolist() == pytest.approx(
+                [-0.7071, 0.7071], abs=1e-4
+            )
         for batch in [*others, late]:
             local.inv(batch)
         assert stats == local.get_stats()

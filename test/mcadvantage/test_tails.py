@@ -258,7 +258,9 @@ class TestStreaming:
         ours = streaming(step_count_key=None)
         ref = streaming(traj_key=None)
         for batch, whole in zip(batches, completed):
-            same_output(ours.inv(batch.exclude("step_count")), ref.inv(torch.cat(whole)) if whole else None)  # fmt: skip
+            same_output(
+                ours.inv(batch.exclude("step_count")), ref.inv(torch.cat(whole)) if whole else None
+            )
 
     def test_traj_key_none_keeps_torchrl_behaviour(self):
         batches, _ = collector_stream(2, 2, 3, seed=8, max_len=9, steps_per_batch=3)

@@ -3,8 +3,9 @@
 :meth:`MCAdvantage.share_memory_ <torchrl_grpo.MCAdvantage.share_memory_>` (called by
 ``ReplayBuffer(shared=True)``) hands the transform's settings and state to an *owner*: a process
 started once per process that shares (spawned, as torchrl's managers are), which keeps them as a
-:class:`~torchrl_grpo.mcadvantage.replica.Replica` and serves requests over a Unix socket. Writers (any process the transform is
-pickled to: spawned workers, Ray tasks on the same machine) send each insertion there and get back
+:class:`~torchrl_grpo.mcadvantage.replica.Replica` and serves requests over a Unix socket.
+Writers (any process the transform is pickled to: spawned workers, Ray tasks on the same machine)
+send each insertion there and get back
 what it releases; the trainer's reads (statistics, the pending groups, checkpoints) are requests
 too. So an insertion ships what it brings and what it releases, never the pending state: its cost
 does not depend on how much is pending.

@@ -114,5 +114,5 @@ def _clone(value: Tensor | None) -> Tensor | None:
 
 
 def _cpu(value):
-    """A checkpoint's bookkeeping tensor on the CPU (lists, ``None`` and CPU tensors as they are)."""
+    """A checkpoint's bookkeeping tensor on the CPU (lists, ``None``, CPU tensors as they are)."""
     return value.cpu() if isinstance(value, Tensor) else value

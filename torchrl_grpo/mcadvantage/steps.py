@@ -127,7 +127,7 @@ class DenseSteps(Steps):
         return value.reshape(-1).cpu(), math.prod(value.shape[1:])
 
     def write(self, key, values: Tensor, like) -> None:
-        """Set ``key`` to ``values`` (one per element of ``like``), shaped and placed as ``like``."""
+        """Set ``key`` to ``values`` (one per element of ``like``), shaped and placed as it."""
         reference = self.data.get(like)
         self.data.set(key, values.to(reference.device).reshape(reference.shape))
 

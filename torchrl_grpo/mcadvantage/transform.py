@@ -197,7 +197,8 @@ class MCAdvantage(Transform):
         >>> from torchrl.data import LazyTensorStorage, ReplayBuffer
         >>> from torchrl_grpo import MCAdvantage
         >>> rb = ReplayBuffer(storage=LazyTensorStorage(100), batch_size=4)
-        >>> _ = rb.append_transform(MCAdvantage(grpo_size=2, prompt_key="seed", trajectory_return="sum"))
+        >>> transform = MCAdvantage(grpo_size=2, prompt_key="seed", trajectory_return="sum")
+        >>> _ = rb.append_transform(transform)
         >>> steps = TensorDict(  # two trajectories of seed 7, with returns 1 and 3
         ...     seed=torch.tensor([7, 7, 7, 7]),
         ...     next=TensorDict(
