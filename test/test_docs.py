@@ -8,6 +8,7 @@ installed.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import io
 import re
 import textwrap
@@ -101,3 +102,73 @@ def test_api_reference_documents_every_public_name():
         documented |= set(names or module.__all__)
     missing = sorted(set(torchrl_grpo.__all__) - documented)
     assert not missing, f"public names without an entry in docs/api.rst: {missing}"
+
+
+# --- the files and modules that docs, docstrings and comments name exist -----------------------
+
+ROOT = DOCS.parent
+FOLDERS = ("torchrl_grpo", "test", "docs", "examples", "benchmarks")
+TEXTS = sorted(
+    [*DOCS.glob("*.rst"), ROOT / "README.md", ROOT / "Makefile"]
+    + [path for folder in FOLDERS[:1] + FOLDERS[1:] for path in (ROOT / folder).rglob("*.py")]
+)
+FILE = re.compile(r"(?<![\w./-])((?:[\w-]+/)*[\w-]+\.(?:py|rst|md))\b")
+MODULE = re.compile(r"\btorchrl_grpo(?:\.\w+)+")
+
+
+def _named_files(path: Path):
+    for match in FILE.finditer(path.read_text(encoding="utf-8")):
+        yield match.group(1)
+
+
+def _exists(name: str) -> bool:
+    """Whether a file the text names exists: a path from the repository's root or from the
+    package, a test file anywhere under ``test/``, a page of ``docs/``. Other bare names
+    (``ppo.py``, ``conftest.py``) name files of torchrl or pytest, and are not checked."""
+    if "/" in name:
+        return any((base / name).exists() for base in (ROOT, ROOT / "torchrl_grpo", ROOT / "test"))
+    if name.startswith("test_") and name.endswith(".py"):
+        return any((ROOT / "test").rglob(name))
+    if name.endswith(".rst"):
+        return (DOCS / name).exists()
+    return True
+
+
+def _resolves(dotted: str) -> bool:
+    """Whether a dotted name of this package is a module, or an attribute of one."""
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for attribute in parts[cut:]:
+            if not hasattr(obj, attribute):
+                return False
+            obj = getattr(obj, attribute)
+        return True
+    return False
+
+
+def test_named_files_exist():
+    missing = sorted(
+        {
+            f"{path.relative_to(ROOT)}: {name}"
+            for path in TEXTS
+            for name in _named_files(path)
+            if not _exists(name)
+        }
+    )
+    assert not missing, missing
+
+
+def test_named_modules_exist():
+    missing = sorted(
+        {
+            f"{path.relative_to(ROOT)}: {name}"
+            for path in TEXTS
+            for name in MODULE.findall(path.read_text(encoding="utf-8"))
+            if not _resolves(name.rstrip("."))
+        }
+    )
+    assert not missing, missing

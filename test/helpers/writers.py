@@ -10,8 +10,8 @@ import torch
 
 def extend_from_process(rb, batches, go=None, pause=None) -> None:
     """A writer process (a spawn target): waits for ``go`` (an event), then ``rb.extend`` each
-    batch; with ``pause`` (``"<where>:<file>"``, see ``torchrl_grpo/_shared.py``), the last batch
-    is inserted under the test hook that pauses it there."""
+    batch; with ``pause`` (``"<where>:<file>"``, see ``torchrl_grpo/mcadvantage/shared.py``),
+    the last batch is inserted under the test hook that pauses it there."""
 
     torch.set_num_threads(1)
     if go is not None and not go.wait(120):

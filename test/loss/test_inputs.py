@@ -39,18 +39,18 @@ from torchrl_grpo.loss import (
     SAPOLoss,
 )
 from torchrl_grpo.loss.inputs import (
+    ReadPlan,
+    Stored,
     _as_sequences,
     _line_up,
     _match_shape,
     _per_token,
-    _read_stored,
-    _ReadPlan,
-    _Stored,
+    read_stored,
 )
 from torchrl_grpo.token_dist import HiddenTokenCategorical, TokenCategorical
 
 
-def read_plan(**settings) -> _ReadPlan:
+def read_plan(**settings) -> ReadPlan:
     """What a plain GRPOLoss over a torchrl actor reads, with ``settings`` changed."""
     plain = dict(
         owner="GRPOLoss",
@@ -68,7 +68,7 @@ def read_plan(**settings) -> _ReadPlan:
         entropy=False,
         samples_mc_entropy=1,
     )
-    return _ReadPlan(**{**plain, **settings})
+    return ReadPlan(**{**plain, **settings})
 
 
 class TestReadStored:
@@ -80,23 +80,23 @@ class TestReadStored:
         )
 
     def test_reads_only_what_the_settings_need(self):
-        stored = _read_stored(self.batch(), read_plan())
+        stored = read_stored(self.batch(), read_plan())
         assert stored.ref is stored.inference is stored.proximal is None
         with pytest.raises(KeyError, match=r"'ref_log_prob' \(for kl_to_ref_coeff\)"):
-            _read_stored(self.batch(), read_plan(ref=True))
+            read_stored(self.batch(), read_plan(ref=True))
 
     def test_sample_log_prob_stands_in_for_the_sampler_where_allowed(self):
         plan = read_plan(inference="for kl_to_inference_coeff", inference_fallback=True)
-        stored = _read_stored(self.batch(), plan)
+        stored = read_stored(self.batch(), plan)
         assert stored.inference is stored.old
         strict = read_plan(inference="for inference_correction")
         with pytest.raises(KeyError, match=r"'inference_log_prob' \(for inference_correction\)"):
-            _read_stored(self.batch(), strict)
+            read_stored(self.batch(), strict)
 
     def test_multi_head_keys_are_rejected(self):
         plan = read_plan(keys=GRPOLoss.default_keys(action=["a", "b"]), owner="DAPOLoss")
         with pytest.raises(NotImplementedError, match="DAPOLoss supports single-head"):
-            _read_stored(self.batch(), plan)
+            read_stored(self.batch(), plan)
 
 
 class TestReadActor:
@@ -267,7 +267,7 @@ class TestLineUp:
     def test_padding_is_zero_before_any_arithmetic(self):
         mask = torch.tensor([[True, False]])
         nan = torch.tensor([[-1.0, float("nan")]])
-        stored = _Stored(advantage=torch.ones(1), old=nan, ref=None, inference=None, proximal=None)
+        stored = Stored(advantage=torch.ones(1), old=nan, ref=None, inference=None, proximal=None)
         keys = GRPOLoss.default_keys()
         x = _line_up(nan, mask, None, stored, None, keys)
         assert x.log_prob.tolist() == x.old_log_prob.tolist() == [[-1.0, 0.0]]

@@ -23,13 +23,13 @@ from torchrl.objectives import ClipPPOLoss
 
 from torchrl_grpo.loss.inputs import (
     LLM_KEYS,
-    _end_tokens,
-    _Inputs,
-    _llm_masked_dist,
-    _read_actor,
-    _read_llm,
-    _read_stored,
-    _ReadPlan,
+    Inputs,
+    ReadPlan,
+    llm_masked_dist,
+    read_actor,
+    read_llm,
+    read_stored,
+    tokenizer_end_tokens,
 )
 from torchrl_grpo.loss.options import COEFFICIENTS, LossOptions, loss_options
 from torchrl_grpo.loss.output import GRPOLossOutput
@@ -511,9 +511,9 @@ class GRPOLoss(ClipPPOLoss):
         """
         tensordict = tensordict.copy()  # the policy writes into it; leave the input as is
         plan = self._read_plan()
-        stored = _read_stored(tensordict, plan)  # before the policy writes into the batch
+        stored = read_stored(tensordict, plan)  # before the policy writes into the batch
         dist = self._distribution(tensordict)
-        read = _read_llm if self.is_llm else _read_actor
+        read = read_llm if self.is_llm else read_actor
         inputs = read(tensordict, dist, stored, plan)
         out = self._terms(inputs)
         if torch.compiler.is_compiling():
@@ -522,7 +522,7 @@ class GRPOLoss(ClipPPOLoss):
 
     # --- read: what this call reads, and the policy's distribution over the batch -------------
 
-    def _read_plan(self) -> _ReadPlan:
+    def _read_plan(self) -> ReadPlan:
         """What this call reads from its batch: the keys, and the entries its settings need."""
         inference, fallback = None, False
         if self.inference_correction is not None:
@@ -533,8 +533,8 @@ class GRPOLoss(ClipPPOLoss):
             inference, fallback = "for off_policy_mask_threshold", True
         end_tokens = ()  # TRL's rule for an LLM wrapper's batch without a truncated entry
         if self.is_llm and self.mask_truncated_completions:
-            end_tokens = _end_tokens(getattr(self.actor_network, "tokenizer", None))
-        return _ReadPlan(
+            end_tokens = tokenizer_end_tokens(getattr(self.actor_network, "tokenizer", None))
+        return ReadPlan(
             owner=type(self).__name__,
             keys=self.tensor_keys,
             loss_mask_key=self.loss_mask_key,
@@ -555,7 +555,7 @@ class GRPOLoss(ClipPPOLoss):
         """The policy's distribution over the batch, computed with the loss's parameters."""
         with self._policy_params():
             if self.is_llm:
-                return _llm_masked_dist(self.actor_network, tensordict, self.masking_strategy)
+                return llm_masked_dist(self.actor_network, tensordict, self.masking_strategy)
             return self.actor_network.get_dist(tensordict)
 
     def _policy_params(self):
@@ -568,7 +568,7 @@ class GRPOLoss(ClipPPOLoss):
 
     # --- terms: the math of loss_terms on the lined-up batch ------------------------------------
 
-    def _terms(self, x: _Inputs) -> dict[str, torch.Tensor]:
+    def _terms(self, x: Inputs) -> dict[str, torch.Tensor]:
         """The loss terms and metrics of a lined-up batch."""
         mask, lp = x.mask, x.log_prob
         # the policy the ratio and its clip are taken against: the proximal one (decoupled PPO)
@@ -604,7 +604,7 @@ class GRPOLoss(ClipPPOLoss):
             out["truncated_fraction"] = (truncated.sum() / mask.any(-1).sum()).to(lp.dtype)
         return {**out, **self._regularisers(x, reduce)}
 
-    def _loss_mask(self, x: _Inputs, anchor: torch.Tensor) -> torch.Tensor:
+    def _loss_mask(self, x: Inputs, anchor: torch.Tensor) -> torch.Tensor:
         """The tokens the loss terms cover (and the aggregation counts): the real ones, less
         those outside the KL trust region and those of truncated completions. The metrics
         describe every real token."""
@@ -624,7 +624,7 @@ class GRPOLoss(ClipPPOLoss):
             return (per_token * 0.0).sum()
         return self._aggregate(per_token, loss_mask)
 
-    def _regularisers(self, x: _Inputs, reduce: Callable) -> dict[str, torch.Tensor]:
+    def _regularisers(self, x: Inputs, reduce: Callable) -> dict[str, torch.Tensor]:
         """The entropy bonus and the KL penalties: their metrics and their loss terms."""
         out = {}
         if self.entropy_bonus:
@@ -645,7 +645,7 @@ class GRPOLoss(ClipPPOLoss):
                 out["loss_" + name] = coeff * reduce(kl)
         return out
 
-    def _objective_factors(self, x: _Inputs, loss_mask: torch.Tensor):
+    def _objective_factors(self, x: Inputs, loss_mask: torch.Tensor):
         """What multiplies each token's objective: ``(weight, keep, masked fractions)``.
 
         Each enabled variant gives a detached weight and/or the tokens it keeps (one function

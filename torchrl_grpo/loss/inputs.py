@@ -1,15 +1,15 @@
 """Reading a batch into aligned ``(B, T)`` tensors with one mask of real tokens.
 
 Two kinds of policy are read. A torchrl probabilistic actor gives its distribution's log-prob
-of the stored action, as ClipPPOLoss reads it (:func:`_read_actor`). A torchrl LLM wrapper scores
+of the stored action, as ClipPPOLoss reads it (:func:`read_actor`). A torchrl LLM wrapper scores
 ``("tokens", "full")`` under a masking strategy, and the ragged entries of the batch are read
-left-padded, as :class:`torchrl.objectives.llm.GRPOLoss` reads them (:func:`_read_llm`). Both
+left-padded, as :class:`torchrl.objectives.llm.GRPOLoss` reads them (:func:`read_llm`). Both
 end in :func:`_line_up`: every entry checked against the policy's log-prob shape, flattened to
 ``(B, T)`` sequences and zeroed on padding, so that the math of :mod:`torchrl_grpo.loss_terms`
 never sees a padded value.
 
 What a call reads is decided by the loss's settings at call time; the loss passes them as a
-:class:`_ReadPlan`, and nothing here reaches into the loss module.
+:class:`ReadPlan`, and nothing here reaches into the loss module.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ MASK_SOURCES = {
 }
 
 
-class _Inputs(NamedTuple):
+class Inputs(NamedTuple):
     """One batch read and lined up: every tensor ``(B, T)``, zeros where ``mask`` is False."""
 
     log_prob: torch.Tensor  # current policy, differentiable
@@ -57,7 +57,7 @@ class _Inputs(NamedTuple):
     shape: torch.Size  # the policy log-prob's own shape (reduction="none" returns it)
 
 
-class _Stored(NamedTuple):
+class Stored(NamedTuple):
     """The entries of the batch that are data, as stored (read before the policy runs)."""
 
     advantage: torch.Tensor
@@ -67,7 +67,7 @@ class _Stored(NamedTuple):
     proximal: torch.Tensor | None
 
 
-class _ReadPlan(NamedTuple):
+class ReadPlan(NamedTuple):
     """What one call reads from its batch and how: the loss's keys and settings at call time."""
 
     owner: str  # the loss's class name, for error messages
@@ -86,7 +86,7 @@ class _ReadPlan(NamedTuple):
     samples_mc_entropy: int
 
 
-def _read_stored(tensordict: TensorDictBase, plan: _ReadPlan) -> _Stored:
+def read_stored(tensordict: TensorDictBase, plan: ReadPlan) -> Stored:
     """The data entries of the batch, as stored, read before the policy runs."""
     keys = plan.keys
     if not isinstance(keys.sample_log_prob, NestedKey) or not isinstance(keys.action, NestedKey):
@@ -105,10 +105,10 @@ def _read_stored(tensordict: TensorDictBase, plan: _ReadPlan) -> _Stored:
         inference = _get_input(tensordict, key, plan.inference, plan)
     if plan.proximal:
         proximal = _get_input(tensordict, keys.proximal_log_prob, "for decoupled=True", plan)
-    return _Stored(advantage=advantage, old=old, ref=ref, inference=inference, proximal=proximal)
+    return Stored(advantage=advantage, old=old, ref=ref, inference=inference, proximal=proximal)
 
 
-def _llm_masked_dist(actor: Any, tensordict: TensorDictBase, masking_strategy: str):
+def llm_masked_dist(actor: Any, tensordict: TensorDictBase, masking_strategy: str):
     """An LLM wrapper's masked token distribution over ``("tokens", "full")``; a failure is
     told with what the masking strategy reads."""
     try:
@@ -120,9 +120,9 @@ def _llm_masked_dist(actor: Any, tensordict: TensorDictBase, masking_strategy: s
         ) from err
 
 
-def _read_actor(
-    tensordict: TensorDictBase, dist: torch.distributions.Distribution, stored: _Stored, plan
-) -> _Inputs:
+def read_actor(
+    tensordict: TensorDictBase, dist: torch.distributions.Distribution, stored: Stored, plan
+) -> Inputs:
     """A torchrl probabilistic actor: its distribution's log-prob of the stored action."""
     if isinstance(dist, CompositeDistribution):
         raise NotImplementedError(f"{plan.owner} supports single-head policies only.")
@@ -136,7 +136,7 @@ def _read_actor(
     return _line_up(log_prob, mask, entropy, stored, truncated, plan.keys)
 
 
-def _read_llm(tensordict: TensorDictBase, dist, stored: _Stored, plan: _ReadPlan) -> _Inputs:
+def read_llm(tensordict: TensorDictBase, dist, stored: Stored, plan: ReadPlan) -> Inputs:
     """A torchrl LLM wrapper: its masked token distribution over ``("tokens", "full")``.
 
     As :class:`torchrl.objectives.llm.GRPOLoss`: the wrapper builds the left-padded logits
@@ -150,7 +150,7 @@ def _read_llm(tensordict: TensorDictBase, dist, stored: _Stored, plan: _ReadPlan
     # the wrapper may compute elsewhere than the batch lives (TransformersWrapper(device=)):
     # the loss follows the policy's mask
     device = mask.device
-    stored = _Stored(*(None if value is None else value.to(device) for value in stored))
+    stored = Stored(*(None if value is None else value.to(device) for value in stored))
     tokens = _get_input(tensordict, keys.action, "the sampled tokens", plan, padding=-100)
     tokens = tokens.to(device)
     if tokens.shape != mask.shape:
@@ -170,7 +170,7 @@ def _read_llm(tensordict: TensorDictBase, dist, stored: _Stored, plan: _ReadPlan
 
 
 def _get_input(
-    tensordict: TensorDictBase, key: NestedKey, why: str, plan: _ReadPlan, padding: float = 0.0
+    tensordict: TensorDictBase, key: NestedKey, why: str, plan: ReadPlan, padding: float = 0.0
 ) -> torch.Tensor:
     """An entry that must be data: present, without gradient; padded left if ragged."""
     if plan.padded:
@@ -195,14 +195,14 @@ def _get_input(
     return value
 
 
-def _end_tokens(tokenizer: Any) -> tuple[int, ...]:
+def tokenizer_end_tokens(tokenizer: Any) -> tuple[int, ...]:
     """The ids that end a finished completion: the tokenizer's EOS and pad tokens."""
     ends = (getattr(tokenizer, name, None) for name in ("eos_token_id", "pad_token_id"))
     return tuple(end for end in ends if end is not None)
 
 
 def _truncated(
-    tensordict: TensorDictBase, shape: torch.Size, plan: _ReadPlan, last_tokens=None
+    tensordict: TensorDictBase, shape: torch.Size, plan: ReadPlan, last_tokens=None
 ) -> torch.Tensor | None:
     """Per-token flags of truncated completions, with ``mask_truncated_completions``.
 
@@ -226,7 +226,7 @@ def _truncated(
 
 
 def _token_mask(
-    tensordict: TensorDictBase, shape: torch.Size, device, plan: _ReadPlan
+    tensordict: TensorDictBase, shape: torch.Size, device, plan: ReadPlan
 ) -> torch.Tensor:
     """``mask`` and-ed with torchrl's loss-mask entries (``loss_mask_key``); all True if none."""
     loss_mask = plan.loss_mask_key
@@ -255,7 +255,7 @@ def _entropy(dist: torch.distributions.Distribution, samples_mc_entropy: int) ->
     return -dist.log_prob(sample).mean(0)
 
 
-def _line_up(log_prob, mask, entropy, stored: _Stored, truncated, keys) -> _Inputs:
+def _line_up(log_prob, mask, entropy, stored: Stored, truncated, keys) -> Inputs:
     """Every entry as ``(B, T)``, checked against the log-prob's shape, zeros on padding."""
     shape = log_prob.shape
     mask = _as_sequences(mask)  # (B, T)
@@ -281,7 +281,7 @@ def _line_up(log_prob, mask, entropy, stored: _Stored, truncated, keys) -> _Inpu
                 "every token in the loss needs a finite log-prob."
             )
     advantage = _as_sequences(_per_token(stored.advantage, shape, keys.advantage))
-    return _Inputs(
+    return Inputs(
         log_prob=tokens(log_prob, "log_prob"),
         old_log_prob=tokens(stored.old, keys.sample_log_prob),
         advantage=torch.where(mask, advantage, 0.0),
