@@ -440,7 +440,7 @@ class MCAdvantage(Transform):
     @property
     def queues(self) -> PendingGroups:
         """The pending groups, a live mapping ``group id -> trajectories`` (see
-        :class:`~torchrl_grpo.mcadvantage.queues.PendingGroups`): ``queues.clear()`` and
+        :class:`~torchrl_grpo.mcadvantage.PendingGroups`): ``queues.clear()`` and
         ``del queues[group]`` drop pending trajectories, as with torchrl's queues."""
         return PendingGroups(lambda: self._replica)
 
