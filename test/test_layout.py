@@ -1,4 +1,4 @@
-"""The shape of the code (``ARCHITECTURE.md``, "Where the pieces go"), checked on the sources.
+"""The shape of the code (``docs/code.rst``, "How the code is organized"), checked on the sources.
 
 Short units (no function over 60 lines, docstrings aside; no class over 400 lines of code), no
 line over 100 columns and no formatter exemption; no import circle between the package's modules; no

@@ -5,7 +5,14 @@ import torch
 from helpers import trajectory
 from tensordict import NonTensorStack, TensorDict
 
-from torchrl_grpo.mcadvantage.steps import DenseSteps, RaggedSteps, Steps, get_entry
+from torchrl_grpo.mcadvantage.steps import (
+    DenseSteps,
+    RaggedSteps,
+    Steps,
+    Uniform,
+    Varying,
+    get_entry,
+)
 
 
 def ragged(*lengths):
@@ -42,8 +49,8 @@ class TestDenseSteps:
 
     def test_reward_elements_and_write(self):
         steps = DenseSteps(trajectory(1, [[1.0, 2.0], [3.0, 4.0]]))
-        values, per_step = steps.reward_elements(("next", "reward"))
-        assert values.tolist() == [1.0, 2.0, 3.0, 4.0] and per_step == 2
+        values, elements = steps.reward_elements(("next", "reward"))
+        assert values.tolist() == [1.0, 2.0, 3.0, 4.0] and elements.per_step == 2
         steps.write("advantage", torch.arange(4.0), ("next", "reward"))
         assert steps.data["advantage"].tolist() == [[0.0, 1.0], [2.0, 3.0]]
         steps.data["next", "reward"] = NonTensorStack("a", "b")
@@ -64,12 +71,35 @@ class TestRaggedSteps:
         assert len(steps) == 3 and steps.ragged
         assert [len(s["tokens"]) for s in steps.take(torch.tensor([2, 0])).data] == [1, 2]
         assert len(steps.window(1, 3)) == 2 and steps.keep(torch.tensor([False] * 3)) is None
-        values, per_step = steps.reward_elements(("next", "reward"))
-        assert per_step.tolist() == [2, 3, 1] and values.tolist() == [2.0] * 2 + [3.0] * 3 + [1.0]
+        values, elements = steps.reward_elements(("next", "reward"))
+        assert elements.counts.tolist() == [2, 3, 1]
+        assert values.tolist() == [2.0] * 2 + [3.0] * 3 + [1.0]
         steps.write("advantage", torch.arange(6.0), ("next", "reward"))
         assert [s["advantage"].tolist() for s in steps.data] == [[0.0, 1.0], [2.0, 3.0, 4.0], [5.0]]
         assert steps.output().batch_size == (3,)
         assert [t.tolist() for t in steps.entries("tokens", "anchor", torch.tensor([2]))] == [[0]]
+
+
+class TestElements:
+    """A reward's elements on the steps: as many at each (``Uniform``) or a count each."""
+
+    def test_uniform(self):
+        two = Uniform(2)
+        assert two.per_run(torch.tensor([3, 1])).tolist() == [6, 2] and two.run_width(3) == 6
+        assert two.step_sums(torch.tensor([1.0, 2.0, 3.0, 4.0])).tolist() == [3.0, 7.0]
+        assert two.spread(torch.tensor([5.0, 6.0])).tolist() == [5.0, 5.0, 6.0, 6.0]
+        assert two.step_of(3) == 1 and two.empty_step(4) is None
+        assert Uniform(0).empty_step(4) == 0 and two.same(Uniform(2)) and not two.same(Uniform(1))
+
+    def test_varying(self):
+        counts = Varying(torch.tensor([2, 1, 3]))
+        assert counts.per_run(torch.tensor([2, 1])).tolist() == [3, 3]
+        assert counts.run_width(2) is None
+        assert counts.step_sums(torch.arange(6.0)).tolist() == [1.0, 2.0, 12.0]
+        assert counts.spread(torch.tensor([7.0, 8.0, 9.0])).tolist() == [7, 7, 8, 9, 9, 9]
+        assert counts.step_of(2) == 1 and counts.empty_step(3) is None
+        assert Varying(torch.tensor([1, 0])).empty_step(2) == 1
+        assert counts.same(Varying(torch.tensor([2, 1, 3]))) and not counts.same(Uniform(2))
 
 
 class TestCat:

@@ -29,7 +29,7 @@ from torch import Tensor
 from torchrl_grpo.mcadvantage.ids import GroupIds, PromptIds, TensorIds
 from torchrl_grpo.mcadvantage.options import Keys
 from torchrl_grpo.mcadvantage.records import Insertion, Pending
-from torchrl_grpo.mcadvantage.steps import DenseSteps, RaggedSteps, Steps, get_entry
+from torchrl_grpo.mcadvantage.steps import DenseSteps, Elements, RaggedSteps, Steps, get_entry
 
 __all__ = ["read_insertion", "trajectory_bounds"]
 
@@ -59,18 +59,11 @@ def read_insertion(tensordict: TensorDictBase, keys: Keys, pending: Pending) -> 
     starts, lengths, width = trajectory_bounds(done)
     num_steps = done.shape[0]
     if keys.reward_weights:
-        rewards, per_step = _weighted_rewards(steps, keys.reward_weights)
+        rewards, elements = _weighted_rewards(steps, keys.reward_weights)
     else:
-        rewards, per_step = _checked_rewards(steps, keys.reward)
+        rewards, elements = _checked_rewards(steps, keys.reward)
     if keys.anchor is not None:
         _check_anchors(steps, keys.anchor)
-    if isinstance(per_step, int):
-        reward_lengths = lengths if per_step == 1 else lengths * per_step
-        reward_width = width * per_step
-    else:  # elements per trajectory: differences of the running count at the trajectory ends
-        ends = starts + lengths - 1
-        reward_lengths = torch.diff(torch.cumsum(per_step, 0)[ends], prepend=ends.new_zeros(1))
-        reward_width = None
     return Insertion(
         steps=steps,
         starts=starts,
@@ -78,8 +71,8 @@ def read_insertion(tensordict: TensorDictBase, keys: Keys, pending: Pending) -> 
         width=width,
         group_ids=_group_ids(steps, starts, keys.group, pending, group_id),
         rewards=rewards,
-        reward_lengths=reward_lengths,
-        reward_width=reward_width,
+        reward_lengths=elements.per_run(lengths),
+        reward_width=elements.run_width(width),
         num_steps=num_steps,
         num_trajectories=lengths.shape[0],
     )
@@ -168,41 +161,34 @@ def _done_flags(done, shape: torch.Size, key) -> Tensor:
     return done if done.dtype == torch.bool else done.bool()
 
 
-def _checked_rewards(steps: Steps, key) -> tuple[Tensor, int | Tensor]:
-    """Every reward element, flat and checked non-empty and finite, and the elements of each
-    step (an int when every step has as many, else one count per step)."""
-    values, per_step = steps.reward_elements(key)
-    if isinstance(per_step, int) and per_step == 0:
-        per_step = torch.zeros(len(steps), dtype=torch.long)  # reported below
-    if isinstance(per_step, Tensor) and not bool(per_step.all()):
-        step = int((per_step == 0).nonzero()[0])
+def _checked_rewards(steps: Steps, key) -> tuple[Tensor, Elements]:
+    """Every reward element, flat and checked non-empty and finite, and how they lie on the
+    steps."""
+    values, elements = steps.reward_elements(key)
+    step = elements.empty_step(len(steps))
+    if step is not None:
         raise ValueError(f"MCAdvantage: the reward under {key!r} is empty at step {step}.")
     if not _all_finite(values):
         bad = ~torch.isfinite(values)
-        first = int(bad.nonzero()[0])
-        step = (
-            first // per_step
-            if isinstance(per_step, int)
-            else int(torch.searchsorted(torch.cumsum(per_step, 0), first, right=True))
-        )
+        step = elements.step_of(int(bad.nonzero()[0]))
         raise ValueError(
             f"MCAdvantage: {int(bad.sum())} non-finite reward value(s) under {key!r}, the first "
             f"at step {step} (value {float(values[bad][0])})."
         )
-    return values, per_step
+    return values, elements
 
 
 def _weighted_rewards(
     steps: Steps, weights: tuple[tuple[object, float], ...]
-) -> tuple[Tensor, int | Tensor]:
+) -> tuple[Tensor, Elements]:
     """The weighted sum of several rewards' elements (float64), each read and checked as one
-    reward is, and the elements of each step; every reward has as many elements at each step."""
-    total, first_key, first_per_step = None, None, None
+    reward is, and how they lie on the steps; every reward has as many elements at each step."""
+    total, first_key, first_elements = None, None, None
     for key, weight in weights:
-        values, per_step = _checked_rewards(steps, key)
+        values, elements = _checked_rewards(steps, key)
         if first_key is None:
-            first_key, first_per_step = key, per_step
-        elif not _same_counts(per_step, first_per_step):
+            first_key, first_elements = key, elements
+        elif not elements.same(first_elements):
             raise ValueError(
                 f"MCAdvantage: the rewards under {key!r} and {first_key!r} must have as many "
                 "elements at every step."
@@ -213,14 +199,7 @@ def _weighted_rewards(
         raise ValueError(
             f"MCAdvantage: the weighted sum of the rewards {[k for k, _ in weights]} overflows."
         )
-    return total, first_per_step
-
-
-def _same_counts(a: int | Tensor, b: int | Tensor) -> bool:
-    """Whether two per-step element counts (an int for all steps, or one per step) agree."""
-    if isinstance(a, int) and isinstance(b, int):
-        return a == b
-    return bool((torch.as_tensor(a) == torch.as_tensor(b)).all())
+    return total, first_elements
 
 
 def _check_anchors(steps: Steps, key) -> None:

@@ -31,7 +31,7 @@ from torchrl_grpo.mcadvantage import returns as returns_
 from torchrl_grpo.mcadvantage.options import Options
 from torchrl_grpo.mcadvantage.pending import gather
 from torchrl_grpo.mcadvantage.records import Insertion, Pending, Released, Returns, Rounds
-from torchrl_grpo.mcadvantage.steps import Steps
+from torchrl_grpo.mcadvantage.steps import Elements, Steps
 from torchrl_grpo.mcadvantage.store import LENGTH
 
 __all__ = ["release", "released_anchors"]
@@ -44,7 +44,7 @@ class _Samples(NamedTuple):
     dtype: torch.dtype  # the reward's, which the advantage is written in
     steps: Tensor  # (M,) steps of each released trajectory
     elems: Tensor  # (M,) reward elements of each
-    per_step: int | Tensor  # elements of each step: an int, or (S,) counts when ragged
+    elements: Elements  # how the reward elements lie on the steps
     width: int | None  # the steps of every trajectory when known to be equal (0: they differ)
     per_key: list | None  # with several rewards, each one's elements (or returns): K x (E,)
 
@@ -111,15 +111,12 @@ def _samples(out: Steps, steps: Tensor, width: int | None, options: Options) -> 
     """The released steps' reward elements (weighted with several rewards, discounted to go
     with ``reward_to_go_gamma``) and how they split into trajectories and steps."""
     keys, gamma = options.keys, options.estimator.reward_to_go_gamma
-    values, per_step = out.reward_elements(keys.reward)  # computed on the CPU
+    values, elements = out.reward_elements(keys.reward)  # computed on the CPU
     dtype = values.dtype
-    if isinstance(per_step, Tensor):  # ragged: elements per trajectory from the running count
-        ends = torch.cumsum(steps, 0) - 1
-        elems = torch.diff(torch.cumsum(per_step, 0)[ends], prepend=ends.new_zeros(1))  # (M,)
-    else:
-        elems = steps if per_step == 1 else steps * per_step  # (M,)
+    elems = elements.per_run(steps)  # (M,)
 
     def to_go(v: Tensor) -> Tensor:  # (dense steps only: ragged ones are rejected on reading)
+        per_step = elements.per_step
         return _rewards_to_go(v, steps=steps, per_step=per_step, gamma=gamma, width=width)
 
     per_key = None
@@ -130,7 +127,7 @@ def _samples(out: Steps, steps: Tensor, width: int | None, options: Options) -> 
         values = sum(w * v for (_, w), v in zip(keys.reward_weights, per_key))  # (E,)
     elif gamma is not None:
         values = to_go(values)  # (E,) float64
-    return _Samples(values, dtype, steps, elems, per_step, width, per_key)
+    return _Samples(values, dtype, steps, elems, elements, width, per_key)
 
 
 def _group_advantage(x, runs, per_key, member_round, num_rounds: int, options: Options):
@@ -161,14 +158,8 @@ def _with_step_groups(adv, samples: _Samples, out: Steps, member_round, num_roun
     group (steps of one group with the same anchor state); per step in a return mode, per
     reward element otherwise."""
     estimator = options.estimator
-    groups, per_step = estimator.step_groups, samples.per_step
-    values = samples.values
-    if isinstance(per_step, Tensor):
-        step_rewards = Segments(None, lengths=per_step).sum(values.double())  # (S,)
-    elif per_step > 1:
-        step_rewards = values.double().view(-1, per_step).sum(1)  # (S,)
-    else:
-        step_rewards = values  # (S,)
+    groups = estimator.step_groups
+    step_rewards = samples.elements.step_sums(samples.values)  # (S,)
     trajectories = samples.by_steps()
     step_round = trajectories.expand(member_round)  # (S,)
     anchors = released_anchors(out, options.keys.anchor)  # (S, ...)
@@ -186,8 +177,8 @@ def _with_step_groups(adv, samples: _Samples, out: Steps, member_round, num_roun
     )  # (S,)
     if estimator.trajectory_return is not None:
         adv = trajectories.expand(adv)  # (S,)
-    elif isinstance(per_step, Tensor) or per_step > 1:
-        term = term.repeat_interleave(per_step)  # (E,)
+    else:
+        term = samples.elements.spread(term)  # (E,)
     if groups.episode_weight != 1.0:
         adv = groups.episode_weight * adv
     return adv.add(term, alpha=groups.step_weight)
@@ -211,14 +202,8 @@ def _on_elements(adv: Tensor, samples: _Samples, options: Options) -> Tensor:
     adv = adv.to(dtype if dtype.is_floating_point else torch.get_default_dtype())
     if not per_trajectory:
         return adv
-    if isinstance(samples.per_step, Tensor):  # ragged: each step's count of elements
-        if per_step_adv:
-            return adv.repeat_interleave(samples.per_step)
-        return samples.by_elems().expand(adv)
     adv = adv if per_step_adv else samples.by_steps().expand(adv)  # (S,)
-    if samples.per_step == 1:
-        return adv
-    return adv.unsqueeze(1).expand(-1, samples.per_step).reshape(-1)  # (E,)
+    return samples.elements.spread(adv)  # (E,)
 
 
 def _written(out: Steps, keep, samples: _Samples, member_round, num_rounds: int, selected: int):

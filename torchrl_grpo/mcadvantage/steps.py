@@ -18,7 +18,17 @@ import torch
 from tensordict import TensorDict, TensorDictBase, lazy_stack
 from torch import Tensor
 
-__all__ = ["DenseSteps", "RaggedSteps", "Steps", "get_entry"]
+from torchrl_grpo._segments import Segments
+
+__all__ = [
+    "DenseSteps",
+    "Elements",
+    "RaggedSteps",
+    "Steps",
+    "Uniform",
+    "Varying",
+    "get_entry",
+]
 
 
 def get_entry(tensordict: TensorDictBase, key, role: str):
@@ -80,9 +90,9 @@ class Steps:
         """
         raise NotImplementedError
 
-    def reward_elements(self, key) -> tuple[Tensor, int | Tensor]:
-        """Every element of the reward ``key`` at every step, flat, on the CPU, and the elements
-        of each step: an int when every step has as many, else ``(N,)`` counts.
+    def reward_elements(self, key) -> tuple[Tensor, Elements]:
+        """Every element of the reward ``key`` at every step, flat, on the CPU, and how they lie
+        on the steps.
 
         Raises:
             KeyError: a step lacks ``key``.
@@ -115,7 +125,7 @@ class DenseSteps(Steps):
     def output(self) -> TensorDictBase:
         return self.data
 
-    def reward_elements(self, key) -> tuple[Tensor, int]:
+    def reward_elements(self, key) -> tuple[Tensor, Uniform]:
         value = get_entry(self.data, key, "reward")
         num_steps = self.data.shape[0]
         if not isinstance(value, Tensor) or value.ndim == 0 or value.shape[0] != num_steps:
@@ -124,7 +134,7 @@ class DenseSteps(Steps):
                 f"({num_steps}), got {type(value).__name__} of shape "
                 f"{tuple(getattr(value, 'shape', ()))}."
             )
-        return value.reshape(-1).cpu(), math.prod(value.shape[1:])
+        return value.reshape(-1).cpu(), Uniform(math.prod(value.shape[1:]))
 
     def write(self, key, values: Tensor, like) -> None:
         """Set ``key`` to ``values`` (one per element of ``like``), shaped and placed as it."""
@@ -183,10 +193,10 @@ class RaggedSteps(Steps):
     def output(self) -> TensorDictBase:
         return lazy_stack(self.data)
 
-    def reward_elements(self, key) -> tuple[Tensor, Tensor]:
+    def reward_elements(self, key) -> tuple[Tensor, Varying]:
         values = [get_entry(step, key, "reward") for step in self.data]
         counts = torch.tensor([value.numel() for value in values])
-        return torch.cat([value.reshape(-1).cpu() for value in values]), counts
+        return torch.cat([value.reshape(-1).cpu() for value in values]), Varying(counts)
 
     def write(self, key, values: Tensor, like) -> None:
         """Set ``key`` at each step to its share of ``values``, shaped and placed as ``like``."""
@@ -212,6 +222,83 @@ class RaggedSteps(Steps):
     @staticmethod
     def from_plain(plain, num_steps: int) -> RaggedSteps:
         return RaggedSteps([TensorDict.from_dict(step, batch_size=[]) for step in plain])
+
+
+class Elements:
+    """How a reward's elements lie on the steps: as many at every step (:class:`Uniform`), or a
+    count per step (:class:`Varying`, ragged steps). Decided when the reward is read; every step
+    that spreads a per-step value on the elements, or sums the elements per step, asks it."""
+
+    __slots__ = ()
+
+
+class Uniform(Elements):
+    """``per_step`` elements at each step (a dense reward of shape ``(N, *shape)``)."""
+
+    __slots__ = ("per_step",)
+
+    def __init__(self, per_step: int):
+        self.per_step = per_step
+
+    def empty_step(self, num_steps: int) -> int | None:
+        """The first step with no element (``None``: none)."""
+        return 0 if self.per_step == 0 and num_steps else None
+
+    def step_of(self, element: int) -> int:
+        return element // self.per_step
+
+    def same(self, other: Elements) -> bool:
+        return isinstance(other, Uniform) and other.per_step == self.per_step
+
+    def per_run(self, steps: Tensor) -> Tensor:
+        """Elements of runs of ``steps`` steps each."""
+        return steps if self.per_step == 1 else steps * self.per_step
+
+    def run_width(self, width: int) -> int:
+        """Elements of every run when each has ``width`` steps."""
+        return width * self.per_step
+
+    def step_sums(self, values: Tensor) -> Tensor:
+        """Each step's elements summed, ``(S,)``."""
+        return values if self.per_step == 1 else values.double().view(-1, self.per_step).sum(1)
+
+    def spread(self, per_step: Tensor) -> Tensor:
+        """A value per step, on each of its elements, ``(E,)``."""
+        if self.per_step == 1:
+            return per_step
+        return per_step.unsqueeze(1).expand(-1, self.per_step).reshape(-1)
+
+
+class Varying(Elements):
+    """``counts[i]`` elements at step ``i`` (ragged steps)."""
+
+    __slots__ = ("counts",)
+
+    def __init__(self, counts: Tensor):
+        self.counts = counts  # (N,)
+
+    def empty_step(self, num_steps: int) -> int | None:
+        empty = self.counts == 0
+        return int(empty.nonzero()[0]) if bool(empty.any()) else None
+
+    def step_of(self, element: int) -> int:
+        return int(torch.searchsorted(torch.cumsum(self.counts, 0), element, right=True))
+
+    def same(self, other: Elements) -> bool:
+        return isinstance(other, Varying) and torch.equal(other.counts, self.counts)
+
+    def per_run(self, steps: Tensor) -> Tensor:
+        ends = torch.cumsum(steps, 0) - 1  # differences of the running count at the run ends
+        return torch.diff(torch.cumsum(self.counts, 0)[ends], prepend=ends.new_zeros(1))
+
+    def run_width(self, width: int) -> None:
+        return None  # not known without a pass over the counts
+
+    def step_sums(self, values: Tensor) -> Tensor:
+        return Segments(None, lengths=self.counts).sum(values.double())
+
+    def spread(self, per_step: Tensor) -> Tensor:
+        return per_step.repeat_interleave(self.counts)
 
 
 def _on_one_device(parts: list[Steps]) -> list[Steps]:
