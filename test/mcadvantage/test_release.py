@@ -443,27 +443,12 @@ class TestEstimatorsBeyondTorchRL:
     def test_gigpo_by_hand(self):
         """Two runs from room 7: one reaches 8 and wins, one reaches 9 and loses."""
         trajs = [trajectory(0, [0.0, 1.0], obs=[7, 8]), trajectory(0, [0.0, 0.0], obs=[7, 9])]
-        t = MCAdvantage(
-            2,
-            prompt_key="seed",
-            trajectory_return="sum",
-            scale_rewards="none",
-            anchor_key="obs",
-            step_reward_gamma=0.5,
-        )
-        adv, _ = self.release(t, trajs)
+        kw = dict(prompt_key="seed", trajectory_return="sum", scale_rewards="none")
+        kw.update(anchor_key="obs", step_reward_gamma=0.5)
+        adv, _ = self.release(MCAdvantage(2, **kw), trajs)
         # episode: +-0.5; step group {first steps}: returns 0.5, 0 -> +-0.25; lone steps: 0
         assert adv.tolist() == [0.75, 0.5, -0.75, -0.5]
-        t = MCAdvantage(
-            2,
-            prompt_key="seed",
-            trajectory_return="sum",
-            scale_rewards="none",
-            anchor_key="obs",
-            step_reward_gamma=0.5,
-            step_norm=True,
-        )
-        adv, _ = self.release(t, trajs)
+        adv, _ = self.release(MCAdvantage(2, **kw, step_norm=True), trajs)
         assert adv.tolist() == [0.375, 0.25, -0.375, -0.25]
 
     def test_gigpo_chunking_does_not_matter(self):

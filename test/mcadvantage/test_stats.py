@@ -46,30 +46,20 @@ class TestCount:
         assert stats["selected_trajectories"] == 2
 
     def test_one_trajectory_counts_as_many(self):
+        def counted(stats, td):  # an insertion that completes no group
+            batch = read_insertion(td, KEYS, Pending())
+            returns = insertion_returns(batch, "sum", exact=False).value
+            nothing = Released(out=None, written=0, selected=0)
+            return count(
+                stats, batch, returns, NOTHING, nothing, trajectory_return="sum", group_size=4
+            )
+
         rng = random.Random(0)
         trajs = [trajectory(0, [rng.gauss(0, 1) for _ in range(3)]) for _ in range(4)]
         one_by_one = fresh_stats()
         for t in trajs:
-            batch = read_insertion(t, KEYS, Pending())
-            one_by_one = count(
-                one_by_one,
-                batch,
-                insertion_returns(batch, "sum", exact=False).value,
-                NOTHING,
-                Released(out=None, written=0, selected=0),
-                trajectory_return="sum",
-                group_size=4,
-            )
-        batch = read_insertion(torch.cat(trajs), KEYS, Pending())
-        together = count(
-            fresh_stats(),
-            batch,
-            insertion_returns(batch, "sum", exact=False).value,
-            NOTHING,
-            Released(out=None, written=0, selected=0),
-            trajectory_return="sum",
-            group_size=4,
-        )
+            one_by_one = counted(one_by_one, t)
+        together = counted(fresh_stats(), torch.cat(trajs))
         assert together.keys() == one_by_one.keys()
         for name, value in together.items():
             assert one_by_one[name] == pytest.approx(value), name

@@ -35,16 +35,20 @@ from torchrl_grpo.mcadvantage.state_io import upgrade_state_dict
 __all__ = ["MCAdvantage", "MCAdvantageSelector", "PendingGroups"]
 
 
-class Setting(property):
+class _Named(property):
+    """A property that knows the name it is given in the class body."""
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.name = name
+
+
+class Setting(_Named):
     """A setting of the transform, read from its :class:`Options` and changed by replacing them
     (in the owner process too, once shared): no check beyond those of the step that reads it,
     as torchrl's attributes."""
 
     def __init__(self, doc: str):
         super().__init__(self._get, self._set, doc=doc)
-
-    def __set_name__(self, owner, name: str) -> None:
-        self.name = name
 
     def _get(self, transform: MCAdvantage):
         return read_setting(transform._options, self.name)
@@ -53,20 +57,27 @@ class Setting(property):
         transform._set_options(with_setting(transform._options, self.name, value))
 
 
-class Counter(property):
+class Counter(_Named):
     """One of torchrl's counters (see :meth:`MCAdvantage.get_stats`), readable and settable."""
 
     def __init__(self, doc: str):
         super().__init__(self._get, self._set, doc=doc)
-
-    def __set_name__(self, owner, name: str) -> None:
-        self.name = name
 
     def _get(self, transform: MCAdvantage):
         return transform._replica.counter(self.name)
 
     def _set(self, transform: MCAdvantage, value) -> None:
         transform._replica.set_counter(self.name, value)
+
+
+class Size(_Named):
+    """A size of what the transform holds (see :meth:`MCAdvantage.get_stats`), read-only."""
+
+    def __init__(self, doc: str):
+        super().__init__(self._get, doc=doc)
+
+    def _get(self, transform: MCAdvantage):
+        return transform._replica.stats()[self.name]
 
 
 class MCAdvantage(Transform):
@@ -417,25 +428,10 @@ class MCAdvantage(Transform):
         """
         return self._replica.stats()
 
-    @property
-    def held_trajectories(self) -> int:
-        """Number of trajectories whose first steps arrived but not their last (``traj_key``)."""
-        return self._replica.stats()["held_trajectories"]
-
-    @property
-    def queued_groups(self) -> int:
-        """Number of incomplete groups held back."""
-        return self._replica.stats()["queued_groups"]
-
-    @property
-    def queued_trajectories(self) -> int:
-        """Number of trajectories held back in incomplete groups."""
-        return self._replica.stats()["queued_trajectories"]
-
-    @property
-    def max_queued_trajectories_per_group(self) -> int:
-        """Largest number of trajectories held back for one group."""
-        return self._replica.stats()["max_queued_trajectories_per_group"]
+    held_trajectories = Size("Trajectories whose first steps arrived but not their last.")
+    queued_groups = Size("Incomplete groups held back.")
+    queued_trajectories = Size("Trajectories held back in incomplete groups.")
+    max_queued_trajectories_per_group = Size("Most trajectories held back for one group.")
 
     @property
     def queues(self) -> PendingGroups:
