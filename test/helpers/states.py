@@ -74,3 +74,25 @@ def options_of(*, estimator=None, group_filter=None, keys=KEYS, size=2) -> Optio
         selection=Selection(size, size, MCAdvantageSelector()),
         limits=Limits(None, None, "drop_oldest"),
     )
+
+
+def read(*trajs, state=None):
+    """The trajectories as one insertion, read against ``state`` (default: nothing pending)."""
+    return read_insertion(torch.cat(trajs), KEYS, state or Pending())
+
+
+def hold(pending, batch, clock=0):
+    """``pending`` with the whole insertion ``batch`` queued, nothing released; the returns are
+    ``10 * Q + (0, 1, 2, ...)``, ``Q`` the trajectories held before."""
+    from torchrl_grpo.mcadvantage.pending import remaining
+
+    start = 10.0 * pending.num_pending
+    value = torch.arange(batch.num_trajectories, dtype=torch.float64) + start
+    return remaining(pending, batch, None, Returns(value, None), clock)
+
+
+def uids(steps):
+    """The ``uid`` of each of ``steps`` (dense or ragged), in order."""
+    if steps.ragged:
+        return [int(step["uid"]) for step in steps.data]
+    return steps.data["uid"].tolist()

@@ -4,33 +4,16 @@ import torch
 from helpers import (
     trajectory,
 )
-from helpers.states import KEYS
+from helpers.states import hold, read, uids
 
 from torchrl_grpo.mcadvantage import pending as pending_
-from torchrl_grpo.mcadvantage.read import read_insertion
 from torchrl_grpo.mcadvantage.records import Pending, Returns
-
-
-def read(*trajs, state=None):
-    return read_insertion(torch.cat(trajs), KEYS, state or Pending())
 
 
 def returns_of(batch, start=0.0):
     n = batch.num_trajectories
     value = torch.arange(n, dtype=torch.float64) + start
     return Returns(value, None)
-
-
-def hold(state, batch, clock=0):
-    """``state`` with the whole insertion ``batch`` queued (nothing released)."""
-    returns = returns_of(batch, 10.0 * state.num_pending)
-    return pending_.remaining(state, batch, None, returns, clock)
-
-
-def uids(steps):
-    if steps.ragged:
-        return [int(step["uid"]) for step in steps.data]
-    return steps.data["uid"].tolist()
 
 
 class TestHoldAndGather:

@@ -12,11 +12,10 @@ from helpers import (
     released,
     trajectory,
 )
-from helpers.states import KEYS
+from helpers.states import KEYS, hold, read, uids
 from tensordict import NonTensorData, TensorDict, lazy_stack
 
 from torchrl_grpo import MCAdvantage
-from torchrl_grpo.mcadvantage import pending as pending_
 from torchrl_grpo.mcadvantage import state_io
 from torchrl_grpo.mcadvantage.pending import gather
 from torchrl_grpo.mcadvantage.read import read_insertion
@@ -25,22 +24,6 @@ from torchrl_grpo.mcadvantage.returns import concat
 from torchrl_grpo.mcadvantage.stats import fresh_stats
 
 DATA = Path(__file__).parent.parent / "data"
-
-
-def read(*trajs, state=None):
-    return read_insertion(torch.cat(trajs), KEYS, state or Pending())
-
-
-def hold(pending, batch, clock=0):
-    """``pending`` with the whole insertion ``batch`` queued (returns 0, 1, ...)."""
-    returns = Returns(torch.arange(batch.num_trajectories, dtype=torch.float64), None)
-    return pending_.remaining(pending, batch, None, returns, clock)
-
-
-def uids(steps):
-    if steps.ragged:
-        return [int(step["uid"]) for step in steps.data]
-    return steps.data["uid"].tolist()
 
 
 class TestCheckpointForm:
