@@ -32,29 +32,38 @@ def shared_buffer():
 
 
 @pytest.fixture
-def spawn_writer():
-    """``spawn_writer(rb, batches, pause=None) -> (process, go)``: a spawned writer process of
-    :func:`extend_from_process`, waiting for ``go.set()``; any still alive at the end of the test
-    is killed (a failed test leaves no writer paused for ever)."""
+def spawn():
+    """``spawn(target, *args) -> process``: a started spawned process (daemonic); any still alive
+    at the end of the test is killed (a failed test leaves no process behind)."""
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     processes = []
 
-    def spawn(rb, batches, pause=None):
-        go = ctx.Event()
-        process = ctx.Process(
-            target=extend_from_process, args=(rb, batches, go, pause), daemon=True
-        )
+    def start(target, *args):
+        process = ctx.Process(target=target, args=args, daemon=True)
         process.start()
         processes.append(process)
-        return process, go
+        return process
 
-    yield spawn
+    yield start
     for process in processes:
         if process.is_alive():
             process.kill()
         process.join(30)
+
+
+@pytest.fixture
+def spawn_writer(spawn):
+    """``spawn_writer(rb, batches, pause=None) -> (process, go)``: a spawned writer process of
+    :func:`helpers.writers.extend_from_process`, waiting for ``go.set()``."""
+    import multiprocessing as mp
+
+    def writer(rb, batches, pause=None):
+        go = mp.get_context("spawn").Event()
+        return spawn(extend_from_process, rb, batches, go, pause), go
+
+    return writer
 
 
 # --- the loss side ------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ class _Probe(Transform):
 
     def _inv_call(self, tensordict):
         self.found.setdefault("insertions", []).append(_compat.calling_replay_buffer(self))
+        self.found.setdefault("methods", []).append(_compat.buffer_call(self)[1])
         return tensordict
 
 
@@ -45,6 +46,8 @@ class TestCallingReplayBuffer:
         rb.extend(TensorDict(x=torch.zeros(2), batch_size=[2]))
         rb.add(TensorDict(x=torch.zeros(())))
         assert probe.found["insertions"] == [rb, rb], self.MESSAGE.format("extend, add")
+        # MCAdvantage refuses a release through add() by this name (mcadvantage/buffer.py)
+        assert probe.found["methods"] == ["extend", "add"], self.MESSAGE.format("the method")
 
     def test_only_the_buffer_holding_the_transform(self):
         probe = _Probe()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import warnings
 from collections import Counter
 
 import gymnasium as gym
@@ -172,6 +173,7 @@ class TestSameStartGroups:
             assert td["reset_seed"].tolist() == seeds
             for obs, seed in zip(td["observation"], seeds):
                 torch.testing.assert_close(obs, reset_observation(seed))
+            env.step(env.rand_action(td))  # played: the next reset takes new seeds
         steps = env.rollout(500, break_when_any_done=False, break_when_all_done=True)
         assert steps["next", "done"][:, -1].all()  # every sub-env ended, none was reset
 
@@ -244,7 +246,8 @@ class TestSameStartGroupsErrors:
     def test_seeds_run_out_and_nothing_changes(self):
         transform = SameStartGroups(2, seeds=[9, 10])
         env = TransformedEnv(vector_env(3), transform)
-        env.reset()  # 9, 9, 10
+        td = env.reset()  # 9, 9, 10
+        env.step(env.rand_action(td))
         assert transform.episodes_started == 3
         with pytest.raises(
             ValueError,
@@ -285,3 +288,46 @@ def make_worker_env(worker: int, num_workers: int = 2):
     """The env of one collector worker: 3 sub-envs, seeds ``worker, worker + 2, ...``."""
     transform = SameStartGroups(2, seeds=range(worker, 400, num_workers))
     return TransformedEnv(vector_env(3), transform)
+
+
+class TestSeedsOutsideTheCollector:
+    """Resets outside the collector that feeds the buffer must not leave a group incomplete."""
+
+    def test_a_reset_never_played_gives_its_seed_back(self):
+        env = TransformedEnv(vector_env(3), SameStartGroups(2))
+        first = env.reset()["reset_seed"].tolist()
+        assert env.reset()["reset_seed"].tolist() == first == [0, 0, 1]
+        assert env.transform.episodes_started == 3
+        env.step(env.rand_action(env.reset()))
+        assert env.reset()["reset_seed"].tolist() == [1, 2, 2]
+
+    def test_a_lazily_built_policy_then_a_collector(self):
+        """``policy(env.reset())`` before the collector: the first group still completes."""
+        env = TransformedEnv(vector_env(4), SameStartGroups(4))
+        env.reset()  # what building a lazy policy on env.reset() does
+        collector = Collector(env, None, frames_per_batch=200, total_frames=-1)
+        advantage = MCAdvantage(4, prompt_key="reset_seed", trajectory_return="sum")
+        rb = ReplayBuffer(storage=LazyTensorStorage(10_000))
+        rb.append_transform(advantage)
+        for _, batch in zip(range(4), collector):
+            rb.extend(batch)
+        collector.shutdown()
+        assert 0 not in advantage.queues  # seed 0's four episodes completed their group
+        assert 0 in rb[:]["reset_seed"].tolist()
+
+    def test_rewind_after_a_trial_rollout(self):
+        env = TransformedEnv(vector_env(2), SameStartGroups(2))
+        check_env_specs(env)  # plays seed 0 on both sub-envs
+        assert env.transform.episodes_started == 2
+        env.transform.rewind()
+        assert env.transform.episodes_started == 0
+        assert env.reset()["reset_seed"].tolist() == [0, 0]
+
+    def test_a_self_resetting_vector_env_warns_at_its_first_reset(self):
+        env = vector_env(2, gym.vector.AutoresetMode.SAME_STEP)
+        env.append_transform(SameStartGroups(1))
+        with pytest.warns(UserWarning, match="only whole resets can be seeded"):
+            env.reset()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            env.reset()  # once

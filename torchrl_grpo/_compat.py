@@ -26,7 +26,14 @@ _BUFFER_METHODS = frozenset(
 
 
 def calling_replay_buffer(transform: Transform, depth: int = 16) -> ReplayBuffer | None:
-    """The torchrl ``ReplayBuffer`` that is calling into ``transform``, if any.
+    """The torchrl ``ReplayBuffer`` that is calling into ``transform``, if any (see
+    :func:`buffer_call`)."""
+    return buffer_call(transform, depth)[0]
+
+
+def buffer_call(transform: Transform, depth: int = 16) -> tuple[ReplayBuffer | None, str | None]:
+    """The torchrl ``ReplayBuffer`` that is calling into ``transform``, and the name of the
+    buffer's method it calls from (``"extend"``, ``"add"``...); ``(None, None)`` if none.
 
     torchrl gives a transform no handle on its buffer: ``Transform.container`` is the buffer's
     ``Compose``, and that ``Compose`` has no container. The buffer is found instead as ``self`` of
@@ -41,20 +48,22 @@ def calling_replay_buffer(transform: Transform, depth: int = 16) -> ReplayBuffer
         depth: how many frames up to look.
 
     Returns:
-        The buffer, or ``None`` when the call does not come from a buffer holding ``transform``.
+        ``(buffer, method)``, or ``(None, None)`` when the call does not come from a buffer
+        holding ``transform``.
     """
     frame = inspect.currentframe()
     try:
         for _ in range(depth):
             frame = frame.f_back if frame is not None else None
             if frame is None:
-                return None
-            if frame.f_code.co_name not in _BUFFER_METHODS:
+                return None, None
+            name = frame.f_code.co_name
+            if name not in _BUFFER_METHODS:
                 continue
             buffer = frame.f_locals.get("self")
             if isinstance(buffer, ReplayBuffer) and _holds(buffer.transform, transform):
-                return buffer
-        return None
+                return buffer, name
+        return None, None
     finally:
         del frame  # frames reference their locals: do not keep them alive
 

@@ -41,7 +41,14 @@ Decisions, in one place:
   wraps it in ``VecGymEnvTransform``, as it does ``GymEnv(..., num_envs=N)``) restarts a finished
   sub-env by itself, from an unseeded state: a partial reset there cannot be seeded and raises.
   Full resets (``env.reset()``, the start of ``env.rollout``) are seeded, which is enough for an
-  evaluation rollout with ``break_when_all_done=True``.
+  evaluation rollout with ``break_when_all_done=True``; the first reset of such an env warns that
+  a collector's partial resets will fail, so that it is known before training starts.
+* **A reset that is never played gives its seed back.** A sub-env reset again before it took a
+  step (a policy built lazily with ``policy(env.reset())``, then a collector that resets) is
+  reset with the seed it already had: a seed is used up by an episode that steps. Episodes that
+  did step outside the collector (``check_env_specs``, ``ObservationNorm.init_stats``) used up
+  their seeds, and their steps never reach the buffer, so those groups never complete: call
+  :meth:`SameStartGroups.rewind` after them, before the collector starts.
 * **The group id is an observation.** ``out_key`` is declared in the observation spec (int64,
   one per sub-env, no trailing dim), written at reset and copied to ``("next", out_key)`` at
   every step, so it survives ``step_mdp``, collectors' buffers and ``ParallelEnv`` pipes. The
@@ -51,6 +58,7 @@ Decisions, in one place:
 from __future__ import annotations
 
 import operator
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -129,6 +137,8 @@ class SameStartGroups(Transform):
         self._seeds = _check_seeds(seeds)
         self.out_key = out_key
         self.register_buffer("_episodes_started", torch.zeros((), dtype=torch.long))
+        self._unplayed = None  # (batch,) the seed each sub-env was reset with, -1 once it stepped
+        self._parent_checked = False
 
     # --- what a user reads ------------------------------------------------------------------
 
@@ -144,8 +154,28 @@ class SameStartGroups(Transform):
 
     @property
     def episodes_started(self) -> int:
-        """How many (sub-)environment resets this transform has seeded so far."""
+        """How many episodes this transform has seeded so far (a reset that is reset again
+        before its first step counts once)."""
         return int(self._episodes_started)
+
+    def rewind(self) -> None:
+        """Start the seed queue again from its first seed, as if no episode had started.
+
+        Call it after running the env outside the collector that feeds the buffer
+        (``check_env_specs``, ``ObservationNorm.init_stats``, a trial rollout): those episodes
+        used seeds whose steps never reach the buffer, so their groups could never complete.
+
+        Examples:
+            >>> from torchrl.envs import GymEnv, TransformedEnv
+            >>> from torchrl_grpo import SameStartGroups
+            >>> env = TransformedEnv(GymEnv("CartPole-v1"), SameStartGroups(4))
+            >>> _ = env.rollout(3)  # a trial rollout: seed 0 played once, outside any collector
+            >>> env.transform.rewind()
+            >>> int(env.reset()["reset_seed"]), env.transform.episodes_started
+            (0, 1)
+        """
+        self._episodes_started.zero_()
+        self._unplayed = None
 
     def __repr__(self) -> str:
         return (
@@ -190,23 +220,60 @@ class SameStartGroups(Transform):
             mask = reset.reshape(*batch, -1).any(-1) if batch else reset.any()
             mask = mask.cpu()  # the seed queue is on the CPU whatever the env's device
         full = bool(mask.all())
-        if not full and _resets_itself(parent):
+        self._check_parent(parent, full)
+        if not bool(mask.any()):
+            return tensordict_reset
+        seeds, new = self._seeds_for(mask)
+        kwargs = _seed_kwargs(parent, mask, seeds)
+        tensordict_reset = parent.reset(None if full else tensordict.select("_reset"), **kwargs)
+        self._episodes_started += new  # only once the seeded reset went through
+        self._unplayed = self._unplayed_seeds(batch)
+        self._unplayed[mask] = seeds
+        seed = torch.full(batch, -1, dtype=torch.long, device=tensordict_reset.device)
+        seed[mask.to(seed.device)] = seeds.to(seed.device)
+        return tensordict_reset.set(self.out_key, seed)
+
+    def _check_parent(self, parent, full: bool) -> None:
+        """A vector env that resets itself: a warning at its first reset, an error at a partial
+        reset (which cannot be seeded)."""
+        resets_itself = None
+        if not self._parent_checked:
+            self._parent_checked = True
+            resets_itself = _resets_itself(parent)
+            if resets_itself:
+                warnings.warn(
+                    f"{type(self).__name__}: {parent.base_env} restarts finished sub-envs by "
+                    "itself (torchrl wraps it in VecGymEnvTransform): only whole resets can be "
+                    "seeded, enough for an evaluation rollout, but a collector's partial reset "
+                    "will raise. Build the gymnasium vector env with "
+                    "autoreset_mode=gymnasium.vector.AutoresetMode.DISABLED to train on it.",
+                    UserWarning,
+                    stacklevel=2,
+                )
+        if not full and (resets_itself or _resets_itself(parent)):
             raise ValueError(
                 f"{type(self).__name__} cannot seed a partial reset of {parent.base_env}: its "
                 "vector env restarts finished sub-envs by itself, from unseeded states "
                 "(torchrl wraps it in VecGymEnvTransform). Build the gymnasium vector env with "
                 "autoreset_mode=gymnasium.vector.AutoresetMode.DISABLED, or only reset it whole."
             )
-        count = int(mask.sum())
-        if count == 0:
-            return tensordict_reset
-        seeds = self._next_seeds(count)
-        kwargs = _seed_kwargs(parent, mask, seeds)
-        tensordict_reset = parent.reset(None if full else tensordict.select("_reset"), **kwargs)
-        self._episodes_started += count  # only once the seeded reset went through
-        seed = torch.full(batch, -1, dtype=torch.long, device=tensordict_reset.device)
-        seed[mask.to(seed.device)] = seeds.to(seed.device)
-        return tensordict_reset.set(self.out_key, seed)
+
+    def _seeds_for(self, mask: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """The seeds of the sub-envs of ``mask``, in index order: the one it was last reset
+        with if it has not stepped since, else the next of the queue; and how many are new."""
+        unplayed = None if self._unplayed is None else self._unplayed[mask]
+        if unplayed is None or not bool((unplayed >= 0).any()):
+            count = int(mask.sum())
+            return self._next_seeds(count), count
+        fresh = unplayed < 0
+        seeds = unplayed.clone()
+        seeds[fresh] = self._next_seeds(int(fresh.sum()))
+        return seeds, int(fresh.sum())
+
+    def _unplayed_seeds(self, batch: torch.Size) -> torch.Tensor:
+        if self._unplayed is None or self._unplayed.shape != batch:
+            return torch.full(batch, -1, dtype=torch.long)
+        return self._unplayed
 
     def _reset_on_native_autoreset(
         self, tensordict: TensorDictBase, tensordict_reset: TensorDictBase
@@ -217,6 +284,7 @@ class SameStartGroups(Transform):
         )
 
     def _step(self, tensordict: TensorDictBase, next_tensordict: TensorDictBase) -> TensorDictBase:
+        self._unplayed = None  # every sub-env stepped: its seed is used up
         seed = tensordict.get(self.out_key, None)
         if seed is None:
             raise KeyError(

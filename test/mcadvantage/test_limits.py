@@ -1,5 +1,7 @@
 """Tests of torchrl_grpo/mcadvantage/limits.py: the memory limits on what is held back."""
 
+import warnings
+
 import pytest
 import torch
 from helpers import (
@@ -113,3 +115,27 @@ class TestWarning:
         with pytest.warns(RuntimeWarning, match="oldest were dropped"):
             rb.extend(trajectory(1, [1.0]))
         assert rb.transform[0].evicted_groups == 1
+
+
+class TestStuck:
+    def test_no_group_completes_in_20_insertions(self):
+        t = MCAdvantage(8, prompt_key="seed")
+        with pytest.warns(RuntimeWarning, match="20 insertions and no group has completed") as seen:
+            for seed in range(20):  # every id gets one trajectory of the 8 a group needs
+                t.inv(trajectory(seed, [1.0]))
+        message = str(seen[0].message)
+        assert "20 groups hold 20 trajectories, at most 1 in one" in message
+        assert "grpo_size=8" in message and seen[0].filename == __file__
+
+    def test_said_once_and_not_when_groups_complete(self):
+        t = MCAdvantage(2, prompt_key="seed")
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            for seed in range(40):
+                t.inv(trajectory(seed // 2, [1.0]))  # a group every second insertion
+        stuck = MCAdvantage(4, prompt_key="seed")
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            for seed in range(40):
+                stuck.inv(trajectory(seed, [1.0]))
+        assert len([w for w in seen if "no group has completed" in str(w.message)]) == 1

@@ -2,6 +2,7 @@
 
 import random
 import re
+import warnings
 
 import pytest
 import torch
@@ -12,10 +13,13 @@ from helpers import (
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tensordict import NonTensorData, NonTensorStack, TensorDict, lazy_stack
+from torchrl.collectors import Collector
+from torchrl.envs import Compose, GymEnv, StepCounter, TransformedEnv
 
+from torchrl_grpo import MCAdvantage, SameStartGroups
 from torchrl_grpo.mcadvantage.ids import PromptIds, TensorIds
 from torchrl_grpo.mcadvantage.options import Keys
-from torchrl_grpo.mcadvantage.read import read_insertion, trajectory_bounds
+from torchrl_grpo.mcadvantage.read import drop_padding, read_insertion, trajectory_bounds
 from torchrl_grpo.mcadvantage.records import Pending
 
 KEYS = Keys(group="seed", reward=("next", "reward"), done=("next", "done"), advantage="advantage")
@@ -236,3 +240,54 @@ class TestDevices:
         for value in (batch.starts, batch.lengths, batch.group_ids.values, batch.rewards):
             assert value.device.type == "cpu"
         assert batch.rewards.tolist() == [1.0, 2.0, 3.0]
+
+
+class TestGroupIdsCompareByExactValue:
+    def test_another_kind_of_number_than_the_pending_ids(self):
+        pending = pending_with(torch.tensor([[0]]))  # an int64 id held
+        floats = trajectory(0, [1.0])
+        floats["seed"] = torch.tensor([0.5])
+        with pytest.raises(TypeError, match="are torch.float32, but the pending ones are"):
+            read_insertion(floats, KEYS, pending)
+        narrow = trajectory(0, [1.0])
+        narrow["seed"] = torch.tensor([0], dtype=torch.int32)  # an integer too: compared as one
+        assert read_insertion(narrow, KEYS, pending).group_ids.values.tolist() == [[0]]
+
+    def test_the_issue_stream(self):
+        """int64 id 0 pending, then floats 0.5, 0.5, 0: the floats never join group 0."""
+        t = MCAdvantage(2, prompt_key="seed")
+        t.inv(trajectory(0, [1.0]))
+        floats = torch.cat([trajectory(0, [2.0]), trajectory(0, [3.0])])
+        floats["seed"] = torch.tensor([0.5, 0.5])
+        with pytest.raises(TypeError, match="use one kind of number"):
+            t.inv(floats)
+        assert t.queued_trajectories == 1 and t.written_groups == 0
+
+    def test_nan_ids(self):
+        td = torch.cat([trajectory(0, [1.0]), trajectory(0, [1.0])])
+        td["seed"] = torch.tensor([1.0, float("nan")])
+        with pytest.raises(ValueError, match="trajectory 1 of this insertion is NaN"):
+            read_insertion(td, KEYS, EMPTY)
+
+
+class TestDropPadding:
+    def test_split_trajs_rows(self):
+        rows = torch.stack([trajectory(3, [1.0, 2.0, 0.0]), trajectory(4, [5.0, 0.0, 0.0])])
+        rows["collector", "mask"] = torch.tensor([[True, True, False], [True, False, False]])
+        rows["next", "done"][0, 1] = rows["next", "done"][1, 0] = True
+        flat = drop_padding(rows)
+        assert flat.batch_size == (3,) and flat["next", "reward"].flatten().tolist() == [1, 2, 5]
+        batch = read_insertion(flat, KEYS, EMPTY)
+        assert batch.lengths.tolist() == [2, 1] and batch.group_ids.values.tolist() == [[3], [4]]
+        assert drop_padding(trajectory(1, [1.0])).batch_size == (1,)  # no mask: as it is
+
+    def test_a_collector_with_split_trajs(self):
+        env = TransformedEnv(GymEnv("CartPole-v1"), Compose(SameStartGroups(2), StepCounter()))
+        collector = Collector(env, None, frames_per_batch=40, total_frames=-1, split_trajs=True)
+        t = MCAdvantage(2, prompt_key="reset_seed", trajectory_return="sum")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # torchrl's advice against split_trajs
+            for _, batch in zip(range(5), collector):
+                t.inv(batch)
+        collector.shutdown()
+        assert t.written_groups > 0 and t.evicted_steps == 0

@@ -1,5 +1,7 @@
 """Tests of torchrl_grpo/mcadvantage/tails.py: trajectories that cross insertions."""
 
+import warnings
+
 import pytest
 import torch
 from helpers import (
@@ -8,6 +10,7 @@ from helpers import (
     same_output,
     streaming,
 )
+from helpers.restart import buffer_and_collector, collect, first_run
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tensordict import TensorDict, lazy_stack
@@ -331,3 +334,61 @@ class TestStreaming:
 # --------------------------------------------------------------------------------------------
 # each step's discounted reward-to-go as its sample (reward_to_go_gamma)
 # --------------------------------------------------------------------------------------------
+
+
+class TestRestarts:
+    """A collector started again numbers its trajectories from 0 again."""
+
+    def test_a_trajectory_that_starts_at_step_0_is_new(self):
+        first = join(Tails(), steps([0, 1], [True, False], [0, 0], [0, 1]), KEYS, 0)
+        first.tails.registry.mark(first.ended, ENDED)  # as a commit does
+        again = steps([0, 1], [False, True], [0, 0], [5, 6])  # ids from 0 again
+        with pytest.warns(RuntimeWarning, match=r"ids \[1\] .* start again at step 0"):
+            joined = join(first.tails, again, KEYS, 1)
+        assert joined.complete["value"].tolist() == [6]  # the new trajectory 1, not the held
+        assert (joined.dropped_steps, joined.dropped_tails) == (1, 1)  # old 1's held step
+        assert joined.tails.meta[:, TAIL_ID].tolist() == [0]  # the new trajectory 0, held
+        assert joined.restarted.tolist() == [0]  # ended before: running again once committed
+
+    def test_without_a_step_counter_an_ended_id_is_an_error(self):
+        no_count = KEYS._replace(count=None)
+        first = join(Tails(), steps([0], [True]), no_count, 0)
+        first.tails.registry.mark(first.ended, ENDED)
+        with pytest.raises(ValueError, match="forget_trajectory_ids"):
+            join(first.tails, steps([0], [True]), no_count, 1)
+
+    def test_forget_trajectory_ids(self):
+        t = MCAdvantage(2, prompt_key="seed", step_count_key=None)
+        one = steps([0, 1], [True, False])
+        one["seed"] = torch.zeros(2, dtype=torch.long)
+        one["next", "reward"] = torch.ones(2, 1)
+        t.inv(one)
+        with pytest.raises(ValueError, match="ended in an earlier insertion"):
+            t.inv(one.clone())
+        t.forget_trajectory_ids()
+        assert t.held_trajectories == 0 and t.evicted_trajectories == 1
+        assert t.inv(one.clone()) is not None  # trajectory 0 again: completes seed 0's group
+
+    @pytest.mark.parametrize("counter", [True, False], ids=["step counter", "no counter"])
+    def test_a_collector_restarted_in_a_new_process(self, counter, tmp_path, spawn):
+        """The first run saves the transform and ends; a new collector goes on from its state."""
+        path = str(tmp_path / "transform.pt")
+        process = spawn(first_run, path, counter)
+        process.join(120)
+        assert process.exitcode == 0
+        rb, collector = buffer_and_collector(counter, seed=1)
+        transform = rb.transform[0]
+        transform.load_state_dict(torch.load(path, weights_only=True))
+        before = transform.get_stats()
+        assert before["written_groups"] > 0 and before["completed_trajectories"] > 0
+        if not counter:
+            with pytest.raises(ValueError, match="forget_trajectory_ids"):
+                collect(rb, collector, 1)
+            transform.forget_trajectory_ids()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # a held tail given up, if any
+            collect(rb, collector, 4)
+        collector.shutdown()
+        after = transform.get_stats()
+        assert after["completed_trajectories"] > before["completed_trajectories"]
+        assert after["written_groups"] > before["written_groups"] and len(rb) > 0

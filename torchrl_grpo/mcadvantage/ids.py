@@ -46,12 +46,22 @@ class TensorIds(GroupIds):
     def width(self) -> int:
         return self.values.shape[1]
 
+    @property
+    def family(self) -> str:
+        """The kind of number: ``"bool"``, ``"integer"``, ``"floating"`` or ``"complex"``; ids of
+        one family compare by exact value in their common dtype."""
+        dtype = self.values.dtype
+        if dtype == torch.bool:
+            return "bool"
+        if dtype.is_complex:
+            return "complex"
+        return "floating" if dtype.is_floating_point else "integer"
+
     def cat(self, other: TensorIds) -> TensorIds:
-        """These ids then ``other``'s, in this dtype."""
-        incoming = other.values
-        if incoming.dtype != self.values.dtype:
-            incoming = incoming.to(self.values.dtype)
-        return TensorIds(torch.cat([self.values, incoming]))
+        """These ids then ``other``'s, in their common dtype (ids of one family: nothing is
+        rounded)."""
+        dtype = torch.promote_types(self.values.dtype, other.values.dtype)
+        return TensorIds(torch.cat([self.values.to(dtype), other.values.to(dtype)]))
 
     def select(self, index: Tensor) -> TensorIds:
         return TensorIds(self.values.index_select(0, index))

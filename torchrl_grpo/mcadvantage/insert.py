@@ -15,7 +15,7 @@ from torchrl import torchrl_logger
 from torchrl_grpo.mcadvantage import groups, limits, pending, read, release, returns, tails
 from torchrl_grpo.mcadvantage.options import Options
 from torchrl_grpo.mcadvantage.records import NOTHING_RELEASED, Outcome, State
-from torchrl_grpo.mcadvantage.registry import ENDED
+from torchrl_grpo.mcadvantage.registry import ENDED, RUNNING
 from torchrl_grpo.mcadvantage.stats import count
 
 __all__ = ["commit", "insert"]
@@ -38,6 +38,7 @@ def insert(options: Options, state: State, tensordict: TensorDictBase) -> Outcom
             limit with ``on_overflow="raise"``; the state is then as it was.
     """
     clock = state.insertions + 1
+    tensordict = read.drop_padding(tensordict)  # a collector's split_trajs padding is not data
     state, marks, complete = _join_tails(options, state, tensordict)  # 1.
     batch = None
     if complete is not None:  # 2.
@@ -93,13 +94,21 @@ def _join_tails(options: Options, state: State, tensordict: TensorDictBase):
     joined = tails.join(state.tails, dense, options.trajectory_keys, state.insertions)
     stats = state.stats
     if joined.dropped_steps:  # steps of given-up trajectories, left out
-        stats = {**stats, "evicted_steps": stats["evicted_steps"] + joined.dropped_steps}
+        stats = {
+            **stats,
+            "evicted_steps": stats["evicted_steps"] + joined.dropped_steps,
+            "evicted_trajectories": stats["evicted_trajectories"] + joined.dropped_tails,
+        }
     state = State(state.pending, joined.tails, stats, state.insertions)
-    return state, ((joined.ended, ENDED),), joined.complete
+    marks = ((joined.ended, ENDED),)
+    if joined.restarted is not None and joined.restarted.numel():  # before their end, if any
+        marks = ((joined.restarted, RUNNING), *marks)
+    return state, marks, joined.complete
 
 
 def _finish(options: Options, out, state: State, marks: tuple) -> Outcome:
     state, marks = limits.apply_limits(options.limits, state, marks)  # 7.
+    limits.warn_if_stuck(options.grpo_size, state)
     return Outcome(out, state, marks)
 
 

@@ -1,21 +1,19 @@
-"""The memory limits: incomplete groups and unfinished trajectories that waited too long.
+"""What is held back: the memory limits, and a warning when no group ever completes.
 
 ``max_pending_groups`` bounds the incomplete groups held, ``max_pending_age`` how many insertions
 a group (from its first trajectory) or an unfinished trajectory (from its first step) may wait.
 Past them, :func:`apply_limits` gives up the oldest (counted in ``evicted_*``, with a
 ``RuntimeWarning``), or, with ``on_overflow="raise"``, rejects the insertion before anything
 changed. Given-up trajectory ids are marked so that their later steps are left out.
+
+:func:`warn_if_stuck` says, once, when :data:`STUCK_AFTER` insertions have completed no group
+while trajectories pile up: the usual cause is a group size the data cannot fill (each id
+receives fewer than ``grpo_size`` trajectories).
 """
 
 from __future__ import annotations
 
-import inspect
-import os
-import warnings
-
-import tensordict
 import torch
-import torchrl
 
 from torchrl_grpo.mcadvantage import pending as pending_
 from torchrl_grpo.mcadvantage import tails as tails_
@@ -23,14 +21,12 @@ from torchrl_grpo.mcadvantage.options import Limits
 from torchrl_grpo.mcadvantage.records import QUEUED_AT, STARTED_AT, State
 from torchrl_grpo.mcadvantage.registry import GIVEN_UP
 from torchrl_grpo.mcadvantage.store import LENGTH
+from torchrl_grpo.mcadvantage.warn import warn
 
-__all__ = ["apply_limits", "evict_groups"]
+__all__ = ["STUCK_AFTER", "apply_limits", "evict_groups", "warn_if_stuck"]
 
-#: The packages whose frames a warning skips to point at the line that inserted.
-_INTERNAL = tuple(
-    os.path.dirname(path) + os.sep
-    for path in (os.path.dirname(os.path.abspath(__file__)), torchrl.__file__, tensordict.__file__)
-)
+#: The insertion at which :func:`warn_if_stuck` looks, once.
+STUCK_AFTER = 20
 
 
 def apply_limits(limits: Limits, state: State, marks: tuple) -> tuple[State, tuple]:
@@ -61,12 +57,10 @@ def apply_limits(limits: Limits, state: State, marks: tuple) -> tuple[State, tup
     if not groups and not steps:
         return state, marks
     also = f" and {unfinished} unfinished trajectories" if steps else ""
-    warnings.warn(
+    warn(
         f"MCAdvantage: {groups} incomplete group(s) ({trajectories} trajectories){also} exceed "
         f"max_pending_groups={limits.max_groups} / max_pending_age={limits.max_age}; the "
-        "oldest were dropped (see evicted_groups).",
-        RuntimeWarning,
-        stacklevel=_caller_level(),
+        "oldest were dropped (see evicted_groups)."
     )
     stats = dict(state.stats)
     stats["evicted_groups"] += groups
@@ -118,10 +112,21 @@ def evict_groups(limits: Limits, pending, clock: int):
     return pending_.drop(pending, ~gone), groups, trajectories
 
 
-def _caller_level() -> int:
-    """The ``stacklevel`` that makes a warning of the caller name the first frame outside this
-    package, torchrl and tensordict: the user's ``rb.extend`` or ``transform.inv``."""
-    frame, level = inspect.currentframe().f_back, 1
-    while frame is not None and frame.f_code.co_filename.startswith(_INTERNAL):
-        frame, level = frame.f_back, level + 1
-    return level
+def warn_if_stuck(grpo_size: int, state: State) -> None:
+    """At insertion :data:`STUCK_AFTER`, warn if no group has completed yet while at least two
+    groups' worth of trajectories are held back, with the counts and the likely causes."""
+    pending = state.pending
+    if state.insertions != STUCK_AFTER or state.stats["completed_groups"]:
+        return
+    if pending.num_pending < 2 * grpo_size:
+        return
+    counts = pending.ids.counts()
+    warn(
+        f"MCAdvantage: {STUCK_AFTER} insertions and no group has completed: {len(counts)} "
+        f"groups hold {pending.num_pending} trajectories, at most {max(counts)} in one, and a "
+        f"group completes at grpo_size={grpo_size} trajectories of one id. If each id gets "
+        "fewer (SameStartGroups(group_size) below grpo_size, resets that used seeds before the "
+        "collector started (check_env_specs: call SameStartGroups.rewind() after it), prompts "
+        "repeated fewer times), groups never complete: match grpo_size to the data, or bound "
+        "what is held (max_pending_groups, max_pending_age)."
+    )

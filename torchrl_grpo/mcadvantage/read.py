@@ -31,7 +31,33 @@ from torchrl_grpo.mcadvantage.options import Keys
 from torchrl_grpo.mcadvantage.records import Insertion, Pending
 from torchrl_grpo.mcadvantage.steps import DenseSteps, Elements, RaggedSteps, Steps, get_entry
 
-__all__ = ["read_insertion", "trajectory_bounds"]
+__all__ = ["PADDING_MASK", "drop_padding", "read_insertion", "trajectory_bounds"]
+
+#: The entry torchrl's collectors write with ``split_trajs=True``: ``True`` on real steps,
+#: ``False`` on the zero padding of each ``[trajectories, max length]`` row.
+PADDING_MASK = ("collector", "mask")
+
+
+def drop_padding(tensordict: TensorDictBase) -> TensorDictBase:
+    """The input without the steps a collector padded (``split_trajs=True``): the real steps of
+    each row, row after row (one trajectory's steps stay contiguous, in time order). An input
+    without :data:`PADDING_MASK` is returned as it is.
+
+    Examples:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> rows = TensorDict(x=torch.arange(6).reshape(2, 3), collector=TensorDict(
+        ...     mask=torch.tensor([[True, True, False], [True, False, False]]), batch_size=[2, 3]),
+        ...     batch_size=[2, 3])
+        >>> drop_padding(rows)["x"]
+        tensor([0, 1, 3])
+    """
+    if "collector" not in tensordict.keys():
+        return tensordict
+    mask = tensordict.get(PADDING_MASK, None)
+    if mask is None or mask.shape != tensordict.batch_size:
+        return tensordict
+    return tensordict[mask]
 
 
 def read_insertion(tensordict: TensorDictBase, keys: Keys, pending: Pending) -> Insertion | None:
@@ -230,11 +256,7 @@ def _group_ids(steps: Steps, starts: Tensor, key, pending: Pending, group_id) ->
     held = pending.ids if pending.num_pending else None
     if isinstance(values, Tensor):
         ids = TensorIds(values.reshape(n, -1).cpu())
-        if held is not None and held.kind == ids.kind and held.width != ids.width:
-            raise ValueError(
-                f"MCAdvantage: group ids under {key!r} have {ids.width} values per "
-                f"trajectory, but the pending ones have {held.width}."
-            )
+        _check_tensor_ids(ids, held if held is not None and held.kind == ids.kind else None, key)
     else:
         for group_id in values:
             if not isinstance(group_id, str):
@@ -249,6 +271,32 @@ def _group_ids(steps: Steps, starts: Tensor, key, pending: Pending, group_id) ->
             f"keyed by {held.kind}; use one kind of group id per transform."
         )
     return ids
+
+
+def _check_tensor_ids(ids: TensorIds, held: TensorIds | None, key) -> None:
+    """Tensor ids compare by exact value: no NaN (it equals nothing, so its group could never
+    complete), and of the width and number family (integer, floating...) of the pending ones,
+    so that none is rounded into another."""
+    if ids.family in ("floating", "complex"):
+        nan = ids.values.isnan().any(1)
+        if bool(nan.any()):
+            raise ValueError(
+                f"MCAdvantage: the group id under {key!r} of trajectory {int(nan.nonzero()[0])} "
+                "of this insertion is NaN: NaN equals nothing, so its group could never complete."
+            )
+    if held is None:
+        return
+    if held.width != ids.width:
+        raise ValueError(
+            f"MCAdvantage: group ids under {key!r} have {ids.width} values per "
+            f"trajectory, but the pending ones have {held.width}."
+        )
+    if held.family != ids.family:
+        raise TypeError(
+            f"MCAdvantage: group ids under {key!r} are {ids.values.dtype}, but the pending ones "
+            f"are {held.values.dtype}: ids are compared by exact value, so use one kind of number "
+            f"for them (cast them, e.g. to {held.values.dtype})."
+        )
 
 
 def _all_finite(x: Tensor) -> bool:

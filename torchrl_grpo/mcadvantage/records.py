@@ -160,7 +160,9 @@ class Joined(NamedTuple):
     complete: TensorDictBase | None  # (M,) steps of the completed trajectories, or None
     tails: Tails  # the tails held after the insertion
     ended: Tensor  # (c,) ids of the completed trajectories (to mark once committed)
-    dropped_steps: int  # steps of given-up trajectories that arrived and were left out
+    dropped_steps: int  # steps given up: arriving for given-up ids, or held for restarted ids
+    dropped_tails: int = 0  # held tails given up because their id started again at step 0
+    restarted: Tensor | None = None  # ids that ended before and started again (running again)
 
 
 class Outcome(NamedTuple):

@@ -13,7 +13,8 @@ RUNNING, ENDED, GIVEN_UP = 0, 1, 2  # what the registry knows of an id
 class IdRegistry:
     """Which trajectory ids have ended (or been given up): one byte per id, grown by doubling.
 
-    Monotonic: an id is marked once its trajectory is released or evicted, and never unmarked.
+    An id is marked once its trajectory is released or evicted, and marked running again only
+    when a collector that started again reuses it for a trajectory starting at step 0.
     Successive states share it (marking, the only write, happens when an insertion commits), so
     that keeping it costs nothing per insertion.
 

@@ -20,6 +20,7 @@ from torchrl_grpo.mcadvantage.options import Options
 from torchrl_grpo.mcadvantage.records import TAIL_ID, Outcome, Pending, State, Tails
 from torchrl_grpo.mcadvantage.registry import GIVEN_UP
 from torchrl_grpo.mcadvantage.stats import fresh_stats, snapshot
+from torchrl_grpo.mcadvantage.store import LENGTH
 
 __all__ = ["OPERATIONS", "NoLock", "Replica", "fresh_state"]
 
@@ -31,6 +32,7 @@ OPERATIONS = frozenset(
         "set_counter",
         "reset_stats",
         "clear",
+        "forget_trajectory_ids",
         "group_ids",
         "trajectories",
         "drop_group",
@@ -74,10 +76,13 @@ class Replica:
 
     # --- insertions ------------------------------------------------------------------------
 
-    def insert(self, tensordict: TensorDictBase) -> TensorDictBase | None:
-        """Insert ``tensordict`` and commit: the steps to store, or ``None``."""
+    def insert(self, tensordict: TensorDictBase, check=None) -> TensorDictBase | None:
+        """Insert ``tensordict`` and commit: the steps to store, or ``None``. ``check(steps)``,
+        if given, sees the steps to store before the commit, and may refuse them by raising."""
         with self.lock:
             outcome = insert(self.options, self.state, tensordict)
+            if check is not None and outcome.out is not None:
+                check(outcome.out)
             self.commit(outcome)
         return outcome.out
 
@@ -119,6 +124,16 @@ class Replica:
             if tails.num_tails:
                 tails.registry.mark(tails.meta[:, TAIL_ID], GIVEN_UP)
             self.state = State(Pending(), Tails(registry=tails.registry), self.state.stats, 0)
+
+    def forget_trajectory_ids(self) -> None:
+        """Forget which trajectory ids ended, and give up the held tails (counted in
+        ``evicted_*``): the ids that come next start new trajectories."""
+        with self.lock:
+            state = self.state
+            tails, stats = state.tails, dict(state.stats)
+            stats["evicted_trajectories"] += tails.num_tails
+            stats["evicted_steps"] += int(tails.pieces[:, LENGTH].sum())
+            self.state = state._replace(tails=Tails(), stats=stats)
 
     def group_ids(self) -> list:
         """The group id of every pending trajectory, in arrival order, as torchrl keys them."""

@@ -262,9 +262,11 @@ class Owner:
             raise value
         return value
 
-    def insert(self, tensordict: TensorDictBase):
+    def insert(self, tensordict: TensorDictBase, check=None):
         """One insertion in the owner: the steps it releases (or ``None``); raises what the
-        insertion raises."""
+        insertion raises. ``check(steps)`` sees the released steps before they are
+        acknowledged, and may refuse them by raising: the connection is then dropped, so the
+        owner forgets the insertion (as when a writer dies before acknowledging)."""
         pause = _pause_point()
         request = pickle.dumps((self.key, None, encode(tensordict)), protocol=5)
         kind, value, caught = pickle.loads(self._exchange(request, pause))
@@ -273,7 +275,13 @@ class Owner:
             if kind == _REJECTED:
                 raise value
             return None
-        sock = self._local.sock
+        sock, out = self._local.sock, decode(value)
+        if check is not None:
+            try:
+                check(out)
+            except BaseException:
+                self._drop()
+                raise
         try:
             if pause == "ack":  # holding the owner's lock
                 _pause()
@@ -292,7 +300,7 @@ class Owner:
                 f"MCAdvantage: unexpected reply {bytes(done)!r} from the owner process."
             )
         _warn(caught)
-        return decode(value)
+        return out
 
     def forget(self) -> None:
         """Drop the shared state from the owner (when the transform that shared it is gone)."""

@@ -32,11 +32,14 @@ from torch import Tensor
 
 from torchrl_grpo.mcadvantage.options import TrajectoryKeys
 from torchrl_grpo.mcadvantage.records import LAST_COUNT, TAIL_ID, TRAJ, Joined, Tails
-from torchrl_grpo.mcadvantage.registry import ENDED, GIVEN_UP, IdRegistry
+from torchrl_grpo.mcadvantage.registry import ENDED, GIVEN_UP, RUNNING, IdRegistry
 from torchrl_grpo.mcadvantage.steps import DenseSteps, get_entry
 from torchrl_grpo.mcadvantage.store import CHUNK, LENGTH, LENIENT, OFFSET, ranges
+from torchrl_grpo.mcadvantage.warn import warn
 
 __all__ = ["drop", "held_steps", "join", "streamed", "tail_index"]
+
+_NO_IDS = torch.zeros(0, dtype=torch.long)
 
 
 def streamed(tails: Tails, tensordict: TensorDictBase, keys: TrajectoryKeys):
@@ -84,17 +87,21 @@ def join(tails: Tails, tensordict: TensorDictBase, keys: TrajectoryKeys, clock: 
     registry = tails.registry if tails.registry is not None else IdRegistry()
     flat, ids, done, count = _per_step_entries(tensordict, keys)
     pieces = _split_by_id(ids, done, keys)
+    sorted_count = None if count is None else count[pieces.order]
     status = registry.status(pieces.ids)  # (p,)
+    tails, status, restarted = _restarts(tails, pieces, sorted_count, status, keys)
     if bool((status == ENDED).any()):
         raise ValueError(
             f"MCAdvantage: trajectory id {int(pieces.ids[status == ENDED][0])} under "
             f"{keys.traj!r} ended in an earlier insertion and arrives again: ids must not be "
-            "reused (the ids of several collectors writing one buffer must not overlap)."
+            "reused (the ids of several collectors writing one buffer must not overlap). After "
+            "a restart whose collector numbers trajectories from 0 again, give the steps a step "
+            "counter (torchrl's StepCounter: a trajectory that starts at step 0 is taken for a "
+            "new one), or call transform.forget_trajectory_ids() once the checkpoint is loaded."
         )
     given_up = status == GIVEN_UP  # continuations of evicted tails: left out, counted
     completes = pieces.last_done & ~given_up  # (p,)
     held, slot = tail_index(tails, pieces.ids)  # (p,) whether each piece continues a held tail
-    sorted_count = None if count is None else count[pieces.order]
     if sorted_count is not None:
         _check_counts(sorted_count, pieces, held & ~given_up, slot, tails, keys, given_up)
     done_pieces = completes.nonzero().squeeze(1)  # (c,) in the order of their last step
@@ -119,7 +126,45 @@ def join(tails: Tails, tensordict: TensorDictBase, keys: TrajectoryKeys, clock: 
         clock=clock,
     )
     dropped = int(pieces.lengths[given_up].sum()) if bool(given_up.any()) else 0
-    return Joined(complete=complete, tails=new_tails, ended=ended, dropped_steps=dropped)
+    return Joined(
+        complete=complete,
+        tails=new_tails,
+        ended=ended,
+        dropped_steps=dropped + restarted[1],
+        dropped_tails=restarted[0],
+        restarted=restarted[2],
+    )
+
+
+def _restarts(tails: Tails, pieces: _Pieces, count: Tensor | None, status: Tensor, keys):
+    """Pieces whose first step is step 0 start new trajectories, whatever their id did before: a
+    collector started again (after a restart) numbers its trajectories from 0 again. Held tails
+    of those ids are given up (warned, counted). Without a step counter nothing is told apart.
+
+    Returns:
+        ``(tails, status, (tails given up, their steps, ids to mark running again))``.
+    """
+    none = (0, 0, _NO_IDS)
+    if count is None:
+        return tails, status, none
+    fresh = count[pieces.starts] == 0  # (p,)
+    if not bool(fresh.any()):
+        return tails, status, none
+    reused = pieces.ids[fresh & (status != RUNNING)]  # ended or given up before: running again
+    status = status.masked_fill(fresh, RUNNING)
+    held, _ = tail_index(tails, pieces.ids)
+    stale = held & fresh
+    if not bool(stale.any()):
+        return tails, status, (0, 0, reused)
+    ids = pieces.ids[stale]
+    steps = int(tails.pieces[torch.isin(tails.pieces[:, TRAJ], ids), LENGTH].sum())
+    tails, _ = drop(tails, ~torch.isin(tails.meta[:, TAIL_ID], ids))
+    warn(
+        f"MCAdvantage: trajectory ids {ids.tolist()[:8]} under {keys.traj!r} start again at step "
+        f"0 while unfinished trajectories with these ids are held: taken for new trajectories "
+        f"(a collector that restarted?); the {steps} held steps are given up (evicted_steps)."
+    )
+    return tails, status, (ids.numel(), steps, reused)
 
 
 def tail_index(tails: Tails, ids: Tensor) -> tuple[Tensor, Tensor]:

@@ -20,6 +20,7 @@ from torchrl.objectives.llm import MCAdvantageSelector
 from torchrl_grpo._compat import calling_replay_buffer
 from torchrl_grpo.checkpoint import allow_empty_dumps
 from torchrl_grpo.mcadvantage import shared
+from torchrl_grpo.mcadvantage.buffer import check_release
 from torchrl_grpo.mcadvantage.options import (
     KEYWORDS,
     Options,
@@ -270,6 +271,7 @@ class MCAdvantage(Transform):
         self._options = options
         self._replica = Replica(options)  # replaced by the owner's handle once shared
         self._buffer_searched = False  # looked for the buffer writing through this transform
+        self._warned_overwrite = False  # said that releases overwrite stored steps
         self.register_load_state_dict_pre_hook(_read_earlier_checkpoints)
 
     # --- the settings (see the arguments) -------------------------------------------------------
@@ -410,9 +412,28 @@ class MCAdvantage(Transform):
         """Forget every pending trajectory, held unfinished ones included (statistics are kept).
 
         The ids of the held trajectories are given up: their steps that arrive later are left
-        out (counted in ``evicted_steps``), rather than taken for new trajectories.
+        out (counted in ``evicted_steps``), rather than taken for new trajectories; the ids that
+        ended are remembered (see :meth:`forget_trajectory_ids` after a restart).
         """
         self._replica.clear()
+
+    def forget_trajectory_ids(self) -> None:
+        """Forget which trajectory ids have ended, and give up the unfinished trajectories held
+        (counted in ``evicted_trajectories`` / ``evicted_steps``); pending groups are kept.
+
+        For a restart whose collector numbers its trajectories from 0 again, when the steps have
+        no step counter: call it once the checkpoint is loaded. With a step counter (torchrl's
+        ``StepCounter``) nothing is needed: a trajectory that starts at step 0 is a new one,
+        whatever its id did before.
+
+        Examples:
+            >>> from torchrl_grpo import MCAdvantage
+            >>> t = MCAdvantage(grpo_size=2, prompt_key="seed")
+            >>> t.forget_trajectory_ids()
+            >>> t.held_trajectories
+            0
+        """
+        self._replica.forget_trajectory_ids()
 
     def get_stats(self) -> dict[str, float | int]:
         """A snapshot of the counters and of the pending queues' sizes.
@@ -450,7 +471,12 @@ class MCAdvantage(Transform):
         if not self._buffer_searched:  # once: the buffer writing through us, if any
             self._find_buffer()
             self._buffer_searched = True
-        return self._replica.insert(tensordict)
+        return self._replica.insert(tensordict, check=self._check_release)
+
+    def _check_release(self, out: TensorDictBase) -> None:
+        """Refuse a release the calling buffer cannot store as steps (see
+        :mod:`~torchrl_grpo.mcadvantage.buffer`)."""
+        self._warned_overwrite = check_release(self, out, warned=self._warned_overwrite)
 
 
 _KEYWORDS = frozenset(KEYWORDS)
