@@ -60,8 +60,11 @@ class TensorIds(GroupIds):
     def cat(self, other: TensorIds) -> TensorIds:
         """These ids then ``other``'s, in their common dtype (ids of one family: nothing is
         rounded)."""
-        dtype = torch.promote_types(self.values.dtype, other.values.dtype)
-        return TensorIds(torch.cat([self.values.to(dtype), other.values.to(dtype)]))
+        held, incoming = self.values, other.values
+        if held.dtype != incoming.dtype:
+            dtype = torch.promote_types(held.dtype, incoming.dtype)
+            held, incoming = held.to(dtype), incoming.to(dtype)
+        return TensorIds(torch.cat([held, incoming]))
 
     def select(self, index: Tensor) -> TensorIds:
         return TensorIds(self.values.index_select(0, index))

@@ -52,8 +52,8 @@ def drop_padding(tensordict: TensorDictBase) -> TensorDictBase:
         >>> drop_padding(rows)["x"]
         tensor([0, 1, 3])
     """
-    if "collector" not in tensordict.keys():
-        return tensordict
+    if tensordict.batch_dims != 2 or "collector" not in tensordict.keys():
+        return tensordict  # split_trajs batches are [trajectories, max length]
     mask = tensordict.get(PADDING_MASK, None)
     if mask is None or mask.shape != tensordict.batch_size:
         return tensordict
@@ -277,13 +277,14 @@ def _check_tensor_ids(ids: TensorIds, held: TensorIds | None, key) -> None:
     """Tensor ids compare by exact value: no NaN (it equals nothing, so its group could never
     complete), and of the width and number family (integer, floating...) of the pending ones,
     so that none is rounded into another."""
-    if ids.family in ("floating", "complex"):
-        nan = ids.values.isnan().any(1)
-        if bool(nan.any()):
-            raise ValueError(
-                f"MCAdvantage: the group id under {key!r} of trajectory {int(nan.nonzero()[0])} "
-                "of this insertion is NaN: NaN equals nothing, so its group could never complete."
-            )
+    values = ids.values
+    dtype = values.dtype
+    if (dtype.is_floating_point or dtype.is_complex) and bool(values.isnan().any()):
+        nan = values.isnan().any(1)
+        raise ValueError(
+            f"MCAdvantage: the group id under {key!r} of trajectory {int(nan.nonzero()[0])} "
+            "of this insertion is NaN: NaN equals nothing, so its group could never complete."
+        )
     if held is None:
         return
     if held.width != ids.width:
@@ -291,7 +292,7 @@ def _check_tensor_ids(ids: TensorIds, held: TensorIds | None, key) -> None:
             f"MCAdvantage: group ids under {key!r} have {ids.width} values per "
             f"trajectory, but the pending ones have {held.width}."
         )
-    if held.family != ids.family:
+    if held.values.dtype != dtype and held.family != ids.family:
         raise TypeError(
             f"MCAdvantage: group ids under {key!r} are {ids.values.dtype}, but the pending ones "
             f"are {held.values.dtype}: ids are compared by exact value, so use one kind of number "

@@ -476,7 +476,9 @@ class MCAdvantage(Transform):
     def _check_release(self, out: TensorDictBase) -> None:
         """Refuse a release the calling buffer cannot store as steps (see
         :mod:`~torchrl_grpo.mcadvantage.buffer`)."""
-        self._warned_overwrite = check_release(self, out, warned=self._warned_overwrite)
+        warned = self._warned_overwrite
+        if check_release(self, out, warned=warned) != warned:
+            self._warned_overwrite = True
 
 
 _KEYWORDS = frozenset(KEYWORDS)
