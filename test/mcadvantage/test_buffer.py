@@ -46,7 +46,10 @@ class TestCapacity:
 
     def test_overwriting_stored_steps_is_said_once(self):
         rb = buffer(5)
-        group = lambda seed: torch.cat([trajectory(seed, [1.0, 1.0]), trajectory(seed, [1.0])])  # noqa: E731
+
+        def group(seed):
+            return torch.cat([trajectory(seed, [1.0, 1.0]), trajectory(seed, [1.0])])
+
         rb.extend(group(0))
         with pytest.warns(RuntimeWarning, match="holding 3 of max_size=5: the oldest 1") as seen:
             rb.extend(group(1))

@@ -81,7 +81,7 @@ class TestSameAsLocal:
             assert held[-1] == local.held_trajectories
         assert max(held) > 0 and t.get_stats() == local.get_stats()
         with pytest.raises(ValueError, match="ended in an earlier insertion"):
-            t.inv(batches[0])  # ids that ended come back
+            t.inv(batches[-1])  # trajectories that ended are continued
 
     def test_ragged_token_sequences(self):
         """Lazy stacks of steps of different lengths, string prompts: pickled as they are."""

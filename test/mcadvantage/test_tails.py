@@ -71,7 +71,7 @@ class TestJoin:
         registry = IdRegistry()
         registry.mark(torch.tensor([3]), ENDED)
         with pytest.raises(ValueError, match="trajectory id 3 .* must not be reused"):
-            join(Tails(registry=registry), steps([3], [True], [0]), KEYS, 0)
+            join(Tails(registry=registry), steps([3], [True], [4]), KEYS, 0)  # not a new start
 
     def test_given_up_ids_are_left_out_and_counted(self):
         registry = IdRegistry()
@@ -215,9 +215,10 @@ class TestStreaming:
         for batch in batches[3:]:
             same_output(restored.inv(batch.clone()), t.inv(batch.clone()))
         assert restored.held_trajectories == 0
-        # the ended ids travel too: an id that ended before the checkpoint cannot come back
+        # the ended ids travel too: a trajectory that ended cannot be continued
+        assert (batches[-1]["step_count"][:, 0] > 0).any()  # rows that continue a trajectory
         with pytest.raises(ValueError, match="ended in an earlier insertion"):
-            restored.inv(batches[0])
+            restored.inv(batches[-1])
 
     def test_missing_earlier_part_raises_and_changes_nothing(self):
         batches, _ = collector_stream(3, 4, 3, seed=3, max_len=9, steps_per_batch=4)
@@ -232,11 +233,14 @@ class TestStreaming:
         batches, _ = collector_stream(3, 4, 3, seed=4, max_len=3, steps_per_batch=6)
         t = streaming()
         t.inv(batches[0])
+        t.inv(batches[1])
         before = t.get_stats()
+        assert (batches[1]["step_count"][:, 0] > 0).any()  # rows that continue a trajectory
         with pytest.raises(ValueError, match=r"trajectory id \d+ .* ended in an earlier insertion"):
-            t.inv(batches[0])
+            t.inv(batches[1])  # again: their trajectories ended, they cannot be continued
         assert t.get_stats() == before
-        t.inv(batches[1])  # and the next batch goes through
+        again, _ = collector_stream(3, 4, 3, seed=6, max_len=3, steps_per_batch=6)
+        t.inv(again[0])  # and new trajectories go through
 
     def test_done_inside_an_id_raises(self):
         batches, _ = collector_stream(1, 2, 3, seed=5, max_len=3, steps_per_batch=30)

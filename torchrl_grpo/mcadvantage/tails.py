@@ -89,7 +89,7 @@ def join(tails: Tails, tensordict: TensorDictBase, keys: TrajectoryKeys, clock: 
     pieces = _split_by_id(ids, done, keys)
     sorted_count = None if count is None else count[pieces.order]
     status = registry.status(pieces.ids)  # (p,)
-    tails, status, restarted = _restarts(tails, pieces, sorted_count, status, keys)
+    tails, status, restarted = _restarts(tails, pieces, sorted_count, status)
     if bool((status == ENDED).any()):
         raise ValueError(
             f"MCAdvantage: trajectory id {int(pieces.ids[status == ENDED][0])} under "
@@ -126,25 +126,32 @@ def join(tails: Tails, tensordict: TensorDictBase, keys: TrajectoryKeys, clock: 
         clock=clock,
     )
     dropped = int(pieces.lengths[given_up].sum()) if bool(given_up.any()) else 0
+    if restarted[0].numel():  # said once nothing can reject the insertion any more
+        warn(
+            f"MCAdvantage: trajectory ids {restarted[0].tolist()[:8]} under {keys.traj!r} start "
+            "again at step 0 while unfinished trajectories with these ids are held: taken for "
+            f"new trajectories (a collector that restarted?); the {restarted[1]} held steps are "
+            "given up (evicted_steps)."
+        )
     return Joined(
         complete=complete,
         tails=new_tails,
         ended=ended,
         dropped_steps=dropped + restarted[1],
-        dropped_tails=restarted[0],
+        dropped_tails=restarted[0].numel(),
         restarted=restarted[2],
     )
 
 
-def _restarts(tails: Tails, pieces: _Pieces, count: Tensor | None, status: Tensor, keys):
+def _restarts(tails: Tails, pieces: _Pieces, count: Tensor | None, status: Tensor):
     """Pieces whose first step is step 0 start new trajectories, whatever their id did before: a
     collector started again (after a restart) numbers its trajectories from 0 again. Held tails
     of those ids are given up (warned, counted). Without a step counter nothing is told apart.
 
     Returns:
-        ``(tails, status, (tails given up, their steps, ids to mark running again))``.
+        ``(tails, status, (ids of the tails given up, their steps, ids to mark running))``.
     """
-    none = (0, 0, _NO_IDS)
+    none = (_NO_IDS, 0, _NO_IDS)
     if count is None:
         return tails, status, none
     fresh = count[pieces.starts] == 0  # (p,)
@@ -155,16 +162,11 @@ def _restarts(tails: Tails, pieces: _Pieces, count: Tensor | None, status: Tenso
     held, _ = tail_index(tails, pieces.ids)
     stale = held & fresh
     if not bool(stale.any()):
-        return tails, status, (0, 0, reused)
+        return tails, status, (_NO_IDS, 0, reused)
     ids = pieces.ids[stale]
     steps = int(tails.pieces[torch.isin(tails.pieces[:, TRAJ], ids), LENGTH].sum())
     tails, _ = drop(tails, ~torch.isin(tails.meta[:, TAIL_ID], ids))
-    warn(
-        f"MCAdvantage: trajectory ids {ids.tolist()[:8]} under {keys.traj!r} start again at step "
-        f"0 while unfinished trajectories with these ids are held: taken for new trajectories "
-        f"(a collector that restarted?); the {steps} held steps are given up (evicted_steps)."
-    )
-    return tails, status, (ids.numel(), steps, reused)
+    return tails, status, (ids, steps, reused)
 
 
 def tail_index(tails: Tails, ids: Tensor) -> tuple[Tensor, Tensor]:
