@@ -260,11 +260,11 @@ class TestSameStartGroupsErrors:
     def test_partial_reset_of_a_self_resetting_vector_env(self):
         env = vector_env(3, gym.vector.AutoresetMode.SAME_STEP)
         env.append_transform(SameStartGroups(2))
-        collector = Collector(env, None, frames_per_batch=300, total_frames=300)
         with pytest.raises(
             ValueError, match=r"cannot seed a partial reset .*AutoresetMode\.DISABLED"
-        ):
-            next(iter(collector))  # the first sub-env to finish is reset alone
+        ):  # already at the collector's first reset, before any training
+            Collector(env, None, frames_per_batch=300, total_frames=300)
+        assert env.reset()["reset_seed"].tolist() == [0, 0, 1]  # whole resets stay seeded
 
     def test_env_without_gym_seeds(self):
         env = TransformedEnv(PendulumEnv(), SameStartGroups(2))
@@ -323,11 +323,13 @@ class TestSeedsOutsideTheCollector:
         assert env.transform.episodes_started == 0
         assert env.reset()["reset_seed"].tolist() == [0, 0]
 
-    def test_a_self_resetting_vector_env_warns_at_its_first_reset(self):
+    def test_a_self_resetting_vector_env_fails_at_the_collectors_first_reset(self):
         env = vector_env(2, gym.vector.AutoresetMode.SAME_STEP)
         env.append_transform(SameStartGroups(1))
-        with pytest.warns(UserWarning, match="only whole resets can be seeded"):
-            env.reset()
+        with pytest.raises(ValueError, match="a collector resets its sub-envs one by one"):
+            Collector(env, None, frames_per_batch=10, total_frames=10)
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            env.reset()  # once
+            fresh = vector_env(2, gym.vector.AutoresetMode.SAME_STEP)
+            fresh.append_transform(SameStartGroups(1))
+            fresh.reset()  # an evaluation's whole reset: no word

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import os
 from pathlib import Path
 
 from tensordict import TensorDictBase
@@ -66,6 +67,29 @@ def buffer_call(transform: Transform, depth: int = 16) -> tuple[ReplayBuffer | N
         return None, None
     finally:
         del frame  # frames reference their locals: do not keep them alive
+
+
+#: Where torchrl's collectors live (a frame of code there is a collector at work).
+_COLLECTORS = os.sep + os.path.join("torchrl", "collectors") + os.sep
+
+
+def inside_collector(depth: int = 64) -> bool:
+    """Whether a torchrl collector is on the call stack (it is driving the env that asks).
+
+    Reliance (torchrl 0.14.1): collectors are the code of ``torchrl/collectors/``, and they
+    reset and step their env from their own methods.
+    """
+    frame = inspect.currentframe()
+    try:
+        for _ in range(depth):
+            frame = frame.f_back if frame is not None else None
+            if frame is None:
+                return False
+            if _COLLECTORS in frame.f_code.co_filename:
+                return True
+        return False
+    finally:
+        del frame
 
 
 def _holds(container: Transform, transform: Transform) -> bool:

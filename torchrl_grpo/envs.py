@@ -41,8 +41,8 @@ Decisions, in one place:
   wraps it in ``VecGymEnvTransform``, as it does ``GymEnv(..., num_envs=N)``) restarts a finished
   sub-env by itself, from an unseeded state: a partial reset there cannot be seeded and raises.
   Full resets (``env.reset()``, the start of ``env.rollout``) are seeded, which is enough for an
-  evaluation rollout with ``break_when_all_done=True``; the first reset of such an env warns that
-  a collector's partial resets will fail, so that it is known before training starts.
+  evaluation rollout with ``break_when_all_done=True``. Under a collector, which resets sub-envs
+  one by one, such an env raises at the collector's first reset, before any training.
 * **A reset that is never played gives its seed back.** A sub-env reset again before it took a
   step (a policy built lazily with ``policy(env.reset())``, then a collector that resets) is
   reset with the seed it already had: a seed is used up by an episode that steps. Episodes that
@@ -58,7 +58,6 @@ Decisions, in one place:
 from __future__ import annotations
 
 import operator
-import warnings
 from collections.abc import Sequence
 
 import torch
@@ -66,6 +65,8 @@ from tensordict import NestedKey, TensorDictBase
 from torchrl.data import Composite, Unbounded
 from torchrl.envs import GymWrapper, ParallelEnv, SerialEnv, TransformedEnv
 from torchrl.envs.transforms import Transform, VecGymEnvTransform
+
+from torchrl_grpo import _compat
 
 __all__ = ["SameStartGroups"]
 
@@ -234,28 +235,20 @@ class SameStartGroups(Transform):
         return tensordict_reset.set(self.out_key, seed)
 
     def _check_parent(self, parent, full: bool) -> None:
-        """A vector env that resets itself: a warning at its first reset, an error at a partial
-        reset (which cannot be seeded)."""
-        resets_itself = None
+        """A vector env that resets itself cannot seed a partial reset: an error then, and
+        already at the first reset a collector makes (it will reset sub-envs one by one)."""
+        check = not full
         if not self._parent_checked:
             self._parent_checked = True
-            resets_itself = _resets_itself(parent)
-            if resets_itself:
-                warnings.warn(
-                    f"{type(self).__name__}: {parent.base_env} restarts finished sub-envs by "
-                    "itself (torchrl wraps it in VecGymEnvTransform): only whole resets can be "
-                    "seeded, enough for an evaluation rollout, but a collector's partial reset "
-                    "will raise. Build the gymnasium vector env with "
-                    "autoreset_mode=gymnasium.vector.AutoresetMode.DISABLED to train on it.",
-                    UserWarning,
-                    stacklevel=2,
-                )
-        if not full and (resets_itself or _resets_itself(parent)):
+            check = check or _compat.inside_collector()
+        if check and _resets_itself(parent):
             raise ValueError(
-                f"{type(self).__name__} cannot seed a partial reset of {parent.base_env}: its "
-                "vector env restarts finished sub-envs by itself, from unseeded states "
-                "(torchrl wraps it in VecGymEnvTransform). Build the gymnasium vector env with "
-                "autoreset_mode=gymnasium.vector.AutoresetMode.DISABLED, or only reset it whole."
+                f"{type(self).__name__} cannot seed a partial reset of {parent.base_env}, and a "
+                "collector resets its sub-envs one by one: this vector env restarts finished "
+                "sub-envs by itself, from unseeded states (torchrl wraps it in "
+                "VecGymEnvTransform). Build the gymnasium vector env with "
+                "autoreset_mode=gymnasium.vector.AutoresetMode.DISABLED, or only reset it whole "
+                "(an evaluation rollout)."
             )
 
     def _seeds_for(self, mask: torch.Tensor) -> tuple[torch.Tensor, int]:

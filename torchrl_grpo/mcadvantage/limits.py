@@ -113,12 +113,12 @@ def evict_groups(limits: Limits, pending, clock: int):
 
 
 def warn_if_stuck(grpo_size: int, state: State) -> None:
-    """At insertion :data:`STUCK_AFTER`, warn if no group has completed yet while at least two
+    """At insertion :data:`STUCK_AFTER`, warn if no group has completed yet while at least four
     groups' worth of trajectories are held back, with the counts and the likely causes."""
     pending = state.pending
     if state.insertions != STUCK_AFTER or state.stats["completed_groups"]:
         return
-    if pending.num_pending < 2 * grpo_size:
+    if pending.num_pending < 4 * grpo_size:
         return
     counts = pending.ids.counts()
     warn(
@@ -128,5 +128,6 @@ def warn_if_stuck(grpo_size: int, state: State) -> None:
         "fewer (SameStartGroups(group_size) below grpo_size, resets that used seeds before the "
         "collector started (check_env_specs: call SameStartGroups.rewind() after it), prompts "
         "repeated fewer times), groups never complete: match grpo_size to the data, or bound "
-        "what is held (max_pending_groups, max_pending_age)."
+        "what is held (max_pending_groups, max_pending_age). If the trajectories of many groups "
+        "just arrive interleaved, their groups complete later: nothing is wrong."
     )
