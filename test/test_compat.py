@@ -197,3 +197,36 @@ class TestTransformersWrapperScoring:
 
         with pytest.raises(RuntimeError, match="lost the parameters"):
             _compat.check_transformers_wrapper_scoring(Renamed)
+
+
+class _ResetProbe(Transform):
+    """Records, at each reset, whether :func:`_compat.inside_collector` sees a collector."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def _reset(self, tensordict, tensordict_reset):
+        self.seen.append(_compat.inside_collector())
+        return tensordict_reset
+
+
+class TestInsideCollector:
+    MESSAGE = (
+        "torchrl_grpo._compat.inside_collector: torchrl's collectors no longer reset their env "
+        "from code under torchrl/collectors/, so SameStartGroups cannot refuse a self-resetting "
+        "vector env before a collector's first partial reset."
+    )
+
+    def test_seen_from_a_collector_not_from_a_rollout(self):
+        from torchrl.collectors import Collector
+        from torchrl.envs import GymEnv, TransformedEnv
+
+        probe = _ResetProbe()
+        env = TransformedEnv(GymEnv("CartPole-v1"), probe)
+        env.reset()
+        collector = Collector(env, None, frames_per_batch=10, total_frames=10)
+        for _ in collector:
+            pass
+        collector.shutdown()
+        assert probe.seen[0] is False and probe.seen[1:] and all(probe.seen[1:]), self.MESSAGE
