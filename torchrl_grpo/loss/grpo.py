@@ -31,7 +31,14 @@ from torchrl_grpo.loss.inputs import (
     read_stored,
     tokenizer_end_tokens,
 )
-from torchrl_grpo.loss.options import COEFFICIENTS, LossOptions, loss_options
+from torchrl_grpo.loss.options import (
+    CLIP_EPSILON_BUFFERS,
+    COEFFICIENTS,
+    UNUSED_KEYS,
+    LossOptions,
+    check_scheduled,
+    loss_options,
+)
 from torchrl_grpo.loss.output import GRPOLossOutput
 from torchrl_grpo.loss_terms import (
     INFERENCE_CORRECTIONS,
@@ -50,7 +57,9 @@ from torchrl_grpo.loss_terms import (
 __all__ = ["GRPOLoss"]
 
 #: Names in ``locals()`` at the top of ``GRPOLoss.__init__`` that are not its settings.
-_NOT_SETTINGS = ("self", "__class__", "actor_network", "replaced")
+_NOT_SETTINGS = ("self", "__class__", "actor_network", "critic", "replaced")
+#: The buffers a scheduler sets (``loss.name = value``), checked as at construction.
+_SCHEDULED = frozenset((*CLIP_EPSILON_BUFFERS, *COEFFICIENTS))
 
 
 class GRPOLoss(ClipPPOLoss):
@@ -325,7 +334,7 @@ class GRPOLoss(ClipPPOLoss):
     def __init__(
         self,
         actor_network: ProbabilisticTensorDictSequential | LLMWrapperBase | None = None,
-        *,
+        *critic,
         clip_epsilon: float | tuple[float, float] = 0.2,
         entropy_bonus: bool = True,
         samples_mc_entropy: int = 1,
@@ -361,9 +370,11 @@ class GRPOLoss(ClipPPOLoss):
         settings = dict(locals())  # the keyword-only arguments above, by name
         for name in _NOT_SETTINGS:
             settings.pop(name, None)
-        options = loss_options(actor_network, settings, replaced)
+        options = loss_options(actor_network, settings, replaced, critic)
+        if options.actor_network is None:
+            raise TypeError("GRPOLoss needs a policy: GRPOLoss(actor_network, ...).")
         super().__init__(
-            actor_network,
+            options.actor_network,
             None,
             clip_epsilon=options.clip_epsilon,
             entropy_bonus=options.entropy_bonus,
@@ -423,11 +434,27 @@ class GRPOLoss(ClipPPOLoss):
 
     # --- keys -----------------------------------------------------------------------------
 
-    def set_keys(self, **kwargs) -> GRPOLoss:
+    def __setattr__(self, name: str, value) -> None:
+        # a scheduler's new value (``loss.clip_epsilon = 0.1``) is checked as at construction
+        if name in _SCHEDULED and isinstance(value, (int, float)):
+            check_scheduled(name, value)
+        super().__setattr__(name, value)
+
+    def set_keys(self, **kwargs) -> None:
         """Change tensordict keys, as ClipPPOLoss's ``set_keys``.
 
         ``ref_log_probs`` (torchrl's ``GRPOLoss`` name) is accepted for ``ref_log_prob``.
+
+        Raises:
+            ValueError: for a key of ClipPPOLoss that nothing here reads (``value``,
+                ``value_target``: there is no critic; ``reward``, ``done``, ``terminated``: no
+                value estimator), before any key changes; or an unknown key (torchrl's).
         """
+        for name in kwargs:
+            if name in UNUSED_KEYS:
+                raise ValueError(
+                    f"{type(self).__name__} reads no {name!r} key: {UNUSED_KEYS[name]}."
+                )
         if "ref_log_probs" in kwargs:
             kwargs["ref_log_prob"] = kwargs.pop("ref_log_probs")
         return super().set_keys(**kwargs)
@@ -435,7 +462,10 @@ class GRPOLoss(ClipPPOLoss):
     def _set_in_keys(self):
         # ClipPPOLoss's __init__ calls this before the settings are set: read them with defaults
         tk = self.tensor_keys
-        keys = [*self.actor_network.in_keys, tk.action, tk.sample_log_prob, tk.advantage, tk.mask]
+        keys = [*self.actor_network.in_keys]
+        for key in (tk.action, tk.sample_log_prob):  # a list for a multi-head policy
+            keys.extend(key if isinstance(key, list) else [key])
+        keys += [tk.advantage, tk.mask]
         if getattr(self, "kl_to_ref_coeff", None) is not None:
             keys.append(tk.ref_log_prob)
         tis_cap = getattr(self, "tis_cap", None)
