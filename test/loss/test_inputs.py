@@ -5,6 +5,7 @@ torchrl actor (classic control, padded tokens, hidden states) and from a torchrl
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -274,6 +275,35 @@ class TestLineUp:
         assert x.advantage.tolist() == [[1.0, 0.0]] and x.entropy is None
         with pytest.raises(ValueError, match="reference log-probs under 'ref_log_prob'"):
             _line_up(nan, mask, None, stored._replace(ref=nan.flip(-1)), None, keys)
+
+    @pytest.mark.parametrize(
+        "key, where, match",
+        [
+            ("advantage", 0, r"The advantage under 'advantage' is not finite on 6 of 11 real"),
+            ("tokens_log_prob", (1, 2), r"sampling log-probs under 'tokens_log_prob' are not "),
+        ],
+    )
+    @pytest.mark.parametrize("bad", [math.nan, -math.inf])
+    def test_non_finite_stored_entry_on_a_real_token(self, key, where, match, bad):
+        policy, batch = token_policy(), token_batch()
+        batch[key][where] = bad
+        with pytest.raises(ValueError, match=match):
+            GRPOLoss(policy)(batch)
+
+    def test_non_finite_stored_entries_on_padding_are_free(self):
+        policy, batch = token_policy(), token_batch()
+        expected = GRPOLoss(policy)(batch.clone()).loss_objective
+        padding = ~batch["mask"]
+        batch["advantage"] = batch["advantage"][:, None].expand(3, 6).masked_fill(padding, math.nan)
+        batch["tokens_log_prob"] = batch["tokens_log_prob"].masked_fill(padding, -math.inf)
+        torch.testing.assert_close(GRPOLoss(policy)(batch).loss_objective, expected)
+
+    def test_classic_control_advantage(self):
+        actor = cartpole_actor()
+        batch = cartpole_batch(actor)
+        batch["advantage"][3] = math.nan
+        with pytest.raises(ValueError, match=r"'advantage' is not finite on 1 of 32 real tokens"):
+            GRPOLoss(actor)(batch)
 
     def test_all_padding_batch(self):
         policy, batch = token_policy(), token_batch()

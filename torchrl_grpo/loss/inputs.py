@@ -270,18 +270,8 @@ def _line_up(log_prob, mask, entropy, stored: Stored, truncated, keys) -> Inputs
             return None
         return torch.where(mask, _as_sequences(_match_shape(x, shape, key)), 0.0)
 
-    for name, key, value in (
-        ("reference", keys.ref_log_prob, stored.ref),
-        ("inference", keys.inference_log_prob, stored.inference),
-        ("proximal", keys.proximal_log_prob, stored.proximal),
-    ):
-        if value is not None and not bool(torch.isfinite(tokens(value, key)).all()):
-            raise ValueError(
-                f"The {name} log-probs under {key!r} are not finite on some real tokens: "
-                "every token in the loss needs a finite log-prob."
-            )
     advantage = _as_sequences(_per_token(stored.advantage, shape, keys.advantage))
-    return Inputs(
+    inputs = Inputs(
         log_prob=tokens(log_prob, "log_prob"),
         old_log_prob=tokens(stored.old, keys.sample_log_prob),
         advantage=torch.where(mask, advantage, 0.0),
@@ -293,6 +283,44 @@ def _line_up(log_prob, mask, entropy, stored: Stored, truncated, keys) -> Inputs
         truncated=None if truncated is None else _as_sequences(truncated),
         shape=shape,
     )
+    _check_finite(inputs, keys)
+    return inputs
+
+
+#: The stored entries of :class:`Inputs`: ``(field, key name, what it is, verb)``.
+_STORED = (
+    ("advantage", "advantage", "The advantage", "is"),
+    ("old_log_prob", "sample_log_prob", "The sampling log-probs", "are"),
+    ("ref_log_prob", "ref_log_prob", "The reference log-probs", "are"),
+    ("inference_log_prob", "inference_log_prob", "The inference log-probs", "are"),
+    ("proximal_log_prob", "proximal_log_prob", "The proximal log-probs", "are"),
+)
+
+
+def _check_finite(x: Inputs, keys) -> None:
+    """Every stored entry is finite on every real token (they are zero on padding already).
+
+    One reduction, over their sum, runs every call; the entry at fault is looked for only when
+    it fails (a sum that overflows with every entry finite raises nothing).
+
+    Raises:
+        ValueError: naming the entry's key and how many real tokens it is not finite on.
+    """
+    stored = [(getattr(x, field), *rest) for field, *rest in _STORED]
+    stored = [entry for entry in stored if entry[0] is not None]
+    total = stored[0][0]
+    for value, *_ in stored[1:]:
+        total = total + value
+    if bool(torch.isfinite(total).all()):
+        return
+    for value, name, what, verb in stored:
+        bad = int((~torch.isfinite(value)).sum())
+        if bad:
+            raise ValueError(
+                f"{what} under {getattr(keys, name)!r} {verb} not finite on {bad} of "
+                f"{int(x.mask.sum())} real tokens: every token in the loss needs a finite value "
+                "(padding, where the mask is False, may hold anything)."
+            )
 
 
 def _token_log_prob_entropy(dist, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
