@@ -8,7 +8,7 @@ import math
 
 import torch
 from tensordict import TensorDict, lazy_stack
-from tensordict.nn import ProbabilisticTensorDictModule, TensorDictModule
+from tensordict.nn import CompositeDistribution, ProbabilisticTensorDictModule, TensorDictModule
 from torchrl.modules import ProbabilisticActor
 
 from torchrl_grpo.loss import CISPOLoss, DAPOLoss, DrGRPOLoss, GRPOLoss, GSPOLoss
@@ -32,6 +32,48 @@ def cartpole_batch(actor, n: int = 32, seed: int = 1, drift: float = 0.5) -> Ten
     with torch.no_grad():
         td = actor(TensorDict({"observation": torch.randn(n, 4, generator=g)}, [n]))
     td["action_log_prob"] = td["action_log_prob"] + drift * torch.randn(n, generator=g)
+    td["advantage"] = torch.randn(n, 1, generator=g)
+    return td
+
+
+class _TwoHeads(torch.nn.Module):
+    """Observations -> a categorical head's logits (3) and a normal head's loc and scale (2)."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 7)
+
+    def forward(self, observation):
+        out = self.linear(observation)
+        return out[..., :3], out[..., 3:5], torch.nn.functional.softplus(out[..., 5:]) + 0.1
+
+
+def two_head_actor(seed: int = 0) -> ProbabilisticActor:
+    """A multi-head (``CompositeDistribution``) actor: ``("action", "cat")`` and
+    ``("action", "norm")`` (two dimensions), ClipPPOLoss's multi-head layout."""
+    torch.manual_seed(seed)
+    params = [("params", "cat", "logits"), ("params", "norm", "loc"), ("params", "norm", "scale")]
+    module = TensorDictModule(_TwoHeads(), ["observation"], params)
+    heads = {"cat": torch.distributions.Categorical, "norm": torch.distributions.Normal}
+    return ProbabilisticActor(
+        module,
+        in_keys=["params"],
+        distribution_class=CompositeDistribution,
+        distribution_kwargs={
+            "distribution_map": heads,
+            "name_map": {name: ("action", name) for name in heads},
+        },
+        return_log_prob=True,
+    )
+
+
+def two_head_batch(actor, n: int = 32, seed: int = 1, drift: float = 0.5) -> TensorDict:
+    """A sampled batch whose stored per-head log-probs are perturbed (ratios leave the band)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        td = actor(TensorDict({"observation": torch.randn(n, 4, generator=g)}, [n]))
+    for key in actor.log_prob_keys:
+        td[key] = td[key] + drift * torch.randn(td[key].shape, generator=g)
     td["advantage"] = torch.randn(n, 1, generator=g)
     return td
 

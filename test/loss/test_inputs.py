@@ -24,12 +24,15 @@ from helpers.loss import (
     run_loss,
     token_batch,
     token_policy,
+    two_head_actor,
+    two_head_batch,
 )
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tensordict import TensorDict, lazy_stack
-from tensordict.nn import TensorDictModule
+from tensordict.nn import TensorDictModule, set_composite_lp_aggregate
 from torchrl.modules import ProbabilisticActor
+from torchrl.objectives import ClipPPOLoss
 
 from torchrl_grpo.loss import (
     CISPOLoss,
@@ -94,10 +97,18 @@ class TestReadStored:
         with pytest.raises(KeyError, match=r"'inference_log_prob' \(for inference_correction\)"):
             read_stored(self.batch(), strict)
 
-    def test_multi_head_keys_are_rejected(self):
-        plan = read_plan(keys=GRPOLoss.default_keys(action=["a", "b"]), owner="DAPOLoss")
-        with pytest.raises(NotImplementedError, match="DAPOLoss supports single-head"):
-            read_stored(self.batch(), plan)
+    def test_multi_head_log_probs_are_summed_over_heads_and_their_dims(self):
+        # one log-prob per element of the batch, [2, 3]: a head's own dims (4) are summed
+        batch = TensorDict(
+            {"advantage": torch.ones(2, 3), "a": -torch.ones(2, 3), "b": -torch.ones(2, 3, 4)},
+            [2, 3],
+        )
+        keys = GRPOLoss.default_keys(sample_log_prob=["a", "b"])
+        stored = read_stored(batch, read_plan(keys=keys))
+        torch.testing.assert_close(stored.old, -torch.full((2, 3), 5.0))
+        with pytest.raises(KeyError, match=r"needs 'other' \(a head's sampling log-probs\)"):
+            keys = GRPOLoss.default_keys(sample_log_prob=["a", "other"])
+            read_stored(batch, read_plan(keys=keys))
 
 
 class TestReadActor:
@@ -245,6 +256,52 @@ class TestReadActor:
         keys = set(batch.keys(True, True))
         GRPOLoss(token_policy())(batch)
         assert set(batch.keys(True, True)) == keys
+
+
+class TestMultiHead:
+    """A multi-head (``CompositeDistribution``) actor, as ClipPPOLoss reads it: the heads'
+    log-probs and entropies summed into one per step."""
+
+    def test_equals_clip_ppo_loss(self):
+        actor = two_head_actor()
+        batch = two_head_batch(actor)
+        ppo = ClipPPOLoss(actor, entropy_coeff=0.05)
+        grpo = GRPOLoss(actor, entropy_coeff=0.05)
+        assert set(ppo.in_keys) >= set(grpo.in_keys) - {"advantage", "mask"}
+        params = list(actor.parameters())
+        ref = ppo(batch.clone())
+        ref_grads = torch.autograd.grad(ref["loss_objective"] + ref["loss_entropy"], params)
+        out = grpo(batch.clone())
+        grads = torch.autograd.grad(out.loss_objective + out.loss_entropy, params)
+        assert ref["clip_fraction"] > 0  # the comparison exercises clipping
+        for key in ("loss_objective", "loss_entropy", "entropy", "clip_fraction", "kl_approx"):
+            torch.testing.assert_close(out[key], ref[key], msg=key)
+        torch.testing.assert_close(out.ESS, ref["ESS"])
+        for a, b in zip(grads, ref_grads, strict=True):
+            torch.testing.assert_close(a, b)
+        per_head = ref["composite_entropy"].squeeze(-1)  # ClipPPOLoss's, with a trailing dim
+        assert (out.composite_entropy == per_head).all()
+
+    def test_either_composite_lp_aggregate_mode(self):
+        """With ``set_composite_lp_aggregate(True)`` the actor stores one summed log-prob
+        (ClipPPOLoss 0.14.1 fails on it): the same loss."""
+        actor = two_head_actor()
+        batch = two_head_batch(actor)
+        expected = GRPOLoss(actor)(batch.clone())
+        cat, norm = (batch.get(key) for key in actor.log_prob_keys)
+        summed = batch.exclude(*actor.log_prob_keys).set("sample_log_prob", cat + norm.sum(-1))
+        with set_composite_lp_aggregate(True):
+            loss = GRPOLoss(two_head_actor())
+            assert loss.tensor_keys.sample_log_prob == "sample_log_prob"
+            out = loss(summed)
+        for key in ("loss_objective", "loss_entropy", "ESS"):
+            torch.testing.assert_close(out[key], expected[key], msg=key)
+
+    def test_head_keys_on_a_single_head_policy(self):
+        loss = GRPOLoss(cartpole_actor())
+        loss.set_keys(action=["a", "b"])
+        with pytest.raises(ValueError, match=r"multi-head policy's, but .* is a Categorical"):
+            loss(cartpole_batch(cartpole_actor()).set("a", torch.zeros(32)))
 
 
 class TestLineUp:

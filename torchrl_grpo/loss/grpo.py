@@ -660,6 +660,8 @@ class GRPOLoss(ClipPPOLoss):
         if self.entropy_bonus:
             out["entropy"] = masked_mean(x.entropy, x.mask).detach()
             out["loss_entropy"] = -self.entropy_coeff * reduce(x.entropy)
+            if x.head_entropy is not None:  # a multi-head policy's, as ClipPPOLoss reports it
+                out["composite_entropy"] = x.head_entropy.detach()
         for name, coeff, other, estimator in (
             ("kl_to_ref", self.kl_to_ref_coeff, x.ref_log_prob, self._kl_to_ref_estimator),
             (

@@ -4,7 +4,7 @@ tensordict ``TensorClass`` read like ClipPPOLoss's TensorDict output."""
 from __future__ import annotations
 
 import torch
-from tensordict import TensorClass
+from tensordict import TensorClass, TensorDictBase
 
 
 class GRPOLossOutput(TensorClass["nocast"]):
@@ -26,6 +26,7 @@ class GRPOLossOutput(TensorClass["nocast"]):
     off_policy_masked_fraction: torch.Tensor | None = None
     behaviour_masked_fraction: torch.Tensor | None = None
     truncated_fraction: torch.Tensor | None = None
+    composite_entropy: TensorDictBase | None = None
 
     def __getitem__(self, index):
         # out["loss_objective"], as a ClipPPOLoss TensorDict output is read
