@@ -269,6 +269,8 @@ class TestGRPOLoss:
             "clip_fraction_high",
             "kl_approx",
             "ESS",
+            "max_ratio",
+            "mean_ratio",
             "entropy",
             "loss_entropy",
         ]

@@ -487,6 +487,8 @@ class GRPOLoss(ClipPPOLoss):
                 "clip_fraction_high",
                 "kl_approx",
                 "ESS",
+                "max_ratio",
+                "mean_ratio",
             ]
             if self.entropy_bonus:
                 keys += ["entropy", "loss_entropy"]
@@ -516,8 +518,9 @@ class GRPOLoss(ClipPPOLoss):
             NotImplementedError: always.
         """
         raise NotImplementedError(
-            f"{type(self).__name__} has no critic and no value estimator: write the advantage "
-            f"into the batch under {self.tensor_keys.advantage!r} before calling the loss."
+            f"{type(self).__name__} has no critic and no value estimator (GAE, TD(lambda)...): "
+            f"the advantage comes with the batch, under {self.tensor_keys.advantage!r}; "
+            "torchrl_grpo.MCAdvantage writes it in the replay buffer."
         )
 
     # --- forward: read -> terms -> output ---------------------------------------------------------
@@ -626,7 +629,7 @@ class GRPOLoss(ClipPPOLoss):
             "clip_fraction_low": clip_low,
             "clip_fraction_high": clip_high,
             "kl_approx": masked_mean(anchor - lp, mask).detach(),
-            "ESS": effective_sample_size(log_ratio, mask),
+            **_ratio_metrics(log_ratio, mask),
             **fractions,
         }
         if x.truncated is not None:
@@ -713,3 +716,15 @@ class GRPOLoss(ClipPPOLoss):
                 weight = w if weight is None else weight * w
             keep = k if keep is None else keep & k
         return weight, keep, fractions
+
+
+def _ratio_metrics(log_ratio: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """ClipPPOLoss's diagnostics of the importance ratios ``(B, T)``, over the real tokens: the
+    normalised ESS, the largest ratio and the mean one (detached)."""
+    with torch.no_grad():
+        ratio = log_ratio.exp()  # (B, T); at least one real token, every ratio > 0
+        return {
+            "ESS": effective_sample_size(log_ratio, mask),
+            "max_ratio": torch.where(mask, ratio, 0.0).amax(),
+            "mean_ratio": masked_mean(ratio, mask),
+        }

@@ -6,6 +6,9 @@ from __future__ import annotations
 import torch
 from tensordict import TensorClass, TensorDictBase
 
+#: What ClipPPOLoss returns with a critic, and GRPOLossOutput never holds.
+CRITIC_ENTRIES = ("loss_critic", "value_clip_fraction", "explained_variance")
+
 
 class GRPOLossOutput(TensorClass["nocast"]):
     # tensordict's TensorClass replaces the class docstring: it is set again below.
@@ -16,6 +19,8 @@ class GRPOLossOutput(TensorClass["nocast"]):
     clip_fraction_high: torch.Tensor
     kl_approx: torch.Tensor
     ESS: torch.Tensor
+    max_ratio: torch.Tensor | None = None
+    mean_ratio: torch.Tensor | None = None
     entropy: torch.Tensor | None = None
     loss_entropy: torch.Tensor | None = None
     kl_to_ref: torch.Tensor | None = None
@@ -34,6 +39,12 @@ class GRPOLossOutput(TensorClass["nocast"]):
             isinstance(index, tuple) and index and all(isinstance(i, str) for i in index)
         ):
             value = self.get(index, None)
+            if value is None and index in CRITIC_ENTRIES:  # PPO code reading a critic's term
+                raise KeyError(
+                    f"{index!r}: GRPO has no critic, so no {index}; the advantage comes with "
+                    "the batch (torchrl_grpo.MCAdvantage). The loss to minimise is the sum of the "
+                    "loss_* entries, out.total_loss()."
+                )
             if value is None:
                 raise KeyError(f"{index!r} is not set in this {type(self).__name__}.")
             return value
