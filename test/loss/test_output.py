@@ -96,7 +96,7 @@ class TestGRPOLossOutput:
 
 
 class TestPPOTutorial:
-    """torchrl's PPO tutorial (``tutorials/sphinx-tutorials/coding_ppo.py``) with GRPOLoss in
+    """torchrl's PPO tutorial (pytorch/rl's sphinx tutorial ``coding_ppo.py``) with GRPOLoss in
     place of ClipPPOLoss, shrunk to a few seconds (Pendulum-v1 episodes of 20 steps, a 16-cell
     actor, two batches): every line that needs a critic fails and says what replaces it, and
     the rest runs as written, the advantage written by MCAdvantage in the replay buffer."""
