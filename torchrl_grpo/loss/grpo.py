@@ -92,6 +92,15 @@ class GRPOLoss(ClipPPOLoss):
       (``[B, T]`` or ``[B, T, 1]``) or per sequence (``[B]``, ``[B, 1]`` or ``[B, 1, 1]``,
       broadcast over the tokens); an optional boolean mask ``[B, T]`` that is ``True`` on real
       tokens. Leading batch dimensions beyond two are flattened into ``B``; the last one is ``T``.
+    * multi-head (a ``CompositeDistribution``): one log-prob per element of the batch's
+      ``batch_size``, as ClipPPOLoss: each head's log-prob and entropy summed over the head's
+      own dimensions, then over the heads (either ``composite_lp_aggregate`` mode); the stored
+      ``sample_log_prob`` is the per-head keys, summed the same way, or the summed key. The
+      heads' entropies are reported as ``composite_entropy``. Per-head ``entropy_coeff`` is not
+      supported (the coefficient is a scalar on the summed entropy).
+
+    Every stored entry (advantage, log-probs) must be finite on real tokens: a ``nan`` or
+    ``inf`` there raises ``ValueError`` naming its key, where it would make the loss ``nan``.
 
     Keys (``set_keys``): ``advantage``, ``action``, ``sample_log_prob`` (the log-probs of the
     policy the ratio is taken against, as in ClipPPOLoss; resolved from the actor), ``mask``
@@ -103,7 +112,9 @@ class GRPOLoss(ClipPPOLoss):
     torchrl's behaviour), ``proximal_log_prob`` (``"proximal_log_prob"``, read only with
     ``decoupled=True``) and ``truncated`` (``"truncated"``: a per-sequence boolean, read only
     with ``mask_truncated_completions``). torchrl's ``loss_mask_key`` entries
-    (``("collector", "mask")``...) are honoured too, and-ed with ``mask``.
+    (``("collector", "mask")``...) are honoured too, and-ed with ``mask``. ClipPPOLoss's keys
+    that nothing here reads (``value``, ``value_target``, ``reward``, ``done``,
+    ``terminated``) are rejected by ``set_keys`` with the reason.
 
     **Inputs: a torchrl LLM wrapper.** With an
     :class:`~torchrl.modules.llm.LLMWrapperBase` (``TransformersWrapper(generate=False)``,
@@ -142,7 +153,11 @@ class GRPOLoss(ClipPPOLoss):
     sequence-level ratio of an empty sequence is 1.
 
     Args:
-        actor_network (ProbabilisticTensorDictSequential or LLMWrapperBase): the policy.
+        actor_network (ProbabilisticTensorDictSequential or LLMWrapperBase): the policy
+            (``actor=``, ClipPPOLoss's other name for it, is accepted too).
+        *critic: nothing: GRPO has no critic. A critic given as to ``ClipPPOLoss(actor,
+            critic)`` raises ``TypeError`` saying where the advantage comes from
+            (:class:`~torchrl_grpo.MCAdvantage`).
 
     Keyword Args:
         clip_epsilon (float or tuple of float): ``eps`` or ``(eps_low, eps_high)``; the ratio is
@@ -251,14 +266,24 @@ class GRPOLoss(ClipPPOLoss):
         device (torch.device, optional): device of the buffers.
 
     Raises:
-        ValueError: for an unknown variant name, an invalid coefficient, ``reduction="sum"``,
-            a ``max_length`` that does not match the aggregation, a ``masking_strategy``
-            for an actor that is not an LLM wrapper, or a variant's setting given without the
-            variant (SAPO temperatures without SAPO, a behaviour cap without ``decoupled``,
-            bounds without ``inference_correction``, ``tis_cap`` with ``inference_correction``).
+        ValueError: for an unknown variant name, an invalid coefficient (out of its range, or
+            ``nan``), a ``clip_epsilon`` out of its range (a float as each bound of a tuple:
+            ``eps`` and ``eps_low`` in ``[0, 1]``, ``eps_high >= 0``; torchrl checks only the
+            tuple), ``reduction="sum"``, a ``max_length`` that does not match the
+            aggregation, a ``masking_strategy`` for an actor that is not an LLM wrapper, or a
+            variant's setting given without the variant (SAPO temperatures without SAPO, a
+            behaviour cap without ``decoupled``, bounds without ``inference_correction``,
+            ``tis_cap`` with ``inference_correction``). The same ranges are checked when a
+            scheduler sets a buffer to a number (``loss.clip_epsilon = 1.5`` raises, the buffer
+            unchanged); a tensor assigned or written in place, and the inference band's
+            ``low < high``, are not checked then.
         TypeError: for a ClipPPOLoss or torchrl ``GRPOLoss`` argument that has no meaning
-            without a critic (``critic_network``, ``clip_value``, ``gamma``...); the message
-            names what replaces it.
+            here (``critic_network``, ``clip_value``, ``gamma``, ``normalize_advantage``,
+            ``max_importance_ratio``, ``delay_actor``...): the message names what replaces it
+            (``max_importance_ratio``, ClipPPOLoss's cap on ``pi_theta / pi_behav``, is not
+            ``tis_cap``, the cap on ``pi_old / pi_inference``; the message says which to
+            use); a critic given positionally (``GRPOLoss(actor, critic)``); a per-head
+            ``entropy_coeff``; no policy.
 
     Examples:
         A CartPole-style actor (4 observations, 2 actions), as for ClipPPOLoss:
@@ -537,10 +562,10 @@ class GRPOLoss(ClipPPOLoss):
         Raises:
             KeyError: a required entry is missing (the key is named).
             RuntimeError: a stored log-prob or advantage requires grad.
-            ValueError: an entry's shape does not match the policy's log-prob, a reference or
-                inference log-prob is not finite on a real token, or the batch has no real
-                token.
-            NotImplementedError: for multi-head (composite) action distributions.
+            ValueError: an entry's shape does not match the policy's log-prob, a stored entry
+                (the advantage, the sampling, reference, inference or proximal log-probs) is
+                not finite on a real token (its key is named; padding may hold anything), or
+                the batch has no real token.
         """
         tensordict = tensordict.copy()  # the policy writes into it; leave the input as is
         plan = self._read_plan()

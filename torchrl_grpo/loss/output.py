@@ -72,6 +72,11 @@ GRPOLossOutput.__doc__ = """What :class:`GRPOLoss` returns: the terms to sum and
     It is read like ClipPPOLoss's TensorDict output and like torchrl's ``GRPOLossOutput``:
     ``out.loss_objective``, ``out["loss_objective"]``, ``out.items()`` (torchrl's ``Trainer``,
     ``GRPOTrainer`` and PPO trainer sum the ``loss*`` entries). :meth:`total_loss` is that sum.
+    Every entry of ClipPPOLoss's output that means something without a critic is here, under
+    the same name; a critic's (``loss_critic``, ``value_clip_fraction``,
+    ``explained_variance``) never is: ``out["loss_critic"]``, as torchrl's PPO tutorial reads
+    it, raises ``KeyError`` saying GRPO has no critic (``out.loss_critic`` raises
+    ``AttributeError``).
     ``out.mean(reduce=True)``, which torchrl's GRPO recipe backpropagates, is :meth:`total_loss`
     too: the mean over fields would divide the gradient by the number of fields, metrics
     included, so adding a metric would rescale training.
@@ -83,6 +88,9 @@ GRPOLossOutput.__doc__ = """What :class:`GRPOLoss` returns: the terms to sum and
         clip_fraction_high: share above ``1 + eps_high``.
         kl_approx: ``mean(log pi_old - log pi_theta)``, as :class:`~torchrl.objectives.ClipPPOLoss`.
         ESS: normalised effective sample size of the importance weights, in ``(0, 1]``.
+        max_ratio: the largest importance ratio of a real token, as ClipPPOLoss's (with
+            ``decoupled=True``, the ratio to the proximal policy, as ``ESS``).
+        mean_ratio: the mean importance ratio over the real tokens.
         entropy: mean per-token entropy of the policy (``None`` without ``entropy_bonus``).
         loss_entropy: ``-entropy_coeff`` times the aggregated entropy.
         kl_to_ref: mean KL estimate to the reference policy (``None`` without ``kl_to_ref_coeff``).
@@ -98,6 +106,8 @@ GRPOLossOutput.__doc__ = """What :class:`GRPOLoss` returns: the terms to sum and
             exceeds ``behaviour_weight_cap`` (with ``decoupled=True``; 0 without a cap).
         truncated_fraction: share of the sequences flagged truncated, which leave the loss
             (with ``mask_truncated_completions``).
+        composite_entropy: a multi-head policy's entropy per head and per element of the batch
+            (padding included), detached, as ClipPPOLoss reports it; ``None`` for one head.
 
     Examples:
         >>> import torch
