@@ -78,6 +78,23 @@ def two_head_batch(actor, n: int = 32, seed: int = 1, drift: float = 0.5) -> Ten
     return td
 
 
+def check_equals_clip_ppo(ppo, grpo, batch: TensorDict, params: list, grad_atol=1e-8) -> tuple:
+    """``(ref, out)``: ClipPPOLoss's and GRPOLoss's outputs on copies of ``batch``, checked
+    equal on the terms, the metrics they share and the gradient of ``loss_objective +
+    loss_entropy`` with respect to ``params``, on a batch whose ratios leave the clip band."""
+    ref = ppo(batch.clone())
+    ref_grads = torch.autograd.grad(ref["loss_objective"] + ref["loss_entropy"], params)
+    out = grpo(batch.clone())
+    out_grads = torch.autograd.grad(out.loss_objective + out.loss_entropy, params)
+    assert ref["clip_fraction"] > 0  # the comparison exercises clipping
+    for key in ("loss_objective", "loss_entropy", "entropy", "clip_fraction", "kl_approx"):
+        torch.testing.assert_close(out.get(key), ref[key], rtol=0, atol=1e-7, msg=key)
+    torch.testing.assert_close(out.ESS, ref["ESS"], rtol=1e-6, atol=0)
+    for a, b in zip(out_grads, ref_grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=grad_atol)
+    return ref, out
+
+
 def token_policy(vocab: int = 7, hidden: int = 5, seed: int = 0) -> ProbabilisticActor:
     torch.manual_seed(seed)
     module = TensorDictModule(torch.nn.Linear(hidden, vocab), ["hidden"], ["logits"])

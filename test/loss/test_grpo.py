@@ -16,6 +16,7 @@ from helpers.loss import (
     bernoulli_entropy,
     cartpole_actor,
     cartpole_batch,
+    check_equals_clip_ppo,
     known_batch,
     known_policy,
     neutral_batch,
@@ -55,19 +56,7 @@ class TestGRPOLoss:
         batch = cartpole_batch(actor)
         ppo = ClipPPOLoss(actor, clip_epsilon=clip_epsilon, entropy_coeff=0.05)
         grpo = GRPOLoss(actor, clip_epsilon=clip_epsilon, entropy_coeff=0.05)
-
-        params = list(actor.parameters())
-        ref = ppo(batch.clone())
-        ref_grads = torch.autograd.grad(ref["loss_objective"] + ref["loss_entropy"], params)
-        out = grpo(batch.clone())
-        out_grads = torch.autograd.grad(out.loss_objective + out.loss_entropy, params)
-
-        assert ref["clip_fraction"] > 0  # the comparison exercises clipping
-        for key in ("loss_objective", "loss_entropy", "entropy", "clip_fraction", "kl_approx"):
-            torch.testing.assert_close(out.get(key), ref[key], rtol=0, atol=1e-7, msg=key)
-        torch.testing.assert_close(out.ESS, ref["ESS"], rtol=1e-6, atol=0)
-        for a, b in zip(out_grads, ref_grads, strict=True):
-            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-8)
+        check_equals_clip_ppo(ppo, grpo, batch, list(actor.parameters()))
 
     def test_equals_clip_ppo_loss_without_padding(self):
         batch = token_batch().exclude("mask")
