@@ -257,6 +257,9 @@ class TestTorchrlArguments:
         torch.testing.assert_close(prompt_mean.loss_objective, seq_mean.loss_objective)
         none = GRPOLoss(policy, aggregation="none")(batch.clone())
         assert none.loss_objective.shape == batch["tokens"].shape
+        default = GRPOLoss(policy, aggregation=None)(batch.clone())  # torchrl: "token_mean"
+        token_mean = GRPOLoss(policy)(batch.clone())
+        torch.testing.assert_close(default.loss_objective, token_mean.loss_objective)
 
 
 class TestCallableExtensionPoints:

@@ -188,7 +188,8 @@ class GRPOLoss(ClipPPOLoss):
             or a callable ``(loss, mask) -> scalar``. Applies to every ``loss_*`` term.
             torchrl's names are accepted: ``"prompt_mean"`` is ``"seq_mean_token_mean"``
             (empty sequences are left out of the mean, where torchrl counts them as zero) and
-            ``"none"`` is ``reduction="none"``. Defaults to ``"token_mean"``.
+            ``"none"`` is ``reduction="none"``; ``None`` is ``"token_mean"``, as in torchrl.
+            Defaults to ``"token_mean"``.
         max_length (int, optional): the constant ``L_max`` of ``"seq_mean_token_sum_norm"``
             (Dr. GRPO), required by it and rejected by the others.
         clip_ratio_c (float, optional): dual clip ``c > 1`` for negative advantages

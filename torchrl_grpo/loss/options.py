@@ -310,7 +310,9 @@ def _check_padding_side(side: str) -> None:
 
 
 def _aggregation_and_reduction(aggregation, reduction: str | None):
-    """torchrl's aggregation names translated; ``reduction`` checked."""
+    """torchrl's aggregation names translated (``None`` is its default); ``reduction`` checked."""
+    if aggregation is None:  # torchrl's GRPOLoss: ``aggregation or "token_mean"``
+        aggregation = "token_mean"
     if aggregation == "none":  # torchrl's per-token output
         aggregation, reduction = "token_mean", reduction or "none"
     aggregation = TORCHRL_AGGREGATIONS.get(aggregation, aggregation)
