@@ -19,8 +19,6 @@ class GRPOLossOutput(TensorClass["nocast"]):
     clip_fraction_high: torch.Tensor
     kl_approx: torch.Tensor
     ESS: torch.Tensor
-    max_ratio: torch.Tensor | None = None
-    mean_ratio: torch.Tensor | None = None
     entropy: torch.Tensor | None = None
     loss_entropy: torch.Tensor | None = None
     kl_to_ref: torch.Tensor | None = None
@@ -31,6 +29,9 @@ class GRPOLossOutput(TensorClass["nocast"]):
     off_policy_masked_fraction: torch.Tensor | None = None
     behaviour_masked_fraction: torch.Tensor | None = None
     truncated_fraction: torch.Tensor | None = None
+    # after the fields of earlier versions, so that a positional construction keeps its meaning
+    max_ratio: torch.Tensor | None = None
+    mean_ratio: torch.Tensor | None = None
     composite_entropy: TensorDictBase | None = None
 
     def __getitem__(self, index):
