@@ -8,7 +8,7 @@ import math
 
 import torch
 from tensordict import TensorDict, lazy_stack
-from tensordict.nn import ProbabilisticTensorDictModule, TensorDictModule
+from tensordict.nn import CompositeDistribution, ProbabilisticTensorDictModule, TensorDictModule
 from torchrl.modules import ProbabilisticActor
 
 from torchrl_grpo.loss import CISPOLoss, DAPOLoss, DrGRPOLoss, GRPOLoss, GSPOLoss
@@ -34,6 +34,65 @@ def cartpole_batch(actor, n: int = 32, seed: int = 1, drift: float = 0.5) -> Ten
     td["action_log_prob"] = td["action_log_prob"] + drift * torch.randn(n, generator=g)
     td["advantage"] = torch.randn(n, 1, generator=g)
     return td
+
+
+class _TwoHeads(torch.nn.Module):
+    """Observations -> a categorical head's logits (3) and a normal head's loc and scale (2)."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 7)
+
+    def forward(self, observation):
+        out = self.linear(observation)
+        return out[..., :3], out[..., 3:5], torch.nn.functional.softplus(out[..., 5:]) + 0.1
+
+
+def two_head_actor(seed: int = 0) -> ProbabilisticActor:
+    """A multi-head (``CompositeDistribution``) actor: ``("action", "cat")`` and
+    ``("action", "norm")`` (two dimensions), ClipPPOLoss's multi-head layout."""
+    torch.manual_seed(seed)
+    params = [("params", "cat", "logits"), ("params", "norm", "loc"), ("params", "norm", "scale")]
+    module = TensorDictModule(_TwoHeads(), ["observation"], params)
+    heads = {"cat": torch.distributions.Categorical, "norm": torch.distributions.Normal}
+    return ProbabilisticActor(
+        module,
+        in_keys=["params"],
+        distribution_class=CompositeDistribution,
+        distribution_kwargs={
+            "distribution_map": heads,
+            "name_map": {name: ("action", name) for name in heads},
+        },
+        return_log_prob=True,
+    )
+
+
+def two_head_batch(actor, n: int = 32, seed: int = 1, drift: float = 0.5) -> TensorDict:
+    """A sampled batch whose stored per-head log-probs are perturbed (ratios leave the band)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        td = actor(TensorDict({"observation": torch.randn(n, 4, generator=g)}, [n]))
+    for key in actor.log_prob_keys:
+        td[key] = td[key] + drift * torch.randn(td[key].shape, generator=g)
+    td["advantage"] = torch.randn(n, 1, generator=g)
+    return td
+
+
+def check_equals_clip_ppo(ppo, grpo, batch: TensorDict, params: list, grad_atol=1e-8) -> tuple:
+    """``(ref, out)``: ClipPPOLoss's and GRPOLoss's outputs on copies of ``batch``, checked
+    equal on the terms, the metrics they share and the gradient of ``loss_objective +
+    loss_entropy`` with respect to ``params``, on a batch whose ratios leave the clip band."""
+    ref = ppo(batch.clone())
+    ref_grads = torch.autograd.grad(ref["loss_objective"] + ref["loss_entropy"], params)
+    out = grpo(batch.clone())
+    out_grads = torch.autograd.grad(out.loss_objective + out.loss_entropy, params)
+    assert ref["clip_fraction"] > 0  # the comparison exercises clipping
+    for key in ("loss_objective", "loss_entropy", "entropy", "clip_fraction", "kl_approx"):
+        torch.testing.assert_close(out.get(key), ref[key], rtol=0, atol=1e-7, msg=key)
+    torch.testing.assert_close(out.ESS, ref["ESS"], rtol=1e-6, atol=0)
+    for a, b in zip(out_grads, ref_grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=grad_atol)
+    return ref, out
 
 
 def token_policy(vocab: int = 7, hidden: int = 5, seed: int = 0) -> ProbabilisticActor:

@@ -16,6 +16,7 @@ from helpers.loss import (
     bernoulli_entropy,
     cartpole_actor,
     cartpole_batch,
+    check_equals_clip_ppo,
     known_batch,
     known_policy,
     neutral_batch,
@@ -55,19 +56,7 @@ class TestGRPOLoss:
         batch = cartpole_batch(actor)
         ppo = ClipPPOLoss(actor, clip_epsilon=clip_epsilon, entropy_coeff=0.05)
         grpo = GRPOLoss(actor, clip_epsilon=clip_epsilon, entropy_coeff=0.05)
-
-        params = list(actor.parameters())
-        ref = ppo(batch.clone())
-        ref_grads = torch.autograd.grad(ref["loss_objective"] + ref["loss_entropy"], params)
-        out = grpo(batch.clone())
-        out_grads = torch.autograd.grad(out.loss_objective + out.loss_entropy, params)
-
-        assert ref["clip_fraction"] > 0  # the comparison exercises clipping
-        for key in ("loss_objective", "loss_entropy", "entropy", "clip_fraction", "kl_approx"):
-            torch.testing.assert_close(out.get(key), ref[key], rtol=0, atol=1e-7, msg=key)
-        torch.testing.assert_close(out.ESS, ref["ESS"], rtol=1e-6, atol=0)
-        for a, b in zip(out_grads, ref_grads, strict=True):
-            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-8)
+        check_equals_clip_ppo(ppo, grpo, batch, list(actor.parameters()))
 
     def test_equals_clip_ppo_loss_without_padding(self):
         batch = token_batch().exclude("mask")
@@ -153,6 +142,40 @@ class TestGRPOLoss:
         with pytest.raises(AttributeError, match="clip_epsilon_low"):
             loss.clip_epsilon = 0.3
 
+    def test_scheduled_values_are_checked_as_at_construction(self):
+        loss = GRPOLoss(token_policy(), tis_cap=2.0, top_entropy_quantile=0.5)
+        for name, value, match in (
+            ("clip_epsilon", -0.1, r"clip_epsilon must be in \[0, 1\] .*got -0.1"),
+            ("clip_epsilon", 1.5, r"clip_epsilon must be in \[0, 1\] .*got 1.5"),
+            ("tis_cap", 0.0, "tis_cap must be positive, got 0.0"),
+            ("top_entropy_quantile", 2.0, r"top_entropy_quantile must be in \[0, 1\], got 2.0"),
+        ):
+            before = getattr(loss, name).clone()
+            with pytest.raises(ValueError, match=match):
+                setattr(loss, name, value)
+            assert getattr(loss, name) == before
+        loss.clip_epsilon = 1.0  # no lower bound, as at construction
+        dapo = DAPOLoss(token_policy())
+        with pytest.raises(ValueError, match="clip_epsilon_high must be non-negative"):
+            dapo.clip_epsilon_high = -0.1
+        assert dapo.clip_epsilon_high.item() == pytest.approx(0.28)
+
+    @pytest.mark.parametrize(
+        "key, why",
+        [
+            ("value_target", "GRPO has no critic"),
+            ("value", "GRPO has no critic"),
+            ("reward", "no value estimator"),
+            ("done", "rewards_key and done_key"),
+            ("terminated", "no value estimator"),
+        ],
+    )
+    def test_set_keys_rejects_the_keys_nothing_reads(self, key, why):
+        loss = GRPOLoss(cartpole_actor())
+        with pytest.raises(ValueError, match=rf"GRPOLoss reads no '{key}' key: .*{why}"):
+            loss.set_keys(advantage="adv", **{key: "x"})
+        assert loss.tensor_keys.advantage == "advantage"  # nothing changed
+
     def test_schedulable_variant_coefficients(self):
         loss = GRPOLoss(token_policy(), clip_ratio_c=3.0, tis_cap=2.0, kl_to_inference_coeff=0.1)
         for name, value in (
@@ -235,6 +258,8 @@ class TestGRPOLoss:
             "clip_fraction_high",
             "kl_approx",
             "ESS",
+            "max_ratio",
+            "mean_ratio",
             "entropy",
             "loss_entropy",
         ]

@@ -5,6 +5,7 @@ torchrl actor (classic control, padded tokens, hidden states) and from a torchrl
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from helpers.loss import (
     VARIANTS,
     cartpole_actor,
     cartpole_batch,
+    check_equals_clip_ppo,
     known_batch,
     known_policy,
     llm_extras,
@@ -23,12 +25,15 @@ from helpers.loss import (
     run_loss,
     token_batch,
     token_policy,
+    two_head_actor,
+    two_head_batch,
 )
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tensordict import TensorDict, lazy_stack
-from tensordict.nn import TensorDictModule
+from tensordict.nn import TensorDictModule, set_composite_lp_aggregate
 from torchrl.modules import ProbabilisticActor
+from torchrl.objectives import ClipPPOLoss
 
 from torchrl_grpo.loss import (
     CISPOLoss,
@@ -93,10 +98,18 @@ class TestReadStored:
         with pytest.raises(KeyError, match=r"'inference_log_prob' \(for inference_correction\)"):
             read_stored(self.batch(), strict)
 
-    def test_multi_head_keys_are_rejected(self):
-        plan = read_plan(keys=GRPOLoss.default_keys(action=["a", "b"]), owner="DAPOLoss")
-        with pytest.raises(NotImplementedError, match="DAPOLoss supports single-head"):
-            read_stored(self.batch(), plan)
+    def test_multi_head_log_probs_are_summed_over_heads_and_their_dims(self):
+        # one log-prob per element of the batch, [2, 3]: a head's own dims (4) are summed
+        batch = TensorDict(
+            {"advantage": torch.ones(2, 3), "a": -torch.ones(2, 3), "b": -torch.ones(2, 3, 4)},
+            [2, 3],
+        )
+        keys = GRPOLoss.default_keys(sample_log_prob=["a", "b"])
+        stored = read_stored(batch, read_plan(keys=keys))
+        torch.testing.assert_close(stored.old, -torch.full((2, 3), 5.0))
+        with pytest.raises(KeyError, match=r"needs 'other' \(a head's sampling log-probs\)"):
+            keys = GRPOLoss.default_keys(sample_log_prob=["a", "other"])
+            read_stored(batch, read_plan(keys=keys))
 
 
 class TestReadActor:
@@ -246,6 +259,43 @@ class TestReadActor:
         assert set(batch.keys(True, True)) == keys
 
 
+class TestMultiHead:
+    """A multi-head (``CompositeDistribution``) actor, as ClipPPOLoss reads it: the heads'
+    log-probs and entropies summed into one per step."""
+
+    def test_equals_clip_ppo_loss(self):
+        actor = two_head_actor()
+        batch = two_head_batch(actor)
+        ppo = ClipPPOLoss(actor, entropy_coeff=0.05)
+        grpo = GRPOLoss(actor, entropy_coeff=0.05)
+        assert set(ppo.in_keys) >= set(grpo.in_keys) - {"advantage", "mask"}
+        # the heads are summed in another order: gradients within float32 rounding
+        ref, out = check_equals_clip_ppo(ppo, grpo, batch, list(actor.parameters()), 1e-7)
+        per_head = ref["composite_entropy"].squeeze(-1)  # ClipPPOLoss's, with a trailing dim
+        assert (out.composite_entropy == per_head).all()
+
+    def test_either_composite_lp_aggregate_mode(self):
+        """With ``set_composite_lp_aggregate(True)`` the actor stores one summed log-prob
+        (ClipPPOLoss 0.14.1 fails on it): the same loss."""
+        actor = two_head_actor()
+        batch = two_head_batch(actor)
+        expected = GRPOLoss(actor)(batch.clone())
+        cat, norm = (batch.get(key) for key in actor.log_prob_keys)
+        summed = batch.exclude(*actor.log_prob_keys).set("sample_log_prob", cat + norm.sum(-1))
+        with set_composite_lp_aggregate(True):
+            loss = GRPOLoss(two_head_actor())
+            assert loss.tensor_keys.sample_log_prob == "sample_log_prob"
+            out = loss(summed)
+        for key in ("loss_objective", "loss_entropy", "ESS"):
+            torch.testing.assert_close(out[key], expected[key], msg=key)
+
+    def test_head_keys_on_a_single_head_policy(self):
+        loss = GRPOLoss(cartpole_actor())
+        loss.set_keys(action=["a", "b"])
+        with pytest.raises(ValueError, match=r"multi-head policy's, but .* is a Categorical"):
+            loss(cartpole_batch(cartpole_actor()).set("a", torch.zeros(32)))
+
+
 class TestLineUp:
     """Padding never enters the loss, its metrics or its gradient."""
 
@@ -274,6 +324,35 @@ class TestLineUp:
         assert x.advantage.tolist() == [[1.0, 0.0]] and x.entropy is None
         with pytest.raises(ValueError, match="reference log-probs under 'ref_log_prob'"):
             _line_up(nan, mask, None, stored._replace(ref=nan.flip(-1)), None, keys)
+
+    @pytest.mark.parametrize(
+        "key, where, match",
+        [
+            ("advantage", 0, r"The advantage under 'advantage' is not finite on 6 of 11 real"),
+            ("tokens_log_prob", (1, 2), r"sampling log-probs under 'tokens_log_prob' are not "),
+        ],
+    )
+    @pytest.mark.parametrize("bad", [math.nan, -math.inf])
+    def test_non_finite_stored_entry_on_a_real_token(self, key, where, match, bad):
+        policy, batch = token_policy(), token_batch()
+        batch[key][where] = bad
+        with pytest.raises(ValueError, match=match):
+            GRPOLoss(policy)(batch)
+
+    def test_non_finite_stored_entries_on_padding_are_free(self):
+        policy, batch = token_policy(), token_batch()
+        expected = GRPOLoss(policy)(batch.clone()).loss_objective
+        padding = ~batch["mask"]
+        batch["advantage"] = batch["advantage"][:, None].expand(3, 6).masked_fill(padding, math.nan)
+        batch["tokens_log_prob"] = batch["tokens_log_prob"].masked_fill(padding, -math.inf)
+        torch.testing.assert_close(GRPOLoss(policy)(batch).loss_objective, expected)
+
+    def test_classic_control_advantage(self):
+        actor = cartpole_actor()
+        batch = cartpole_batch(actor)
+        batch["advantage"][3] = math.nan
+        with pytest.raises(ValueError, match=r"'advantage' is not finite on 1 of 32 real tokens"):
+            GRPOLoss(actor)(batch)
 
     def test_all_padding_batch(self):
         policy, batch = token_policy(), token_batch()

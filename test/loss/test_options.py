@@ -16,8 +16,10 @@ from helpers.loss import (
     token_batch,
     token_policy,
 )
+from tensordict.nn import TensorDictModule
+from torchrl.objectives import ClipPPOLoss, PPOLoss
 
-from torchrl_grpo.loss import GRPOLoss
+from torchrl_grpo.loss import DAPOLoss, GRPOLoss
 from torchrl_grpo.loss.options import LossOptions, loss_options
 from torchrl_grpo.loss_terms import AGGREGATIONS, KL_ESTIMATORS, OBJECTIVES, RATIO_LEVELS
 
@@ -92,11 +94,15 @@ class TestLossOptions:
             ({"clip_ratio_c": 0.5}, "greater than 1"),
             ({"objective": "cispo", "clip_ratio_c": 3.0}, "not CISPO"),
             ({"tis_cap": 0.0}, "positive"),
+            ({"tis_cap": math.nan}, "tis_cap must be positive, got nan"),
             ({"kl_to_ref_coeff": -1.0}, "non-negative"),
+            ({"kl_to_ref_coeff": math.nan}, "kl_to_ref_coeff must be non-negative, got nan"),
+            ({"entropy_coeff": {"head": 0.1}}, "summed over its heads"),
         ],
     )
     def test_bad_configuration(self, kwargs, match):
-        with pytest.raises(ValueError, match=match):
+        error = TypeError if isinstance(kwargs.get("entropy_coeff"), dict) else ValueError
+        with pytest.raises(error, match=match):
             GRPOLoss(token_policy(), **kwargs)
 
     @pytest.mark.parametrize(
@@ -125,6 +131,39 @@ class TestLossOptions:
     def test_bad_variant_configuration(self, kwargs, match):
         with pytest.raises(ValueError, match=match):
             GRPOLoss(token_policy(), **kwargs)
+
+
+class TestClipBand:
+    """``clip_epsilon``: a float is checked as each bound of a tuple, before anything is built
+    (torchrl checks only the tuple)."""
+
+    @pytest.mark.parametrize(
+        "clip_epsilon, match",
+        [
+            (-0.1, r"clip_epsilon must be in \[0, 1\] .*got -0.1"),
+            (1.5, r"clip_epsilon must be in \[0, 1\] .*got 1.5"),
+            (math.nan, r"clip_epsilon must be in \[0, 1\] .*got nan"),
+            ((1.5, 0.2), r"clip_epsilon_low must be in \[0, 1\] .*got 1.5"),
+            ((-0.1, 0.2), r"clip_epsilon_low must be in \[0, 1\] .*got -0.1"),
+            ((0.2, -0.1), "clip_epsilon_high must be non-negative .*got -0.1"),
+            ((0.2, math.nan), "clip_epsilon_high must be non-negative .*got nan"),
+            ((0.1, 0.2, 0.3), "tuple must have length 2"),
+        ],
+    )
+    def test_out_of_range(self, clip_epsilon, match):
+        with pytest.raises(ValueError, match=match):
+            GRPOLoss(token_policy(), clip_epsilon=clip_epsilon)
+
+    def test_not_a_number(self):
+        with pytest.raises(TypeError, match="clip_epsilon must be a number, got 'wide'"):
+            GRPOLoss(token_policy(), clip_epsilon="wide")
+
+    def test_one_is_no_lower_bound_in_either_form(self):
+        policy, batch = token_policy(), token_batch(drift=2.0)
+        scalar = GRPOLoss(policy, clip_epsilon=1.0)(batch.clone())
+        pair = GRPOLoss(policy, clip_epsilon=(1.0, 1.0))(batch.clone())
+        torch.testing.assert_close(scalar.loss_objective, pair.loss_objective)
+        assert scalar.clip_fraction_low == 0 and scalar.clip_fraction_high > 0
 
 
 class TestTorchrlArguments:
@@ -159,6 +198,54 @@ class TestTorchrlArguments:
         with pytest.raises(TypeError, match=match):
             GRPOLoss(token_policy(), **{name: 1})
 
+    @pytest.mark.parametrize("cls", [ClipPPOLoss, PPOLoss])
+    def test_clip_ppo_signature_is_accepted(self, cls):
+        """torchrl 0.14.1's ClipPPOLoss / PPOLoss arguments (and the two its ``**kwargs`` reads):
+        each is a GRPOLoss argument, ``actor``, or names what replaces it."""
+        ours = set(inspect.signature(GRPOLoss).parameters) | {"actor"}
+        theirs = [
+            name
+            for name, param in inspect.signature(cls).parameters.items()
+            if param.kind not in (param.VAR_KEYWORD, param.VAR_POSITIONAL)
+        ]
+        for name in [*theirs, "critic_coef", "entropy_coef"]:
+            if name not in ours:
+                with pytest.raises(TypeError, match=rf"takes no '{name}': "):
+                    GRPOLoss(token_policy(), **{name: 1})
+
+    @pytest.mark.parametrize(
+        "name, match",
+        [
+            ("max_importance_ratio", r"pi_theta / pi_behav .* use tis_cap="),
+            ("delay_actor", r"decoupled=True and set_keys\(proximal_log_prob"),
+            ("advantage_norm", "scale_rewards"),
+            ("critic", "no critic"),
+        ],
+    )
+    def test_clip_ppo_keywords_name_their_replacement(self, name, match):
+        with pytest.raises(TypeError, match=match):
+            GRPOLoss(token_policy(), **{name: 1})
+
+    @pytest.mark.parametrize("cls", [GRPOLoss, DAPOLoss])
+    def test_positional_critic(self, cls):
+        policy = token_policy()
+        critic = TensorDictModule(torch.nn.Linear(5, 1), ["hidden"], ["state_value"])
+        with pytest.raises(
+            TypeError,
+            match=r"ClipPPOLoss\(actor, critic\).*GRPO has no critic.*"
+            r"torchrl_grpo\.MCAdvantage",
+        ):
+            cls(policy, critic)
+
+    def test_actor_is_actor_network(self):
+        policy, batch = token_policy(), token_batch()
+        by_alias = GRPOLoss(actor=policy)(batch.clone())
+        torch.testing.assert_close(by_alias.loss_objective, GRPOLoss(policy)(batch).loss_objective)
+        with pytest.raises(TypeError, match="both actor_network and actor"):
+            GRPOLoss(policy, actor=policy)
+        with pytest.raises(TypeError, match="needs a policy"):
+            GRPOLoss()
+
     def test_unknown_keyword(self):
         with pytest.raises(TypeError, match=r"unexpected keyword arguments \['clip_eps'\]"):
             GRPOLoss(token_policy(), clip_eps=0.1)
@@ -170,6 +257,9 @@ class TestTorchrlArguments:
         torch.testing.assert_close(prompt_mean.loss_objective, seq_mean.loss_objective)
         none = GRPOLoss(policy, aggregation="none")(batch.clone())
         assert none.loss_objective.shape == batch["tokens"].shape
+        default = GRPOLoss(policy, aggregation=None)(batch.clone())  # torchrl: "token_mean"
+        token_mean = GRPOLoss(policy)(batch.clone())
+        torch.testing.assert_close(default.loss_objective, token_mean.loss_objective)
 
 
 class TestCallableExtensionPoints:

@@ -4,7 +4,8 @@ The loss reads the batch, lines every tensor up as ``(B, T)`` sequences with one
 tokens, and calls the math of :mod:`torchrl_grpo.loss_terms`. Two kinds of policy are read:
 
 * a torchrl probabilistic actor (``ProbabilisticActor``...), as ClipPPOLoss reads it: classic
-  control (one action per step) or a token head over padded ``[B, T]`` responses;
+  control (one action per step, from one head or several), or a token head over padded
+  ``[B, T]`` responses;
 * a torchrl LLM wrapper (``TransformersWrapper``, ``vLLMWrapper``: an ``LLMWrapperBase``), as
   :class:`torchrl.objectives.llm.GRPOLoss` reads it: ragged lazy stacks of
   ``("tokens", "full")`` with torchrl's masking strategies.

@@ -31,7 +31,14 @@ from torchrl_grpo.loss.inputs import (
     read_stored,
     tokenizer_end_tokens,
 )
-from torchrl_grpo.loss.options import COEFFICIENTS, LossOptions, loss_options
+from torchrl_grpo.loss.options import (
+    CLIP_EPSILON_BUFFERS,
+    COEFFICIENTS,
+    UNUSED_KEYS,
+    LossOptions,
+    check_scheduled,
+    loss_options,
+)
 from torchrl_grpo.loss.output import GRPOLossOutput
 from torchrl_grpo.loss_terms import (
     INFERENCE_CORRECTIONS,
@@ -50,7 +57,9 @@ from torchrl_grpo.loss_terms import (
 __all__ = ["GRPOLoss"]
 
 #: Names in ``locals()`` at the top of ``GRPOLoss.__init__`` that are not its settings.
-_NOT_SETTINGS = ("self", "__class__", "actor_network", "replaced")
+_NOT_SETTINGS = ("self", "__class__", "actor_network", "critic", "replaced")
+#: The buffers a scheduler sets (``loss.name = value``), checked as at construction.
+_SCHEDULED = frozenset((*CLIP_EPSILON_BUFFERS, *COEFFICIENTS))
 
 
 class GRPOLoss(ClipPPOLoss):
@@ -83,6 +92,15 @@ class GRPOLoss(ClipPPOLoss):
       (``[B, T]`` or ``[B, T, 1]``) or per sequence (``[B]``, ``[B, 1]`` or ``[B, 1, 1]``,
       broadcast over the tokens); an optional boolean mask ``[B, T]`` that is ``True`` on real
       tokens. Leading batch dimensions beyond two are flattened into ``B``; the last one is ``T``.
+    * multi-head (a ``CompositeDistribution``): one log-prob per element of the batch's
+      ``batch_size``, as ClipPPOLoss: each head's log-prob and entropy summed over the head's
+      own dimensions, then over the heads (either ``composite_lp_aggregate`` mode); the stored
+      ``sample_log_prob`` is the per-head keys, summed the same way, or the summed key. The
+      heads' entropies are reported as ``composite_entropy``. Per-head ``entropy_coeff`` is not
+      supported (the coefficient is a scalar on the summed entropy).
+
+    Every stored entry (advantage, log-probs) must be finite on real tokens: a ``nan`` or
+    ``inf`` there raises ``ValueError`` naming its key, where it would make the loss ``nan``.
 
     Keys (``set_keys``): ``advantage``, ``action``, ``sample_log_prob`` (the log-probs of the
     policy the ratio is taken against, as in ClipPPOLoss; resolved from the actor), ``mask``
@@ -94,7 +112,9 @@ class GRPOLoss(ClipPPOLoss):
     torchrl's behaviour), ``proximal_log_prob`` (``"proximal_log_prob"``, read only with
     ``decoupled=True``) and ``truncated`` (``"truncated"``: a per-sequence boolean, read only
     with ``mask_truncated_completions``). torchrl's ``loss_mask_key`` entries
-    (``("collector", "mask")``...) are honoured too, and-ed with ``mask``.
+    (``("collector", "mask")``...) are honoured too, and-ed with ``mask``. ClipPPOLoss's keys
+    that nothing here reads (``value``, ``value_target``, ``reward``, ``done``,
+    ``terminated``) are rejected by ``set_keys`` with the reason.
 
     **Inputs: a torchrl LLM wrapper.** With an
     :class:`~torchrl.modules.llm.LLMWrapperBase` (``TransformersWrapper(generate=False)``,
@@ -133,7 +153,11 @@ class GRPOLoss(ClipPPOLoss):
     sequence-level ratio of an empty sequence is 1.
 
     Args:
-        actor_network (ProbabilisticTensorDictSequential or LLMWrapperBase): the policy.
+        actor_network (ProbabilisticTensorDictSequential or LLMWrapperBase): the policy
+            (``actor=``, ClipPPOLoss's other name for it, is accepted too).
+        *critic: nothing: GRPO has no critic. A critic given as to ``ClipPPOLoss(actor,
+            critic)`` raises ``TypeError`` saying where the advantage comes from
+            (:class:`~torchrl_grpo.MCAdvantage`).
 
     Keyword Args:
         clip_epsilon (float or tuple of float): ``eps`` or ``(eps_low, eps_high)``; the ratio is
@@ -164,7 +188,8 @@ class GRPOLoss(ClipPPOLoss):
             or a callable ``(loss, mask) -> scalar``. Applies to every ``loss_*`` term.
             torchrl's names are accepted: ``"prompt_mean"`` is ``"seq_mean_token_mean"``
             (empty sequences are left out of the mean, where torchrl counts them as zero) and
-            ``"none"`` is ``reduction="none"``. Defaults to ``"token_mean"``.
+            ``"none"`` is ``reduction="none"``; ``None`` is ``"token_mean"``, as in torchrl.
+            Defaults to ``"token_mean"``.
         max_length (int, optional): the constant ``L_max`` of ``"seq_mean_token_sum_norm"``
             (Dr. GRPO), required by it and rejected by the others.
         clip_ratio_c (float, optional): dual clip ``c > 1`` for negative advantages
@@ -242,14 +267,24 @@ class GRPOLoss(ClipPPOLoss):
         device (torch.device, optional): device of the buffers.
 
     Raises:
-        ValueError: for an unknown variant name, an invalid coefficient, ``reduction="sum"``,
-            a ``max_length`` that does not match the aggregation, a ``masking_strategy``
-            for an actor that is not an LLM wrapper, or a variant's setting given without the
-            variant (SAPO temperatures without SAPO, a behaviour cap without ``decoupled``,
-            bounds without ``inference_correction``, ``tis_cap`` with ``inference_correction``).
+        ValueError: for an unknown variant name, an invalid coefficient (out of its range, or
+            ``nan``), a ``clip_epsilon`` out of its range (a float as each bound of a tuple:
+            ``eps`` and ``eps_low`` in ``[0, 1]``, ``eps_high >= 0``; torchrl checks only the
+            tuple), ``reduction="sum"``, a ``max_length`` that does not match the
+            aggregation, a ``masking_strategy`` for an actor that is not an LLM wrapper, or a
+            variant's setting given without the variant (SAPO temperatures without SAPO, a
+            behaviour cap without ``decoupled``, bounds without ``inference_correction``,
+            ``tis_cap`` with ``inference_correction``). The same ranges are checked when a
+            scheduler sets a buffer to a number (``loss.clip_epsilon = 1.5`` raises, the buffer
+            unchanged); a tensor assigned or written in place, and the inference band's
+            ``low < high``, are not checked then.
         TypeError: for a ClipPPOLoss or torchrl ``GRPOLoss`` argument that has no meaning
-            without a critic (``critic_network``, ``clip_value``, ``gamma``...); the message
-            names what replaces it.
+            here (``critic_network``, ``clip_value``, ``gamma``, ``normalize_advantage``,
+            ``max_importance_ratio``, ``delay_actor``...): the message names what replaces it
+            (``max_importance_ratio``, ClipPPOLoss's cap on ``pi_theta / pi_behav``, is not
+            ``tis_cap``, the cap on ``pi_old / pi_inference``; the message says which to
+            use); a critic given positionally (``GRPOLoss(actor, critic)``); a per-head
+            ``entropy_coeff``; no policy.
 
     Examples:
         A CartPole-style actor (4 observations, 2 actions), as for ClipPPOLoss:
@@ -325,7 +360,7 @@ class GRPOLoss(ClipPPOLoss):
     def __init__(
         self,
         actor_network: ProbabilisticTensorDictSequential | LLMWrapperBase | None = None,
-        *,
+        *critic,
         clip_epsilon: float | tuple[float, float] = 0.2,
         entropy_bonus: bool = True,
         samples_mc_entropy: int = 1,
@@ -361,9 +396,11 @@ class GRPOLoss(ClipPPOLoss):
         settings = dict(locals())  # the keyword-only arguments above, by name
         for name in _NOT_SETTINGS:
             settings.pop(name, None)
-        options = loss_options(actor_network, settings, replaced)
+        options = loss_options(actor_network, settings, replaced, critic)
+        if options.actor_network is None:
+            raise TypeError("GRPOLoss needs a policy: GRPOLoss(actor_network, ...).")
         super().__init__(
-            actor_network,
+            options.actor_network,
             None,
             clip_epsilon=options.clip_epsilon,
             entropy_bonus=options.entropy_bonus,
@@ -423,11 +460,27 @@ class GRPOLoss(ClipPPOLoss):
 
     # --- keys -----------------------------------------------------------------------------
 
-    def set_keys(self, **kwargs) -> GRPOLoss:
+    def __setattr__(self, name: str, value) -> None:
+        # a scheduler's new value (``loss.clip_epsilon = 0.1``) is checked as at construction
+        if name in _SCHEDULED and isinstance(value, (int, float)):
+            check_scheduled(name, value)
+        super().__setattr__(name, value)
+
+    def set_keys(self, **kwargs) -> None:
         """Change tensordict keys, as ClipPPOLoss's ``set_keys``.
 
         ``ref_log_probs`` (torchrl's ``GRPOLoss`` name) is accepted for ``ref_log_prob``.
+
+        Raises:
+            ValueError: for a key of ClipPPOLoss that nothing here reads (``value``,
+                ``value_target``: there is no critic; ``reward``, ``done``, ``terminated``: no
+                value estimator), before any key changes; or an unknown key (torchrl's).
         """
+        for name in kwargs:
+            if name in UNUSED_KEYS:
+                raise ValueError(
+                    f"{type(self).__name__} reads no {name!r} key: {UNUSED_KEYS[name]}."
+                )
         if "ref_log_probs" in kwargs:
             kwargs["ref_log_prob"] = kwargs.pop("ref_log_probs")
         return super().set_keys(**kwargs)
@@ -435,7 +488,10 @@ class GRPOLoss(ClipPPOLoss):
     def _set_in_keys(self):
         # ClipPPOLoss's __init__ calls this before the settings are set: read them with defaults
         tk = self.tensor_keys
-        keys = [*self.actor_network.in_keys, tk.action, tk.sample_log_prob, tk.advantage, tk.mask]
+        keys = [*self.actor_network.in_keys]
+        for key in (tk.action, tk.sample_log_prob):  # a list for a multi-head policy
+            keys.extend(key if isinstance(key, list) else [key])
+        keys += [tk.advantage, tk.mask]
         if getattr(self, "kl_to_ref_coeff", None) is not None:
             keys.append(tk.ref_log_prob)
         tis_cap = getattr(self, "tis_cap", None)
@@ -457,6 +513,8 @@ class GRPOLoss(ClipPPOLoss):
                 "clip_fraction_high",
                 "kl_approx",
                 "ESS",
+                "max_ratio",
+                "mean_ratio",
             ]
             if self.entropy_bonus:
                 keys += ["entropy", "loss_entropy"]
@@ -486,8 +544,9 @@ class GRPOLoss(ClipPPOLoss):
             NotImplementedError: always.
         """
         raise NotImplementedError(
-            f"{type(self).__name__} has no critic and no value estimator: write the advantage "
-            f"into the batch under {self.tensor_keys.advantage!r} before calling the loss."
+            f"{type(self).__name__} has no critic and no value estimator (GAE, TD(lambda)...): "
+            f"the advantage comes with the batch, under {self.tensor_keys.advantage!r}; "
+            "torchrl_grpo.MCAdvantage writes it in the replay buffer."
         )
 
     # --- forward: read -> terms -> output ---------------------------------------------------------
@@ -504,10 +563,10 @@ class GRPOLoss(ClipPPOLoss):
         Raises:
             KeyError: a required entry is missing (the key is named).
             RuntimeError: a stored log-prob or advantage requires grad.
-            ValueError: an entry's shape does not match the policy's log-prob, a reference or
-                inference log-prob is not finite on a real token, or the batch has no real
-                token.
-            NotImplementedError: for multi-head (composite) action distributions.
+            ValueError: an entry's shape does not match the policy's log-prob, a stored entry
+                (the advantage, the sampling, reference, inference or proximal log-probs) is
+                not finite on a real token (its key is named; padding may hold anything), or
+                the batch has no real token.
         """
         tensordict = tensordict.copy()  # the policy writes into it; leave the input as is
         plan = self._read_plan()
@@ -596,7 +655,7 @@ class GRPOLoss(ClipPPOLoss):
             "clip_fraction_low": clip_low,
             "clip_fraction_high": clip_high,
             "kl_approx": masked_mean(anchor - lp, mask).detach(),
-            "ESS": effective_sample_size(log_ratio, mask),
+            **_ratio_metrics(log_ratio, mask),
             **fractions,
         }
         if x.truncated is not None:
@@ -630,6 +689,8 @@ class GRPOLoss(ClipPPOLoss):
         if self.entropy_bonus:
             out["entropy"] = masked_mean(x.entropy, x.mask).detach()
             out["loss_entropy"] = -self.entropy_coeff * reduce(x.entropy)
+            if x.head_entropy is not None:  # a multi-head policy's, as ClipPPOLoss reports it
+                out["composite_entropy"] = x.head_entropy.detach()
         for name, coeff, other, estimator in (
             ("kl_to_ref", self.kl_to_ref_coeff, x.ref_log_prob, self._kl_to_ref_estimator),
             (
@@ -681,3 +742,15 @@ class GRPOLoss(ClipPPOLoss):
                 weight = w if weight is None else weight * w
             keep = k if keep is None else keep & k
         return weight, keep, fractions
+
+
+def _ratio_metrics(log_ratio: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """ClipPPOLoss's diagnostics of the importance ratios ``(B, T)``, over the real tokens: the
+    normalised ESS, the largest ratio and the mean one (detached)."""
+    with torch.no_grad():
+        ratio = log_ratio.exp()  # (B, T); at least one real token, every ratio > 0
+        return {
+            "ESS": effective_sample_size(log_ratio, mask),
+            "max_ratio": torch.where(mask, ratio, 0.0).amax(),
+            "mean_ratio": masked_mean(ratio, mask),
+        }

@@ -17,8 +17,8 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import torch
-from tensordict import TensorDictBase, unravel_key
-from tensordict.nn import CompositeDistribution
+from tensordict import TensorDict, TensorDictBase, unravel_key
+from tensordict.nn import CompositeDistribution, set_composite_lp_aggregate
 from tensordict.utils import NestedKey
 from torchrl.objectives import AUTO_LOSS_MASK_KEYS
 
@@ -55,6 +55,7 @@ class Inputs(NamedTuple):
     proximal_log_prob: torch.Tensor | None  # with decoupled: the ratio's anchor
     truncated: torch.Tensor | None  # bool, True on the tokens of truncated completions
     shape: torch.Size  # the policy log-prob's own shape (reduction="none" returns it)
+    head_entropy: TensorDictBase | None = None  # a multi-head policy's, per head, as computed
 
 
 class Stored(NamedTuple):
@@ -89,10 +90,13 @@ class ReadPlan(NamedTuple):
 def read_stored(tensordict: TensorDictBase, plan: ReadPlan) -> Stored:
     """The data entries of the batch, as stored, read before the policy runs."""
     keys = plan.keys
-    if not isinstance(keys.sample_log_prob, NestedKey) or not isinstance(keys.action, NestedKey):
-        raise NotImplementedError(f"{plan.owner} supports single-head policies only.")
     advantage = _get_input(tensordict, keys.advantage, "the advantage", plan)
-    old = _get_input(tensordict, keys.sample_log_prob, "the sampling log-probs", plan)
+    if isinstance(keys.sample_log_prob, list):  # a multi-head policy's: one entry per head
+        why = "a head's sampling log-probs"
+        heads = [_get_input(tensordict, key, why, plan) for key in keys.sample_log_prob]
+        old = _sum_heads(heads, tensordict.batch_dims)
+    else:
+        old = _get_input(tensordict, keys.sample_log_prob, "the sampling log-probs", plan)
     ref = inference = proximal = None
     if plan.ref:
         ref = _get_input(tensordict, keys.ref_log_prob, "for kl_to_ref_coeff", plan)
@@ -123,17 +127,61 @@ def llm_masked_dist(actor: Any, tensordict: TensorDictBase, masking_strategy: st
 def read_actor(
     tensordict: TensorDictBase, dist: torch.distributions.Distribution, stored: Stored, plan
 ) -> Inputs:
-    """A torchrl probabilistic actor: its distribution's log-prob of the stored action."""
+    """A torchrl probabilistic actor: its distribution's log-prob of the stored action; for a
+    multi-head policy, the sum over its heads (:func:`read_heads`)."""
+    heads = None
     if isinstance(dist, CompositeDistribution):
-        raise NotImplementedError(f"{plan.owner} supports single-head policies only.")
-    action = _get_input(tensordict, plan.keys.action, "the sampled action", plan)
-    log_prob = dist.log_prob(action)
+        log_prob, entropy, heads = read_heads(tensordict, dist, plan)
+    else:
+        if isinstance(plan.keys.action, list):
+            raise ValueError(
+                f"The action keys {plan.keys.action} are a multi-head policy's, but this policy's "
+                f"distribution is a {type(dist).__name__}, not a CompositeDistribution."
+            )
+        action = _get_input(tensordict, plan.keys.action, "the sampled action", plan)
+        log_prob = dist.log_prob(action)
+        entropy = _entropy(dist, plan.samples_mc_entropy) if plan.entropy else None
     if not log_prob.shape:
         raise ValueError("The policy's log-prob is a scalar; expected a batch [N] or [B, T].")
-    entropy = _entropy(dist, plan.samples_mc_entropy) if plan.entropy else None
     mask = _token_mask(tensordict, log_prob.shape, log_prob.device, plan)
     truncated = _truncated(tensordict, log_prob.shape, plan)
-    return _line_up(log_prob, mask, entropy, stored, truncated, plan.keys)
+    inputs = _line_up(log_prob, mask, entropy, stored, truncated, plan.keys)
+    return inputs if heads is None else inputs._replace(head_entropy=heads)
+
+
+def read_heads(tensordict: TensorDictBase, dist: CompositeDistribution, plan: ReadPlan):
+    """A multi-head policy: ``(log_prob, entropy, entropy per head)``, one per element of the batch.
+
+    As ClipPPOLoss: each head's log-prob and entropy are summed over the head's own dimensions
+    beyond the batch's, then over the heads (tensordict's ``composite_lp_aggregate`` sum,
+    whichever mode is set). The actions are read where the distribution's heads write them.
+    The per-head entropies are reported as ClipPPOLoss's ``composite_entropy``.
+    """
+    names = list(dist.dists)
+    for name in names:
+        _get_input(tensordict, name, "a head's sampled action", plan)
+    with set_composite_lp_aggregate(True):
+        log_prob = dist.log_prob(tensordict.select(*names))
+    if not plan.entropy:
+        return log_prob, None, None
+    ndim = len(dist.batch_shape)
+    heads = {
+        _entropy_key(name): _entropy(head, plan.samples_mc_entropy)
+        for name, head in dist.dists.items()
+    }
+    entropy = sum(_sum_heads(value, ndim) for value in heads.values())
+    return log_prob, entropy, TensorDict(heads, batch_size=dist.batch_shape)
+
+
+def _entropy_key(name: NestedKey) -> NestedKey:
+    # torchrl's name for a head's entropy: ("action", "cat") -> ("action", "cat_entropy")
+    return name + "_entropy" if isinstance(name, str) else (*name[:-1], name[-1] + "_entropy")
+
+
+def _sum_heads(values: torch.Tensor | list[torch.Tensor], ndim: int) -> torch.Tensor:
+    """The heads' values (one tensor or a list), each summed over its dims beyond ``ndim``."""
+    values = values if isinstance(values, (list, tuple)) else [values]
+    return sum(v.flatten(ndim, -1).sum(-1) if v.ndim > ndim else v for v in values)
 
 
 def read_llm(tensordict: TensorDictBase, dist, stored: Stored, plan: ReadPlan) -> Inputs:
@@ -270,18 +318,8 @@ def _line_up(log_prob, mask, entropy, stored: Stored, truncated, keys) -> Inputs
             return None
         return torch.where(mask, _as_sequences(_match_shape(x, shape, key)), 0.0)
 
-    for name, key, value in (
-        ("reference", keys.ref_log_prob, stored.ref),
-        ("inference", keys.inference_log_prob, stored.inference),
-        ("proximal", keys.proximal_log_prob, stored.proximal),
-    ):
-        if value is not None and not bool(torch.isfinite(tokens(value, key)).all()):
-            raise ValueError(
-                f"The {name} log-probs under {key!r} are not finite on some real tokens: "
-                "every token in the loss needs a finite log-prob."
-            )
     advantage = _as_sequences(_per_token(stored.advantage, shape, keys.advantage))
-    return Inputs(
+    inputs = Inputs(
         log_prob=tokens(log_prob, "log_prob"),
         old_log_prob=tokens(stored.old, keys.sample_log_prob),
         advantage=torch.where(mask, advantage, 0.0),
@@ -293,6 +331,44 @@ def _line_up(log_prob, mask, entropy, stored: Stored, truncated, keys) -> Inputs
         truncated=None if truncated is None else _as_sequences(truncated),
         shape=shape,
     )
+    _check_finite(inputs, keys)
+    return inputs
+
+
+#: The stored entries of :class:`Inputs`: ``(field, key name, what it is, verb)``.
+_STORED = (
+    ("advantage", "advantage", "The advantage", "is"),
+    ("old_log_prob", "sample_log_prob", "The sampling log-probs", "are"),
+    ("ref_log_prob", "ref_log_prob", "The reference log-probs", "are"),
+    ("inference_log_prob", "inference_log_prob", "The inference log-probs", "are"),
+    ("proximal_log_prob", "proximal_log_prob", "The proximal log-probs", "are"),
+)
+
+
+def _check_finite(x: Inputs, keys) -> None:
+    """Every stored entry is finite on every real token (they are zero on padding already).
+
+    One reduction, over their sum, runs every call; the entry at fault is looked for only when
+    it fails (a sum that overflows with every entry finite raises nothing).
+
+    Raises:
+        ValueError: naming the entry's key and how many real tokens it is not finite on.
+    """
+    stored = [(getattr(x, field), *rest) for field, *rest in _STORED]
+    stored = [entry for entry in stored if entry[0] is not None]
+    total = stored[0][0]
+    for value, *_ in stored[1:]:
+        total = total + value
+    if bool(torch.isfinite(total).all()):
+        return
+    for value, name, what, verb in stored:
+        bad = int((~torch.isfinite(value)).sum())
+        if bad:
+            raise ValueError(
+                f"{what} under {getattr(keys, name)!r} {verb} not finite on {bad} of "
+                f"{int(x.mask.sum())} real tokens: every token in the loss needs a finite value "
+                "(padding, where the mask is False, may hold anything)."
+            )
 
 
 def _token_log_prob_entropy(dist, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -54,12 +54,22 @@ COEFFICIENTS = (
 )
 
 _NO_CRITIC = "GRPO has no critic: the advantage comes with the batch (torchrl_grpo.MCAdvantage)"
-#: ClipPPOLoss / torchrl GRPOLoss keywords that have no meaning here, and what replaces them.
+_NO_ESTIMATOR = (
+    "GRPO has no value estimator: returns and advantages are written by "
+    "torchrl_grpo.MCAdvantage (trajectory_return=...)"
+)
+_GROUP_NORMALISED = (
+    "advantages are normalised per group by torchrl_grpo.MCAdvantage (scale_rewards=...)"
+)
+#: ClipPPOLoss / torchrl GRPOLoss keywords (torchrl 0.14.1) that have no meaning here, and what
+#: replaces them. ``actor`` is not here: it is taken as ClipPPOLoss takes it (``actor_network``).
 _REPLACED_KEYWORDS = {
     **dict.fromkeys(
         (
             "critic_network",
+            "critic",
             "critic_coeff",
+            "critic_coef",
             "loss_critic_type",
             "clip_value",
             "value_key",
@@ -69,16 +79,29 @@ _REPLACED_KEYWORDS = {
         ),
         _NO_CRITIC,
     ),
-    **dict.fromkeys(
-        ("gamma", "lmbda"),
-        "GRPO has no value estimator: returns and advantages are written by "
-        "torchrl_grpo.MCAdvantage (trajectory_return=...)",
-    ),
-    "normalize_advantage": "advantages are normalised per group by torchrl_grpo.MCAdvantage "
-    "(scale_rewards=...)",
+    **dict.fromkeys(("gamma", "lmbda"), _NO_ESTIMATOR),
+    **dict.fromkeys(("normalize_advantage", "normalize_advantage_exclude_dims"), _GROUP_NORMALISED),
+    "advantage_norm": "there is no value target to scale advantages by: " + _GROUP_NORMALISED,
+    "delay_actor": "PPO-EWMA's proximal policy is not built in; decoupled PPO reads the proximal "
+    "policy's log-probs from the batch: use decoupled=True and set_keys(proximal_log_prob=...)",
+    "max_importance_ratio": "ClipPPOLoss's cap on pi_theta / pi_behav has no equivalent here. "
+    "To cap the importance weight against the inference engine, min(pi_old / pi_inference, cap), "
+    "use tis_cap=...; with decoupled=True, behaviour_weight_cap caps pi_prox / pi_behav",
     "advantage_key": "use loss.set_keys(advantage=...)",
     "entropy_coef": "use entropy_coeff",
 }
+#: ClipPPOLoss's tensordict keys that no part of GRPOLoss reads, and why: ``set_keys`` rejects
+#: them rather than accept a key that changes nothing.
+UNUSED_KEYS = {
+    **dict.fromkeys(("value", "value_target"), _NO_CRITIC),
+    **dict.fromkeys(
+        ("reward", "done", "terminated"),
+        "GRPO has no value estimator: the loss reads the advantage only; rewards and episode "
+        "ends are read by torchrl_grpo.MCAdvantage (its rewards_key and done_key)",
+    ),
+}
+#: The buffers of the clip band: ``clip_epsilon`` (a float), or the two of a tuple.
+CLIP_EPSILON_BUFFERS = ("clip_epsilon", "clip_epsilon_low", "clip_epsilon_high")
 
 
 @dataclass(frozen=True)
@@ -86,6 +109,7 @@ class LossOptions:
     """The validated settings of a GRPOLoss: what ``__init__`` wires into the module.
 
     Attributes:
+        actor_network: the policy (given as ``actor_network`` or ``actor``).
         is_llm (bool): the policy is a torchrl LLM wrapper (``LLMWrapperBase``).
         masking_strategy (str): ``"sft"``, ``"rlhf"`` or ``"generic"`` (read for LLM wrappers).
         ref_log_prob_padding_side (str): ``"left"`` or ``"right"``.
@@ -107,6 +131,7 @@ class LossOptions:
             :data:`COEFFICIENTS`, in that order; ``None`` when the variant is off.
     """
 
+    actor_network: Any
     is_llm: bool
     masking_strategy: str
     ref_log_prob_padding_side: str
@@ -131,7 +156,10 @@ class LossOptions:
 
 
 def loss_options(
-    actor_network: Any, keywords: Mapping[str, Any], replaced: Mapping[str, Any]
+    actor_network: Any,
+    keywords: Mapping[str, Any],
+    replaced: Mapping[str, Any],
+    positional: tuple = (),
 ) -> LossOptions:
     """Check a GRPOLoss's keywords and resolve its variants, before any module is built.
 
@@ -139,15 +167,19 @@ def loss_options(
         actor_network: the policy (an ``LLMWrapperBase`` switches to torchrl's LLM layout).
         keywords (Mapping[str, Any]): every keyword-only argument of ``GRPOLoss.__init__``,
             with its value (given or default).
-        replaced (Mapping[str, Any]): the other keywords given: ClipPPOLoss or torchrl
-            ``GRPOLoss`` arguments without meaning here, or unknown ones.
+        replaced (Mapping[str, Any]): the other keywords given: ClipPPOLoss's ``actor`` (the
+            policy's other name), ClipPPOLoss or torchrl ``GRPOLoss`` arguments without meaning
+            here, or unknown ones.
+        positional (tuple): the positional arguments after the actor (a critic, as given to
+            ``ClipPPOLoss(actor, critic)``): rejected.
 
     Returns:
         LossOptions: the record ``GRPOLoss.__init__`` consumes.
 
     Raises:
-        TypeError: for a keyword of ``replaced`` (the message names what replaces it) or a
-            per-head ``entropy_coeff``.
+        TypeError: for a positional argument after the actor, a keyword of ``replaced`` (the
+            message names what replaces it), ``actor`` with ``actor_network``, or a per-head
+            ``entropy_coeff``.
         ValueError: for an unknown variant name, an invalid coefficient, or a variant's
             setting given without the variant (see :class:`~torchrl_grpo.GRPOLoss`).
 
@@ -169,30 +201,34 @@ def loss_options(
         ...
         ValueError: clip_ratio_c must be greater than 1, got 0.5.
     """
-    _reject_replaced(replaced)
+    actor_network = _actor(actor_network, positional, replaced)
     k = SimpleNamespace(**keywords)
     is_llm = isinstance(actor_network, LLMWrapperBase)
     masking_strategy = _masking_strategy(k.masking_strategy, actor_network, is_llm)
     _check_padding_side(k.ref_log_prob_padding_side)
     aggregation, reduction = _aggregation_and_reduction(k.aggregation, k.reduction)
-    if isinstance(k.entropy_coeff, dict):
-        raise TypeError("GRPOLoss takes a scalar entropy_coeff (single-head policies only).")
+    if isinstance(k.entropy_coeff, Mapping):
+        raise TypeError(
+            "GRPOLoss takes a scalar entropy_coeff: a multi-head policy's entropies are summed "
+            "over its heads, as ClipPPOLoss does with a scalar; per-head coefficients are not "
+            "supported."
+        )
     objective = _make_objective(k.objective, k.sapo_temperature_pos, k.sapo_temperature_neg)
     _check_dual_clip(objective, k.clip_ratio_c)
     for name in ("tis_cap", "kl_mask_threshold", "off_policy_mask_threshold"):
-        _check_sign(name, getattr(k, name), "positive")
+        _check_range(name, getattr(k, name))
     inference_correction, (low, high) = _make_inference_correction(
         k.inference_correction, k.inference_correction_bounds, k.tis_cap
     )
     _check_decoupled(k.decoupled, k.behaviour_weight_cap)
-    if k.top_entropy_quantile is not None and not 0.0 <= k.top_entropy_quantile <= 1.0:
-        raise ValueError(f"top_entropy_quantile must be in [0, 1], got {k.top_entropy_quantile}.")
+    _check_quantile(k.top_entropy_quantile)
     for name in ("kl_to_ref_coeff", "kl_to_inference_coeff"):
-        _check_sign(name, getattr(k, name), "non-negative")
+        _check_range(name, getattr(k, name))
     clip_epsilon, no_lower_bound = _clip_band(k.clip_epsilon)
     bounds = {"inference_correction_low": low, "inference_correction_high": high}
     coefficients = {name: bounds.get(name, getattr(k, name, None)) for name in COEFFICIENTS}
     return LossOptions(
+        actor_network=actor_network,
         is_llm=is_llm,
         masking_strategy=masking_strategy,
         ref_log_prob_padding_side=k.ref_log_prob_padding_side,
@@ -232,12 +268,24 @@ def _lookup(registry: Mapping[str, Callable], value: str | Callable, name: str) 
         ) from None
 
 
-def _reject_replaced(replaced: Mapping[str, Any]) -> None:
-    for name in replaced:
+def _actor(actor_network: Any, positional: tuple, replaced: Mapping[str, Any]) -> Any:
+    """The policy: ``actor_network``, or ``actor=`` as ClipPPOLoss takes it; anything else given
+    (a critic, positionally or not, or an unknown keyword) is rejected with what replaces it."""
+    if positional:
+        raise TypeError(
+            f"GRPOLoss takes one positional argument, the policy, and got {len(positional)} "
+            f"more (a critic, as ClipPPOLoss(actor, critic) takes?): {_NO_CRITIC}."
+        )
+    others = dict(replaced)
+    actor = others.pop("actor", None)
+    for name in others:
         if name in _REPLACED_KEYWORDS:
             raise TypeError(f"GRPOLoss takes no {name!r}: {_REPLACED_KEYWORDS[name]}.")
-    if replaced:
-        raise TypeError(f"GRPOLoss got unexpected keyword arguments {sorted(replaced)}.")
+    if others:
+        raise TypeError(f"GRPOLoss got unexpected keyword arguments {sorted(others)}.")
+    if actor is not None and actor_network is not None:
+        raise TypeError("GRPOLoss got both actor_network and actor (its alias): pass one.")
+    return actor_network if actor is None else actor
 
 
 def _masking_strategy(masking_strategy: str | None, actor_network: Any, is_llm: bool) -> str:
@@ -262,7 +310,9 @@ def _check_padding_side(side: str) -> None:
 
 
 def _aggregation_and_reduction(aggregation, reduction: str | None):
-    """torchrl's aggregation names translated; ``reduction`` checked."""
+    """torchrl's aggregation names translated (``None`` is its default); ``reduction`` checked."""
+    if aggregation is None:  # torchrl's GRPOLoss: ``aggregation or "token_mean"``
+        aggregation = "token_mean"
     if aggregation == "none":  # torchrl's per-token output
         aggregation, reduction = "token_mean", reduction or "none"
     aggregation = TORCHRL_AGGREGATIONS.get(aggregation, aggregation)
@@ -303,14 +353,22 @@ def _check_dual_clip(objective: Objective, clip_ratio_c: float | None) -> None:
             "clip_ratio_c (dual clip) applies to the PPO surrogate, not "
             f"{'SAPO' if is_sapo else 'CISPO'}."
         )
-    if clip_ratio_c <= 1.0:
-        raise ValueError(f"clip_ratio_c must be greater than 1, got {clip_ratio_c}.")
+    _check_range("clip_ratio_c", clip_ratio_c)
 
 
-def _check_sign(name: str, value: float | None, sign: str) -> None:
-    """``value`` is ``None`` (off), or ``"positive"`` / ``"non-negative"``."""
-    if value is not None and (value <= 0 if sign == "positive" else value < 0):
-        raise ValueError(f"{name} must be {sign}, got {value}.")
+def _check_range(name: str, value: float | None) -> None:
+    """``value`` is ``None`` (off), or in the range ``_RANGES`` gives ``name`` (never ``nan``)."""
+    if value is None:
+        return
+    what, bound = _RANGES[name]
+    if not (value >= bound if what == "non-negative" else value > bound):
+        what = f"greater than {bound:g}" if what == "greater than" else what
+        raise ValueError(f"{name} must be {what}, got {value}.")
+
+
+def _check_quantile(value: float | None) -> None:
+    if value is not None and not 0.0 <= value <= 1.0:
+        raise ValueError(f"top_entropy_quantile must be in [0, 1], got {value}.")
 
 
 def _make_inference_correction(correction, bounds, tis_cap):
@@ -328,7 +386,7 @@ def _make_inference_correction(correction, bounds, tis_cap):
         return None, (None, None)
     fn = _lookup(INFERENCE_CORRECTIONS, correction, "inference_correction")
     low, high = INFERENCE_CORRECTION_BOUNDS if bounds is None else bounds
-    if (low is not None and low < 0) or (high is not None and high <= 0):
+    if (low is not None and not low >= 0) or (high is not None and not high > 0):
         raise ValueError(
             f"inference_correction_bounds must be a low >= 0 and a high > 0, got {bounds}."
         )
@@ -342,22 +400,89 @@ def _check_decoupled(decoupled: bool, behaviour_weight_cap: float | None) -> Non
         return
     if not decoupled:
         raise ValueError("behaviour_weight_cap applies to decoupled=True only.")
-    if behaviour_weight_cap <= 1.0:
-        raise ValueError(
-            f"behaviour_weight_cap must be greater than 1, got {behaviour_weight_cap}."
-        )
+    _check_range("behaviour_weight_cap", behaviour_weight_cap)
 
 
 def _clip_band(clip_epsilon):
-    """``(clip_epsilon as ClipPPOLoss takes it, no_lower_bound)``.
+    """``(clip_epsilon as ClipPPOLoss takes it, no_lower_bound)``; both forms checked alike.
 
-    torchrl forbids ``eps_low >= 1`` (``log(0)``); here ``eps_low = 1`` means "no lower bound"
-    (CISPO): ClipPPOLoss gets 0, and the buffer is set back to 1 once registered.
+    torchrl checks a tuple but not a float (``-0.1`` would invert the band, ``1.5`` give a
+    ``nan`` bound): here a float is checked as each bound of a tuple (:func:`check_clip_bound`).
+    ``eps_low = 1`` means "no lower bound" (CISPO); torchrl forbids it in a tuple (``log(0)``),
+    so ClipPPOLoss gets 0 and the buffer is set back to 1 once registered. A float 1 is kept as
+    it is: its lower bound, ``log(1 - 1) = -inf``, clamps nothing either.
     """
-    no_lower_bound = isinstance(clip_epsilon, (tuple, list)) and float(clip_epsilon[0]) == 1.0
-    if no_lower_bound:
+    if not isinstance(clip_epsilon, (tuple, list)):
+        check_clip_bound("clip_epsilon", clip_epsilon)
+        return clip_epsilon, False
+    if len(clip_epsilon) != 2:
+        raise ValueError(f"clip_epsilon tuple must have length 2, got {clip_epsilon}.")
+    check_clip_bound("clip_epsilon_low", clip_epsilon[0])
+    check_clip_bound("clip_epsilon_high", clip_epsilon[1])
+    if float(clip_epsilon[0]) == 1.0:
         return (0.0, clip_epsilon[1]), True
     return clip_epsilon, False
+
+
+def check_clip_bound(name: str, value: Any) -> None:
+    """One value of the clip band, at construction or scheduled (``loss.clip_epsilon = x``).
+
+    ``clip_epsilon`` (a float) and ``clip_epsilon_low`` must be in ``[0, 1]`` (``1 - eps`` is the
+    lower bound of the ratio; 1 means none), ``clip_epsilon_high`` non-negative; ``nan`` is
+    neither.
+
+    Raises:
+        TypeError: the value is not a number.
+        ValueError: the value is out of its range (named, with the value).
+    """
+    try:
+        eps = float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name} must be a number, got {value!r}.") from None
+    if name == "clip_epsilon_high":
+        if not eps >= 0.0:
+            raise ValueError(
+                f"{name} must be non-negative (1 + eps is the upper bound), got {eps}."
+            )
+        return
+    if not 0.0 <= eps <= 1.0:
+        raise ValueError(
+            f"{name} must be in [0, 1] (1 - eps is the lower bound of the ratio; 1 means no lower "
+            f"bound), got {eps}."
+        )
+
+
+def check_scheduled(name: str, value: float) -> None:
+    """A scheduler's new value of a buffer (``loss.name = value``), checked against the range
+    the same setting is checked against at construction.
+
+    Only the value's own range: a bound checked against another buffer (``inference_correction``
+    ``low < high``) is not, nor is a tensor assigned or written in place.
+
+    Raises:
+        ValueError: the value is out of its range.
+    """
+    if name in CLIP_EPSILON_BUFFERS:
+        check_clip_bound(name, value)
+    elif name in _RANGES:
+        _check_range(name, value)
+    elif name == "top_entropy_quantile":
+        _check_quantile(value)
+
+
+#: The range of each schedulable coefficient, checked at construction and when scheduled:
+#: ``(what, bound)``, ``what`` one of ``"positive"``, ``"non-negative"``, ``"greater than"``.
+_RANGES = {
+    "kl_to_ref_coeff": ("non-negative", 0.0),
+    "kl_to_inference_coeff": ("non-negative", 0.0),
+    "tis_cap": ("positive", 0.0),
+    "kl_mask_threshold": ("positive", 0.0),
+    "off_policy_mask_threshold": ("positive", 0.0),
+    "inference_correction_low": ("non-negative", 0.0),
+    "inference_correction_high": ("positive", 0.0),
+    "clip_ratio_c": ("greater than", 1.0),
+    "behaviour_weight_cap": ("greater than", 1.0),
+}
 
 
 def _make_aggregation(aggregation, max_length: int | None):

@@ -4,7 +4,10 @@ tensordict ``TensorClass`` read like ClipPPOLoss's TensorDict output."""
 from __future__ import annotations
 
 import torch
-from tensordict import TensorClass
+from tensordict import TensorClass, TensorDictBase
+
+#: What ClipPPOLoss returns with a critic, and GRPOLossOutput never holds.
+CRITIC_ENTRIES = ("loss_critic", "value_clip_fraction", "explained_variance")
 
 
 class GRPOLossOutput(TensorClass["nocast"]):
@@ -26,6 +29,10 @@ class GRPOLossOutput(TensorClass["nocast"]):
     off_policy_masked_fraction: torch.Tensor | None = None
     behaviour_masked_fraction: torch.Tensor | None = None
     truncated_fraction: torch.Tensor | None = None
+    # after the fields of earlier versions, so that a positional construction keeps its meaning
+    max_ratio: torch.Tensor | None = None
+    mean_ratio: torch.Tensor | None = None
+    composite_entropy: TensorDictBase | None = None
 
     def __getitem__(self, index):
         # out["loss_objective"], as a ClipPPOLoss TensorDict output is read
@@ -33,6 +40,12 @@ class GRPOLossOutput(TensorClass["nocast"]):
             isinstance(index, tuple) and index and all(isinstance(i, str) for i in index)
         ):
             value = self.get(index, None)
+            if value is None and index in CRITIC_ENTRIES:  # PPO code reading a critic's term
+                raise KeyError(
+                    f"{index!r}: GRPO has no critic, so no {index}; the advantage comes with "
+                    "the batch (torchrl_grpo.MCAdvantage). The loss to minimise is the sum of the "
+                    "loss_* entries, out.total_loss()."
+                )
             if value is None:
                 raise KeyError(f"{index!r} is not set in this {type(self).__name__}.")
             return value
@@ -60,6 +73,11 @@ GRPOLossOutput.__doc__ = """What :class:`GRPOLoss` returns: the terms to sum and
     It is read like ClipPPOLoss's TensorDict output and like torchrl's ``GRPOLossOutput``:
     ``out.loss_objective``, ``out["loss_objective"]``, ``out.items()`` (torchrl's ``Trainer``,
     ``GRPOTrainer`` and PPO trainer sum the ``loss*`` entries). :meth:`total_loss` is that sum.
+    Every entry of ClipPPOLoss's output that means something without a critic is here, under
+    the same name; a critic's (``loss_critic``, ``value_clip_fraction``,
+    ``explained_variance``) never is: ``out["loss_critic"]``, as torchrl's PPO tutorial reads
+    it, raises ``KeyError`` saying GRPO has no critic (``out.loss_critic`` raises
+    ``AttributeError``).
     ``out.mean(reduce=True)``, which torchrl's GRPO recipe backpropagates, is :meth:`total_loss`
     too: the mean over fields would divide the gradient by the number of fields, metrics
     included, so adding a metric would rescale training.
@@ -71,6 +89,9 @@ GRPOLossOutput.__doc__ = """What :class:`GRPOLoss` returns: the terms to sum and
         clip_fraction_high: share above ``1 + eps_high``.
         kl_approx: ``mean(log pi_old - log pi_theta)``, as :class:`~torchrl.objectives.ClipPPOLoss`.
         ESS: normalised effective sample size of the importance weights, in ``(0, 1]``.
+        max_ratio: the largest importance ratio of a real token, as ClipPPOLoss's (with
+            ``decoupled=True``, the ratio to the proximal policy, as ``ESS``).
+        mean_ratio: the mean importance ratio over the real tokens.
         entropy: mean per-token entropy of the policy (``None`` without ``entropy_bonus``).
         loss_entropy: ``-entropy_coeff`` times the aggregated entropy.
         kl_to_ref: mean KL estimate to the reference policy (``None`` without ``kl_to_ref_coeff``).
@@ -86,6 +107,8 @@ GRPOLossOutput.__doc__ = """What :class:`GRPOLoss` returns: the terms to sum and
             exceeds ``behaviour_weight_cap`` (with ``decoupled=True``; 0 without a cap).
         truncated_fraction: share of the sequences flagged truncated, which leave the loss
             (with ``mask_truncated_completions``).
+        composite_entropy: a multi-head policy's entropy per head and per element of the batch
+            (padding included), detached, as ClipPPOLoss reports it; ``None`` for one head.
 
     Examples:
         >>> import torch

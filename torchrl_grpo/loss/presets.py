@@ -46,14 +46,14 @@ class _Preset(GRPOLoss):
     required: ClassVar[tuple[str, ...]] = ()
     __signature__ = _PresetSignature()
 
-    def __init__(self, actor_network=None, **kwargs):
+    def __init__(self, actor_network=None, *critic, **kwargs):
         for name in self.required:
             if name not in kwargs:
                 raise TypeError(
                     f"{type(self).__name__}.__init__() missing 1 required keyword-only "
                     f"argument: {name!r}"
                 )
-        super().__init__(actor_network, **{**self.defaults, **kwargs})
+        super().__init__(actor_network, *critic, **{**self.defaults, **kwargs})
 
 
 class DAPOLoss(_Preset):
