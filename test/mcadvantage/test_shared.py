@@ -9,6 +9,7 @@ import random
 import signal
 import threading
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -269,6 +270,29 @@ class TestOwner:
         assert t.get_stats() == before and t.queued_trajectories == 1
         out = t.inv(trajectory(0, [5.0]))  # the connection is made again
         assert out is not None and t.written_groups == 1
+
+    def test_a_transform_collected_inside_an_insertion(self, monkeypatch):
+        """Another shared transform collected while an insertion awaits its acknowledgement
+        (the owner's lock held for this writer): its finalizer forgets it in the owner at once,
+        and the insertion is kept. (Forgetting used to wait for the lock: the owner gave the
+        insertion up after the timeout, CI's flaky test_ragged_token_sequences.)"""
+        monkeypatch.setenv("TORCHRL_GRPO_SHARED_TIMEOUT", "5")
+        t = shared(grpo_size=2, prompt_key="seed", trajectory_return="sum")
+        others = [shared(grpo_size=2, prompt_key="seed")]
+        others[0].inv(trajectory(7, [1.0]))
+        forgotten = []
+        weakref.finalize(others[0], forgotten.append, True)
+        owner, other_key = t._replica, others[0]._replica.key
+
+        def collect_the_other(out):
+            others.clear()  # its last reference: its finalizer runs here, in this writer
+            gc.collect()
+
+        t.inv(trajectory(0, [1.0]))
+        out = owner.insert(trajectory(0, [3.0]), check=collect_the_other)
+        assert forgotten and out is not None and t.written_groups == 1
+        with pytest.raises(_shared.OwnerGone, match="garbage-collected"):
+            _shared.Owner(owner.address, owner.authkey, other_key).stats()
 
 
 class TestWriterProcesses:

@@ -444,15 +444,19 @@ class _Server:
                 return
 
     def call(self, key: str, name: str, args: tuple) -> bytes:
+        if name == "forget":
+            # Without the lock: a transform's finalizer runs wherever the collector finds it
+            # garbage, possibly in a writer whose insertion holds the lock (awaiting its
+            # acknowledgement); waiting for the lock there would stall that writer until the
+            # timeout and lose its insertion. (Two dict pops: atomic.)
+            self.replicas.pop(key, None)
+            self.timeouts.pop(key, None)
+            return _reply(_ACCEPTED, None, ())
         with self.lock, warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             try:
                 if name == "register":
                     value = self.register(key, *args)
-                elif name == "forget":
-                    value = None
-                    self.replicas.pop(key, None)
-                    self.timeouts.pop(key, None)
                 elif name in OPERATIONS:
                     value = getattr(self.get(key), name)(*args)
                 else:
