@@ -5,7 +5,11 @@ import math
 import pytest
 import torch
 from helpers import reference_discounted_returns
-from helpers.references import reference_advantage, reference_whiten
+from helpers.references import (
+    reference_advantage,
+    reference_time_step_advantage,
+    reference_whiten,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -229,6 +233,100 @@ def reference_gigpo(returns, groups, step_rewards, lengths, anchors, gamma, w_e,
         for t in members:
             step[t] = (float(step_returns[t]) - mean) / (max(std, 1e-6) if scale == "group" else 1)
     return w_e * episode.repeat_interleave(lengths) + w_s * torch.tensor(step, dtype=torch.float64)
+
+
+class TestByTimeStep:
+    """``by_time_step=True``: the baseline over the group's samples at the same time step, the
+    scale the pooled std of those deviations (rewards-to-go)."""
+
+    @staticmethod
+    def flat(groups):
+        """Runs laid flat: ``(x, group of each run, lengths)``."""
+        x = [v for trajs in groups for t in trajs for v in t]
+        group = [g for g, trajs in enumerate(groups) for _ in trajs]
+        lengths = [len(t) for trajs in groups for t in trajs]
+        return torch.tensor(x, dtype=torch.float64), torch.tensor(group), torch.tensor(lengths)
+
+    def test_by_hand(self):
+        # one group: returns-to-go [3, 2, 1] and [5, 3, 2, 1]; at t = 0: 3 vs 5, t = 1: 2 vs 3,
+        # t = 2: 1 vs 2, t = 3: 1 alone; deviations -1, -0.5, -0.5 | 1, 0.5, 0.5, 0;
+        # pooled: (1 + 0.25 * 4 + 1) / (7 samples - 4 time steps) = 1
+        x, g, lengths = self.flat([[[3.0, 2.0, 1.0], [5.0, 3.0, 2.0, 1.0]]])
+        got = group_relative_advantage(x, g, lengths=lengths, by_time_step=True)
+        want = [-1.0, -0.5, -0.5, 1.0, 0.5, 0.5, 0.0]
+        assert got.tolist() == pytest.approx(want)
+        assert group_std(x, g, lengths=lengths, by_time_step=True).tolist() == pytest.approx([1])
+
+    def test_identical_trajectories_give_exact_zeros(self):
+        """The issue's case: a group of identical episodes (CartPole, rewards 1 to the end) got
+        advantages from -0.78 to +3.24 by time step with the baseline over all steps."""
+        to_go = [1.0 + 0.99 * (1 - 0.99**k) / 0.01 for k in reversed(range(30))]
+        x, g, lengths = self.flat([[to_go] * 4, [to_go[:10]] * 3])
+        for scale in ("group", "batch", "none"):
+            for baseline in ("mean", "leave_one_out", "pass_at_k"):
+                got = group_relative_advantage(
+                    x,
+                    g,
+                    lengths=lengths,
+                    by_time_step=True,
+                    baseline=baseline,
+                    scale_rewards=scale,
+                )
+                assert (got == 0).all(), (baseline, scale)
+        assert (group_std(x, g, lengths=lengths, by_time_step=True) == 0).all()
+        before = group_relative_advantage(x, g, lengths=lengths)  # the baseline over all steps
+        assert float(before.abs().max()) > 1.0
+
+    def test_steps_keep_their_weights(self):
+        """Early steps, whose returns-to-go differ little, get small advantages: one scale for
+        the whole group, not one per time step."""
+        long, short = [3.0, 2.0, 1.0], [2.9, 1.5, 0.2]
+        x, g, lengths = self.flat([[long, short]])
+        got = group_relative_advantage(x, g, lengths=lengths, by_time_step=True)
+        assert got[0] == pytest.approx(-got[3]) and abs(float(got[0])) < abs(float(got[2]))
+
+    @settings(max_examples=60, deadline=None)
+    @given(
+        groups=st.lists(
+            st.lists(
+                st.lists(st.floats(-100, 100, allow_nan=False), min_size=1, max_size=6),
+                min_size=1,
+                max_size=4,
+            ),
+            min_size=1,
+            max_size=4,
+        ),
+        baseline=st.sampled_from(["mean", "leave_one_out", "pass_at_k"]),
+        scale=st.sampled_from(["group", "batch", "none"]),
+    )
+    def test_equals_reference(self, groups, baseline, scale):
+        x, g, lengths = self.flat(groups)
+        got = group_relative_advantage(
+            x, g, lengths=lengths, by_time_step=True, baseline=baseline, scale_rewards=scale
+        )
+        want = reference_time_step_advantage(groups, baseline=baseline, scale_rewards=scale)
+        flat = [v for trajs in want for t in trajs for v in t]
+        assert got.tolist() == pytest.approx(flat, rel=1e-6, abs=1e-6)
+
+    def test_several_rewards_sum_each_rewards_advantage(self):
+        x, g, lengths = self.flat([[[3.0, 2.0, 1.0], [5.0, 3.0]], [[1.0], [2.0, 4.0]]])
+        y = torch.flip(x, [0]) * 0.5
+        got = multi_reward_advantage(
+            torch.stack([x, y], 1),
+            g,
+            lengths=lengths,
+            by_time_step=True,
+            whiten=False,
+            weights=torch.tensor([1.0, 2.0]),
+        )
+        each = [group_relative_advantage(v, g, lengths=lengths, by_time_step=True) for v in (x, y)]
+        torch.testing.assert_close(got, each[0] + 2 * each[1])
+
+    def test_needs_runs(self):
+        with pytest.raises(ValueError, match="by_time_step needs the samples as runs"):
+            group_relative_advantage(
+                torch.ones(3), torch.zeros(3, dtype=torch.long), by_time_step=True
+            )
 
 
 class TestBatchWhiten:

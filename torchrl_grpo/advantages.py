@@ -37,6 +37,7 @@ And for the estimators beyond GRPO's mean and std:
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -210,11 +211,15 @@ def group_std(
     *,
     mean: Tensor | None = None,
     lengths: Tensor | None = None,
+    by_time_step: bool = False,
 ) -> Tensor:
     r"""Per-group sample standard deviation with Bessel's correction.
 
     :math:`\sigma_g = \sqrt{\frac{1}{n_g - 1}\sum_{i\in g}(x_i - \mu_g)^2}`, computed in two passes
     (mean, then squared deviations) in float64. A group of one sample gets ``0``, not ``nan``.
+    With ``by_time_step``, the pooled spread around each time step's mean instead (the scale of
+    :func:`group_relative_advantage` with ``by_time_step=True``): ``0`` exactly when, at every
+    time step, the group's samples are equal.
 
     Args:
         x: samples, shape ``(S,)``.
@@ -222,6 +227,8 @@ def group_std(
         num_groups: number of groups; defaults to ``group_index.max() + 1``.
         mean: the per-group means if already computed, shape ``(num_groups,)``.
         lengths: samples per run, as in :func:`group_mean`.
+        by_time_step: the runs are trajectories in time order (``lengths`` required); see
+            :func:`group_relative_advantage`. ``mean`` is then ignored.
 
     Returns:
         Standard deviations, shape ``(num_groups,)``, float64.
@@ -230,8 +237,16 @@ def group_std(
         >>> import torch
         >>> group_std(torch.tensor([1.0, 3.0, 10.0]), torch.tensor([0, 0, 1]))
         tensor([1.4142, 0.0000], dtype=torch.float64)
+        >>> x = torch.tensor([3.0, 2.0, 1.0, 3.0, 2.0, 1.0])  # two equal runs of one group
+        >>> group_std(x, torch.tensor([0, 0]), lengths=torch.tensor([3, 3]), by_time_step=True)
+        tensor([0.], dtype=torch.float64)
     """
     seg = Segments(group_index, num_groups, lengths)
+    if by_time_step:
+        steps = _time_steps(seg)
+        x = x.double().reshape(-1)
+        mean, _ = _mean(x, steps.cells)
+        return steps.scale("group", x - steps.cells.spread(mean), seg)
     x = seg.view(x.double())
     mean, count = _mean(x, seg) if mean is None else (mean, seg.count)
     return _group_scale(x - seg.spread(mean), seg, mean, count)
@@ -315,13 +330,66 @@ def _check_names(baseline: str, scale_rewards: str) -> None:
         raise ValueError(f"scale_rewards must be one of {sorted(SCALES)}, got {scale_rewards!r}.")
 
 
-def _advantage(x: Tensor, seg: Segments, baseline: str, scale_rewards: str, epsilon: float):
-    """The advantage of samples ``x`` (float64, as ``seg.view(x)``), flat ``(S,)``."""
+def _advantage(
+    x: Tensor,
+    seg: Segments,
+    baseline: str,
+    scale_rewards: str,
+    epsilon: float,
+    steps: _TimeSteps | None = None,
+):
+    """The advantage of samples ``x`` (float64, as ``seg.view(x)``), flat ``(S,)``; with
+    ``steps``, the baseline taken at each time step of each group."""
+    if steps is not None:
+        x = x.reshape(-1)
+        mean, count = _mean(x, steps.cells)  # (C,), (C,)
+        dev = x - steps.cells.spread(mean)
+        centred, factor = BASELINES[baseline](x, dev, steps.cells, count)  # (S,), (C,)
+        scale = steps.scale(scale_rewards, dev, seg)  # (G,)
+        return centred * steps.cells.spread(factor) / seg.expand(scale.clamp_min(epsilon))
     mean, count = _mean(x, seg)  # (G,), (G,)
     dev = x - seg.spread(mean)
     scale = SCALES[scale_rewards](dev, seg, mean, count)  # (G,)
     centred, factor = BASELINES[baseline](x, dev, seg, count)  # samples' shape, (G,)
     return (centred * seg.spread(factor / scale.clamp_min(epsilon))).reshape(-1)
+
+
+class _TimeSteps(NamedTuple):
+    """The (group, time step) cells of samples laid out as trajectories (runs) in time order."""
+
+    cells: Segments  # the cell of each sample, (S,) -> (C,)
+    per_group: Tensor  # (G,) cells of each group: its time steps that some trajectory reached
+
+    def scale(self, scale_rewards: str, dev: Tensor, seg: Segments) -> Tensor:
+        r"""``(G,)`` the pooled std of the deviations ``dev`` ``(S,)`` from their cells' means:
+        :math:`\sqrt{\sum (x - \mu_{g,t})^2 / (n_g - T_g)}` (``"group"``, the degrees of freedom
+        of a one-way layout), the same over every group (``"batch"``), or ``1``."""
+        if scale_rewards == "none":
+            return torch.ones(seg.num, dtype=torch.float64, device=dev.device)
+        m2 = seg.sum(dev.square())  # (G,)
+        dof = seg.count - self.per_group  # (G,)
+        if scale_rewards == "batch":
+            return (m2.sum() / dof.sum().clamp_min(1)).sqrt().expand(seg.num)
+        return (m2 / dof.clamp_min(1)).sqrt()
+
+
+def _time_steps(seg: Segments) -> _TimeSteps:
+    """The cells of ``seg``'s samples: runs (trajectories) of one group, samples in time order;
+    two samples share a cell when they have the same group and the same position in their run."""
+    lengths = seg.lengths
+    if lengths is None:
+        raise ValueError("by_time_step needs the samples as runs: pass lengths.")
+    if lengths.numel() == 0 or int(lengths.sum()) == 0:
+        empty = torch.zeros(0, dtype=torch.long, device=lengths.device)
+        return _TimeSteps(Segments(empty, 0), torch.zeros(seg.num, dtype=torch.long))
+    runs = Segments(None, lengths=lengths)
+    group = seg.expand(torch.arange(seg.num, device=lengths.device))  # (S,)
+    start = runs.expand(torch.cumsum(lengths, 0) - lengths)  # (S,)
+    position = torch.arange(group.numel(), device=lengths.device) - start  # (S,)
+    cell, num_cells = dense_codes(group * int(lengths.max()) + position)
+    cell_group = torch.zeros(num_cells, dtype=torch.long, device=group.device)
+    cell_group.scatter_(0, cell, group)  # (C,)
+    return _TimeSteps(Segments(cell, num_cells), torch.bincount(cell_group, minlength=seg.num))
 
 
 def group_relative_advantage(
@@ -334,6 +402,7 @@ def group_relative_advantage(
     whiten: bool = False,
     epsilon: float = 1e-6,
     lengths: Tensor | None = None,
+    by_time_step: bool = False,
 ) -> Tensor:
     r"""Group-relative advantage :math:`A_i = (x_i - b_i) / \max(s_i, \epsilon)`.
 
@@ -356,6 +425,17 @@ def group_relative_advantage(
     The three choices compose: the baseline centres, the scale divides, and ``whiten`` then
     re-centres and rescales the result over every sample passed in (:func:`batch_whiten`).
 
+    ``by_time_step=True`` (per-step samples such as rewards-to-go, the runs being trajectories in
+    time order) takes the baseline over the group's samples *at the same time step* (the same
+    position in their runs): :math:`x_{i,t} - b_{g,t}`, a time-dependent baseline, so a group of
+    identical trajectories gets exactly ``0`` and a step is compared only with the steps its
+    peers took at that point of their episodes (a step that only one trajectory reached gets
+    ``0``). The scale is then the pooled std of those deviations,
+    :math:`s_g = \sqrt{\sum_{i,t}(x_{i,t} - \mu_{g,t})^2 / (n_g - T_g)}` over the group's
+    :math:`n_g` samples and :math:`T_g` time steps (``"batch"``: pooled over every group), so
+    the steps of a trajectory keep their relative weights (a per-step std would blow the tiny
+    differences between the returns-to-go of early steps up to unit size).
+
     Args:
         x: samples, shape ``(S,)``: trajectory returns, or reward elements for per-step GRPO.
         group_index: group of each sample, shape ``(S,)``, values in ``[0, num_groups)``.
@@ -368,12 +448,14 @@ def group_relative_advantage(
             belong to one group; ``group_index`` then has shape ``(R,)``. Same result as the
             per-sample index ``group_index.repeat_interleave(lengths)``, computed faster (per-step
             GRPO: the runs are the trajectories, the samples their reward elements).
+        by_time_step: compare samples at the same position of their runs (needs ``lengths``).
 
     Returns:
         Advantages, shape ``(S,)``, float64.
 
     Raises:
-        ValueError: for an unknown ``baseline`` or ``scale_rewards``, or mismatched shapes.
+        ValueError: for an unknown ``baseline`` or ``scale_rewards``, mismatched shapes, or
+            ``by_time_step`` without ``lengths``.
 
     Examples:
         >>> import torch
@@ -383,12 +465,18 @@ def group_relative_advantage(
         tensor([-1.1547,  0.5774,  0.5774,  0.0000,  0.0000,  0.0000], dtype=torch.float64)
         >>> group_relative_advantage(r, g, scale_rewards="none", baseline="leave_one_out")
         tensor([-1.0000,  0.5000,  0.5000,  0.0000,  0.0000,  0.0000], dtype=torch.float64)
+        >>> to_go = torch.tensor([3.0, 2.0, 1.0, 4.0, 3.0, 2.0, 1.0])  # episodes of 3 and 4 steps
+        >>> group_relative_advantage(to_go, torch.tensor([0, 0]), lengths=torch.tensor([3, 4]),
+        ...     by_time_step=True, scale_rewards="none")
+        tensor([-0.5000, -0.5000, -0.5000,  0.5000,  0.5000,  0.5000,  0.0000],
+               dtype=torch.float64)
     """
     _check_names(baseline, scale_rewards)
     _check_samples("x", x)
     _check_index(x, group_index, lengths)
     seg = Segments(group_index, num_groups, lengths)
-    adv = _advantage(seg.view(x.double()), seg, baseline, scale_rewards, epsilon)  # (S,)
+    steps = _time_steps(seg) if by_time_step else None
+    adv = _advantage(seg.view(x.double()), seg, baseline, scale_rewards, epsilon, steps)  # (S,)
     return batch_whiten(adv, epsilon=epsilon) if whiten else adv
 
 
@@ -557,6 +645,7 @@ def multi_reward_advantage(
     whiten: bool = True,
     epsilon: float = 1e-6,
     lengths: Tensor | None = None,
+    by_time_step: bool = False,
 ) -> Tensor:
     r"""GDPO: each reward normalized within its group, then summed with weights, then whitened.
 
@@ -583,6 +672,8 @@ def multi_reward_advantage(
         whiten: whiten the weighted sum over all ``S`` samples (GDPO's batch normalization).
         epsilon: floor of every std (TRL adds ``1e-4`` to it instead).
         lengths: samples per run, shape ``(R,)``, as in :func:`group_relative_advantage`.
+        by_time_step: each reward's baseline at each time step, as in
+            :func:`group_relative_advantage` (needs ``lengths``).
 
     Returns:
         Advantages, shape ``(S,)``, float64.
@@ -609,10 +700,12 @@ def multi_reward_advantage(
     _check_names(baseline, scale_rewards)
     _check_index(x[:, 0], group_index, lengths)
     seg = Segments(group_index, num_groups, lengths)
+    steps = _time_steps(seg) if by_time_step else None
     w = weights.double().tolist()
     x = x.double()
     adv = sum(  # a loop over the K rewards, each a pass over the samples
-        w[k] * _advantage(seg.view(x[:, k].contiguous()), seg, baseline, scale_rewards, epsilon)
+        w[k]
+        * _advantage(seg.view(x[:, k].contiguous()), seg, baseline, scale_rewards, epsilon, steps)
         for k in range(num_rewards)
     )
     if not torch.is_tensor(adv):  # K = 0

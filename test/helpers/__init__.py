@@ -4,6 +4,8 @@ trajectories and streams), ``helpers.writers`` (shared mode's writer processes),
 Fixtures are in ``conftest.py``."""
 
 from helpers.trajectories import (
+    GDPO_KEYS,
+    agent_episodes,
     assert_same_releases,
     bad_inputs,
     collector_stream,
@@ -22,6 +24,8 @@ from helpers.trajectories import (
 from helpers.writers import wait_for_file
 
 __all__ = [
+    "GDPO_KEYS",
+    "agent_episodes",
     "assert_same_releases",
     "bad_inputs",
     "collector_stream",

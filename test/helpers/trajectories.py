@@ -261,3 +261,34 @@ def flat_items(state, prefix=()):
             yield from flat_items(value, (*prefix, str(i)))
     else:
         yield prefix, state
+
+
+# two rewards, "reward" and "format" (agent_episodes writes both), and their GDPO weights
+GDPO_KEYS = {("next", "reward"): 1.0, ("next", "format"): 0.5}
+
+
+def agent_episodes(num_groups=2, size=3, seed=0, strings=False):
+    """Multi-step episodes whose states repeat within a group: (trajectories, the pieces)."""
+    gen = torch.Generator().manual_seed(seed)
+    trajs, returns, rewards, lengths, states, groups = [], [], [], [], [], []
+    for g in range(num_groups):
+        for _ in range(size):
+            n = int(torch.randint(1, 5, (1,), generator=gen))
+            r = torch.randint(0, 2, (n,), generator=gen).float()
+            s = torch.randint(0, 3, (n,), generator=gen)
+            obs = [f"room {int(v)}" for v in s] if strings else s
+            fmt = torch.rand(n, generator=gen)
+            trajs.append(trajectory(g, r.tolist(), obs=obs, next_format=fmt.reshape(n, 1)))
+            returns.append(float(r.sum()))
+            rewards.append(r)
+            lengths.append(n)
+            states.append(s)
+            groups.append(g)
+    pieces = (
+        torch.tensor(returns),
+        torch.tensor(groups),
+        torch.cat(rewards),
+        torch.tensor(lengths),
+        torch.cat(states),
+    )
+    return trajs, pieces

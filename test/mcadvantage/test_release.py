@@ -1,25 +1,19 @@
 """Tests of torchrl_grpo/mcadvantage/release.py: the advantages written on released groups."""
 
 import random
-import statistics
 
 import pytest
 import torch
 from helpers import (
-    collector_stream,
-    flat_items,
+    GDPO_KEYS,
+    agent_episodes,
     random_chunks,
-    random_stream,
     released,
-    same_output,
     stream_outputs,
-    streaming,
     trajectory,
 )
 from helpers.states import KEYS, options_of
-from tensordict import NonTensorData, NonTensorStack, TensorDict, lazy_stack
-from torchrl.objectives.llm import MCAdvantage as TorchRLMCAdvantage
-from torchrl.objectives.value.functional import reward2go
+from tensordict import NonTensorStack, TensorDict, lazy_stack
 
 from torchrl_grpo import MCAdvantage, group_relative_advantage
 from torchrl_grpo.advantages import (
@@ -169,6 +163,42 @@ class TestBeyondTorchRL:
         assert torch.equal(out.out["advantage"].reshape(-1), want)
         assert out.out["advantage"].shape == (3, 2)
 
+    def test_reward_to_go_by_time_step(self):
+        """Each element's discounted sum to its trajectory's end is the sample, compared with
+        the group's samples at the same time step: by hand, with the groups released in another
+        order than they arrived."""
+        trajs = [
+            trajectory(0, [1.0, 2.0, 4.0]),
+            trajectory(1, [5.0, 1.0]),
+            trajectory(0, [8.0]),
+            trajectory(1, [2.0]),
+        ]
+        out, _, _ = self.released(
+            trajs,
+            estimator=GRPO._replace(reward_to_go_gamma=0.5, reward_to_go_baseline="time_step"),
+            size=2,
+        )
+        # group 0: to-go [3, 4, 4] and [8]; t = 0: 3 vs 8 (deviations -2.5, 2.5), t = 1 and 2
+        # alone (0); pooled std sqrt(12.5 / (4 samples - 3 time steps)); group 1: [5.5, 1] and
+        # [2]: t = 0 deviations 1.75, -1.75, pooled std sqrt(6.125 / (3 - 2))
+        s0, s1 = 12.5**0.5, 6.125**0.5
+        want = [-2.5 / s0, 0.0, 0.0, 1.75 / s1, 0.0, 2.5 / s0, -1.75 / s1]
+        assert out.out["advantage"].reshape(-1).tolist() == pytest.approx(want, rel=1e-6)
+
+    def test_reward_to_go_by_time_step_element_by_element(self):
+        """Two reward elements per step: each discounted along the steps on its own, and each
+        compared with the same element of the same time step."""
+        out, _, _ = self.released(
+            [trajectory(0, [[1.0, 3.0], [1.0, 1.0]]), trajectory(0, [[2.0, 0.0]])],
+            estimator=GRPO._replace(reward_to_go_gamma=0.5, reward_to_go_baseline="time_step"),
+        )
+        # to-go [[1.5, 3.5], [1, 1]] and [[2, 0]]: step 0 element 0: 1.5 vs 2, element 1: 3.5
+        # vs 0; step 1 alone; pooled: (0.0625 * 2 + 3.0625 * 2) / (6 - 4)
+        scale = ((0.0625 * 2 + 3.0625 * 2) / 2) ** 0.5
+        want = [-0.25 / scale, 1.75 / scale, 0.0, 0.0, 0.25 / scale, -1.75 / scale]
+        assert out.out["advantage"].reshape(-1).tolist() == pytest.approx(want, rel=1e-6)
+        assert out.out["advantage"].shape == (3, 2)
+
 
 class TestReleasedAnchors:
     def test_tensors_as_they_are(self):
@@ -190,36 +220,6 @@ class TestReleasedAnchors:
             0,
             2,
         ]  # the dtype counts
-
-
-GDPO_KEYS = {("next", "reward"): 1.0, ("next", "format"): 0.5}
-
-
-def agent_episodes(num_groups=2, size=3, seed=0, strings=False):
-    """Multi-step episodes whose states repeat within a group: (trajectories, the pieces)."""
-    gen = torch.Generator().manual_seed(seed)
-    trajs, returns, rewards, lengths, states, groups = [], [], [], [], [], []
-    for g in range(num_groups):
-        for _ in range(size):
-            n = int(torch.randint(1, 5, (1,), generator=gen))
-            r = torch.randint(0, 2, (n,), generator=gen).float()
-            s = torch.randint(0, 3, (n,), generator=gen)
-            obs = [f"room {int(v)}" for v in s] if strings else s
-            fmt = torch.rand(n, generator=gen)
-            trajs.append(trajectory(g, r.tolist(), obs=obs, next_format=fmt.reshape(n, 1)))
-            returns.append(float(r.sum()))
-            rewards.append(r)
-            lengths.append(n)
-            states.append(s)
-            groups.append(g)
-    pieces = (
-        torch.tensor(returns),
-        torch.tensor(groups),
-        torch.cat(rewards),
-        torch.tensor(lengths),
-        torch.cat(states),
-    )
-    return trajs, pieces
 
 
 class TestEstimatorsBeyondTorchRL:
@@ -525,188 +525,3 @@ class TestEstimatorsBeyondTorchRL:
 # --------------------------------------------------------------------------------------------
 # trajectories that cross insertions (traj_key)
 # --------------------------------------------------------------------------------------------
-
-
-def _with_reward2go(steps, gamma, key=("next", "reward"), out=("next", "reward_to_go")):
-    """``steps`` (flat, whole trajectories) with torchrl's ``reward2go`` of ``key`` under ``out``:
-    the reference the transform must reproduce."""
-    reward = steps.get(key)
-    done = steps["next", "done"].expand_as(reward)  # one flag per element, as reward2go wants
-    return steps.clone().set(out, reward2go(reward, done, gamma, time_dim=-2))
-
-
-class TestRewardToGo:
-    def test_by_hand(self):
-        # group 0: rewards [1, 2, 4] and [10, 0]; with gamma 0.5 the samples are the
-        # rewards-to-go [1 + 1 + 1, 2 + 2, 4] and [10, 0]
-        trajs = [trajectory(0, [1.0, 2.0, 4.0]), trajectory(0, [10.0, 0.0])]
-        t = MCAdvantage(2, prompt_key="seed", reward_to_go_gamma=0.5)
-        out = t.inv(torch.cat(trajs))
-        samples = [3.0, 4.0, 4.0, 10.0, 0.0]
-        mean, std = statistics.mean(samples), statistics.stdev(samples)  # Bessel's correction
-        want = [(x - mean) / std for x in samples]
-        assert out["advantage"].squeeze(-1).tolist() == pytest.approx(want, rel=1e-6)
-        assert out["advantage"].dtype == torch.float32 and out["advantage"].shape == (5, 1)
-
-    # gamma = 0: torchrl's reward2go fails (an empty geometric series); test_neutral_discounts
-    # checks it against the plain rewards instead
-    @pytest.mark.parametrize("gamma", [0.5, 0.99, 1.0])
-    @pytest.mark.parametrize(
-        "estimator",
-        [{}, {"scale_rewards": "none", "baseline": "leave_one_out"}, {"step_norm": True}],
-        ids=["grpo", "rloo", "step_norm"],
-    )
-    def test_equals_reward2go_then_torchrl(self, gamma, estimator):
-        """Whole trajectories: the same advantages as torchrl's ``reward2go`` written on the
-        batch, then torchrl's ``MCAdvantage`` (our plain one for the keywords beyond torchrl)."""
-        chunks = random_chunks(random_stream(6, 3, seed=1, max_len=12), seed=2)
-        ours = MCAdvantage(3, prompt_key="seed", reward_to_go_gamma=gamma, **estimator)
-        reference = TorchRLMCAdvantage if not estimator else MCAdvantage
-        ref = reference(3, prompt_key="seed", rewards_key=("next", "reward_to_go"), **estimator)
-        written = 0
-        for chunk in chunks:
-            got, want = released(ours.inv(chunk)), released(ref.inv(_with_reward2go(chunk, gamma)))
-            assert got.keys() == want.keys()
-            for uid, adv in want.items():
-                torch.testing.assert_close(got[uid], adv, atol=1e-5, rtol=1e-5)
-            written += len(got)
-        assert written > 0 and ours.get_stats()["written_groups"] == 6
-
-    @pytest.mark.parametrize("layout", ["rows", "flat"])
-    def test_streaming_batches_equal_whole_trajectories(self, layout):
-        """``[N, T]`` batches cut anywhere: the reward-to-go is computed on the joined
-        trajectories, equal to ``reward2go`` on each whole trajectory."""
-        batches, completed = collector_stream(4, 6, 3, seed=12, max_len=11, steps_per_batch=4)
-        ours = streaming(reward_to_go_gamma=0.9)
-        ref = streaming(traj_key=None, rewards_key=("next", "reward_to_go"))
-        crossed = False
-        for batch, whole in zip(batches, completed):
-            got = ours.inv(batch if layout == "rows" else batch.reshape(-1))
-            crossed = crossed or ours.held_trajectories > 0
-            want = None
-            if whole:
-                want = ref.inv(torch.cat([_with_reward2go(w, 0.9) for w in whole]))
-            if want is None:
-                assert got is None
-                continue
-            assert got["uid"].tolist() == want["uid"].tolist()
-            torch.testing.assert_close(got["advantage"], want["advantage"], atol=1e-5, rtol=1e-5)
-        assert crossed and ours.held_trajectories == ours.queued_trajectories == 0
-
-    def test_neutral_discounts(self):
-        """gamma 0: the rewards themselves; single-step trajectories: any gamma; gamma 1: the
-        undiscounted sum to the end."""
-        chunks = random_chunks(random_stream(5, 3, seed=3, max_len=6), seed=4)
-        plain = MCAdvantage(3, prompt_key="seed")
-        zero = MCAdvantage(3, prompt_key="seed", reward_to_go_gamma=0.0)
-        for chunk in chunks:
-            got, want = released(zero.inv(chunk.clone())), released(plain.inv(chunk.clone()))
-            assert got.keys() == want.keys()
-            assert all(torch.equal(got[uid], want[uid]) for uid in want)
-        single = random_stream(4, 3, seed=5, max_len=1)
-        want = MCAdvantage(3, prompt_key="seed").inv(torch.cat(single))["advantage"]
-        got = MCAdvantage(3, prompt_key="seed", reward_to_go_gamma=0.7).inv(torch.cat(single))
-        assert torch.equal(got["advantage"], want)
-        trajs = [trajectory(0, [1.0, 2.0, 3.0]), trajectory(0, [5.0])]
-        got = MCAdvantage(2, prompt_key="seed", reward_to_go_gamma=1.0).inv(torch.cat(trajs))
-        want = MCAdvantage(2, prompt_key="seed").inv(
-            torch.cat([trajectory(0, [6.0, 5.0, 3.0]), trajectory(0, [5.0])])
-        )
-        torch.testing.assert_close(got["advantage"], want["advantage"])
-
-    def test_several_elements_per_step(self):
-        """A reward of two elements per step: each element discounted along the steps, as
-        ``reward2go`` does with a trailing dimension."""
-        gen = torch.Generator().manual_seed(6)
-        trajs = [trajectory(g, torch.randn(n, 2, generator=gen)) for g in (0, 1) for n in (3, 1, 4)]
-        steps = torch.cat(trajs)
-        got = MCAdvantage(3, prompt_key="seed", reward_to_go_gamma=0.8).inv(steps.clone())
-        want = MCAdvantage(3, prompt_key="seed", rewards_key=("next", "reward_to_go")).inv(
-            _with_reward2go(steps, 0.8)
-        )
-        assert got["advantage"].shape == (steps.shape[0], 2)
-        torch.testing.assert_close(got["advantage"], want["advantage"], atol=1e-5, rtol=1e-5)
-
-    def test_several_rewards(self):
-        """GDPO: each reward's reward-to-go normalized within the group, then weighted."""
-        trajs, _ = agent_episodes(seed=11)
-        steps = torch.cat(trajs)
-        got = MCAdvantage(3, prompt_key="seed", reward_weights=GDPO_KEYS, reward_to_go_gamma=0.6)
-        discounted = _with_reward2go(
-            _with_reward2go(steps, 0.6, out=("next", "reward_rtg")),
-            0.6,
-            key=("next", "format"),
-            out=("next", "format_rtg"),
-        )
-        ref = MCAdvantage(
-            3,
-            prompt_key="seed",
-            reward_weights={("next", "reward_rtg"): 1.0, ("next", "format_rtg"): 0.5},
-        )
-        torch.testing.assert_close(
-            got.inv(steps)["advantage"], ref.inv(discounted)["advantage"], atol=1e-5, rtol=1e-5
-        )
-
-    def test_checkpoint_state_is_unaffected(self, tmp_path):
-        """The reward-to-go is computed at release: what is pending or held (and saved) is the
-        raw steps, the same with or without it, and a state saved by either restores in either."""
-        batches, _ = collector_stream(4, 6, 3, seed=13, max_len=9, steps_per_batch=4)
-        with_it, without = streaming(reward_to_go_gamma=0.9), streaming()
-        for batch in batches[:3]:
-            with_it.inv(batch.clone())
-            without.inv(batch.clone())
-        assert with_it.held_trajectories > 0 and with_it.queued_trajectories > 0
-        saved, plain = with_it.state_dict(), without.state_dict()
-        torch.save(plain, tmp_path / "plain.pt")
-        saved, plain = dict(flat_items(saved)), dict(flat_items(plain))
-        assert (
-            saved.keys() == plain.keys()
-            and ("_extra_state", "pending", "steps", "next", "reward") in saved
-        )
-        for path, value in saved.items():  # tensors and plain Python values
-            assert type(value) is type(plain[path]), path
-            same = (
-                torch.equal(value, plain[path]) if torch.is_tensor(value) else value == plain[path]
-            )
-            assert same, path
-        restored = streaming(reward_to_go_gamma=0.9)
-        restored.load_state_dict(torch.load(tmp_path / "plain.pt", weights_only=True))
-        for batch in batches[3:]:
-            same_output(restored.inv(batch.clone()), with_it.inv(batch.clone()))
-
-    def test_validation(self):
-        for kw, error, words in [
-            (dict(reward_to_go_gamma=1.5), ValueError, r"reward_to_go_gamma must be in \[0, 1\]"),
-            (dict(reward_to_go_gamma=-0.1), ValueError, r"must be in \[0, 1\], got -0.1"),
-            (dict(reward_to_go_gamma=float("nan")), ValueError, r"must be in \[0, 1\], got nan"),
-            (dict(reward_to_go_gamma=True), TypeError, "real number .*True .*bool"),
-            (dict(reward_to_go_gamma="0.9"), TypeError, "real number .*'0.9' .*str"),
-            (
-                dict(reward_to_go_gamma=0.9, trajectory_return="sum"),
-                ValueError,
-                "requires trajectory_return=None, got trajectory_return='sum'",
-            ),
-            (
-                dict(reward_to_go_gamma=0.9, anchor_key="obs"),
-                ValueError,
-                "cannot be combined with anchor_key.*step_reward_gamma",
-            ),
-        ]:
-            with pytest.raises(error, match=words):
-                MCAdvantage(4, **kw)
-        assert MCAdvantage(4, reward_to_go_gamma=1).reward_to_go_gamma == 1.0  # an int is fine
-        assert MCAdvantage(4).reward_to_go_gamma is None
-
-    def test_ragged_steps_raise_and_change_nothing(self):
-        t = MCAdvantage(2, reward_to_go_gamma=0.9)
-        steps = [
-            TensorDict(
-                query=NonTensorData("prompt"),
-                next=TensorDict(reward=torch.ones(n, 1), done=torch.tensor([done])),
-            )
-            for n, done in ((2, False), (3, True))
-        ]
-        before = t.get_stats()
-        with pytest.raises(ValueError, match="reward_to_go_gamma .* ragged"):
-            t.inv(lazy_stack(steps))
-        assert t.get_stats() == before and t.queued_trajectories == 0

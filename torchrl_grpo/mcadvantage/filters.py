@@ -11,7 +11,8 @@ torchrl computes them (in the reward's dtype, see
 
 torchrl counts a group in ``selected_trajectories`` after the first test. ``std_threshold`` (not
 in torchrl) is part of selection: a group whose float64 std of the advantage's samples is at or
-below it is neither selected nor written.
+below it is neither selected nor written (with ``reward_to_go_gamma``, the std around each time
+step's mean, so a group of identical episodes has std 0).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ def filter_groups(
     *,
     runs: Tensor | None = None,
     torchrl_returns: Tensor | None = None,
+    by_time_step: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """Per group, whether it is selected, and whether it is written.
 
@@ -44,6 +46,8 @@ def filter_groups(
         runs: samples per run, or ``None``.
         torchrl_returns: ``(G, size)`` the returns of each group as torchrl computes them, in
             the order torchrl sees them; needed with ``keep_return_bounds``.
+        by_time_step: the samples are rewards-to-go, their std taken around each time step's
+            mean (:func:`~torchrl_grpo.advantages.group_std`), as the advantage compares them.
 
     Returns:
         ``(selected, kept)``, each ``(G,)`` bool; ``kept`` implies ``selected``.
@@ -58,7 +62,7 @@ def filter_groups(
     selected = torch.ones(num_groups, dtype=torch.bool)
     kept = selected
     if group_filter.std_threshold is not None:
-        std = group_std(x, group_index, num_groups, lengths=runs)
+        std = group_std(x, group_index, num_groups, lengths=runs, by_time_step=by_time_step)
         selected = std > group_filter.std_threshold
         kept = selected
     if group_filter.keep_return_bounds is not None:

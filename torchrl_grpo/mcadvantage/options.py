@@ -78,6 +78,8 @@ class Estimator(NamedTuple):
     whiten: bool = False
     step_groups: StepGroups | None = None
     reward_to_go_gamma: float | None = None
+    # with reward_to_go_gamma: "group" (the mean over every step of the group) or "time_step"
+    reward_to_go_baseline: str = "group"
 
 
 class GroupFilter(NamedTuple):
@@ -151,6 +153,7 @@ SETTINGS = {
     "step_norm": ("estimator", "step_norm"),
     "whiten": ("estimator", "whiten"),
     "reward_to_go_gamma": ("estimator", "reward_to_go_gamma"),
+    "reward_to_go_baseline": ("estimator", "reward_to_go_baseline"),
     "keep_return_bounds": ("group_filter", "keep_return_bounds"),
     "std_threshold": ("group_filter", "std_threshold"),
     "candidate_group_size": ("selection", "candidate_group_size"),
@@ -231,6 +234,7 @@ def make_options(
 KEYWORDS = {
     "trajectory_return": None,
     "reward_to_go_gamma": None,
+    "reward_to_go_baseline": "group",
     "keep_return_bounds": None,
     "candidate_group_size": None,
     "candidate_selection_min_size": None,
@@ -332,6 +336,7 @@ def _estimator(kw: dict, trajectory_return: str | None, several_rewards: bool) -
         whiten=several_rewards if whiten is None else bool(whiten),
         step_groups=_step_groups(kw),
         reward_to_go_gamma=_reward_to_go_gamma(kw, trajectory_return),
+        reward_to_go_baseline=_reward_to_go_baseline(kw),
     )
 
 
@@ -417,6 +422,24 @@ def _step_groups(kw: dict) -> StepGroups | None:
     if not 0.0 <= groups.gamma <= 1.0:
         raise ValueError(f"step_reward_gamma must be in [0, 1], got {gamma}.")
     return groups
+
+
+REWARD_TO_GO_BASELINES = ("group", "time_step")
+
+
+def _reward_to_go_baseline(kw: dict) -> str:
+    """``reward_to_go_baseline`` checked: one of :data:`REWARD_TO_GO_BASELINES`, and only
+    chosen with ``reward_to_go_gamma``."""
+    value = kw["reward_to_go_baseline"]
+    if value not in REWARD_TO_GO_BASELINES:
+        raise ValueError(
+            f"reward_to_go_baseline must be one of {list(REWARD_TO_GO_BASELINES)}, got {value!r}."
+        )
+    if value != "group" and kw["reward_to_go_gamma"] is None:
+        raise ValueError(
+            f"reward_to_go_baseline={value!r} compares rewards-to-go: it needs reward_to_go_gamma."
+        )
+    return value
 
 
 def _reward_to_go_gamma(kw: dict, trajectory_return: str | None) -> float | None:

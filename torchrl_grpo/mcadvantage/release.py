@@ -23,6 +23,7 @@ from torchrl_grpo.advantages import (
     anchor_step_groups,
     discounted_returns,
     group_relative_advantage,
+    group_std,
     multi_reward_advantage,
     step_level_advantage,
 )
@@ -97,9 +98,12 @@ def release(
             num_rounds,
             runs=runs,
             torchrl_returns=_by_round(released.torchrl, member_round, num_rounds),
+            by_time_step=estimator.reward_to_go_gamma is not None,  # between trajectories
         )
         selected = int(selection.sum())
     adv = _group_advantage(x, runs, samples.per_key, member_round, num_rounds, options)
+    if estimator.reward_to_go_gamma is not None and estimator.reward_to_go_baseline == "group":
+        adv = _identical_to_zero(adv, samples, member_round, num_rounds)
     if estimator.step_groups is not None:
         adv = _with_step_groups(adv, samples, out, member_round, num_rounds, options)
     adv = _on_elements(adv, samples, options)
@@ -140,6 +144,7 @@ def _group_advantage(x, runs, per_key, member_round, num_rounds: int, options: O
         epsilon=estimator.epsilon,
         whiten=estimator.whiten,
         lengths=runs,
+        by_time_step=estimator.reward_to_go_baseline == "time_step",
     )
     if per_key is None:
         return group_relative_advantage(x, member_round, num_rounds, **kw)
@@ -151,6 +156,22 @@ def _group_advantage(x, runs, per_key, member_round, num_rounds: int, options: O
         weights=torch.tensor(weights, dtype=torch.float64),
         **kw,
     )
+
+
+def _identical_to_zero(adv: Tensor, samples: _Samples, member_round, num_rounds: int) -> Tensor:
+    """Rewards-to-go over the group's steps: zero the advantages of a group whose trajectories
+    have, reward by reward, the same samples at every time step (identical episodes), which the
+    constant baseline would otherwise rank by time step. The group's trajectories then differ in
+    nothing, and the other modes give them ``0`` too."""
+    runs = samples.elems
+    values = samples.per_key or [samples.values]
+    spread = sum(
+        group_std(v, member_round, num_rounds, lengths=runs, by_time_step=True) for v in values
+    )
+    same = spread == 0  # (R,) exact: equal samples have deviations of exactly 0
+    if not bool(same.any()):
+        return adv
+    return adv.masked_fill(samples.by_elems().expand(same[member_round]), 0.0)
 
 
 def _with_step_groups(adv, samples: _Samples, out: Steps, member_round, num_rounds, options):

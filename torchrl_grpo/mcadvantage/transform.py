@@ -135,6 +135,15 @@ class MCAdvantage(Transform):
             trailing dimensions). ``0`` gives the rewards themselves, ``1`` the undiscounted sum
             to the end. Requires ``trajectory_return=None``; not with ``anchor_key`` (GiGPO
             discounts its step level with ``step_reward_gamma``), nor with ragged steps.
+            A group whose trajectories have equal rewards-to-go at every time step (identical
+            episodes) gets advantages of exactly ``0``, as in the other modes.
+        reward_to_go_baseline: with ``reward_to_go_gamma``, what each step's reward-to-go is
+            compared with: ``"group"`` (default), the mean over every step of the group's
+            trajectories (a constant baseline: the steps that led to a fall get negative
+            advantages even within one trajectory), or ``"time_step"``, the mean over the
+            group's trajectories at the same time step (a time-dependent baseline; the scale is
+            the pooled std of those deviations; see
+            :func:`~torchrl_grpo.advantages.group_relative_advantage` with ``by_time_step``).
         keep_return_bounds: exclusive ``(low, high)`` bounds on a group's mean return; a group
             outside them is dropped (DAPO dynamic sampling), decided as torchrl decides it.
             Requires ``trajectory_return``.
@@ -148,7 +157,9 @@ class MCAdvantage(Transform):
             pass@k, verl ``grpo_passk``: a group's unique best sample gets its gap to the
             runner-up, every other sample ``0``).
         std_threshold: groups whose sample std is at or below it are dropped and counted in
-            ``dropped_groups`` (Trinity-RFT). ``None`` (default) keeps every group.
+            ``dropped_groups`` (Trinity-RFT). ``None`` (default) keeps every group. With
+            ``reward_to_go_gamma``, the std is the spread between the group's trajectories at
+            each time step, so ``0`` drops groups of identical episodes.
         step_norm: divide each trajectory's advantages by its number of steps.
         epsilon: floor of the std (``clamp_min``). Defaults to ``1e-6``, as torchrl.
         whiten: after the baseline and the scale, whiten the advantages over every sample
@@ -238,6 +249,7 @@ class MCAdvantage(Transform):
         *,
         trajectory_return: str | None = None,
         reward_to_go_gamma: float | None = None,
+        reward_to_go_baseline: str = "group",
         keep_return_bounds: tuple[float, float] | None = None,
         candidate_group_size: int | None = None,
         candidate_selection_min_size: int | None = None,
@@ -285,6 +297,7 @@ class MCAdvantage(Transform):
     anchor_key = Setting("Key of each step's anchor state (GiGPO).")
     trajectory_return = Setting("How a return is reduced.")
     reward_to_go_gamma = Setting("Discount of the per-step reward-to-go (``None``: off).")
+    reward_to_go_baseline = Setting("``group`` or ``time_step``.")
     baseline = Setting("``mean``, ``leave_one_out``, ``pass_at_k``.")
     scale_rewards = Setting("``group``, ``batch`` or ``none``.")
     epsilon = Setting("Floor of the scale.")
