@@ -85,20 +85,19 @@ def profile_pipeline(ex, cfg, steps: int, contiguous: bool) -> dict[str, float]:
         real_contiguous, ex.Contiguous = ex.Contiguous, Identity
     try:
         torch.manual_seed(0)
-        tokenizer = ex.make_tokenizer()
-        model = ex.make_model(cfg, tokenizer)
+        task = ex.digit_sum_task(cfg.digits)
+        model, tokenizer = ex.tiny_qwen2(cfg, task)
         ref_model = copy.deepcopy(model).requires_grad_(False)
         gen = torch.Generator().manual_seed(0)
-        eval_digits = ex.draw_problems(gen, cfg.eval_prompts, cfg.digits, torch.tensor([-1]))
-        collector, rb = ex.make_collector(
-            cfg, model, ref_model, tokenizer, gen, ex.problem_code(eval_digits)
-        )
+        eval_problems = ex.draw_problems(task, gen, cfg.eval_prompts, set())
+        held_out = set(eval_problems["query"])
+        collector, rb = ex.make_collector(cfg, task, model, ref_model, tokenizer, gen, held_out)
     finally:
         if not contiguous:
             ex.Contiguous = real_contiguous
     loss_fn = ex.make_loss(ex.make_scorer(model, tokenizer, cfg), cfg)
     eval_accuracy = ex.GreedyAccuracy(
-        tokenizer, eval_digits, ex.make_sampler(model, tokenizer, cfg, greedy=True)
+        tokenizer, task, eval_problems, ex.make_sampler(model, tokenizer, cfg, greedy=True)
     )
     optim = torch.optim.Adam(model.parameters(), lr=cfg.lr)
 
@@ -169,13 +168,11 @@ def per_call(ex, cfg) -> list[tuple[str, float, float]]:
     """(call, through torchrl's wrappers ms, on the model itself ms) on one step's batch."""
     from tensordict import TensorDict
 
-    tokenizer = ex.make_tokenizer()
-    model = ex.make_model(cfg, tokenizer)
+    task = ex.digit_sum_task(cfg.digits)
+    model, tokenizer = ex.tiny_qwen2(cfg, task)
     rows = cfg.prompts_per_step * cfg.group_size
-    digits = ex.draw_problems(
-        torch.Generator().manual_seed(0), rows, cfg.digits, torch.tensor([-1])
-    )
-    prompts = torch.tensor(tokenizer([ex.prompt_text(d) for d in digits.tolist()])["input_ids"])
+    problems = ex.draw_problems(task, torch.Generator().manual_seed(0), rows, set())
+    prompts = torch.tensor(tokenizer(list(problems["query"]))["input_ids"])
     sampler = ex.make_sampler(model, tokenizer, cfg)
     scorer = ex.make_scorer(model, tokenizer, cfg)
 

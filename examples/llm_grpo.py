@@ -29,9 +29,13 @@ completions differ). Run (needs the ``llm`` and ``examples`` extras:
 
 It prints the greedy accuracy on 500 held-out prompts after the warm start and during GRPO, logs
 every metric with torchrl's ``CSVLogger`` under ``--out`` (through the trainer), saves
-``llm_grpo.png`` there, and ends with one line::
+``llm_grpo.png`` and the trained model and tokenizer (``model/``, ``tokenizer/``) there, and
+ends with one line::
 
     RESULT acc_before=<float> acc_after=<float> wall_s=<float>
+
+Another task or model, without editing this file: ``main(task=Task(...))`` and
+``main(model_and_tokenizer=...)`` (see ``Task``, ``tiny_qwen2`` and docs/tutorial_llm.rst).
 """
 
 # ruff: noqa: E402  (the clock starts before the imports: wall_s covers the whole run)
@@ -44,8 +48,9 @@ import copy
 import dataclasses
 import gc
 import math
-import os
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import matplotlib
 
@@ -82,53 +87,130 @@ set_list_to_stack(True).set()  # torchrl's LLM envs keep lists of strings as sta
 class Settings:
     """Every setting of the run; each is a command-line flag (``--group-size 8``)."""
 
-    seed: int = 0
-    out: str = "runs/llm_grpo"  # each run writes its CSV metrics and PNG in a new folder here
-    threads: int = 1  # torch threads; 1 is fastest on a 2-core machine shared with other jobs
-    device: str = "cpu"  # where the model and its wrappers compute (cpu, cuda, ...)
-    lean: bool = True  # score with LeanTransformersWrapper (no logits); --no-lean: torchrl's
-    # task
-    digits: int = 4  # digits per prompt; the answer is their sum
-    eval_prompts: int = 500  # held-out prompts for the greedy accuracy (fixed, never trained on)
-    # model: Qwen2 architecture, tiny
-    n_layer: int = 2
-    n_embd: int = 64
-    n_head: int = 4
-    # warm start: supervised, stopped as soon as it is partly right
-    sft_lr: float = 1e-3
-    sft_batch: int = 64
-    sft_target: float = 0.30  # stop when greedy accuracy on a validation set reaches this
-    sft_max_steps: int = 3000
-    sft_check_every: int = 2  # the tiny Qwen2 moves fast: every 5 steps can overshoot the target
-    # GRPO
-    steps: int = 150  # GRPO steps (each: collect, score, extend the buffer, optimize)
-    prompts_per_step: int = 64
-    group_size: int = 8  # completions per prompt, the G of GRPO
-    max_new_tokens: int = 3  # the longest right answer: two digits and end-of-sequence
-    epochs: int = 2  # passes over each step's data
-    minibatch: int = 64  # 8 minibatches per pass: 16 optimizer steps per GRPO step
-    lr: float = 5e-4  # Adam: linear warm-up, then cosine decay to 0 at `steps` or `time_limit`
-    warmup_steps: int = 10
-    dynamic_sampling: bool = False  # drop groups whose completions all score the same (DAPO)
-    clip_epsilon: float = 0.2  # the ratio is clipped to [1 - clip_epsilon, 1 + clip_epsilon_high]
-    clip_epsilon_high: float = 0.28  # DAPO's clip-higher: rare right answers can gain faster
-    kl_coeff: float = 0.02  # beta of the KL to the reference, in the loss
-    entropy_coeff: float = 0.0
-    eval_every: int = 10
-    time_limit: float = 190.0  # stop GRPO once the run has taken this long (seconds)
+    seed: int = field(default=0, metadata={"help": "seed of torch and of the training prompts"})
+    out: str = field(
+        default="runs/llm_grpo",
+        metadata={
+            "help": "each run writes its metrics, plot and trained model in a new folder here"
+        },
+    )
+    threads: int = field(
+        default=1, metadata={"help": "torch threads (1 is fastest on a 2-core machine)"}
+    )
+    device: str = field(
+        default="cpu",
+        metadata={"help": "where the model and its wrappers compute (cpu, cuda, ...)"},
+    )
+    lean: bool = field(
+        default=True,
+        metadata={
+            "help": "score with LeanTransformersWrapper (log-probs without the logits); "
+            "--no-lean: torchrl's TransformersWrapper"
+        },
+    )
+    digits: int = field(
+        default=4, metadata={"help": "digit sum task: digits per prompt (the answer is their sum)"}
+    )
+    eval_prompts: int = field(
+        default=500,
+        metadata={"help": "held-out prompts of the greedy accuracy (fixed, never trained on)"},
+    )
+    n_layer: int = field(default=2, metadata={"help": "tiny Qwen2: decoder layers"})
+    n_embd: int = field(default=64, metadata={"help": "tiny Qwen2: hidden size"})
+    n_head: int = field(default=4, metadata={"help": "tiny Qwen2: attention heads"})
+    sft_lr: float = field(default=1e-3, metadata={"help": "warm start: AdamW learning rate"})
+    sft_batch: int = field(default=64, metadata={"help": "warm start: prompts per step"})
+    sft_target: float = field(
+        default=0.30,
+        metadata={
+            "help": "warm start: stop when the greedy accuracy on validation prompts "
+            "reaches this (GRPO needs groups whose completions differ)"
+        },
+    )
+    sft_max_steps: int = field(
+        default=3000, metadata={"help": "warm start: at most this many steps"}
+    )
+    sft_check_every: int = field(
+        default=2,
+        metadata={"help": "warm start: steps between two checks (the tiny model moves fast)"},
+    )
+    steps: int = field(
+        default=150,
+        metadata={"help": "GRPO steps (each: collect, score, extend the buffer, optimize)"},
+    )
+    prompts_per_step: int = field(default=64, metadata={"help": "fresh prompts per GRPO step"})
+    group_size: int = field(default=8, metadata={"help": "G: completions per prompt"})
+    max_new_tokens: int | None = field(
+        default=None,
+        metadata={
+            "type": int,
+            "help": "tokens a completion may take (default: the task's longest answer and "
+            "end-of-sequence)",
+        },
+    )
+    epochs: int = field(default=2, metadata={"help": "passes over each GRPO step's data"})
+    minibatch: int = field(default=64, metadata={"help": "completions per optimizer step"})
+    lr: float = field(
+        default=5e-4,
+        metadata={
+            "help": "Adam learning rate: linear warm-up, then cosine decay to 0 at --steps "
+            "or at --time-limit, whichever comes first (both shrink together)"
+        },
+    )
+    warmup_steps: int = field(
+        default=10,
+        metadata={
+            "help": "warm-up length in GRPO steps (a shorter share when --time-limit "
+            "allows fewer steps)"
+        },
+    )
+    dynamic_sampling: bool = field(
+        default=False,
+        metadata={"help": "drop groups whose completions all score the same (DAPO)"},
+    )
+    clip_epsilon: float = field(
+        default=0.2,
+        metadata={"help": "the ratio is clipped to [1 - this, 1 + --clip-epsilon-high]"},
+    )
+    clip_epsilon_high: float = field(
+        default=0.28, metadata={"help": "DAPO's clip-higher: rare right answers can gain faster"}
+    )
+    kl_coeff: float = field(default=0.02, metadata={"help": "beta of the KL to the reference"})
+    entropy_coeff: float = field(default=0.0, metadata={"help": "entropy bonus"})
+    eval_every: int = field(default=10, metadata={"help": "GRPO steps between two evaluations"})
+    time_limit: float = field(
+        default=190.0,
+        metadata={
+            "help": "stop GRPO once the run (imports included) has taken this long, in "
+            "seconds; the learning-rate schedule ends there too"
+        },
+    )
 
 
-def parse_args(argv=None) -> Settings:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    for field in dataclasses.fields(Settings):
-        flag = "--" + field.name.replace("_", "-")
-        if isinstance(field.default, bool):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default)
+def parse_args(argv=None, task: "Task | None" = None) -> Settings:
+    """The settings of the run; ``--help`` documents each, with its default.
+
+    ``--max-new-tokens`` defaults to what ``task`` needs (by default the digit sum's, for
+    ``--digits``): its longest answer and end-of-sequence.
+    """
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    for f in dataclasses.fields(Settings):
+        flag = "--" + f.name.replace("_", "-")
+        if isinstance(f.default, bool):
+            action = argparse.BooleanOptionalAction
+            parser.add_argument(flag, action=action, default=f.default, help=f.metadata["help"])
         else:
-            parser.add_argument(flag, type=type(field.default), default=field.default)
+            kind = f.metadata.get("type", type(f.default))
+            parser.add_argument(flag, type=kind, default=f.default, help=f.metadata["help"])
     cfg = Settings(**vars(parser.parse_args(argv)))
     if cfg.steps < 1 or cfg.group_size < 2:
         parser.error("--steps must be at least 1 and --group-size at least 2")
+    if cfg.max_new_tokens is None:
+        task = task or digit_sum_task(cfg.digits)
+        cfg.max_new_tokens = task.answer_length + 1
     return cfg
 
 
@@ -137,6 +219,66 @@ def parse_args(argv=None) -> Settings:
 # --------------------------------------------------------------------------------------------
 
 EOS, PAD = "<eos>", "<pad>"
+
+
+@dataclass(frozen=True)
+class Task:
+    """A verifiable task: random problems with their answers, and a reward.
+
+    ``main(task=...)`` trains on any such task; :func:`digit_sum_task` builds the default one.
+
+    Attributes:
+        name: names the run's folder.
+        alphabet: every character of the prompts and answers (the default tokenizer has one
+            token per character, plus end-of-sequence and padding).
+        prompt_length: characters of the longest prompt.
+        answer_length: characters of the longest right answer (a completion may take this many
+            tokens and end-of-sequence, unless ``--max-new-tokens`` says otherwise).
+        draw: ``draw(gen, n)``: ``n`` random problems under the generator ``gen``, as a list of
+            ``(prompt, answer)`` strings. Training never sees the ``--eval-prompts`` held-out
+            prompts, so the task needs many more distinct prompts than that (drawing stops with
+            a ``ValueError`` when it finds none outside them).
+        reward: ``reward(completion, answer)``: the score of a completion, the decoded response
+            up to its first end-of-sequence token, followed by ``EOS`` if it has one.
+    """
+
+    name: str
+    alphabet: str
+    prompt_length: int
+    answer_length: int
+    draw: Callable[[torch.Generator, int], list[tuple[str, str]]]
+    reward: Callable[[str, str], float]
+
+
+def digit_sum_task(digits: int = 4) -> Task:
+    """Read ``digits`` digits and write their sum: ``"3 9 1 4=" -> "17"``; reward 1 for exactly
+    the sum followed by end-of-sequence, else 0."""
+
+    def draw(gen: torch.Generator, n: int) -> list[tuple[str, str]]:
+        rows = torch.randint(0, 10, (n, digits), generator=gen).tolist()
+        return [(prompt_text(row), str(sum(row))) for row in rows]
+
+    return Task(
+        name="digit_sum",
+        alphabet="0123456789 =",
+        prompt_length=2 * digits,
+        answer_length=len(str(9 * digits)),
+        draw=draw,
+        reward=reward,
+    )
+
+
+def prompt_text(digits: list[int]) -> str:
+    return " ".join(map(str, digits)) + "="
+
+
+def reward(completion: str, answer: str) -> float:
+    """1 for exactly the answer, in decimal, followed by end-of-sequence; 0 otherwise.
+
+    ``completion`` is the decoded response; anything after the first end-of-sequence token
+    (padding) is ignored.
+    """
+    return float(completion.startswith(answer + EOS))
 
 
 def make_tokenizer(chars: str = "0123456789 =") -> PreTrainedTokenizerFast:
@@ -155,70 +297,61 @@ def make_tokenizer(chars: str = "0123456789 =") -> PreTrainedTokenizerFast:
     return tokenizer
 
 
-def prompt_text(digits: list[int]) -> str:
-    return " ".join(map(str, digits)) + "="
+def draw_problems(task: Task, gen: torch.Generator, n: int, exclude: set[str]) -> TensorDict:
+    """``n`` problems of ``task`` whose prompts are not in ``exclude``, as the env's data: the
+    prompt (``"query"``) and the expected answer."""
+    rows: list[tuple[str, str]] = []
+    for _ in range(100):
+        rows += [row for row in task.draw(gen, 2 * (n - len(rows))) if row[0] not in exclude]
+        if len(rows) >= n:
+            break
+    else:
+        raise ValueError(
+            f"task {task.name!r}: drew only {len(rows)} of {n} problems outside the "
+            f"{len(exclude)} held-out prompts in 100 tries: the task has too few distinct "
+            "prompts for this --eval-prompts (training never sees an evaluation prompt)."
+        )
+    queries, answers = zip(*rows[:n])
+    return TensorDict(query=list(queries), answer=list(answers), batch_size=[n])
 
 
-def draw_problems(gen: torch.Generator, n: int, k: int, exclude: torch.Tensor) -> torch.Tensor:
-    """``n`` rows of ``k`` random digits whose prompts are not in ``exclude`` (codes, see below)."""
-    rows = []
-    while sum(len(r) for r in rows) < n:
-        digits = torch.randint(0, 10, (2 * n, k), generator=gen)  # (2n, k)
-        rows.append(digits[~torch.isin(problem_code(digits), exclude)])
-    return torch.cat(rows)[:n]
+class Problems(IterableDataset):
+    """Endless batches of ``batch`` fresh problems of ``task``, none of them in ``exclude``."""
 
-
-def problem_code(digits: torch.Tensor) -> torch.Tensor:
-    """The digits of each row read as one base-10 integer: a problem's identity."""
-    powers = 10 ** torch.arange(digits.shape[-1] - 1, -1, -1)
-    return (digits * powers).sum(-1)
-
-
-def as_queries(digits: torch.Tensor) -> TensorDict:
-    """Problems as the env's data: the prompt (``"query"``) and the expected answer."""
-    rows = digits.tolist()
-    return TensorDict(
-        query=[prompt_text(d) for d in rows],
-        answer=[str(sum(d)) for d in rows],
-        batch_size=[len(rows)],
-    )
-
-
-class DigitSumProblems(IterableDataset):
-    """Endless batches of ``batch`` fresh problems, none of them in ``exclude``."""
-
-    def __init__(self, gen: torch.Generator, batch: int, digits: int, exclude: torch.Tensor):
-        self.gen, self.batch, self.digits, self.exclude = gen, batch, digits, exclude
+    def __init__(self, task: Task, gen: torch.Generator, batch: int, exclude: set[str]):
+        self.task, self.gen, self.batch, self.exclude = task, gen, batch, exclude
 
     def __iter__(self):
         while True:
-            yield as_queries(draw_problems(self.gen, self.batch, self.digits, self.exclude))
+            yield draw_problems(self.task, self.gen, self.batch, self.exclude)
 
 
-def reward(completion: str, answer: str) -> float:
-    """1 for exactly the answer, in decimal, followed by end-of-sequence; 0 otherwise.
+class TaskReward(Transform):
+    """The env's reward: decodes the sampled responses and scores them against ``"answer"``
+    with ``task.reward``.
 
-    ``completion`` is the decoded response; anything after the first end-of-sequence token
-    (padding) is ignored.
-    """
-    return float(completion.startswith(answer + EOS))
-
-
-class DigitSumReward(Transform):
-    """The env's reward: decodes the sampled response and scores it against ``"answer"``.
-
-    Writes ``("next", "reward")`` with torchrl's LLM shape ``[B, 1, 1]``.
+    Each response is decoded up to its first end-of-sequence token, followed by ``EOS`` if it
+    has one, whatever the tokenizer writes for it. Writes ``("next", "reward")`` with torchrl's
+    LLM shape ``[B, 1, 1]``.
     """
 
-    def __init__(self, tokenizer: PreTrainedTokenizerFast):
+    def __init__(self, tokenizer, task: Task):
         super().__init__(in_keys=[("tokens", "response"), "answer"], out_keys=["reward"])
-        self.tokenizer = tokenizer
+        self.tokenizer, self.task = tokenizer, task
+
+    def completions(self, responses: list[torch.Tensor]) -> list[str]:
+        eos = self.tokenizer.eos_token_id
+        texts = []
+        for tokens in responses:
+            ends = (tokens == eos).nonzero()
+            cut = tokens[: int(ends[0])] if len(ends) else tokens
+            texts.append(self.tokenizer.decode(cut) + (EOS if len(ends) else ""))
+        return texts
 
     def _step(self, tensordict, next_tensordict):
-        responses = tensordict.get(("tokens", "response"), as_list=True)
-        completions = self.tokenizer.batch_decode(responses)
+        completions = self.completions(tensordict.get(("tokens", "response"), as_list=True))
         answers = next_tensordict["answer"]
-        rewards = [reward(c, a) for c, a in zip(completions, answers, strict=True)]
+        rewards = [self.task.reward(c, a) for c, a in zip(completions, answers, strict=True)]
         next_tensordict.set("reward", torch.tensor(rewards).view(-1, 1, 1))
         return next_tensordict
 
@@ -247,7 +380,9 @@ class Contiguous(Transform):
         return next_tensordict.contiguous()
 
 
-def make_env(tokenizer, dataloader, batch: int, repeats: int | None = None) -> DatasetChatEnv:
+def make_env(
+    tokenizer, task: Task, dataloader, batch: int, repeats: int | None = None
+) -> DatasetChatEnv:
     """The task as a torchrl LLM env: one step per episode, prompts as tokens, the reward above.
 
     ``DatasetChatEnv`` builds a ``ChatEnv`` behind a ``DataLoadingPrimer``: every reset pulls
@@ -263,7 +398,7 @@ def make_env(tokenizer, dataloader, batch: int, repeats: int | None = None) -> D
     )
     env.append_transform(Contiguous())
     env.append_transform(StepCounter(max_steps=1))
-    env.append_transform(DigitSumReward(tokenizer))
+    env.append_transform(TaskReward(tokenizer, task))
     return env
 
 
@@ -275,9 +410,9 @@ class GreedyAccuracy:
     with the policy's completions and returns the mean reward.
     """
 
-    def __init__(self, tokenizer, digits: torch.Tensor, policy):
-        loader = DataLoader([as_queries(digits)], batch_size=None, collate_fn=lambda td: td)
-        self.env = make_env(tokenizer, loader, batch=len(digits))
+    def __init__(self, tokenizer, task: Task, problems: TensorDict, policy):
+        loader = DataLoader([problems], batch_size=None, collate_fn=lambda td: td)
+        self.env = make_env(tokenizer, task, loader, batch=len(problems))
         self.prompts = self.env.reset()
         self.policy = policy
 
@@ -291,7 +426,19 @@ class GreedyAccuracy:
 # --------------------------------------------------------------------------------------------
 
 
-def make_model(cfg: Settings, tokenizer) -> Qwen2ForCausalLM:
+def tiny_qwen2(cfg: Settings, task: Task) -> tuple[Qwen2ForCausalLM, PreTrainedTokenizerFast]:
+    """The default model and tokenizer of ``main``: a character-level tokenizer over the task's
+    alphabet and a Qwen2 of ``--n-layer`` layers of width ``--n-embd``, created here (nothing is
+    downloaded). Pass another function of ``(cfg, task)`` to ``main(model_and_tokenizer=...)``
+    to train another model (its tokenizer needs a chat template; the prompt is the user's
+    message)."""
+    tokenizer = make_tokenizer(task.alphabet)
+    return make_model(cfg, tokenizer, task.prompt_length + cfg.max_new_tokens), tokenizer
+
+
+def make_model(cfg: Settings, tokenizer, max_length: int) -> Qwen2ForCausalLM:
+    """A Qwen2 with a tiny config over ``tokenizer``'s vocabulary, for sequences of at most
+    ``max_length`` tokens."""
     config = Qwen2Config(
         vocab_size=len(tokenizer),
         hidden_size=cfg.n_embd,
@@ -299,7 +446,7 @@ def make_model(cfg: Settings, tokenizer) -> Qwen2ForCausalLM:
         num_hidden_layers=cfg.n_layer,
         num_attention_heads=cfg.n_head,
         num_key_value_heads=cfg.n_head,
-        max_position_embeddings=2 * cfg.digits + cfg.max_new_tokens,
+        max_position_embeddings=max_length,
         tie_word_embeddings=True,
         bos_token_id=tokenizer.eos_token_id,
         eos_token_id=tokenizer.eos_token_id,
@@ -359,10 +506,11 @@ def make_scorer(
     )
 
 
-def make_collector(cfg: Settings, model, ref_model, tokenizer, gen, exclude):
+def make_collector(cfg: Settings, task: Task, model, ref_model, tokenizer, gen, exclude: set[str]):
     """The LLM collector and the replay buffer it fills, one GRPO step's batch at a time.
 
-    Each batch: ``prompts_per_step`` fresh prompts (drawn with ``gen``, none in ``exclude``),
+    Each batch: ``prompts_per_step`` fresh prompts of ``task`` (drawn with ``gen``, none in
+    ``exclude``),
     each ``group_size`` times; the sampled completions and their rewards from the env; the
     log-probs of the sampled tokens under the sampling policy (the "old" policy of the ratio) and
     under the frozen reference, added by torchrl's ``RetrieveLogProb`` at
@@ -372,11 +520,11 @@ def make_collector(cfg: Settings, model, ref_model, tokenizer, gen, exclude):
     """
     rows = cfg.prompts_per_step * cfg.group_size
     loader = DataLoader(
-        DigitSumProblems(gen, cfg.prompts_per_step, cfg.digits, exclude),
+        Problems(task, gen, cfg.prompts_per_step, exclude),
         batch_size=None,
         collate_fn=lambda td: td,
     )
-    env = make_env(tokenizer, loader, batch=rows, repeats=cfg.group_size)
+    env = make_env(tokenizer, task, loader, batch=rows, repeats=cfg.group_size)
     rb = ReplayBuffer(
         storage=LazyStackStorage(rows),
         sampler=SamplerWithoutReplacement(),
@@ -432,29 +580,32 @@ def make_loss(scorer, cfg: Settings) -> GRPOLoss:
 # --------------------------------------------------------------------------------------------
 
 
-def lr_schedule(optim, cfg: Settings, deadline: float) -> torch.optim.lr_scheduler.LambdaLR:
-    """Linear warm-up over ``warmup_steps``, then a cosine decay that reaches 0 at the last GRPO
-    step or at the time limit, whichever comes first.
+def lr_schedule(
+    optim, cfg: Settings, deadline: float, clock=time.perf_counter
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear warm-up, then a cosine decay to 0, over GRPO's progress: the larger of the share
+    of ``--steps`` done and the share of the time to ``deadline`` spent.
 
-    ``deadline`` is the end of the time budget on ``time.perf_counter``'s clock: a run that the
-    time limit cuts short (a slower machine, a smaller ``--time-limit``) still ends at a small
-    learning rate instead of stopping in mid-schedule. With time to spare, the decay follows
-    the steps alone.
+    ``deadline`` is the end of the time budget on ``clock`` (``time.perf_counter``). With time to
+    spare the schedule follows the steps (a warm-up of ``warmup_steps``, the cosine reaching 0
+    at the last step); when the time limit allows fewer steps (a smaller ``--time-limit``, a
+    slower machine), warm-up and decay shrink together, so the run still warms up for the same
+    share of its steps and ends at a small learning rate instead of in mid-schedule.
     """
-    warmup = min(cfg.warmup_steps, cfg.steps - 1)
-    start = time.perf_counter()
+    warmup = min(cfg.warmup_steps, cfg.steps - 1) / cfg.steps  # a share of the progress
+    start = clock()
 
     def factor(step: int) -> float:
-        if step < warmup:
-            return 0.05 + 0.95 * step / warmup
-        by_steps = (step - warmup) / (cfg.steps - warmup)
-        by_time = (time.perf_counter() - start) / max(deadline - start, 1e-9)
-        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, max(by_steps, by_time))))
+        by_time = (clock() - start) / (deadline - start) if deadline > start else 1.0
+        progress = min(1.0, max(step / cfg.steps, by_time))
+        if progress < warmup:
+            return 0.05 + 0.95 * progress / warmup
+        return 0.5 * (1.0 + math.cos(math.pi * (progress - warmup) / (1.0 - warmup)))
 
     return torch.optim.lr_scheduler.LambdaLR(optim, factor)
 
 
-def warm_start(model, tokenizer, cfg: Settings, gen, exclude, val_accuracy) -> int:
+def warm_start(model, tokenizer, cfg: Settings, task: Task, gen, exclude, val_accuracy) -> int:
     """Supervised next-token training on ``prompt -> answer <eos>`` until partly right.
 
     The loss is the mean negative log-prob of the answer tokens, read from the scoring wrapper
@@ -464,15 +615,18 @@ def warm_start(model, tokenizer, cfg: Settings, gen, exclude, val_accuracy) -> i
     """
     scorer = make_scorer(model, tokenizer, cfg, pad_output=False)  # ragged: read right-padded
     optim = torch.optim.AdamW(model.parameters(), lr=cfg.sft_lr)
-    p = 2 * cfg.digits  # prompt length in tokens, the same for every prompt
+    eos = tokenizer.eos_token
     for step in range(1, cfg.sft_max_steps + 1):
-        data = as_queries(draw_problems(gen, cfg.sft_batch, cfg.digits, exclude))
-        texts = [q + a + EOS for q, a in zip(data["query"], data["answer"], strict=True)]
-        ids = tokenizer(texts)["input_ids"]  # ragged: 1- and 2-digit answers
+        data = draw_problems(task, gen, cfg.sft_batch, exclude)
+        prompts = tokenizer(list(data["query"]))["input_ids"]
+        texts = [q + a + eos for q, a in zip(data["query"], data["answer"], strict=True)]
+        ids = tokenizer(texts)["input_ids"]  # ragged: answers of different lengths
         batch = lazy_stack([TensorDict({("tokens", "full"): torch.tensor(i)}) for i in ids])
         # ragged log-probs (the scorer pads nothing), read right-padded with 0
         log_probs = scorer(batch).get(("log_probs", "full"), as_padded_tensor=True)  # (B, W)
-        loss = -log_probs[:, p:].sum() / sum(len(i) - p for i in ids)  # answer tokens only
+        start = torch.tensor([len(p) for p in prompts])  # (B,) each answer's first position
+        answer = torch.arange(log_probs.shape[1]) >= start[:, None]  # (B, W); padding is 0
+        loss = -log_probs[answer].sum() / sum(len(i) - len(p) for i, p in zip(ids, prompts))
         optim.zero_grad()
         loss.backward()
         optim.step()
@@ -510,26 +664,33 @@ def plot(history: dict, path: str, acc_before: float) -> None:
     plt.close(fig)
 
 
-def main(argv=None) -> dict:
-    cfg = parse_args(argv)
+def main(argv=None, *, task: Task | None = None, model_and_tokenizer=None) -> dict:
+    """Warm start, then GRPO, on ``task`` (default: :func:`digit_sum_task` of ``--digits``) with
+    the model and tokenizer of ``model_and_tokenizer(cfg, task)`` (default: :func:`tiny_qwen2`).
+
+    Returns the accuracies before and after GRPO, the wall time and the run's folder.
+    """
+    cfg = parse_args(argv, task)
+    task = task or digit_sum_task(cfg.digits)
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     hf_logging.set_verbosity_error()
-    tokenizer = make_tokenizer()
+    hf_logging.disable_progress_bar()  # save_pretrained's "Writing model shards" bar
+    model, tokenizer = (model_and_tokenizer or tiny_qwen2)(cfg, task)
+    model = model.to(cfg.device)
 
-    # held-out evaluation set: the same 500 prompts for every seed, excluded from all training
-    eval_digits = draw_problems(
-        torch.Generator().manual_seed(1234), cfg.eval_prompts, cfg.digits, torch.tensor([-1])
+    # held-out evaluation set: the same prompts for every seed, excluded from all training
+    eval_problems = draw_problems(
+        task, torch.Generator().manual_seed(1234), cfg.eval_prompts, set()
     )
-    eval_codes = problem_code(eval_digits)
+    held_out = set(eval_problems["query"])
     train_gen = torch.Generator().manual_seed(cfg.seed)
-    val_digits = draw_problems(train_gen, 200, cfg.digits, eval_codes)  # stops the warm start
+    val_problems = draw_problems(task, train_gen, 200, held_out)  # stops the warm start
 
-    model = make_model(cfg, tokenizer).to(cfg.device)
     greedy = make_sampler(model, tokenizer, cfg, greedy=True)
-    val_accuracy = GreedyAccuracy(tokenizer, val_digits, greedy)
-    eval_accuracy = GreedyAccuracy(tokenizer, eval_digits, greedy)
-    sft_steps = warm_start(model, tokenizer, cfg, train_gen, eval_codes, val_accuracy)
+    val_accuracy = GreedyAccuracy(tokenizer, task, val_problems, greedy)
+    eval_accuracy = GreedyAccuracy(tokenizer, task, eval_problems, greedy)
+    sft_steps = warm_start(model, tokenizer, cfg, task, train_gen, held_out, val_accuracy)
     acc_before = eval_accuracy()
     print(
         f"warm start: {sft_steps} supervised steps, greedy accuracy {acc_before:.3f} "
@@ -538,12 +699,12 @@ def main(argv=None) -> dict:
     ref_model = copy.deepcopy(model).requires_grad_(False)  # the frozen reference policy
 
     rows = cfg.prompts_per_step * cfg.group_size
-    collector, rb = make_collector(cfg, model, ref_model, tokenizer, train_gen, eval_codes)
+    collector, rb = make_collector(cfg, task, model, ref_model, tokenizer, train_gen, held_out)
     loss_fn = make_loss(make_scorer(model, tokenizer, cfg), cfg)
     optim = torch.optim.Adam(model.parameters(), lr=cfg.lr)
     schedule = lr_schedule(optim, cfg, deadline=T0 + cfg.time_limit)
 
-    logger = CSVLogger(generate_exp_name("llm_grpo", f"seed{cfg.seed}"), log_dir=cfg.out)
+    logger = CSVLogger(generate_exp_name(task.name, f"seed{cfg.seed}"), log_dir=cfg.out)
     trainer = GRPOTrainer(
         collector=collector,
         total_frames=cfg.steps * rows,
@@ -598,16 +759,28 @@ def main(argv=None) -> dict:
     step = history["eval_step"][-1]
 
     acc_after = history["accuracy"][-1]
-    run_dir = os.path.join(logger.log_dir, logger.exp_name)
-    png = os.path.join(run_dir, "llm_grpo.png")
-    plot(history, png, acc_before)
+    run_dir = Path(logger.log_dir) / logger.exp_name
+    plot(history, run_dir / "llm_grpo.png", acc_before)
+    model.save_pretrained(run_dir / "model")
+    # Apart: transformers 5 loads the tokenizer of a Qwen2 model's folder as Qwen2Tokenizer,
+    # whatever tokenizer_config.json says, and that one drops this tokenizer's spaces.
+    tokenizer.save_pretrained(run_dir / "tokenizer")
+    remove_empty_folders(run_dir)  # CSVLogger makes videos/ and texts/ whether used or not
     wall_s = time.perf_counter() - T0
     print(
         f"greedy accuracy {acc_before:.3f} -> {acc_after:.3f} after {step} GRPO steps; "
-        f"metrics in {run_dir}/scalars, plot in {png}"
+        f"in {run_dir}: metrics (scalars/), plot (llm_grpo.png), model (model/), "
+        "tokenizer (tokenizer/)"
     )
     print(f"RESULT acc_before={acc_before:.4f} acc_after={acc_after:.4f} wall_s={wall_s:.1f}")
-    return {"acc_before": acc_before, "acc_after": acc_after, "wall_s": wall_s}
+    return {"acc_before": acc_before, "acc_after": acc_after, "wall_s": wall_s, "run_dir": run_dir}
+
+
+def remove_empty_folders(root: Path) -> None:
+    """Remove the folders under ``root`` that hold nothing (deepest first)."""
+    for folder in sorted((p for p in root.rglob("*") if p.is_dir()), reverse=True):
+        if not any(folder.iterdir()):
+            folder.rmdir()
 
 
 if __name__ == "__main__":
