@@ -1,8 +1,8 @@
 """torchrl's own PPO on CartPole-v1: the reference the GRPO demo is compared with.
 
 What a torchrl user would pick instead of GRPO: ``ClipPPOLoss`` with a critic, advantages from
-``GAE``, data from the same torchrl ``Collector`` over the same layout (``--num-envs`` gymnasium
-CartPoles in one ``SyncVectorEnv`` behind one ``GymWrapper``), the same policy network (two tanh
+``GAE``, data from the same torchrl ``Collector`` over the same layout (the demo's ``--num-envs``
+numpy-vectorized CartPoles behind one ``GymWrapper``), the same policy network (two tanh
 layers of ``--hidden``, from ``examples/cartpole_grpo.py``) and a critic of the same size. The
 budget rules are the demo's: the clock starts at the first line (imports included); after every
 batch the greedy policy plays ``--eval-episodes`` fresh episodes and, if they reach
@@ -37,7 +37,6 @@ import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
-import gymnasium as gym
 import torch
 from torchrl.collectors import Collector
 from torchrl.data import LazyTensorStorage, ReplayBuffer, SamplerWithoutReplacement
@@ -99,11 +98,7 @@ def parse_args(argv=None) -> Settings:
 
 def make_env(num_envs: int, seed: int) -> TransformedEnv:
     """The demo's vector env without SameStartGroups (PPO needs no groups), with RewardSum."""
-    vector_env = gym.vector.SyncVectorEnv(
-        [lambda: gym.make("CartPole-v1")] * num_envs,
-        autoreset_mode=gym.vector.AutoresetMode.DISABLED,
-    )
-    env = GymWrapper(vector_env, categorical_action_encoding=True)
+    env = GymWrapper(demo.CartPoles(num_envs), categorical_action_encoding=True)
     env.set_seed(seed)
     return TransformedEnv(env, RewardSum())
 
@@ -128,11 +123,11 @@ def main(argv=None) -> dict:
     first_seed = cfg.seed * demo.SEEDS_PER_RUN
     env = make_env(cfg.num_envs, first_seed)
     # the demo's evaluation, on the demo's evaluation seeds
-    eval_env = demo.make_eval_env(
+    eval_env = demo.EvalEpisodes(
         cfg.eval_episodes,
         range(demo.EVAL_SEED_OFFSET + first_seed, demo.CONFIRM_SEED_OFFSET + first_seed),
     )
-    confirm_env = demo.make_eval_env(
+    confirm_env = demo.EvalEpisodes(
         cfg.confirm_episodes,
         range(
             demo.CONFIRM_SEED_OFFSET + first_seed,
@@ -161,6 +156,7 @@ def main(argv=None) -> dict:
         frames_per_batch=cfg.frames_per_batch,
         total_frames=-1,
         exploration_type=ExplorationType.RANDOM,
+        auto_register_policy_transforms=False,  # an MLP policy: no InitTracker, no primer
     )
     batches = iter(collector)
 

@@ -77,7 +77,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
         "--advantage",
         nargs="+",
         default=[None],
-        choices=["reward-to-go", "return"],
+        choices=["reward-to-go", "reward-to-go-time-step", "return"],
         help="GRPO advantage modes to compare (default: the demo's default only)",
     )
     p.add_argument("--output-dir", default="runs/cartpole_bench", help="output folder of the runs")
@@ -168,7 +168,7 @@ def recheck(demo, rows: list[dict], episodes: int, demo_args: list[str]) -> None
         actor = demo.make_actor(hidden if row["algorithm"] == "grpo" else 64)
         actor.load_state_dict(torch.load(row["run_dir"] / "policy.pt"))
         first = RECHECK_SEED_OFFSET + row["seed"] * episodes
-        env = demo.make_eval_env(episodes, range(first, first + episodes))
+        env = demo.EvalEpisodes(episodes, range(first, first + episodes))
         row["recheck"] = demo.evaluate(env, actor)
         env.close()
 
@@ -260,7 +260,7 @@ def env_costs(demo) -> None:
     import gymnasium as gym
     import torch
     from torchrl.collectors import Collector
-    from torchrl.envs import GymEnv
+    from torchrl.envs import GymEnv, GymWrapper
 
     def per_step(fn, calls: int) -> float:
         """``fn()`` returns the environment steps it took; microseconds per step."""
@@ -300,6 +300,7 @@ def env_costs(demo) -> None:
             frames_per_batch=frames,
             total_frames=-1,
             post_collect_hook=lambda steps: polled.append(steps.numel()),
+            auto_register_policy_transforms=False,
             **whole,
         )
         batches = iter(collector)
@@ -313,11 +314,23 @@ def env_costs(demo) -> None:
 
     single = GymEnv("CartPole-v1", categorical_action_encoding=True)
     vector = demo.make_env(64, range(2**20), 4).base_env  # the demo's env without the transform
+    sync = GymWrapper(  # what the demo stepped before CartPoles: gymnasium's loop over 64 envs
+        gym.vector.SyncVectorEnv(
+            [lambda: gym.make("CartPole-v1")] * 64,
+            autoreset_mode=gym.vector.AutoresetMode.DISABLED,
+        ),
+        categorical_action_encoding=True,
+    )
     costs = [
         ("bare gymnasium CartPole-v1 (reference)", per_step(bare_step, 20_000)),
         ("torchrl GymEnv, 1 env", per_step(torchrl_stepper(single), 2_000)),
-        ("torchrl GymWrapper(SyncVectorEnv), 64 envs", per_step(torchrl_stepper(vector), 300)),
+        ("torchrl GymWrapper(SyncVectorEnv), 64 envs", per_step(torchrl_stepper(sync), 300)),
+        (
+            "torchrl GymWrapper(CartPoles), 64 envs (the demo's)",
+            per_step(torchrl_stepper(vector), 300),
+        ),
     ]
+    sync.close()
     single.close()
     layouts = [(64, 8, False, None), (16, 8, True, None), (32, 8, True, None)]
     layouts += [(64, 2, True, None), (64, 8, True, None), (64, 32, True, None)]

@@ -172,3 +172,19 @@ def test_named_modules_exist():
         }
     )
     assert not missing, missing
+
+
+def test_your_own_task_is_the_short_path():
+    """docs/your_own_task.rst shows the whole Acrobot script, shorter than the CartPole demo,
+    and explains every line the script marks as a decision."""
+    root = DOCS.parent
+    script = (root / "examples" / "acrobot_grpo.py").read_text().splitlines()
+    demo = (root / "examples" / "cartpole_grpo.py").read_text().splitlines()
+    assert len(script) < len(demo) / 2
+    page = (DOCS / "your_own_task.rst").read_text()
+    assert ".. literalinclude:: ../examples/acrobot_grpo.py" in page
+    assert f"({len(script)} lines against the CartPole example's {len(demo)})" in page
+    decisions = re.findall(r"# DECISION (\w[\w ]*):", "\n".join(script))
+    assert len(decisions) == 4
+    for decision in decisions:  # "group size", "return mode", ...
+        assert f"**{decision.capitalize()}**" in page, decision

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import gymnasium as gym
+import numpy as np
 import pytest
 import torch
 from tensordict import TensorDict
@@ -84,7 +85,7 @@ class TestEnvironments:
         actor = example.make_actor(hidden=8)
         with torch.no_grad():  # lean on the pole's angular velocity: episodes of varied length
             actor.module[0].module[-1].weight[:, 3] += torch.tensor([-3.0, 3.0])
-        env = example.make_eval_env(5, range(40, 50))
+        env = example.EvalEpisodes(5, range(40, 50))
         first = example.evaluate(env, actor)
         second = example.evaluate(env, actor)  # the next 5 fresh seeds
         env.close()
@@ -92,6 +93,44 @@ class TestEnvironments:
         assert len(set(by_hand)) > 2  # the episodes differ, so the mean tests the bookkeeping
         assert first == pytest.approx(sum(by_hand[:5]) / 5)
         assert second == pytest.approx(sum(by_hand[5:]) / 5)
+
+
+class TestCartPoles:
+    """The demo's numpy-vectorized CartPole: CartPole-v1's episodes, torchrl's resets."""
+
+    def test_same_episodes_as_gymnasium(self, example):
+        """Seeded sub-envs start, step, end and truncate as ``gym.make("CartPole-v1")``."""
+        seeds = [3, 17, 40]
+        env = example.CartPoles(3)
+        obs, _ = env.reset(seed=seeds)
+        singles = [gym.make("CartPole-v1") for _ in seeds]
+        firsts = [g.reset(seed=s)[0] for g, s in zip(singles, seeds)]
+        torch.testing.assert_close(torch.as_tensor(obs), torch.as_tensor(np.stack(firsts)))
+        rng = torch.Generator().manual_seed(0)
+        running = [True] * 3
+        for _ in range(200):
+            action = torch.randint(0, 2, (3,), generator=rng).numpy()
+            obs, reward, terminated, truncated, _ = env.step(action)
+            for i, single in enumerate(singles):
+                if not running[i]:
+                    continue
+                o, r, te, tr, _ = single.step(int(action[i]))
+                torch.testing.assert_close(torch.as_tensor(obs[i]), torch.as_tensor(o))
+                assert (reward[i], terminated[i], truncated[i]) == (r, te, tr)
+                running[i] = not (te or tr)
+        assert not any(running)  # random actions end every episode within 200 steps
+
+    def test_partial_reset_and_no_autoreset(self, example):
+        env = example.CartPoles(2)
+        env.reset(seed=[1, 2])
+        for _ in range(60):  # long enough for both to fall; they are not restarted
+            obs, *_ = env.step(torch.zeros(2, dtype=torch.long).numpy())
+        mask = torch.tensor([True, False]).numpy()
+        after, _ = env.reset(seed=[5, None], options={"reset_mask": mask})
+        assert torch.equal(torch.as_tensor(after[1]), torch.as_tensor(obs[1]))  # untouched
+        start = gym.make("CartPole-v1").reset(seed=5)[0]
+        torch.testing.assert_close(torch.as_tensor(after[0]), torch.as_tensor(start))
+        assert env.steps.tolist()[0] == 0 and env.steps.tolist()[1] == 60
 
 
 class TestGreedyReturn:
@@ -142,6 +181,9 @@ class TestCartPoleDemo:
             cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env
         )
         assert proc.returncode == 0, proc.stderr[-3000:]
+        # quiet: no torchrl INFO line, no warning (the progress bar is off here)
+        assert "[torchrl][INFO]" not in proc.stdout + proc.stderr
+        assert "Warning" not in proc.stderr, proc.stderr[-3000:]
 
         last = proc.stdout.strip().splitlines()[-1]
         match = RESULT.match(last)
@@ -156,6 +198,7 @@ class TestCartPoleDemo:
 
         (run_dir,) = tmp_path.glob("seed0-*")  # a fresh folder per run
         assert f"outputs: {run_dir}" in proc.stdout
+        assert all(any(p.iterdir()) for p in run_dir.rglob("*") if p.is_dir())  # no empty folder
         assert (run_dir / "returns.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert set(torch.load(run_dir / "policy.pt")) == set(example.make_actor(64).state_dict())
         with open(run_dir / "scalars" / "train" / "return.csv") as f:
@@ -238,3 +281,27 @@ class TestCartPoleDemo:
         for flag in ("--seed", "--group-size", "--groups", "--epochs", "--lr", "--time-budget"):
             assert re.search(rf"{flag} \S+\s+\w", text), f"{flag} is not documented"
         assert "--output-dir" in text and "--logger" in text
+
+
+class TestAcrobot:
+    """examples/acrobot_grpo.py, the recipe of docs/your_own_task.rst."""
+
+    @pytest.fixture(scope="class")
+    def acrobot(self):
+        path = ROOT / "examples" / "acrobot_grpo.py"
+        spec = importlib.util.spec_from_file_location("acrobot_grpo", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    def test_trains_on_released_groups(self, acrobot):
+        """A budget that lets one training batch of 64 episodes complete: it trains on them and
+        reports their mean return (Acrobot: minus the episode's length, at most 500)."""
+        result = acrobot.main(["--max-env-steps", "40000"])
+        assert 32 * 32 <= result["env_steps"] <= 40000 + 32 * 32
+        assert -500.0 <= result["return"] < 0.0  # trained at least once (nan before)
+        assert result["solved"] is (result["return"] >= -100.0)
+
+    def test_reward_to_go_mode(self, acrobot):
+        result = acrobot.main(["--max-env-steps", "40000", "--reward-to-go", "0.99"])
+        assert -500.0 <= result["return"] < 0.0
