@@ -465,6 +465,26 @@ class TestHighEntropyTokenMask:
         empty = torch.zeros(2, 3, dtype=torch.bool)
         assert not high_entropy_token_mask(self.H, empty, 0.5).any()
 
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+    @pytest.mark.parametrize("as_tensor", [False, True])
+    @pytest.mark.parametrize("rho", [0.1, 0.2, 0.25, 0.3, 0.5, 0.7, 0.9])
+    def test_threshold_exactly_on_a_token_keeps_it(self, rho, as_tensor, dtype):
+        """``(1 - rho) (N - 1)`` a whole number: the threshold is that token's entropy and it
+        is kept (TRL's torch.quantile keeps it). 1 - 0.2 in float32 is 0.800000011920929,
+        which put the threshold just above the token and dropped it."""
+        g = torch.Generator().manual_seed(int(rho * 100))
+        for n in (11, 21, 41, 51, 101, 1001):
+            entropy = torch.rand(1, n, generator=g, dtype=torch.float64).to(dtype)
+            mask = torch.ones(1, n, dtype=torch.bool)
+            position = round((1 - rho) * (n - 1))
+            if abs((1 - rho) * (n - 1) - position) > 1e-9:
+                continue
+            level = torch.tensor(rho) if as_tensor else rho  # a scheduled rho is float32
+            kept = high_entropy_token_mask(entropy, mask, level)
+            threshold = entropy.sort().values[0, position]  # the reference, written out
+            assert torch.equal(kept, entropy >= threshold), (n, position)
+            assert int(kept.sum()) == n - position
+
     @settings(max_examples=25, deadline=None)
     @given(seed=st.integers(0, 1000), q=st.floats(0.0, 1.0))
     def test_masked_quantile_matches_torch_quantile(self, seed, q):

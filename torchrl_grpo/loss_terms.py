@@ -911,7 +911,10 @@ def masked_quantile(x: torch.Tensor, mask: torch.Tensor, q: float | torch.Tensor
 
     Linear interpolation between the two nearest order statistics, as ``torch.quantile``
     (whose input is limited to ``2**24`` elements; this one sorts, so it has no such limit):
-    with the ``N`` selected values sorted, the quantile sits at position ``q (N - 1)``.
+    with the ``N`` selected values sorted, the quantile sits at position ``q (N - 1)``, computed
+    in float64; a position within ``1e-6 (N - 1)`` of a whole number is taken as that number,
+    so that a level like ``1 - 0.2`` (``0.800000011920929`` in float32) gives the order
+    statistic it names exactly.
 
     Args:
         x (torch.Tensor): values, any shape.
@@ -930,10 +933,18 @@ def masked_quantile(x: torch.Tensor, mask: torch.Tensor, q: float | torch.Tensor
     """
     _check_same_shape(x=x, mask=mask)
     values = x[mask].sort().values  # (N,)
-    position = torch.as_tensor(q, dtype=values.dtype, device=values.device) * (values.numel() - 1)
+    last = values.numel() - 1
+    # In float64, and a position within 1e-6 of a whole number is that order statistic: a level
+    # such as 1 - 0.2 (0.800000011920929 in float32) then lands on the value it names, not just
+    # above it (which would drop the value from ``x >= quantile``).
+    level = q.double() if torch.is_tensor(q) else torch.tensor(q, dtype=torch.float64)
+    position = level.to(values.device) * last
+    nearest = position.round()
+    position = torch.where((position - nearest).abs() <= 1e-6 * max(last, 1), nearest, position)
     below = position.floor().long()
     above = position.ceil().long()
-    return values[below] + (values[above] - values[below]) * (position - below)
+    fraction = (position - below).to(values.dtype)
+    return values[below] + (values[above] - values[below]) * fraction
 
 
 def high_entropy_token_mask(
@@ -950,7 +961,8 @@ def high_entropy_token_mask(
     TRL's ``top_entropy_quantile``: the threshold is the ``1 - rho`` quantile (linear
     interpolation, :func:`masked_quantile`) of the entropies of *all* real tokens of the batch
     (not per sequence), and a token is kept when its entropy is at or above it, so ties at the
-    threshold are all kept. ``rho = 1`` keeps every real token; ``rho = 0`` only those with the
+    threshold are all kept, and so is the token the threshold lands on (``(1 - rho) (N - 1)`` a
+    whole number). ``rho = 1`` keeps every real token; ``rho = 0`` only those with the
     largest entropy. Computed without gradient. A mask with no real token selects nothing.
 
     Args:
@@ -973,7 +985,8 @@ def high_entropy_token_mask(
     with torch.no_grad():
         if not mask.any():
             return mask.clone()
-        threshold = masked_quantile(entropy, mask, 1.0 - torch.as_tensor(top_quantile))
+        rho = top_quantile.double() if torch.is_tensor(top_quantile) else float(top_quantile)
+        threshold = masked_quantile(entropy, mask, 1.0 - rho)
         return mask & (entropy >= threshold)
 
 
