@@ -31,7 +31,11 @@ MAX_CLASS_CODE_LINES = 400
 MAX_TEST_FILE_LINES = 800
 #: The classes that run the steps of their folder, and the only modules that may import them.
 CALLERS = {
-    "torchrl_grpo.mcadvantage.transform": {"torchrl_grpo.mcadvantage"},
+    # RayMCAdvantage subclasses the transform, as the presets subclass the loss
+    "torchrl_grpo.mcadvantage.transform": {
+        "torchrl_grpo.mcadvantage",
+        "torchrl_grpo.mcadvantage.ray_actor",
+    },
     "torchrl_grpo.loss.grpo": {"torchrl_grpo.loss", "torchrl_grpo.loss.presets"},
 }
 

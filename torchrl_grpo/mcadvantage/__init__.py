@@ -13,10 +13,12 @@ How the folder reads (each module one step, :mod:`.insert` the order of an inser
 * the pieces they share: :mod:`.steps` (dense or ragged steps), :mod:`.ids` (group ids),
   :mod:`.store` (the chunked store), :mod:`.registry` (ended trajectory ids);
 * :mod:`.state_io` (checkpoints), :mod:`.shared` (the owner process of a shared transform),
-  :mod:`.queues` (the view of the pending groups).
+  :mod:`.ray_actor` (the state in a Ray actor: :class:`RayMCAdvantage`), :mod:`.queues` (the
+  view of the pending groups).
 """
 
 from torchrl_grpo.mcadvantage.queues import PendingGroups
+from torchrl_grpo.mcadvantage.ray_actor import RayMCAdvantage
 from torchrl_grpo.mcadvantage.transform import MCAdvantage, MCAdvantageSelector
 
-__all__ = ["MCAdvantage", "MCAdvantageSelector", "PendingGroups"]
+__all__ = ["MCAdvantage", "MCAdvantageSelector", "PendingGroups", "RayMCAdvantage"]
