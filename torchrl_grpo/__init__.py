@@ -23,15 +23,20 @@ from torchrl_grpo.advantages import (
 from torchrl_grpo.envs import SameStartGroups
 from torchrl_grpo.llm import HiddenLLMMaskedCategorical, LeanTransformersWrapper
 from torchrl_grpo.loss import (
+    DAPO,
     CISPOLoss,
+    CISPOLossOutput,
     DAPOLoss,
+    DAPOLossOutput,
     DrGRPOLoss,
     GRPOLoss,
     GRPOLossOutput,
     GSPOLoss,
+    LLMLossOutput,
     SAPOLoss,
+    k3_kl_token_estimate,
 )
-from torchrl_grpo.mcadvantage import MCAdvantage, MCAdvantageSelector
+from torchrl_grpo.mcadvantage import MCAdvantage, MCAdvantageSelector, RayMCAdvantage
 from torchrl_grpo.rewards import OverlongPenalty
 from torchrl_grpo.token_dist import (
     HiddenTokenCategorical,
@@ -44,23 +49,29 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CISPOLoss",
+    "CISPOLossOutput",
+    "DAPO",
     "DAPOLoss",
+    "DAPOLossOutput",
     "DrGRPOLoss",
     "GRPOLoss",
     "GRPOLossOutput",
     "GSPOLoss",
     "HiddenLLMMaskedCategorical",
     "HiddenTokenCategorical",
+    "LLMLossOutput",
     "LeanTransformersWrapper",
     "MCAdvantage",
     "MCAdvantageSelector",
     "OverlongPenalty",
+    "RayMCAdvantage",
     "SAPOLoss",
     "SameStartGroups",
     "TokenCategorical",
     "group_mean",
     "group_relative_advantage",
     "group_std",
+    "k3_kl_token_estimate",
     "token_log_prob_entropy",
     "token_log_prob_entropy_from_hidden",
     "trajectory_returns",

@@ -71,6 +71,7 @@ __all__ = [
     "dual_clip_loss",
     "effective_sample_size",
     "high_entropy_token_mask",
+    "k3_kl_token_estimate",
     "kl_k1",
     "kl_k2",
     "kl_k3",
@@ -814,6 +815,30 @@ def kl_k3(
     return kl
 
 
+def k3_kl_token_estimate(target_log_prob: torch.Tensor, log_prob: torch.Tensor) -> torch.Tensor:
+    r"""torchrl's ``k3_kl_token_estimate``: :func:`kl_k3` without clamps, arguments swapped.
+
+    .. math:: k_3 = e^{d} - 1 - d, \qquad d = \log p_{target}(a) - \log p(a)
+
+    The per-token k3 estimate of ``KL(p || p_target)`` on tokens sampled from ``p`` (torchrl's
+    distillation and SFT losses use it), under torchrl's name and argument order, so that
+    ``from torchrl.objectives.llm import k3_kl_token_estimate`` reads the same from here.
+
+    Args:
+        target_log_prob (torch.Tensor): ``log p_target`` of the tokens.
+        log_prob (torch.Tensor): ``log p`` of the same tokens (their sampling distribution).
+
+    Returns:
+        torch.Tensor: per-token estimates, never negative, same shape.
+
+    Examples:
+        >>> import torch
+        >>> k3_kl_token_estimate(torch.tensor([-1.0, -1.0]), torch.tensor([-1.0, -2.0]))
+        tensor([0.0000, 0.7183])
+    """
+    return kl_k3(log_prob, target_log_prob, clamp=None)
+
+
 #: KL estimators by name, for ``GRPOLoss(kl_to_ref_estimator=..., kl_to_inference_estimator=...)``.
 KL_ESTIMATORS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
     "k1": kl_k1,
@@ -906,20 +931,24 @@ def off_policy_sequence_mask(
         return mask & ((advantage >= 0) | (seq_kl <= threshold))
 
 
-def masked_quantile(x: torch.Tensor, mask: torch.Tensor, q: float | torch.Tensor) -> torch.Tensor:
+def masked_quantile(
+    x: torch.Tensor, mask: torch.Tensor, q: float | torch.Tensor, *, whole_within: float = 0.0
+) -> torch.Tensor:
     """The ``q``-quantile of ``x`` over the entries where ``mask`` is ``True``.
 
     Linear interpolation between the two nearest order statistics, as ``torch.quantile``
     (whose input is limited to ``2**24`` elements; this one sorts, so it has no such limit):
     with the ``N`` selected values sorted, the quantile sits at position ``q (N - 1)``, computed
-    in float64; a position within ``1e-6 (N - 1)`` of a whole number is taken as that number,
-    so that a level like ``1 - 0.2`` (``0.800000011920929`` in float32) gives the order
-    statistic it names exactly.
+    in float64. With ``whole_within=w``, a position within ``w (N - 1)`` of a whole number is
+    taken as that number, so that a level like ``1 - 0.2`` (``0.800000011920929`` in float32,
+    ``0.8000000000000000444`` in float64) gives the order statistic it names exactly.
 
     Args:
         x (torch.Tensor): values, any shape.
         mask (torch.Tensor): boolean, same shape as ``x``, with at least one ``True``.
         q (float or torch.Tensor): in ``[0, 1]``.
+        whole_within (float, optional): the tolerance on ``q`` under which the position is
+            rounded to a whole number. Defaults to ``0.0`` (as ``torch.quantile``).
 
     Returns:
         torch.Tensor: a scalar.
@@ -934,13 +963,12 @@ def masked_quantile(x: torch.Tensor, mask: torch.Tensor, q: float | torch.Tensor
     _check_same_shape(x=x, mask=mask)
     values = x[mask].sort().values  # (N,)
     last = values.numel() - 1
-    # In float64, and a position within 1e-6 of a whole number is that order statistic: a level
-    # such as 1 - 0.2 (0.800000011920929 in float32) then lands on the value it names, not just
-    # above it (which would drop the value from ``x >= quantile``).
     level = q.double() if torch.is_tensor(q) else torch.tensor(q, dtype=torch.float64)
     position = level.to(values.device) * last
-    nearest = position.round()
-    position = torch.where((position - nearest).abs() <= 1e-6 * max(last, 1), nearest, position)
+    if whole_within > 0:
+        nearest = position.round()
+        near = (position - nearest).abs() <= whole_within * max(last, 1)
+        position = torch.where(near, nearest, position)
     below = position.floor().long()
     above = position.ceil().long()
     fraction = (position - below).to(values.dtype)
@@ -962,8 +990,9 @@ def high_entropy_token_mask(
     interpolation, :func:`masked_quantile`) of the entropies of *all* real tokens of the batch
     (not per sequence), and a token is kept when its entropy is at or above it, so ties at the
     threshold are all kept, and so is the token the threshold lands on (``(1 - rho) (N - 1)`` a
-    whole number). ``rho = 1`` keeps every real token; ``rho = 0`` only those with the
-    largest entropy. Computed without gradient. A mask with no real token selects nothing.
+    whole number, to within ``1e-6 (N - 1)``: ``rho`` is read to six decimals). ``rho = 1``
+    keeps every real token; ``rho = 0`` only those with the largest entropy. Computed without
+    gradient. A mask with no real token selects nothing.
 
     Args:
         entropy (torch.Tensor): per-token entropy of the policy, ``(B, T)``.
@@ -986,7 +1015,9 @@ def high_entropy_token_mask(
         if not mask.any():
             return mask.clone()
         rho = top_quantile.double() if torch.is_tensor(top_quantile) else float(top_quantile)
-        threshold = masked_quantile(entropy, mask, 1.0 - rho)
+        # rho read to 1e-6: a level 1 - rho that names a token exactly (up to its rounding in
+        # float32 or float64) puts the threshold on that token, not just above it
+        threshold = masked_quantile(entropy, mask, 1.0 - rho, whole_within=1e-6)
         return mask & (entropy >= threshold)
 
 

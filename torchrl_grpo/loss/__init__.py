@@ -18,7 +18,11 @@ engine (``inference_correction``, or ``tis_cap``), off-policy sequence masking
 (``off_policy_mask_threshold``), decoupled PPO (``decoupled``), high-entropy token selection
 (``top_entropy_quantile``) and the masking of truncated completions
 (``mask_truncated_completions``). :class:`DAPOLoss`, :class:`DrGRPOLoss`, :class:`GSPOLoss`,
-:class:`CISPOLoss` and :class:`SAPOLoss` are the same class with the papers' defaults.
+:class:`CISPOLoss` and :class:`SAPOLoss` are the same class with the papers' defaults;
+:class:`DAPO` is torchrl's name (GRPOLoss's defaults, a ``DAPOLossOutput``). Every name of the
+GRPO family that ``torchrl.objectives.llm`` exports is here (:class:`LLMLossOutput` and the
+outputs of each loss, ``k3_kl_token_estimate``; ``MCAdvantage`` and ``RayMCAdvantage`` in
+:mod:`torchrl_grpo`).
 
 The package, one concern a module: ``grpo.py`` (the module: keys, wiring, ``forward``),
 ``options.py`` (the keywords checked into one record), ``inputs.py`` (a batch read into aligned
@@ -33,8 +37,13 @@ from torchrl_grpo.loss.inputs import MASKING_STRATEGIES as MASKING_STRATEGIES
 from torchrl_grpo.loss.options import INFERENCE_CORRECTION_BOUNDS as INFERENCE_CORRECTION_BOUNDS
 from torchrl_grpo.loss.options import SAPO_TEMPERATURES as SAPO_TEMPERATURES
 from torchrl_grpo.loss.options import TORCHRL_AGGREGATIONS as TORCHRL_AGGREGATIONS
-from torchrl_grpo.loss.output import GRPOLossOutput
-from torchrl_grpo.loss.presets import CISPOLoss, DAPOLoss, DrGRPOLoss, GSPOLoss, SAPOLoss
+from torchrl_grpo.loss.output import (
+    CISPOLossOutput,
+    DAPOLossOutput,
+    GRPOLossOutput,
+    LLMLossOutput,
+)
+from torchrl_grpo.loss.presets import DAPO, CISPOLoss, DAPOLoss, DrGRPOLoss, GSPOLoss, SAPOLoss
 from torchrl_grpo.loss_terms import AGGREGATIONS as AGGREGATIONS
 from torchrl_grpo.loss_terms import INFERENCE_CORRECTIONS as INFERENCE_CORRECTIONS
 from torchrl_grpo.loss_terms import KL_ESTIMATORS as KL_ESTIMATORS
@@ -48,6 +57,7 @@ from torchrl_grpo.loss_terms import decoupled_behaviour_weight as decoupled_beha
 from torchrl_grpo.loss_terms import dual_clip_loss as dual_clip_loss
 from torchrl_grpo.loss_terms import effective_sample_size as effective_sample_size
 from torchrl_grpo.loss_terms import high_entropy_token_mask as high_entropy_token_mask
+from torchrl_grpo.loss_terms import k3_kl_token_estimate as k3_kl_token_estimate
 from torchrl_grpo.loss_terms import kl_trust_region_mask as kl_trust_region_mask
 from torchrl_grpo.loss_terms import masked_mean as masked_mean
 from torchrl_grpo.loss_terms import off_policy_sequence_mask as off_policy_sequence_mask
@@ -58,10 +68,14 @@ from torchrl_grpo.token_dist import token_log_prob_entropy as token_log_prob_ent
 
 __all__ = [
     "CISPOLoss",
+    "CISPOLossOutput",
+    "DAPO",
     "DAPOLoss",
+    "DAPOLossOutput",
     "DrGRPOLoss",
     "GRPOLoss",
     "GRPOLossOutput",
     "GSPOLoss",
+    "LLMLossOutput",
     "SAPOLoss",
 ]

@@ -280,7 +280,9 @@ class GRPOLoss(ClipPPOLoss):
             ``low < high``, are not checked then.
         TypeError: for a ClipPPOLoss or torchrl ``GRPOLoss`` argument that has no meaning
             here (``critic_network``, ``clip_value``, ``gamma``, ``normalize_advantage``,
-            ``max_importance_ratio``, ``delay_actor``...): the message names what replaces it
+            ``max_importance_ratio``, ``delay_actor``...; ``gamma=None`` and
+            ``clip_value=None``, torchrl ``GRPOLoss``'s no-op defaults, are accepted and
+            ignored, as there): the message names what replaces it
             (``max_importance_ratio``, ClipPPOLoss's cap on ``pi_theta / pi_behav``, is not
             ``tis_cap``, the cap on ``pi_old / pi_inference``; the message says which to
             use); a critic given positionally (``GRPOLoss(actor, critic)``); a per-head
@@ -356,6 +358,8 @@ class GRPOLoss(ClipPPOLoss):
     default_keys = _AcceptedKeys
     tensor_keys: _AcceptedKeys
     _schedulable_buffers = frozenset(COEFFICIENTS)
+    #: What :meth:`forward` returns (a preset may name a subclass, as torchrl's do).
+    output_type: type[GRPOLossOutput] = GRPOLossOutput
 
     def __init__(
         self,
@@ -577,7 +581,7 @@ class GRPOLoss(ClipPPOLoss):
         out = self._terms(inputs)
         if torch.compiler.is_compiling():
             tensordict.clear_refs_for_compile_()
-        return GRPOLossOutput(**out, batch_size=[])
+        return self.output_type(**out, batch_size=[])
 
     # --- read: what this call reads, and the policy's distribution over the batch -------------
 

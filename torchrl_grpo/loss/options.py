@@ -90,6 +90,8 @@ _REPLACED_KEYWORDS = {
     "advantage_key": "use loss.set_keys(advantage=...)",
     "entropy_coef": "use entropy_coeff",
 }
+#: Keywords torchrl's GRPOLoss takes and ignores when ``None``: accepted when ``None``.
+_TORCHRL_NO_OPS = ("gamma", "clip_value")
 #: ClipPPOLoss's tensordict keys that no part of GRPOLoss reads, and why: ``set_keys`` rejects
 #: them rather than accept a key that changes nothing.
 UNUSED_KEYS = {
@@ -276,7 +278,8 @@ def _actor(actor_network: Any, positional: tuple, replaced: Mapping[str, Any]) -
             f"GRPOLoss takes one positional argument, the policy, and got {len(positional)} "
             f"more (a critic, as ClipPPOLoss(actor, critic) takes?): {_NO_CRITIC}."
         )
-    others = dict(replaced)
+    # torchrl's GRPOLoss takes gamma=None and clip_value=None (its defaults) as no-ops: so here
+    others = {k: v for k, v in replaced.items() if not (k in _TORCHRL_NO_OPS and v is None)}
     actor = others.pop("actor", None)
     for name in others:
         if name in _REPLACED_KEYWORDS:

@@ -10,7 +10,7 @@ from tensordict import TensorClass, TensorDictBase
 CRITIC_ENTRIES = ("loss_critic", "value_clip_fraction", "explained_variance")
 
 
-class GRPOLossOutput(TensorClass["nocast"]):
+class LLMLossOutput(TensorClass["nocast"]):
     # tensordict's TensorClass replaces the class docstring: it is set again below.
 
     loss_objective: torch.Tensor
@@ -64,6 +64,28 @@ class GRPOLossOutput(TensorClass["nocast"]):
         return super().mean(*args, reduce=reduce, **kwargs)
 
 
+class GRPOLossOutput(LLMLossOutput):
+    # TensorClass gives each class its own indexing and reductions: keep LLMLossOutput's
+    __getitem__ = LLMLossOutput.__getitem__
+    mean = LLMLossOutput.mean
+
+
+class DAPOLossOutput(GRPOLossOutput):
+    __getitem__ = LLMLossOutput.__getitem__
+    mean = LLMLossOutput.mean
+
+
+class CISPOLossOutput(GRPOLossOutput):
+    __getitem__ = LLMLossOutput.__getitem__
+    mean = LLMLossOutput.mean
+
+
+LLMLossOutput.__doc__ = """The loss terms and metrics of :class:`GRPOLoss` and its presets
+    (torchrl's ``LLMLossOutput``, the base of the classes below): see :class:`GRPOLossOutput`."""
+DAPOLossOutput.__doc__ = """What :class:`DAPOLoss` returns (torchrl's ``DAPOLossOutput``): a
+    :class:`GRPOLossOutput`, under the name torchrl gives DAPO's output."""
+CISPOLossOutput.__doc__ = """What :class:`CISPOLoss` returns (torchrl's ``CISPOLossOutput``): a
+    :class:`GRPOLossOutput`, under the name torchrl gives CISPO's output."""
 GRPOLossOutput.__doc__ = """What :class:`GRPOLoss` returns: the terms to sum and the metrics to log.
 
     Every ``loss_*`` field is a differentiable scalar (or, with ``reduction="none"``, a per-token

@@ -14,8 +14,9 @@ from typing import Any, ClassVar
 
 from torchrl_grpo.loss.grpo import GRPOLoss
 from torchrl_grpo.loss.options import SAPO_TEMPERATURES
+from torchrl_grpo.loss.output import CISPOLossOutput, DAPOLossOutput
 
-__all__ = ["CISPOLoss", "DAPOLoss", "DrGRPOLoss", "GSPOLoss", "SAPOLoss"]
+__all__ = ["DAPO", "CISPOLoss", "DAPOLoss", "DrGRPOLoss", "GSPOLoss", "SAPOLoss"]
 
 
 class _PresetSignature:
@@ -92,6 +93,30 @@ class DAPOLoss(_Preset):
     defaults = MappingProxyType(
         {"clip_epsilon": (0.2, 0.28), "aggregation": "token_mean", "entropy_coeff": 0.0}
     )
+    output_type = DAPOLossOutput
+
+
+class DAPO(GRPOLoss):
+    """torchrl's ``DAPO``, under its name: :class:`GRPOLoss` with GRPOLoss's defaults, whose
+    output is a :class:`~torchrl_grpo.loss.output.DAPOLossOutput`.
+
+    torchrl's ``DAPO`` takes the clip-higher band as an argument and sets no default of DAPO's
+    paper; so does this one, so that ``from torchrl_grpo.loss import DAPO`` changes no number
+    of a torchrl script. :class:`DAPOLoss` is the preset with the paper's defaults.
+
+    Examples:
+        >>> import torch
+        >>> from tensordict.nn import TensorDictModule
+        >>> from torchrl.modules import ProbabilisticActor
+        >>> net = TensorDictModule(torch.nn.Linear(3, 5), ["hidden"], ["logits"])
+        >>> policy = ProbabilisticActor(net, in_keys=["logits"], out_keys=["tokens"],
+        ...     distribution_class=torch.distributions.Categorical)
+        >>> loss = DAPO(policy, clip_epsilon=(0.2, 0.28))
+        >>> loss.output_type.__name__, loss.clip_epsilon_high
+        ('DAPOLossOutput', tensor(0.2800))
+    """
+
+    output_type = DAPOLossOutput
 
 
 class DrGRPOLoss(_Preset):
@@ -218,6 +243,7 @@ class CISPOLoss(_Preset):
             "entropy_coeff": 0.0,
         }
     )
+    output_type = CISPOLossOutput
 
 
 class SAPOLoss(_Preset):
