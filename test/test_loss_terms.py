@@ -81,6 +81,21 @@ class TestPPOClipLoss:
         close(log_ratio.grad, [[-1.0, -1.1, 0.0], [0.0, 4.0, 7.0]])
 
 
+def test_ppo_clip_loss_survives_an_overflowing_ratio():
+    """log r = 90 overflows float32 (e^88.7): the loss is finite whatever the advantage's sign
+    and every gradient finite (the token's 0); below the cap nothing changes."""
+    log_ratio = torch.tensor([90.0, 90.0, 90.0, 19.0, 0.1], requires_grad=True)
+    advantage = torch.tensor([1.0, 0.0, -1.0, -1.0, 1.0])
+    loss = ppo_clip_loss(log_ratio, advantage, math.log(0.8), math.log(1.2))
+    capped = math.exp(20.0)
+    want = [-1.2, 0.0, capped, math.exp(19.0), -math.exp(0.1)]
+    torch.testing.assert_close(loss, torch.tensor(want), rtol=1e-6, atol=0)
+    loss.sum().backward()
+    assert torch.isfinite(log_ratio.grad).all()
+    assert log_ratio.grad[:3].tolist() == [0.0, 0.0, 0.0]
+    torch.testing.assert_close(log_ratio.grad[3:], torch.tensor([math.exp(19.0), -math.exp(0.1)]))
+
+
 class TestDualClipLoss:
     def test_hand_values(self):
         # row 1 (A = -1): 0.8 stays, 4.0 is capped at c|A| = 3

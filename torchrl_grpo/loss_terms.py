@@ -59,6 +59,7 @@ __all__ = [
     "AGGREGATIONS",
     "INFERENCE_CORRECTIONS",
     "KL_ESTIMATORS",
+    "MAX_LOG_RATIO",
     "OBJECTIVES",
     "RATIO_LEVELS",
     "aggregate_seq_mean_token_mean",
@@ -537,6 +538,10 @@ def decoupled_behaviour_weight(
 # ---------------------------------------------------------------------------------------------
 
 
+#: The cap of the unclipped log-ratio in :func:`ppo_clip_loss` (verl's): ``e^20``, about 4.9e8.
+MAX_LOG_RATIO = 20.0
+
+
 def ppo_clip_loss(
     log_ratio: torch.Tensor,
     advantage: torch.Tensor,
@@ -553,7 +558,11 @@ def ppo_clip_loss(
     PPO (Schulman et al., 2017, Eq. 7) with one ``epsilon``; DAPO's clip-higher (Yu et al., 2025,
     Eq. 10) decouples the bounds (``0.2``, ``0.28``). The ratio is clamped in log space, between
     ``log(1 - eps_low)`` and ``log(1 + eps_high)``, exactly as
-    :class:`torchrl.objectives.ClipPPOLoss` does. With a sequence-level ``log_ratio`` (see
+    :class:`torchrl.objectives.ClipPPOLoss` does. The unclipped ratio is capped at ``e^20``
+    (``MAX_LOG_RATIO``, verl's bound): past ``e^88`` it overflows float32, and ClipPPOLoss then
+    returns a ``nan`` loss where ``A = 0`` and ``nan`` gradients for every token; here such a
+    token's loss is finite and its gradient 0 (with ``A < 0`` its loss is ``|A| e^20``; the
+    dual clip, :func:`dual_clip_loss`, bounds it). With a sequence-level ``log_ratio`` (see
     :func:`sequence_log_ratio`) this is GSPO's objective.
 
     Args:
@@ -572,7 +581,9 @@ def ppo_clip_loss(
         >>> ppo_clip_loss(ratio.log(), adv, math.log(0.8), math.log(1.2))
         tensor([ 0.8000, -1.1000, -1.2000,  1.5000])
     """
-    ratio = log_ratio.exp()
+    # e^89 overflows float32: an inf ratio made the loss nan where A = 0 and every gradient
+    # nan (0 * inf in exp's backward) even where the clip won; capped at e^20, as verl does
+    ratio = log_ratio.clamp(max=MAX_LOG_RATIO).exp()
     clipped_ratio = log_ratio.clamp(log_clip_low, log_clip_high).exp()
     return -torch.minimum(ratio * advantage, clipped_ratio * advantage)
 

@@ -64,7 +64,10 @@ class DAPOLoss(_Preset):
     arXiv:2503.14476) decouples the clip band, ``[1 - 0.2, 1 + 0.28]`` (Eq. 10), so that
     low-probability tokens can grow, averages the loss over all tokens of the batch (its
     token-level policy-gradient loss, ``"token_mean"``) and drops the KL penalty. Its dynamic
-    sampling and overlong shaping act on the data, not on the loss.
+    sampling and overlong shaping act on the data, not on the loss. No dual clip, as in the
+    paper: verl's recipes run DAPO with its default ``clip_ratio_c=3.0``, so pass
+    ``clip_ratio_c=3.0`` to reproduce their numbers (see "Coming from verl or TRL" in the
+    migration guide).
 
     .. math:: L = \\frac{1}{\\sum_i |o_i|} \\sum_{i,t} -\\min\\big(r_{i,t} A_i,\\
         \\operatorname{clip}(r_{i,t}, 0.8, 1.28) A_i\\big)
