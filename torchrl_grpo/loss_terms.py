@@ -66,6 +66,7 @@ __all__ = [
     "aggregate_seq_mean_token_sum",
     "aggregate_seq_mean_token_sum_norm",
     "aggregate_token_mean",
+    "aggregation_sum",
     "cispo_loss",
     "clip_fractions",
     "decoupled_behaviour_weight",
@@ -269,6 +270,65 @@ def aggregate_seq_mean_token_sum_norm(
     if max_length <= 0:
         raise ValueError(f"max_length must be strictly positive, got {max_length}.")
     return aggregate_seq_mean_token_sum(loss, mask) / max_length
+
+
+def aggregation_sum(
+    aggregate: Callable[..., torch.Tensor], loss: torch.Tensor, mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A built-in aggregation as a sum and a count: ``aggregate(loss, mask) == sum / count``.
+
+    .. math:: L = \\frac{S}{N}, \\qquad S = \\sum_i s_i, \\qquad N = \\text{tokens or
+        sequences}
+
+    where ``s_i`` is sequence ``i``'s share: its token sum (``"token_mean"``,
+    ``"seq_mean_token_sum"``), its token mean (``"seq_mean_token_mean"``) or its token sum over
+    ``L_max`` (``"seq_mean_token_sum_norm"``), and ``N`` counts the real tokens
+    (``"token_mean"``) or the sequences holding one (the others). Both are sums over the batch,
+    so the sums of ``K`` micro-batches (and of ``R`` ranks) add up to the whole batch's: divided
+    by the whole batch's count, their gradients are the whole batch's. Averaging each
+    micro-batch's own mean instead weighs a token by the size of its micro-batch (TRL issues
+    3021 and 5619). :meth:`torchrl_grpo.GRPOLoss.summed` uses this.
+
+    Args:
+        aggregate (callable): one of :data:`AGGREGATIONS` (Dr. GRPO's with its ``max_length``
+            bound by ``functools.partial``, as ``GRPOLoss`` binds it).
+        loss (torch.Tensor): per-token loss ``(B, T)``.
+        mask (torch.Tensor): boolean ``(B, T)``, ``True`` on real tokens.
+
+    Returns:
+        tuple[torch.Tensor, torch.Tensor]: the sum ``S`` (a scalar, differentiable) and the
+        count ``N`` (an int64 scalar).
+
+    Raises:
+        ValueError: ``aggregate`` is not a built-in aggregation (a callable's sum is unknown).
+
+    Examples:
+        >>> import torch
+        >>> loss = torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0]])
+        >>> mask = torch.tensor([[True, True, True], [True, False, False]])
+        >>> aggregation_sum(aggregate_token_mean, loss, mask)  # 10 / 4 = 2.5
+        (tensor(10.), tensor(4))
+        >>> aggregation_sum(aggregate_seq_mean_token_mean, loss, mask)  # (2 + 4) / 2 = 3
+        (tensor(6.), tensor(2))
+    """
+    fn, keywords = aggregate, {}
+    if isinstance(aggregate, functools.partial):
+        fn, keywords = aggregate.func, aggregate.keywords
+    if fn is aggregate_token_mean:
+        return torch.where(mask, loss, 0.0).sum(), mask.sum()
+    seq_sum, seq_len, nonempty = _sequence_sums(loss, mask)
+    if fn is aggregate_seq_mean_token_mean:
+        total = torch.where(nonempty, seq_sum / seq_len.clamp_min(1), 0.0).sum()
+    elif fn is aggregate_seq_mean_token_sum:
+        total = seq_sum.sum()
+    elif fn is aggregate_seq_mean_token_sum_norm:
+        total = seq_sum.sum() / keywords["max_length"]
+    else:
+        raise ValueError(
+            f"aggregation {getattr(fn, '__name__', fn)!r} is not one of AGGREGATIONS: its sum "
+            "and count are unknown, so it cannot be summed over micro-batches exactly."
+        )
+    return total, nonempty.sum()
 
 
 #: Aggregations by name, for ``GRPOLoss(aggregation=...)``. Each maps a per-token loss and its

@@ -296,3 +296,72 @@ def response_mask(batch) -> torch.Tensor:
     for row, (t, p) in enumerate(zip(full, batch.get(("tokens", "prompt"), as_list=True))):
         response[row, width - t.numel() + p.numel() :] = True
     return response
+
+
+def ragged_token_batch(b=16, t=7, vocab=7, hidden=5, seed=3) -> TensorDict:
+    """``b`` token sequences of random lengths 0 to ``t`` (an empty row included)."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(0, t + 1, (b,), generator=g)
+    lengths[0], lengths[1] = 0, t
+    batch = token_batch(b=1, t=t, vocab=vocab, hidden=hidden, seed=seed)  # for the keys
+    return TensorDict(
+        {
+            "hidden": torch.randn(b, t, hidden, generator=g),
+            "tokens": torch.randint(vocab, (b, t), generator=g),
+            **{
+                key: -2.0 + 0.3 * torch.randn(b, t, generator=g)
+                for key in ("tokens_log_prob", "ref_log_prob")
+                if key in batch.keys()
+            },
+            "advantage": torch.randn(b, generator=g),
+            "mask": torch.arange(t) < lengths[:, None],
+        },
+        [b],
+    )
+
+
+def accumulated_grads(loss, policy, micro_batches, ranks=1, all_reduce=None):
+    """The gradients of ``micro_batches`` through ``loss.summed()``, normalized by their count
+    (``all_reduce``d when given): what one rank holds after accumulation."""
+    policy.zero_grad()
+    count = torch.zeros((), dtype=torch.long)
+    with loss.summed():
+        for micro_batch in micro_batches:
+            out = loss(micro_batch)
+            out.total_loss().backward()
+            count += out.normalization_count
+    if all_reduce is not None:
+        all_reduce(count)
+    loss.normalize_gradients(policy.parameters(), count, ranks=ranks)
+    return [p.grad.clone() for p in policy.parameters()]
+
+
+def ddp_accumulation_worker(rank, world, init_method, out_dir, kwargs):
+    """One rank of the DDP test: its half of the batch, two micro-batches, DDP on gloo."""
+    import os
+
+    import torch.distributed as dist
+
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback: no interface guessed
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
+    try:
+        _ddp_rank(rank, world, out_dir, kwargs)
+        dist.barrier()
+    finally:
+        # after the DDP module is gone: its reducer freed once the group is destroyed hangs
+        dist.destroy_process_group()
+
+
+def _ddp_rank(rank, world, out_dir, kwargs):
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    policy = token_policy()
+    linear = policy.module[0].module
+    policy.module[0].module = DistributedDataParallel(linear)
+    loss = GRPOLoss(policy, functional=False, **kwargs)
+    mine = ragged_token_batch()[rank::world]
+    grads = accumulated_grads(
+        loss, policy, mine.split([3, len(mine) - 3]), ranks=world, all_reduce=dist.all_reduce
+    )
+    torch.save(grads, f"{out_dir}/rank{rank}.pt")

@@ -44,6 +44,7 @@ from torchrl_grpo.loss_terms import (
     INFERENCE_CORRECTIONS,
     Objective,
     RatioLevel,
+    aggregation_sum,
     clip_fractions,
     decoupled_behaviour_weight,
     dual_clip_loss,
@@ -427,6 +428,7 @@ class GRPOLoss(ClipPPOLoss):
         self._objective = options.objective
         self._ratio_level = options.ratio_level
         self._aggregate = options.aggregate
+        self._summed = False  # inside summed(): the aggregation's sums, not its means
         self._kl_to_ref_estimator = options.kl_to_ref_estimator
         self._kl_to_inference_estimator = options.kl_to_inference_estimator
         self._inference_correction = options.inference_correction
@@ -553,6 +555,82 @@ class GRPOLoss(ClipPPOLoss):
             "torchrl_grpo.MCAdvantage writes it in the replay buffer."
         )
 
+    # --- exact normalization across micro-batches and ranks --------------------------------------
+
+    @contextlib.contextmanager
+    def summed(self):
+        """Inside, the loss terms are the aggregation's *sums*, and each output has their count.
+
+        With gradient accumulation (``K`` micro-batches) or data parallelism (``R`` ranks), the
+        mean of per-micro-batch means is not the whole batch's mean: a token of a short
+        micro-batch weighs more (TRL issues 3021 and 5619). Inside ``summed()``, every loss
+        term is ``S`` of :func:`~torchrl_grpo.loss_terms.aggregation_sum` (the aggregation
+        is ``S / N``) and the output's ``normalization_count`` is ``N``; add up the counts of
+        every micro-batch (and ``all_reduce`` them across ranks), then divide the gradients by
+        the total with :meth:`normalize_gradients`: they are the whole batch's gradients, for
+        every built-in aggregation. The metrics stay per-call means.
+
+        Raises:
+            ValueError: with a callable ``aggregation`` (its sum is unknown) or
+                ``reduction="none"``.
+
+        Examples:
+            >>> import torch
+            >>> from tensordict import TensorDict
+            >>> from tensordict.nn import TensorDictModule
+            >>> from torchrl.modules import ProbabilisticActor
+            >>> from torchrl_grpo import GRPOLoss
+            >>> net = TensorDictModule(torch.nn.Linear(3, 5), ["hidden"], ["logits"])
+            >>> policy = ProbabilisticActor(net, in_keys=["logits"], out_keys=["action"],
+            ...     distribution_class=torch.distributions.Categorical, return_log_prob=True)
+            >>> batch = TensorDict(hidden=torch.randn(8, 3), advantage=torch.randn(8),
+            ...     action=torch.randint(5, (8,)), action_log_prob=-torch.rand(8),
+            ...     batch_size=[8])
+            >>> loss = GRPOLoss(policy, entropy_coeff=0.0)
+            >>> count = 0
+            >>> with loss.summed():
+            ...     for micro_batch in batch.split(3):  # 3 + 3 + 2 steps
+            ...         out = loss(micro_batch)
+            ...         out.total_loss().backward()
+            ...         count += out.normalization_count
+            >>> loss.normalize_gradients(policy.parameters(), count)
+            >>> accumulated = net.module.weight.grad.clone()
+            >>> net.zero_grad()
+            >>> loss(batch).total_loss().backward()  # the whole batch at once
+            >>> torch.allclose(accumulated, net.module.weight.grad, atol=1e-7)
+            True
+        """
+        aggregation_sum(self._aggregate, torch.zeros(1, 1), torch.ones(1, 1, dtype=torch.bool))
+        if self.reduction == "none":
+            raise ValueError("summed() sums the aggregation; reduction='none' has none.")
+        self._summed = True
+        try:
+            yield self
+        finally:
+            self._summed = False
+
+    @staticmethod
+    def normalize_gradients(parameters, count, *, ranks: int = 1) -> None:
+        """Divide the accumulated gradients of :meth:`summed` calls by the batch's count.
+
+        Args:
+            parameters: the parameters whose ``.grad`` to scale (``model.parameters()``).
+            count (int or torch.Tensor): the sum of the ``normalization_count`` of every
+                micro-batch of every rank (``torch.distributed.all_reduce`` them first).
+            ranks (int, optional): how many ranks average their gradients: with
+                ``DistributedDataParallel`` (which divides the summed gradients by the world
+                size), the world size, so that the sum of every rank's is kept. Defaults to 1.
+
+        Raises:
+            ValueError: if ``count`` is not positive (no real token in the whole batch).
+        """
+        count = float(count)
+        if count <= 0:
+            raise ValueError(f"normalize_gradients: count must be positive, got {count}.")
+        for parameter in parameters:
+            if parameter.grad is not None:
+                parameter.grad.mul_(ranks / count)
+
     # --- forward: read -> terms -> output ---------------------------------------------------------
 
     def forward(self, tensordict: TensorDictBase) -> GRPOLossOutput:
@@ -665,6 +743,8 @@ class GRPOLoss(ClipPPOLoss):
         if x.truncated is not None:
             truncated = (x.truncated & mask).any(-1)  # (B,)
             out["truncated_fraction"] = (truncated.sum() / mask.any(-1).sum()).to(lp.dtype)
+        if self._summed:  # what the sums are to be divided by, over the whole batch
+            out["normalization_count"] = aggregation_sum(self._aggregate, lp.detach(), loss_mask)[1]
         return {**out, **self._regularisers(x, reduce)}
 
     def _loss_mask(self, x: Inputs, anchor: torch.Tensor) -> torch.Tensor:
@@ -685,6 +765,8 @@ class GRPOLoss(ClipPPOLoss):
             return torch.where(loss_mask, per_token, 0.0).reshape(shape)
         if not loss_mask.any():  # every token excluded: no gradient
             return (per_token * 0.0).sum()
+        if self._summed:
+            return aggregation_sum(self._aggregate, per_token, loss_mask)[0]
         return self._aggregate(per_token, loss_mask)
 
     def _regularisers(self, x: Inputs, reduce: Callable) -> dict[str, torch.Tensor]:

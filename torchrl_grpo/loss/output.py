@@ -33,6 +33,7 @@ class LLMLossOutput(TensorClass["nocast"]):
     max_ratio: torch.Tensor | None = None
     mean_ratio: torch.Tensor | None = None
     composite_entropy: TensorDictBase | None = None
+    normalization_count: torch.Tensor | None = None  # inside GRPOLoss.summed()
 
     def __getitem__(self, index):
         # out["loss_objective"], as a ClipPPOLoss TensorDict output is read
