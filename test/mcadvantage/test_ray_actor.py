@@ -118,9 +118,10 @@ def test_errors_are_raised_as_they_are_and_change_nothing(make):
 def test_warnings_are_issued_in_the_writer(make):
     t = make(2, prompt_key="seed", max_pending_groups=1)
     t.inv(trajectory(0, [1.0]))
-    with pytest.warns(RuntimeWarning, match="evict"):
+    with pytest.warns(RuntimeWarning, match="evict") as record:
         t.inv(trajectory(1, [1.0]))
     assert t.evicted_groups == 1
+    assert record[0].filename == __file__  # on the user's line, as the local transform's
 
 
 def test_a_named_actor_is_shared_and_left_running_by_who_found_it(make):

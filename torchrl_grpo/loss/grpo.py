@@ -600,6 +600,7 @@ class GRPOLoss(ClipPPOLoss):
             >>> torch.allclose(accumulated, net.module.weight.grad, atol=1e-7)
             True
         """
+        # raises now, not at the first call, for an aggregation whose sum is unknown
         aggregation_sum(self._aggregate, torch.zeros(1, 1), torch.ones(1, 1, dtype=torch.bool))
         if self.reduction == "none":
             raise ValueError("summed() sums the aggregation; reduction='none' has none.")

@@ -33,6 +33,7 @@ from tensordict import TensorDictBase
 
 from torchrl_grpo.mcadvantage.replica import OPERATIONS, Replica
 from torchrl_grpo.mcadvantage.transform import MCAdvantage
+from torchrl_grpo.mcadvantage.warn import recorded, reissue
 
 __all__ = ["RayMCAdvantage"]
 
@@ -63,10 +64,10 @@ class ReplicaActor:
                     raise AttributeError(f"MCAdvantage: no operation {name!r} in the Ray actor.")
                 value = getattr(self.replica, name)(*args)
             except Exception as err:  # raised in the writer
-                return err, None, _warnings(caught)
+                return err, None, recorded(caught)
             if name not in READ_ONLY:
                 self.version += 1
-        return None, value, _warnings(caught)
+        return None, value, recorded(caught)
 
     def attempt(self, tensordict: TensorDictBase) -> tuple:
         """Insert without committing what releases: ``(error, (token, released), warnings)``."""
@@ -75,16 +76,16 @@ class ReplicaActor:
             try:
                 outcome = self.replica.attempt(tensordict)
             except Exception as err:  # rejected: nothing changed
-                return err, None, _warnings(caught)
+                return err, None, recorded(caught)
         if outcome.out is None:  # nothing released: committed now, a lost reply loses nothing
             self.replica.commit(outcome)
             self.version += 1
-            return None, (None, None), _warnings(caught)
+            return None, (None, None), recorded(caught)
         token = next(self.tokens)
         self.attempts[token] = (self.version, outcome)
         while len(self.attempts) > KEPT_ATTEMPTS:
             del self.attempts[next(iter(self.attempts))]
-        return None, (token, outcome.out), _warnings(caught)
+        return None, (token, outcome.out), recorded(caught)
 
     def commit(self, token: int) -> bool:
         """Commit the attempt ``token``; ``False`` if the state changed since it was made."""
@@ -122,7 +123,7 @@ class RayOwner:
 
     def _get(self, ref):
         error, value, caught = self._ray.get(ref)
-        _warn(caught)
+        reissue(caught)
         if error is not None:
             raise error
         return value
@@ -230,12 +231,3 @@ class RayMCAdvantage(MCAdvantage):
         """End the actor this transform created (not a named one it found)."""
         if isinstance(self._replica, RayOwner) and self._owns_actor:
             self._replica._ray.kill(self._replica.actor)
-
-
-def _warnings(caught) -> list:
-    return [(w.category, str(w.message)) for w in caught]
-
-
-def _warn(caught) -> None:
-    for category, message in caught:
-        warnings.warn(message, category, stacklevel=4)

@@ -168,7 +168,7 @@ def _identical_to_zero(adv: Tensor, samples: _Samples, member_round, num_rounds:
     spread = sum(
         group_std(v, member_round, num_rounds, lengths=runs, by_time_step=True) for v in values
     )
-    same = spread == 0  # (R,) exact: equal samples have deviations of exactly 0
+    same = spread == 0  # (rounds,) exact: equal samples have deviations of exactly 0
     if not bool(same.any()):
         return adv
     return adv.masked_fill(samples.by_elems().expand(same[member_round]), 0.0)

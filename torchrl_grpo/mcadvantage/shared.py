@@ -67,6 +67,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from torchrl_grpo.mcadvantage.replica import OPERATIONS, Replica
+from torchrl_grpo.mcadvantage.warn import recorded, reissue
 
 _HEADER = struct.Struct("<Q")
 _ACK, _DONE = b"A", b"D"
@@ -257,7 +258,7 @@ class Owner:
         """The replica's operation ``name`` with ``args``, in the owner."""
         reply = self._exchange(pickle.dumps((self.key, name, args), protocol=5))
         kind, value, caught = pickle.loads(reply)
-        _warn(caught)
+        reissue(caught)
         if kind == _REJECTED:
             raise value
         return value
@@ -271,7 +272,7 @@ class Owner:
         request = pickle.dumps((self.key, None, encode(tensordict)), protocol=5)
         kind, value, caught = pickle.loads(self._exchange(request, pause))
         if kind != _RELEASED:  # rejected (nothing changed), or held back (committed)
-            _warn(caught)
+            reissue(caught)
             if kind == _REJECTED:
                 raise value
             return None
@@ -299,7 +300,7 @@ class Owner:
             raise OwnerGone(
                 f"MCAdvantage: unexpected reply {bytes(done)!r} from the owner process."
             )
-        _warn(caught)
+        reissue(caught)
         return out
 
     def forget(self) -> None:
@@ -308,11 +309,6 @@ class Owner:
             self.call("forget")
         except Exception:  # the owner may be gone already (interpreter exit)
             pass
-
-
-def _warn(caught) -> None:
-    for category, message in caught:
-        warnings.warn(message, category, stacklevel=5)
 
 
 def _pause_point() -> str | None:
@@ -522,8 +518,7 @@ class _Server:
 
 
 def _reply(kind: int, value, caught) -> bytes:
-    warned = [(w.category, str(w.message)) for w in caught]
-    return pickle.dumps((kind, value, warned), protocol=5)
+    return pickle.dumps((kind, value, recorded(caught)), protocol=5)
 
 
 def _picklable(err: Exception) -> Exception:
