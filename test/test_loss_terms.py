@@ -27,12 +27,17 @@ from torchrl_grpo.loss_terms import (
     aggregate_seq_mean_token_sum,
     aggregate_seq_mean_token_sum_norm,
     aggregate_token_mean,
+    aggregate_token_sum,
     cispo_loss,
     clip_fractions,
     decoupled_behaviour_weight,
+    dppo_kl_mask,
+    dppo_tv_mask,
     dual_clip_loss,
     effective_sample_size,
     high_entropy_token_mask,
+    importance_weighted_kl,
+    inference_mismatch,
     kl_k1,
     kl_k2,
     kl_k3,
@@ -43,8 +48,12 @@ from torchrl_grpo.loss_terms import (
     ppo_clip_loss,
     sapo_loss,
     sequence_log_ratio,
+    sequence_sum_log_ratio,
+    sequence_veto_mask,
     truncate_importance_weight,
     truncated_is_weight,
+    two_sided_clip_loss,
+    vespo_loss,
 )
 
 LOW, HIGH = math.log(0.8), math.log(1.2)
@@ -198,6 +207,7 @@ class TestAggregations:
             "seq_mean_token_mean",
             "seq_mean_token_sum",
             "seq_mean_token_sum_norm",
+            "token_sum",
         }
 
     @pytest.mark.parametrize("name", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"])
@@ -509,3 +519,124 @@ class TestHighEntropyTokenMask:
         mask = torch.rand(5, 7, generator=g) > 0.3
         mask[0, 0] = True
         close(masked_quantile(x, mask, q), torch.quantile(x[mask], q), atol=1e-12)
+
+
+# --- the 2026 terms, on the running example -------------------------------------------------
+
+
+class TestTokenSum:
+    def test_hand_value(self):
+        close(aggregate_token_sum(ppo_losses(), MASK), -3.3 + 4.8)
+
+
+class TestTwoSidedClip:
+    def test_hand_values(self):
+        # row 1's ratio 4 with A = -1: PPO's loss 4.0, capped at delta = 3; the rest unchanged
+        loss = two_sided_clip_loss(RATIO.log(), ADV, LOW, HIGH, 3.0)
+        close(loss[MASK], [-1.0, -1.1, -1.2, 0.8, 3.0])
+
+    def test_equals_the_dual_clip_above_the_band(self):
+        ppo = ppo_losses()
+        for delta in (1.2, 1.5, 3.0, 100.0):  # delta >= 1 + eps_high
+            close(
+                two_sided_clip_loss(RATIO.log(), ADV, LOW, HIGH, delta),
+                dual_clip_loss(ppo, ADV, delta),
+            )
+
+    def test_below_the_band_it_caps_positive_advantages_too(self):
+        # delta = 1.05 < 1.2: row 0's ratios 1.1 and 1.5 give -1.05 where PPO gives -1.1, -1.2
+        loss = two_sided_clip_loss(RATIO.log(), ADV, LOW, HIGH, 1.05)
+        close(loss[0], [-1.0, -1.05, -1.05])
+
+
+class TestVESPO:
+    def test_hand_values(self):
+        # row 0: W = 1 * 1.1 * 1.5 = 1.65, A = +1: phi = 1.65^2 e^{3 (1 - 1.65)}
+        # row 1: W = 0.5 * 4 = 2, A = -1: phi = 2^3 e^{2 (1 - 2)}
+        log_w = sequence_sum_log_ratio(RATIO.log(), MASK)
+        close(log_w[:, 0], [math.log(1.65), math.log(2.0)], atol=1e-5)
+        log_prob = torch.full((2, 3), -1.0, requires_grad=True)
+        vespo_loss(log_w, ADV, log_prob).sum().backward()
+        phi = [1.65**2 * math.exp(3 * (1 - 1.65)), 8 * math.exp(-2.0)]
+        close(log_prob.grad[:, 0], [-phi[0], phi[1]], atol=1e-5)
+
+    def test_on_policy_is_reinforce(self):
+        log_prob = torch.randn(2, 3, requires_grad=True)
+        vespo_loss(torch.zeros(2, 3), ADV, log_prob).sum().backward()
+        close(log_prob.grad, -ADV.expand(2, 3))
+
+    def test_overflowing_weights_give_no_nan(self):
+        log_prob = torch.full((1, 2), -1.0, requires_grad=True)
+        loss = vespo_loss(torch.full((1, 2), 500.0), torch.ones(1, 1), log_prob)
+        loss.sum().backward()
+        assert torch.isfinite(log_prob.grad).all()
+
+    def test_sequence_sum_clamps_tokens_and_sum(self):
+        log_ratio = torch.tensor([[30.0, -5.0, 0.0], [-15.0, -15.0, 9.0]])
+        mask = torch.tensor([[True, True, False], [True, True, False]])
+        close(sequence_sum_log_ratio(log_ratio, mask)[:, 0], [15.0, -20.0])
+
+
+class TestImportanceWeightedKL:
+    def test_hand_values_and_gradient(self):
+        # r = 1.1 and 0.5: the estimate times r; the gradient of r k is r (log r... + k)
+        log_prob = torch.tensor([0.55, 0.25]).log().requires_grad_()
+        old, ref = torch.tensor([0.5, 0.5]).log(), torch.tensor([0.5, 0.5]).log()
+        kl = kl_k3(log_prob, ref)
+        weighted = importance_weighted_kl(kl, log_prob - old)
+        close(weighted, torch.tensor([1.1, 0.5]) * kl.detach())
+        weighted.sum().backward()
+        # d/dlogp [r (e^{ref - lp} - 1 - (ref - lp))] = r k + r (1 - e^{ref - lp})
+        d = (ref - log_prob).detach()
+        want = torch.tensor([1.1, 0.5]) * (kl.detach() + 1 - d.exp())
+        close(log_prob.grad, want)
+
+
+class TestDPPOMasks:
+    # p_old 0.5 everywhere but row 1's second token (0.1); p 0.5, 0.55, 0.75 | 0.25, 0.4
+    P_NOW = torch.tensor([[0.5, 0.55, 0.75], [0.25, 0.4, 0.9]])
+    P_OLD = torch.tensor([[0.5, 0.5, 0.5], [0.5, 0.1, 0.5]])
+
+    def test_tv_hand_values(self):
+        # moves +0, +.05, +.25 (A > 0: > .1 masked) | -.25, +.3 (A < 0: < -.1 masked)
+        keep = dppo_tv_mask(self.P_NOW.log(), self.P_OLD.log(), ADV, MASK, 0.1, 0.1)
+        assert keep.tolist() == [[True, True, False], [False, True, False]]
+
+    def test_kl_hand_values(self):
+        d = lambda p, q: q * math.log(q / p) + (1 - q) * math.log((1 - q) / (1 - p))  # noqa: E731
+        # 0.75 vs 0.5: D = 0.144 (A > 0, rising: masked above 0.1); 0.25 vs 0.5: D = 0.144
+        # (A < 0, falling: masked); 0.4 vs 0.1: rising against A < 0: kept whatever D
+        assert d(0.75, 0.5) > 0.1 and d(0.55, 0.5) < 0.1
+        keep = dppo_kl_mask(self.P_NOW.log(), self.P_OLD.log(), ADV, MASK, 0.1, 0.1)
+        assert keep.tolist() == [[True, True, False], [False, True, False]]
+        keep = dppo_kl_mask(self.P_NOW.log(), self.P_OLD.log(), ADV, MASK, 0.2, 0.2)
+        assert keep.tolist() == [[True, True, True], [True, True, False]]
+
+    def test_zero_advantage_takes_the_negative_branch(self):
+        # verl: only A > 0 reads the positive bound; A = 0 is bounded below
+        keep = dppo_tv_mask(self.P_NOW.log(), self.P_OLD.log(), torch.zeros(2, 1), MASK, 0.1, 0.1)
+        assert keep.tolist() == [[True, True, True], [False, True, False]]
+
+
+class TestMismatch:
+    # rho = pi_old / pi_inference: 2, 1, 1 | 1, 0.5 (the running example's real tokens)
+    RHO = torch.tensor([[2.0, 1.0, 1.0], [1.0, 0.5, 7.0]])
+
+    def test_hand_values(self):
+        stats = inference_mismatch(self.RHO.log(), MASK)
+        close(stats["chi2_token"], (4 + 1 + 1 + 1 + 0.25) / 5 - 1)
+        close(stats["chi2_sequence"], (4 + 0.25) / 2 - 1)
+        k3 = [2 - 1 - math.log(2), 0.5 - 1 - math.log(0.5)]
+        close(stats["seq_max_k3_mean"], sum(k3) / 2)
+        close(stats["seq_max_k3_max"], max(k3))
+
+    def test_agreement_is_zero(self):
+        stats = inference_mismatch(torch.zeros(2, 3), MASK)
+        for value in stats.values():
+            close(value, 0.0)
+
+    def test_veto(self):
+        keep = sequence_veto_mask(self.RHO.log(), MASK, 0.25)  # k3: 0.307 | 0.193
+        assert keep.tolist() == [[False, False, False], [True, True, False]]
+        empty = torch.zeros(1, 3, dtype=torch.bool)
+        assert not sequence_veto_mask(torch.zeros(1, 3), empty, 0.1).any()

@@ -42,6 +42,14 @@ References:
   for policy optimization", arXiv:2110.00641.
 * High-entropy tokens: Wang et al., 2025, "Beyond the 80/20 Rule: High-Entropy Minority Tokens
   Drive Effective Reinforcement Learning for LLM Reasoning", arXiv:2506.01939.
+* DPPO: "Rethinking the Trust Region in LLM RL", 2026, arXiv:2602.04879 (verl's ``dppo_tv`` /
+  ``dppo_kl``).
+* Two-sided clip: Prime Intellect, 2025, "INTELLECT-2: A Reasoning Model Trained Through
+  Globally Decentralized Reinforcement Learning", arXiv:2505.07291 (TRL's ``delta``).
+* VESPO: 2026, arXiv:2602.10693 (TRL's ``loss_type="vespo"``).
+* Adaptive entropy: He et al., 2025, "Skywork Open Reasoner 1 Technical Report",
+  arXiv:2505.22312 (TRL's ``use_adaptive_entropy``).
+* Mismatch diagnostics and the sequence veto: verl's ``rollout_corr_helper`` (0.9.0).
 
 Shapes are checked at the top of the functions that combine per-token and per-sequence tensors
 (rlax's habit): a ``(B,)`` advantage against a ``(B, T)`` ratio raises a ``ValueError`` instead
@@ -51,6 +59,7 @@ of broadcasting into a ``(B, B)`` loss.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 
 import torch
@@ -62,6 +71,9 @@ __all__ = [
     "MAX_LOG_RATIO",
     "OBJECTIVES",
     "RATIO_LEVELS",
+    "TRUST_REGIONS",
+    "adaptive_entropy_coeff",
+    "aggregate_token_sum",
     "aggregate_seq_mean_token_mean",
     "aggregate_seq_mean_token_sum",
     "aggregate_seq_mean_token_sum_norm",
@@ -70,9 +82,13 @@ __all__ = [
     "cispo_loss",
     "clip_fractions",
     "decoupled_behaviour_weight",
+    "dppo_kl_mask",
+    "dppo_tv_mask",
     "dual_clip_loss",
     "effective_sample_size",
     "high_entropy_token_mask",
+    "importance_weighted_kl",
+    "inference_mismatch",
     "k3_kl_token_estimate",
     "kl_k1",
     "kl_k2",
@@ -85,8 +101,12 @@ __all__ = [
     "ppo_clip_loss",
     "sapo_loss",
     "sequence_log_ratio",
+    "sequence_sum_log_ratio",
+    "sequence_veto_mask",
     "truncate_importance_weight",
     "truncated_is_weight",
+    "two_sided_clip_loss",
+    "vespo_loss",
 ]
 
 
@@ -272,6 +292,35 @@ def aggregate_seq_mean_token_sum_norm(
     return aggregate_seq_mean_token_sum(loss, mask) / max_length
 
 
+def aggregate_token_sum(loss: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    r"""Sum over every real token of the batch, divided by nothing (verl's ``"token-sum"``).
+
+    .. math:: L = \sum_i \sum_{t=1}^{|o_i|} \ell_{i,t}
+
+    verl's ``loss_agg_mode="token-sum"`` (August 2026): no count, no constant, so the loss of a
+    batch is the sum of the losses of its parts. Micro-batches add up as they are; with
+    ``DistributedDataParallel`` (which averages the ranks' gradients) multiply the gradients
+    by the world size, as verl multiplies the loss by ``dp_size``
+    (``GRPOLoss.normalize_gradients(params, 1, ranks=world_size)``). The gradient's scale grows
+    with the batch: pick the learning rate for the number of tokens of a step.
+
+    Args:
+        loss (torch.Tensor): per-token loss ``(B, T)``.
+        mask (torch.Tensor): boolean ``(B, T)``, ``True`` on real tokens.
+
+    Returns:
+        torch.Tensor: a scalar.
+
+    Examples:
+        >>> import torch
+        >>> loss = torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 9.0]])
+        >>> mask = torch.tensor([[True, True, True], [True, False, False]])
+        >>> aggregate_token_sum(loss, mask)  # 1 + 2 + 3 + 4
+        tensor(10.)
+    """
+    return torch.where(mask, loss, 0.0).sum()
+
+
 def aggregation_sum(
     aggregate: Callable[..., torch.Tensor], loss: torch.Tensor, mask: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -300,7 +349,8 @@ def aggregation_sum(
         count ``N`` (an int64 scalar).
 
     Raises:
-        ValueError: ``aggregate`` is not a built-in aggregation (a callable's sum is unknown).
+        ValueError: ``aggregate`` is not a built-in aggregation (a callable's sum is unknown),
+            or is :func:`aggregate_token_sum`: a sum already, its parts add up with no count.
 
     Examples:
         >>> import torch
@@ -316,6 +366,13 @@ def aggregation_sum(
         fn, keywords = aggregate.func, aggregate.keywords
     if fn is aggregate_token_mean:
         return torch.where(mask, loss, 0.0).sum(), mask.sum()
+    if fn is aggregate_token_sum:
+        raise ValueError(
+            "aggregation 'token_sum' is a sum already: the losses of micro-batches add up with "
+            "no count to divide by. Call the loss outside summed(); with "
+            "DistributedDataParallel, multiply the gradients by the world size: "
+            "GRPOLoss.normalize_gradients(params, 1, ranks=world_size)."
+        )
     seq_sum, seq_len, nonempty = _sequence_sums(loss, mask)
     if fn is aggregate_seq_mean_token_mean:
         total = torch.where(nonempty, seq_sum / seq_len.clamp_min(1), 0.0).sum()
@@ -338,6 +395,7 @@ AGGREGATIONS: dict[str, Callable[..., torch.Tensor]] = {
     "seq_mean_token_mean": aggregate_seq_mean_token_mean,
     "seq_mean_token_sum": aggregate_seq_mean_token_sum,
     "seq_mean_token_sum_norm": aggregate_seq_mean_token_sum_norm,
+    "token_sum": aggregate_token_sum,
 }
 
 
@@ -378,6 +436,38 @@ def sequence_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Ten
     return seq_log_ratio.expand_as(log_ratio)
 
 
+def sequence_sum_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    r"""The log of the product of a sequence's token ratios, broadcast back over its tokens.
+
+    .. math:: \log W_i = \operatorname{clip}\Big(\sum_{t=1}^{|o_i|}
+        \operatorname{clip}(\log r_{i,t}, -20, 20),\ -20,\ 20\Big)
+
+    The sequence importance weight of VESPO (:func:`vespo_loss`): the plain product of the
+    token ratios, where GSPO takes their geometric mean (:func:`sequence_log_ratio`). Each
+    token's log-ratio and the sum are clamped to ``[-20, 20]`` (``MAX_LOG_RATIO``; TRL clamps
+    the tokens there), so that ``W`` and the ratio metrics stay finite over long sequences.
+    A sequence with no real token gets ``log W = 0``.
+
+    Args:
+        log_ratio (torch.Tensor): per-token log-ratio ``(B, T)``.
+        mask (torch.Tensor): boolean ``(B, T)``, ``True`` on real tokens.
+
+    Returns:
+        torch.Tensor: ``(B, T)``, each row constant and equal to its sequence's ``log W_i``.
+
+    Examples:
+        >>> import torch
+        >>> log_ratio = torch.tensor([[0.1, 0.3, 9.0], [15.0, 15.0, 0.0]])
+        >>> mask = torch.tensor([[True, True, False], [True, True, False]])
+        >>> sequence_sum_log_ratio(log_ratio, mask)
+        tensor([[ 0.4000,  0.4000,  0.4000],
+                [20.0000, 20.0000, 20.0000]])
+    """
+    clamped = log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    total = torch.where(mask, clamped, 0.0).sum(-1, keepdim=True)  # (B, 1)
+    return total.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO).expand_as(log_ratio)
+
+
 def _token_level(log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     # one value per token: the per-token log-ratio (or log-weight) as it is
     return log_ratio
@@ -387,8 +477,13 @@ def _token_level(log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 RatioLevel = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 #: Levels of the importance ratio by name, for ``GRPOLoss(ratio_level=...)``: one ratio per
-#: token (PPO, GRPO) or GSPO's length-normalised one per sequence.
-RATIO_LEVELS: dict[str, RatioLevel] = {"token": _token_level, "sequence": sequence_log_ratio}
+#: token (PPO, GRPO), GSPO's length-normalised one per sequence, or the product of a sequence's
+#: token ratios (VESPO's).
+RATIO_LEVELS: dict[str, RatioLevel] = {
+    "token": _token_level,
+    "sequence": sequence_log_ratio,
+    "sequence_sum": sequence_sum_log_ratio,
+}
 
 
 def truncated_is_weight(
@@ -772,6 +867,101 @@ def sapo_loss(
     return -gate * advantage
 
 
+def two_sided_clip_loss(
+    log_ratio: torch.Tensor,
+    advantage: torch.Tensor,
+    log_clip_low: float | torch.Tensor,
+    log_clip_high: float | torch.Tensor,
+    delta: float | torch.Tensor,
+) -> torch.Tensor:
+    r"""PPO's clipped surrogate with the unclipped ratio also capped at ``delta`` (two-sided clip).
+
+    .. math:: \ell_t = -\min\big(\min(r_t, \delta)\, A_t,\
+        \operatorname{clip}(r_t, 1-\varepsilon_{low}, 1+\varepsilon_{high})\, A_t\big)
+
+    INTELLECT-2 (Prime Intellect, 2025, arXiv:2505.07291): with ``A < 0`` PPO's loss
+    ``|A| max(r, clip(r))`` grows without bound with ``r``; capping ``r`` at ``delta`` bounds it
+    at ``delta |A|`` and zeroes the gradient of those tokens. TRL's ``delta`` (``4`` in its
+    INTELLECT-2 recipe), which recommends ``delta > 1 + eps_high``: then positive advantages
+    are untouched and this equals the dual clip with ``c = delta`` (:func:`dual_clip_loss`).
+    Below ``1 + eps_high``, ``delta`` is also the upper bound of positive advantages' ratios.
+
+    Args:
+        log_ratio (torch.Tensor): ``log r`` per token, ``(B, T)``.
+        advantage (torch.Tensor): ``A``, broadcastable to ``log_ratio``.
+        log_clip_low (float or torch.Tensor): ``log(1 - eps_low)``.
+        log_clip_high (float or torch.Tensor): ``log(1 + eps_high)``.
+        delta (float or torch.Tensor): the cap ``delta > 1``.
+
+    Returns:
+        torch.Tensor: the per-token loss, same shape as ``log_ratio``.
+
+    Examples:
+        >>> import math, torch
+        >>> ratio = torch.tensor([6.0, 6.0, 2.0])
+        >>> adv = torch.tensor([-1.0, 1.0, -1.0])
+        >>> two_sided_clip_loss(ratio.log(), adv, math.log(0.8), math.log(1.2), 4.0)
+        tensor([ 4.0000, -1.2000,  2.0000])
+    """
+    ratio = log_ratio.clamp(max=MAX_LOG_RATIO).exp().clamp(max=delta)
+    clipped_ratio = log_ratio.clamp(log_clip_low, log_clip_high).exp()
+    return -torch.minimum(ratio * advantage, clipped_ratio * advantage)
+
+
+def vespo_loss(
+    log_weight: torch.Tensor,
+    advantage: torch.Tensor,
+    log_prob: torch.Tensor,
+    k_pos: float = 2.0,
+    lambda_pos: float = 3.0,
+    k_neg: float = 3.0,
+    lambda_neg: float = 2.0,
+) -> torch.Tensor:
+    r"""VESPO: the sequence weight smoothed by a Gamma-shaped kernel, its gradient stopped.
+
+    .. math:: \ell_{i,t} = -\operatorname{sg}\big[\phi(W_i)\big]\, A_i\,
+        \log \pi_\theta(o_{i,t}), \qquad \phi(W) = W^{k}\, e^{\lambda (1 - W)}
+
+    (arXiv:2602.10693; TRL's ``loss_type="vespo"``.) ``W_i`` is the product of the sequence's
+    token ratios (:func:`sequence_sum_log_ratio`), its log clamped to ``[log 1e-8, 20]``;
+    ``phi(1) = 1``, so on-policy the gradient is REINFORCE's, and ``phi`` decays smoothly as
+    ``W`` leaves 1, fast when it grows (``e^{-lambda W}``) and as ``W^k`` when it shrinks, where
+    PPO's clip cuts the gradient at a hard bound. ``(k, lambda)`` is ``(k_pos, lambda_pos)``
+    for ``A >= 0`` and ``(k_neg, lambda_neg)`` for ``A < 0``; TRL's defaults ``(2, 3)`` and
+    ``(3, 2)``. ``lambda`` is floored at ``1e-4`` and a non-finite ``phi`` is 0, as TRL does.
+    Like CISPO's, the value of this loss is not a PPO loss value; only its gradient is.
+
+    Args:
+        log_weight (torch.Tensor): ``log W`` per token, ``(B, T)`` (each row constant).
+        advantage (torch.Tensor): ``A``, broadcastable to ``log_weight``.
+        log_prob (torch.Tensor): ``log pi_theta`` of the sampled tokens, ``(B, T)``, with grad.
+        k_pos, lambda_pos (float): the kernel for ``A >= 0``. Default to ``2.0``, ``3.0``.
+        k_neg, lambda_neg (float): the kernel for ``A < 0``. Default to ``3.0``, ``2.0``.
+
+    Returns:
+        torch.Tensor: the per-token loss, same shape as ``log_weight``.
+
+    Examples:
+        >>> import math, torch
+        >>> log_prob = torch.tensor([[-1.0], [-1.0], [-1.0]], requires_grad=True)
+        >>> log_w = torch.tensor([[0.0], [math.log(2.0)], [math.log(2.0)]])  # W = 1, 2, 2
+        >>> loss = vespo_loss(log_w, torch.tensor([[1.0], [1.0], [-1.0]]), log_prob)
+        >>> loss.sum().backward()
+        >>> log_prob.grad  # -phi(W) A: phi(1) = 1, 4 e^-3 = 0.199 (A > 0), -8 e^-2 = -1.083
+        tensor([[-1.0000],
+                [-0.1991],
+                [ 1.0827]])
+    """
+    with torch.no_grad():
+        log_w = log_weight.clamp(math.log(1e-8), MAX_LOG_RATIO)
+        positive = advantage >= 0
+        k = torch.where(positive, k_pos, k_neg)
+        lam = torch.where(positive, lambda_pos, lambda_neg).clamp(min=1e-4)
+        log_phi = lam + k * log_w - lam * log_w.exp()
+        phi = log_phi.exp().nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+    return -phi * advantage * log_prob
+
+
 def _clip_objective(log_ratio, advantage, log_prob, log_clip_low, log_clip_high):
     # the PPO surrogate does not use log_prob; the uniform signature lets objectives be swapped
     return ppo_clip_loss(log_ratio, advantage, log_clip_low, log_clip_high)
@@ -790,13 +980,33 @@ Objective = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor
 ]
 
+
+def _vespo_objective(
+    log_ratio,
+    advantage,
+    log_prob,
+    log_clip_low,
+    log_clip_high,
+    *,
+    k_pos,
+    lambda_pos,
+    k_neg,
+    lambda_neg,
+):
+    # VESPO's kernel replaces the clip; log_ratio is the sequence's log W (ratio_level
+    # "sequence_sum")
+    return vespo_loss(log_ratio, advantage, log_prob, k_pos, lambda_pos, k_neg, lambda_neg)
+
+
 #: Surrogate objectives by name, for ``GRPOLoss(objective=...)``: PPO's clip
-#: (:func:`ppo_clip_loss`), :func:`cispo_loss` and SAPO's gate (:func:`sapo_loss`, whose
-#: temperatures ``GRPOLoss`` binds as ``temperature_pos`` / ``temperature_neg`` keywords).
+#: (:func:`ppo_clip_loss`), :func:`cispo_loss`, SAPO's gate (:func:`sapo_loss`, whose
+#: temperatures ``GRPOLoss`` binds as ``temperature_pos`` / ``temperature_neg`` keywords) and
+#: VESPO's kernel (:func:`vespo_loss`, its ``k`` and ``lambda`` bound the same way).
 OBJECTIVES: dict[str, Objective] = {
     "clip": _clip_objective,
     "cispo": cispo_loss,
     "sapo": _sapo_objective,
+    "vespo": _vespo_objective,
 }
 
 
@@ -910,6 +1120,35 @@ def k3_kl_token_estimate(target_log_prob: torch.Tensor, log_prob: torch.Tensor) 
     return kl_k3(log_prob, target_log_prob, clamp=None)
 
 
+def importance_weighted_kl(kl: torch.Tensor, log_ratio: torch.Tensor) -> torch.Tensor:
+    r"""The per-token KL estimate weighted by the importance ratio: the unbiased KL.
+
+    .. math:: \widehat{KL}_t = \frac{\pi_\theta(o_t)}{\pi_{old}(o_t)}\, k_t
+
+    DeepSeek-V3.2 (DeepSeek-AI, 2025, arXiv:2512.02556, Eq. 8): the tokens were sampled by
+    ``pi_old``, not ``pi_theta``, so the estimate ``k_t`` of ``KL(pi_theta || pi_ref)`` (k3 in
+    the paper) is weighted by ``r_t``; the ratio keeps its gradient, which makes the KL term's
+    gradient the reverse KL's even off-policy, and changes it on-policy too (``r = 1`` in
+    value, not in gradient). TRL's ``use_bias_correction_kl`` (on by default in TRL 1.16),
+    slime's ``--use-unbiased-kl``. The log-ratio is capped at ``MAX_LOG_RATIO`` before ``exp``.
+
+    Args:
+        kl (torch.Tensor): the per-token estimate ``k_t`` (e.g. :func:`kl_k3`), ``(B, T)``.
+        log_ratio (torch.Tensor): ``log pi_theta - log pi_old``, ``(B, T)``, with grad.
+
+    Returns:
+        torch.Tensor: ``r_t k_t``, same shape.
+
+    Examples:
+        >>> import math, torch
+        >>> log_prob = torch.tensor([-1.0, -1.0], requires_grad=True)
+        >>> kl = kl_k3(log_prob, torch.tensor([-1.0, -2.0]))  # 0 and e^-1 - 1 + 1 = 0.368
+        >>> importance_weighted_kl(kl, log_prob - torch.tensor([-1.0, -1.0 - math.log(2.0)]))
+        tensor([0.0000, 0.7358], grad_fn=<MulBackward0>)
+    """
+    return log_ratio.clamp(max=MAX_LOG_RATIO).exp() * kl
+
+
 #: KL estimators by name, for ``GRPOLoss(kl_to_ref_estimator=..., kl_to_inference_estimator=...)``.
 KL_ESTIMATORS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
     "k1": kl_k1,
@@ -1000,6 +1239,242 @@ def off_policy_sequence_mask(
         drift = torch.where(mask, sampler_log_prob - log_prob, 0.0)  # (B, T)
         seq_kl = drift.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp_min(1)  # (B, 1)
         return mask & ((advantage >= 0) | (seq_kl <= threshold))
+
+
+def dppo_tv_mask(
+    log_prob: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    advantage: torch.Tensor,
+    mask: torch.Tensor,
+    low: float | torch.Tensor,
+    high: float | torch.Tensor,
+) -> torch.Tensor:
+    r"""DPPO's trust region on the token's probability, total-variation form.
+
+    .. math:: M_t = 0 \ \text{if}\ \begin{cases} \pi_\theta(o_t) - \pi_{old}(o_t) >
+        \delta_{high} & A_t > 0 \\ \pi_\theta(o_t) - \pi_{old}(o_t) < -\delta_{low} &
+        A_t \le 0 \end{cases}, \quad 1 \ \text{otherwise}
+
+    DPPO ("Rethinking the Trust Region in LLM RL", arXiv:2602.04879) bounds how far each
+    sampled token's *probability* moves, where PPO bounds its ratio: a ratio of 2 on a token
+    of probability 1e-4 moves the policy by 1e-4, on a token of probability 0.4 by 0.4. A
+    token leaves the policy-gradient term once it has moved past the bound in the direction
+    its advantage pushes it (up for ``A > 0``, down otherwise). verl's ``dppo_tv`` (its
+    ``clip_ratio_low`` / ``clip_ratio_high``; ``0.15`` in its DPPO recipe). No gradient.
+
+    Args:
+        log_prob (torch.Tensor): ``log pi_theta`` per token, ``(B, T)``.
+        old_log_prob (torch.Tensor): ``log pi_old`` (the policy the trust region is around).
+        advantage (torch.Tensor): ``A``, ``(B, 1)`` or ``(B, T)``.
+        mask (torch.Tensor): boolean ``(B, T)``, ``True`` on real tokens.
+        low (float or torch.Tensor): ``delta_low``, the drop allowed for ``A <= 0``.
+        high (float or torch.Tensor): ``delta_high``, the rise allowed for ``A > 0``.
+
+    Returns:
+        torch.Tensor: boolean ``(B, T)``, ``True`` on the real tokens that stay.
+
+    Examples:
+        >>> import torch
+        >>> old = torch.tensor([[0.5, 0.5, 0.5, 0.5]]).log()
+        >>> new = torch.tensor([[0.7, 0.3, 0.3, 0.6]]).log()  # moves +0.2, -0.2, -0.2, +0.1
+        >>> adv = torch.tensor([[1.0, 1.0, -1.0, -1.0]])
+        >>> dppo_tv_mask(new, old, adv, torch.ones(1, 4, dtype=torch.bool), 0.15, 0.15)
+        tensor([[False,  True, False,  True]])
+    """
+    _check_same_shape(log_prob=log_prob, old_log_prob=old_log_prob, mask=mask)
+    _check_same_rank("advantage", advantage, "log_prob", log_prob)
+    with torch.no_grad():
+        moved = log_prob.exp() - old_log_prob.exp()  # (B, T)
+        keep = torch.where(advantage > 0, moved <= high, moved >= -low)
+        return mask & keep
+
+
+def dppo_kl_mask(
+    log_prob: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    advantage: torch.Tensor,
+    mask: torch.Tensor,
+    low: float | torch.Tensor,
+    high: float | torch.Tensor,
+) -> torch.Tensor:
+    r"""DPPO's trust region on the token's probability, binary-KL form.
+
+    .. math:: D_t = p^{old}_t \log\frac{p^{old}_t}{p_t} + (1 - p^{old}_t)
+        \log\frac{1 - p^{old}_t}{1 - p_t}, \qquad M_t = 0 \ \text{if}\ \begin{cases}
+        D_t > \delta_{high},\ p_t > p^{old}_t & A_t > 0 \\ D_t > \delta_{low},\
+        p_t < p^{old}_t & A_t \le 0 \end{cases}
+
+    The form of :func:`dppo_tv_mask` that measures the move of each sampled token by the KL
+    between the two Bernoulli distributions "this token / any other" (``p_t`` its probability
+    under ``pi_theta``, ``p^old_t`` under ``pi_old``; ``1e-8`` added inside the second log, as
+    verl's ``dppo_kl``, whose DPPO recipe uses ``0.05``). No gradient.
+
+    Args:
+        log_prob (torch.Tensor): ``log pi_theta`` per token, ``(B, T)``.
+        old_log_prob (torch.Tensor): ``log pi_old``, ``(B, T)``.
+        advantage (torch.Tensor): ``A``, ``(B, 1)`` or ``(B, T)``.
+        mask (torch.Tensor): boolean ``(B, T)``, ``True`` on real tokens.
+        low (float or torch.Tensor): ``delta_low`` (``A <= 0``, probability falling).
+        high (float or torch.Tensor): ``delta_high`` (``A > 0``, probability rising).
+
+    Returns:
+        torch.Tensor: boolean ``(B, T)``, ``True`` on the real tokens that stay.
+
+    Examples:
+        >>> import torch
+        >>> old = torch.tensor([[0.5, 0.5, 0.5]]).log()
+        >>> new = torch.tensor([[0.8, 0.8, 0.55]]).log()  # D = 0.223, 0.223, 0.005
+        >>> adv = torch.tensor([[1.0, -1.0, 1.0]])  # a rise against A < 0 stays
+        >>> dppo_kl_mask(new, old, adv, torch.ones(1, 3, dtype=torch.bool), 0.05, 0.05)
+        tensor([[False,  True,  True]])
+    """
+    _check_same_shape(log_prob=log_prob, old_log_prob=old_log_prob, mask=mask)
+    _check_same_rank("advantage", advantage, "log_prob", log_prob)
+    with torch.no_grad():
+        p, p_old = log_prob.exp(), old_log_prob.exp()
+        binary_kl = p_old * (old_log_prob - log_prob) + (1 - p_old) * torch.log(
+            (1.0 - p_old + 1e-8) / (1.0 - p + 1e-8)
+        )
+        keep = torch.where(
+            advantage > 0, (binary_kl <= high) | (p <= p_old), (binary_kl <= low) | (p >= p_old)
+        )
+        return mask & keep
+
+
+#: DPPO's trust regions by name, for ``GRPOLoss(trust_region=...)``: verl's ``dppo_tv`` and
+#: ``dppo_kl``. Each maps ``(log_prob, old_log_prob, advantage, mask, low, high)`` to the
+#: boolean ``(B, T)`` tokens kept.
+TRUST_REGIONS: dict[str, Callable[..., torch.Tensor]] = {
+    "dppo_tv": dppo_tv_mask,
+    "dppo_kl": dppo_kl_mask,
+}
+
+
+def _sequence_max_k3(log_weight: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    # each sequence's largest per-token k3 = e^d - 1 - d, d = log pi_old - log pi_inference;
+    # 0 for a sequence with no real token
+    d = log_weight.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    k3 = torch.where(mask, d.exp() - 1.0 - d, 0.0)  # (B, T), >= 0
+    return k3.amax(-1)  # (B,)
+
+
+def sequence_veto_mask(
+    log_weight: torch.Tensor, mask: torch.Tensor, threshold: float | torch.Tensor
+) -> torch.Tensor:
+    r"""The veto: a sequence whose worst token's mismatch exceeds a bound leaves the loss.
+
+    .. math:: M_i = \Big[\max_{t \in o_i} \big(\rho_t - 1 - \log \rho_t\big) \le \tau\Big],
+        \qquad \rho_t = \frac{\pi_{old}(o_t)}{\pi_{inference}(o_t)}
+
+    verl's rejection option ``seq_max_k3`` (``rollout_corr_helper``, 0.9.0; the successor of
+    its ``rollout_token_veto_threshold``): one token on which the trainer and the inference
+    engine disagree badly (a sampling bug, a numerical blow-up) makes the whole sequence
+    untrustworthy, so it is dropped, however well its other tokens agree. ``k3`` is the
+    per-token estimate of the KL between the two (:func:`kl_k3`, unclamped); the log-weight is
+    clamped to ``[-20, 20]`` first. No gradient.
+
+    Args:
+        log_weight (torch.Tensor): ``log pi_old - log pi_inference`` per token, ``(B, T)``.
+        mask (torch.Tensor): boolean ``(B, T)``, ``True`` on real tokens.
+        threshold (float or torch.Tensor): ``tau > 0``.
+
+    Returns:
+        torch.Tensor: boolean ``(B, T)``, ``True`` on the real tokens of the sequences kept.
+
+    Examples:
+        >>> import math, torch
+        >>> log_w = torch.tensor([[0.0, math.log(3.0)], [0.1, -0.1]])  # k3 of rho = 3: 0.901
+        >>> sequence_veto_mask(log_w, torch.ones(2, 2, dtype=torch.bool), 0.5)
+        tensor([[False, False],
+                [ True,  True]])
+    """
+    _check_same_shape(log_weight=log_weight, mask=mask)
+    with torch.no_grad():
+        return mask & (_sequence_max_k3(log_weight, mask) <= threshold).unsqueeze(-1)
+
+
+def inference_mismatch(log_weight: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    r"""How far the trainer's probabilities are from the inference engine's: four statistics.
+
+    .. math:: \chi^2_{token} = \overline{\rho_t^2} - 1, \qquad
+        \chi^2_{seq} = \overline{\textstyle\prod_t \rho_t^2} - 1, \qquad
+        \rho_t = \frac{\pi_{old}(o_t)}{\pi_{inference}(o_t)}
+
+    verl's ``rollout_corr/chi2_token`` and ``chi2_seq`` (``rollout_corr_helper``): the
+    chi-square divergence of the importance weights, 0 when the two engines agree; it is the
+    relative variance an importance-weighted estimate pays (``ESS = 1 / (1 + chi^2)``). The
+    token one is a mean over the real tokens, the sequence one over the sequences holding a real
+    token, with each sequence's log-weight sum clamped to ``[-20, 20]`` as verl's. Then each
+    sequence's worst token: the mean and the maximum over the sequences of
+    ``max_t (rho_t - 1 - log rho_t)`` (verl's ``seq_max_k3`` statistic, the one
+    :func:`sequence_veto_mask` bounds). No gradient.
+
+    Args:
+        log_weight (torch.Tensor): ``log pi_old - log pi_inference`` per token, ``(B, T)``.
+        mask (torch.Tensor): boolean ``(B, T)``, ``True`` on real tokens (at least one).
+
+    Returns:
+        dict[str, torch.Tensor]: scalars ``chi2_token``, ``chi2_sequence``,
+        ``seq_max_k3_mean`` and ``seq_max_k3_max``.
+
+    Examples:
+        >>> import math, torch
+        >>> log_w = torch.tensor([[0.0, math.log(2.0)], [0.0, 0.0]])
+        >>> stats = inference_mismatch(log_w, torch.ones(2, 2, dtype=torch.bool))
+        >>> stats["chi2_token"], stats["chi2_sequence"]  # (1+4+1+1)/4 - 1, (4+1)/2 - 1
+        (tensor(0.7500), tensor(1.5000))
+        >>> stats["seq_max_k3_max"]  # 2 - 1 - log 2
+        tensor(0.3069)
+    """
+    _check_same_shape(log_weight=log_weight, mask=mask)
+    with torch.no_grad():
+        d = log_weight.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+        nonempty = mask.any(-1)  # (B,)
+        seq_sum = torch.where(mask, log_weight, 0.0).sum(-1).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+        seq_max = _sequence_max_k3(log_weight, mask)[nonempty]
+        return {
+            "chi2_token": masked_mean((2 * d).exp(), mask) - 1.0,
+            "chi2_sequence": (2 * seq_sum[nonempty]).exp().mean() - 1.0,
+            "seq_max_k3_mean": seq_max.mean(),
+            "seq_max_k3_max": seq_max.max(),
+        }
+
+
+def adaptive_entropy_coeff(
+    coeff: float, entropy: float, target: float, low: float, high: float, step: float
+) -> float:
+    r"""One update of the adaptive entropy coefficient (Skywork-OR1).
+
+    .. math:: \alpha \leftarrow \operatorname{clip}\big(\alpha + \Delta\, (\mathbb{1}[H \le
+        H^*] - \mathbb{1}[H > H^*]),\ \alpha_{min},\ \alpha_{max}\big)
+
+    Skywork-OR1 (He et al., 2025, arXiv:2505.22312): the entropy bonus follows the measured
+    entropy toward a target instead of a fixed coefficient. Once per optimizer step, the
+    coefficient goes up by ``step`` when the entropy ``H`` of the step's tokens is at or below
+    the target ``H*`` and down by ``step`` above it, within ``[low, high]``; the bonus is
+    applied only while the last measured entropy is at or below the target (TRL's
+    ``use_adaptive_entropy``, ``entropy_target``, ``entropy_coef_min`` / ``_max`` /
+    ``_delta``; :meth:`torchrl_grpo.GRPOLoss.update_entropy_coeff` runs it).
+
+    Args:
+        coeff (float): ``alpha``, the coefficient now.
+        entropy (float): ``H``, the token-weighted mean entropy of the step.
+        target (float): ``H*``.
+        low (float): ``alpha_min``.
+        high (float): ``alpha_max``.
+        step (float): ``Delta > 0``.
+
+    Returns:
+        float: the new coefficient.
+
+    Examples:
+        >>> adaptive_entropy_coeff(0.01, entropy=0.1, target=0.2, low=0.0, high=1.0, step=0.005)
+        0.015
+        >>> adaptive_entropy_coeff(0.002, entropy=0.3, target=0.2, low=0.0, high=1.0, step=0.005)
+        0.0
+    """
+    moved = coeff + step if entropy <= target else coeff - step
+    return min(max(moved, low), high)
 
 
 def masked_quantile(

@@ -4,6 +4,7 @@ and the LLM-wrapper batches' extra entries. Fixtures (the tiny LLM) are in ``con
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -12,6 +13,7 @@ from tensordict.nn import CompositeDistribution, ProbabilisticTensorDictModule, 
 from torchrl.modules import ProbabilisticActor
 
 from torchrl_grpo.loss import CISPOLoss, DAPOLoss, DrGRPOLoss, GRPOLoss, GSPOLoss
+from torchrl_grpo.loss_terms import aggregate_token_sum
 
 
 def cartpole_actor(seed: int = 0) -> ProbabilisticActor:
@@ -258,6 +260,14 @@ NEUTRAL = [
     ("decoupled, proximal = behaviour", {"decoupled": True, "behaviour_weight_cap": 2.0}),
     ("top_entropy_quantile 1", {"top_entropy_quantile": 1.0}),
     ("no truncated completion", {"mask_truncated_completions": True}),
+    ("dppo_tv, bounds 1", {"trust_region": "dppo_tv", "trust_region_bounds": 1.0}),
+    ("dppo_kl, bounds inf", {"trust_region": "dppo_kl", "trust_region_bounds": math.inf}),
+    ("two-sided clip, delta = inf", {"delta": math.inf}),
+    ("veto, tau = inf", {"inference_veto_threshold": math.inf}),
+    (
+        "adaptive entropy held at entropy_coeff",
+        {"entropy_target": math.inf, "entropy_coeff_bounds": (0.01, 0.01)},
+    ),
 ]
 
 
@@ -322,15 +332,19 @@ def ragged_token_batch(b=16, t=7, vocab=7, hidden=5, seed=3) -> TensorDict:
 
 def accumulated_grads(loss, policy, micro_batches, ranks=1, all_reduce=None):
     """The gradients of ``micro_batches`` through ``loss.summed()``, normalized by their count
-    (``all_reduce``d when given): what one rank holds after accumulation."""
+    (``all_reduce``d when given): what one rank holds after accumulation. With
+    ``aggregation="token_sum"`` (a sum already) the plain calls, and a count of 1."""
     policy.zero_grad()
     count = torch.zeros((), dtype=torch.long)
-    with loss.summed():
+    is_sum = loss._aggregate is aggregate_token_sum
+    with contextlib.nullcontext() if is_sum else loss.summed():
         for micro_batch in micro_batches:
             out = loss(micro_batch)
             out.total_loss().backward()
-            count += out.normalization_count
-    if all_reduce is not None:
+            count += 1 if is_sum else out.normalization_count
+    if is_sum:
+        count.fill_(1)
+    elif all_reduce is not None:
         all_reduce(count)
     loss.normalize_gradients(policy.parameters(), count, ranks=ranks)
     return [p.grad.clone() for p in policy.parameters()]

@@ -24,6 +24,7 @@ AGGREGATION_KWARGS = [
     dict(aggregation="seq_mean_token_mean"),
     dict(aggregation="seq_mean_token_sum"),
     dict(aggregation="seq_mean_token_sum_norm", max_length=7),
+    dict(aggregation="token_sum"),
 ]
 IDS = [kwargs["aggregation"] for kwargs in AGGREGATION_KWARGS]
 # the regularisers aggregate as the objective: on, so that they are summed too
@@ -58,7 +59,7 @@ def test_averaging_micro_batch_means_is_the_pitfall():
     assert not torch.allclose(policy.module[0].module.weight.grad, want[0], atol=1e-4)
 
 
-@pytest.mark.parametrize("kwargs", AGGREGATION_KWARGS, ids=IDS)
+@pytest.mark.parametrize("kwargs", AGGREGATION_KWARGS[:-1], ids=IDS[:-1])
 def test_the_sum_over_its_count_is_the_loss(kwargs):
     batch = ragged_token_batch()
     loss = GRPOLoss(token_policy(), **TERMS, **kwargs)
@@ -80,10 +81,15 @@ def test_aggregation_sum_of_every_aggregation():
     mask = torch.rand(5, 6, generator=g) > 0.4
     mask[0] = False
     for name, fn in AGGREGATIONS.items():
+        if name == "token_sum":  # a sum already: refused, below
+            continue
         fn = functools.partial(fn, max_length=6) if name == "seq_mean_token_sum_norm" else fn
         total, count = aggregation_sum(fn, per_token, mask)
         torch.testing.assert_close(total / count, fn(per_token, mask), msg=name)
     assert aggregation_sum(AGGREGATIONS["token_mean"], per_token, mask)[1] == mask.sum()
+    # token_sum: the sum of the parts is the whole's, with no count
+    parts = sum(AGGREGATIONS["token_sum"](p, m) for p, m in zip(per_token, mask))
+    torch.testing.assert_close(parts, AGGREGATIONS["token_sum"](per_token, mask))
 
 
 def test_what_cannot_be_summed_is_refused():
@@ -95,13 +101,22 @@ def test_what_cannot_be_summed_is_refused():
     with pytest.raises(ValueError, match="reduction='none'"):
         with per_token.summed():
             pass
+    token_sum = GRPOLoss(token_policy(), aggregation="token_sum")
+    with pytest.raises(ValueError, match="'token_sum' is a sum already"):
+        with token_sum.summed():
+            pass
     with pytest.raises(ValueError, match="count must be positive"):
         GRPOLoss.normalize_gradients(token_policy().parameters(), 0)
     out = GRPOLoss(token_policy())(token_batch())
     assert out.normalization_count is None
 
 
-@pytest.mark.parametrize("kwargs", [AGGREGATION_KWARGS[0], AGGREGATION_KWARGS[1]], ids=IDS[:2])
+DDP_CASES = [0, 1, 4]  # token_mean, seq_mean_token_mean, token_sum (no count: ranks only)
+
+
+@pytest.mark.parametrize(
+    "kwargs", [AGGREGATION_KWARGS[i] for i in DDP_CASES], ids=[IDS[i] for i in DDP_CASES]
+)
 def test_two_ddp_ranks_give_the_whole_batch_gradient(kwargs, tmp_path):
     """Two processes, DistributedDataParallel on gloo, each rank half the batch in two
     micro-batches: every rank holds the whole batch's gradient."""

@@ -12,13 +12,17 @@ tokens, and calls the math of :mod:`torchrl_grpo.loss_terms`. Two kinds of polic
 
 Everything that varies between the published variants is one keyword: the clip band
 (``clip_epsilon``), the dual clip (``clip_ratio_c``), the surrogate (``objective``: PPO's clip,
-CISPO, SAPO), the level of the importance ratio (``ratio_level``), the aggregation, the KL
+CISPO, SAPO, VESPO), the level of the importance ratio (``ratio_level``), the aggregation, the KL
 estimators, the KL trust region (``kl_mask_threshold``), the correction against the inference
 engine (``inference_correction``, or ``tis_cap``), off-policy sequence masking
 (``off_policy_mask_threshold``), decoupled PPO (``decoupled``), high-entropy token selection
-(``top_entropy_quantile``) and the masking of truncated completions
-(``mask_truncated_completions``). :class:`DAPOLoss`, :class:`DrGRPOLoss`, :class:`GSPOLoss`,
-:class:`CISPOLoss` and :class:`SAPOLoss` are the same class with the papers' defaults;
+(``top_entropy_quantile``), the masking of truncated completions
+(``mask_truncated_completions``), DPPO's trust region (``trust_region``), the two-sided clip
+(``delta``), the unbiased KL (``kl_to_ref_unbiased``), the adaptive entropy coefficient
+(``entropy_target``) and the veto of mismatched sequences (``inference_veto_threshold``).
+:class:`DAPOLoss`, :class:`DrGRPOLoss`, :class:`GSPOLoss`, :class:`CISPOLoss`,
+:class:`SAPOLoss`, :class:`DPPOLoss`, :class:`VESPOLoss` and :class:`LUSPOLoss` are the same
+class with the papers' defaults;
 :class:`DAPO` is torchrl's name (GRPOLoss's defaults, a ``DAPOLossOutput``). Every name of the
 GRPO family that ``torchrl.objectives.llm`` exports is here (:class:`LLMLossOutput` and the
 outputs of each loss, ``k3_kl_token_estimate``; ``MCAdvantage`` and ``RayMCAdvantage`` in
@@ -43,12 +47,23 @@ from torchrl_grpo.loss.output import (
     GRPOLossOutput,
     LLMLossOutput,
 )
-from torchrl_grpo.loss.presets import DAPO, CISPOLoss, DAPOLoss, DrGRPOLoss, GSPOLoss, SAPOLoss
+from torchrl_grpo.loss.presets import (
+    DAPO,
+    CISPOLoss,
+    DAPOLoss,
+    DPPOLoss,
+    DrGRPOLoss,
+    GSPOLoss,
+    LUSPOLoss,
+    SAPOLoss,
+    VESPOLoss,
+)
 from torchrl_grpo.loss_terms import AGGREGATIONS as AGGREGATIONS
 from torchrl_grpo.loss_terms import INFERENCE_CORRECTIONS as INFERENCE_CORRECTIONS
 from torchrl_grpo.loss_terms import KL_ESTIMATORS as KL_ESTIMATORS
 from torchrl_grpo.loss_terms import OBJECTIVES as OBJECTIVES
 from torchrl_grpo.loss_terms import RATIO_LEVELS as RATIO_LEVELS
+from torchrl_grpo.loss_terms import TRUST_REGIONS as TRUST_REGIONS
 from torchrl_grpo.loss_terms import Objective as Objective
 from torchrl_grpo.loss_terms import RatioLevel as RatioLevel
 from torchrl_grpo.loss_terms import cispo_loss as cispo_loss
@@ -72,10 +87,13 @@ __all__ = [
     "DAPO",
     "DAPOLoss",
     "DAPOLossOutput",
+    "DPPOLoss",
     "DrGRPOLoss",
     "GRPOLoss",
     "GRPOLossOutput",
     "GSPOLoss",
     "LLMLossOutput",
+    "LUSPOLoss",
     "SAPOLoss",
+    "VESPOLoss",
 ]

@@ -21,6 +21,7 @@ from tensordict.utils import NestedKey
 from torchrl.modules.llm import LLMWrapperBase
 from torchrl.objectives import ClipPPOLoss
 
+from torchrl_grpo.loss.entropy import AdaptiveEntropy
 from torchrl_grpo.loss.inputs import (
     LLM_KEYS,
     Inputs,
@@ -50,15 +51,22 @@ from torchrl_grpo.loss_terms import (
     dual_clip_loss,
     effective_sample_size,
     high_entropy_token_mask,
+    importance_weighted_kl,
+    inference_mismatch,
     kl_trust_region_mask,
     masked_mean,
     off_policy_sequence_mask,
+    sequence_veto_mask,
+    two_sided_clip_loss,
 )
 
 __all__ = ["GRPOLoss"]
 
 #: Names in ``locals()`` at the top of ``GRPOLoss.__init__`` that are not its settings.
 _NOT_SETTINGS = ("self", "__class__", "actor_network", "critic", "replaced")
+#: The statistics of :func:`~torchrl_grpo.loss_terms.inference_mismatch`, reported as
+#: ``inference_<name>`` whenever the loss reads inference log-probs.
+_MISMATCH_STATS = ("chi2_token", "chi2_sequence", "seq_max_k3_mean", "seq_max_k3_max")
 #: The buffers a scheduler sets (``loss.name = value``), checked as at construction.
 _SCHEDULED = frozenset((*CLIP_EPSILON_BUFFERS, *COEFFICIENTS))
 
@@ -108,10 +116,12 @@ class GRPOLoss(ClipPPOLoss):
     (``"mask"``; absent means every entry is real), ``ref_log_prob`` (``"ref_log_prob"``, read
     only with ``kl_to_ref_coeff``; ``ref_log_probs``, torchrl's name, is accepted by
     ``set_keys``), ``inference_log_prob`` (``"inference_log_prob"``: the sampler's
-    log-probs, read by ``inference_correction`` / ``tis_cap``, by the KL to inference and by
-    ``off_policy_mask_threshold``; when absent the last two take ``sample_log_prob`` instead,
-    torchrl's behaviour), ``proximal_log_prob`` (``"proximal_log_prob"``, read only with
-    ``decoupled=True``) and ``truncated`` (``"truncated"``: a per-sequence boolean, read only
+    log-probs, read by ``inference_correction`` / ``tis_cap``, by
+    ``inference_veto_threshold``, by the KL to inference and by ``off_policy_mask_threshold``;
+    when absent the last two take ``sample_log_prob`` instead, torchrl's behaviour; whenever
+    it is read, the output reports the mismatch statistics ``inference_chi2_token``...),
+    ``proximal_log_prob`` (``"proximal_log_prob"``, read only with ``decoupled=True``) and
+    ``truncated`` (``"truncated"``: a per-sequence boolean, read only
     with ``mask_truncated_completions``). torchrl's ``loss_mask_key`` entries
     (``("collector", "mask")``...) are honoured too, and-ed with ``mask``. ClipPPOLoss's keys
     that nothing here reads (``value``, ``value_target``, ``reward``, ``done``,
@@ -170,23 +180,43 @@ class GRPOLoss(ClipPPOLoss):
         samples_mc_entropy (int): Monte-Carlo samples for distributions without an analytic
             entropy. Defaults to ``1``.
         entropy_coeff (float): ``c_H``, a schedulable buffer. Defaults to ``0.01`` (ClipPPOLoss).
+        entropy_target (float, optional): Skywork-OR1's adaptive entropy coefficient (TRL's
+            ``use_adaptive_entropy`` / ``entropy_target``): ``entropy_coeff`` becomes the
+            coefficient's starting value (TRL starts at 0), moved once per optimizer step by
+            :meth:`update_entropy_coeff` toward keeping the entropy at this target, and
+            applied only while the entropy last measured is at or below it (so not before the
+            first update). The applied value is ``entropy_coeff`` in the output. Needs
+            ``entropy_bonus``.
+        entropy_coeff_bounds (tuple of float, optional): ``(min, max)`` of the adaptive
+            coefficient. Defaults to ``(0.0, 1.0)`` (TRL's) with ``entropy_target``.
+        entropy_coeff_step (float, optional): its step per update. Defaults to ``0.005``
+            (TRL's ``entropy_coef_delta``) with ``entropy_target``.
         objective (str or callable): ``"clip"`` (PPO's clipped surrogate,
             :func:`~torchrl_grpo.loss_terms.ppo_clip_loss`), ``"cispo"``
             (:func:`~torchrl_grpo.loss_terms.cispo_loss`), ``"sapo"`` (SAPO's soft gate,
-            :func:`~torchrl_grpo.loss_terms.sapo_loss`), or a callable
+            :func:`~torchrl_grpo.loss_terms.sapo_loss`), ``"vespo"`` (VESPO's kernel on the
+            sequence weight, :func:`~torchrl_grpo.loss_terms.vespo_loss`; with
+            ``ratio_level="sequence_sum"``), or a callable
             ``(log_ratio, advantage, log_prob, log_clip_low, log_clip_high) -> per-token loss``.
             Defaults to ``"clip"``.
         sapo_temperature_pos (float, optional): SAPO's ``tau_pos`` (tokens with ``A > 0``),
             only with ``objective="sapo"``. Defaults to ``1.0`` there (TRL's and the paper's).
         sapo_temperature_neg (float, optional): SAPO's ``tau_neg`` (``A <= 0``). Defaults to
             ``1.05`` with ``objective="sapo"``.
-        ratio_level (str or callable): ``"token"`` or ``"sequence"`` (GSPO's length-normalised
-            sequence ratio, :func:`~torchrl_grpo.loss_terms.sequence_log_ratio`), or a callable
+        vespo_k (tuple of float, optional): VESPO's ``(k for A >= 0, k for A < 0)``, only with
+            ``objective="vespo"``. Defaults to ``(2.0, 3.0)`` there (TRL's).
+        vespo_lambda (tuple of float, optional): VESPO's ``lambda``, the same way. Defaults to
+            ``(3.0, 2.0)``.
+        ratio_level (str or callable): ``"token"``, ``"sequence"`` (GSPO's length-normalised
+            sequence ratio, :func:`~torchrl_grpo.loss_terms.sequence_log_ratio`),
+            ``"sequence_sum"`` (the product of the token ratios, VESPO's weight,
+            :func:`~torchrl_grpo.loss_terms.sequence_sum_log_ratio`), or a callable
             ``(log_ratio, mask) -> log_ratio``. Defaults to ``"token"``.
         aggregation (str or callable): how per-token losses become a scalar: a key of
             :data:`~torchrl_grpo.loss_terms.AGGREGATIONS` (``"token_mean"``,
-            ``"seq_mean_token_mean"``, ``"seq_mean_token_sum"``, ``"seq_mean_token_sum_norm"``)
-            or a callable ``(loss, mask) -> scalar``. Applies to every ``loss_*`` term.
+            ``"seq_mean_token_mean"``, ``"seq_mean_token_sum"``, ``"seq_mean_token_sum_norm"``,
+            ``"token_sum"``: verl's sum over tokens, divided by nothing) or a callable
+            ``(loss, mask) -> scalar``. Applies to every ``loss_*`` term.
             torchrl's names are accepted: ``"prompt_mean"`` is ``"seq_mean_token_mean"``
             (empty sequences are left out of the mean, where torchrl counts them as zero) and
             ``"none"`` is ``reduction="none"``; ``None`` is ``"token_mean"``, as in torchrl.
@@ -196,11 +226,23 @@ class GRPOLoss(ClipPPOLoss):
         clip_ratio_c (float, optional): dual clip ``c > 1`` for negative advantages
             (:func:`~torchrl_grpo.loss_terms.dual_clip_loss`; ``3.0`` in the paper). Only with
             ``objective="clip"`` or a custom objective. Schedulable buffer.
+        delta (float, optional): two-sided clip (INTELLECT-2, TRL's ``delta``): the unclipped
+            ratio of PPO's surrogate is capped at ``delta > 1``
+            (:func:`~torchrl_grpo.loss_terms.two_sided_clip_loss`), bounding the loss of
+            negative-advantage tokens at ``delta |A|``; TRL recommends ``delta > 1 + eps_high``,
+            where it equals ``clip_ratio_c=delta``. Only with ``objective="clip"``, and not
+            with ``clip_ratio_c``. Schedulable buffer.
         kl_to_ref_coeff (float, optional): ``beta_ref``; enables ``kl_to_ref`` /
             ``loss_kl_to_ref`` (reads ``ref_log_prob``). Schedulable buffer.
         kl_to_ref_estimator (str or callable): ``"k1"``, ``"k2"``, ``"k3"`` (clamped, verl's
             ``low_var_kl``) or ``(log_prob, ref_log_prob) -> per-token estimate``.
             Defaults to ``"k3"``.
+        kl_to_ref_unbiased (bool): DeepSeek-V3.2's unbiased KL (TRL's
+            ``use_bias_correction_kl``, on by default there): each token's KL estimate is
+            multiplied by ``pi_theta / pi_old`` (``sample_log_prob``; the ratio keeps its
+            gradient: :func:`~torchrl_grpo.loss_terms.importance_weighted_kl`), so that its
+            gradient is the reverse KL's off-policy too. ``kl_to_ref`` reports the weighted
+            estimate. Needs ``kl_to_ref_coeff``. Defaults to ``False``.
         kl_to_inference_coeff (float, optional): ``beta_inf``; enables ``kl_to_inference`` /
             ``loss_kl_to_inference``. Schedulable buffer.
         kl_to_inference_estimator (str or callable): as ``kl_to_ref_estimator``.
@@ -231,6 +273,25 @@ class GRPOLoss(ClipPPOLoss):
             (:func:`~torchrl_grpo.loss_terms.off_policy_sequence_mask`; TRL's
             ``off_policy_mask_threshold``, slime's ``--opsm-delta``). Reads
             ``inference_log_prob`` (or ``sample_log_prob`` when absent). Schedulable buffer.
+        inference_veto_threshold (float, optional): the veto: a sequence whose worst token's
+            mismatch ``rho - 1 - log rho`` (``rho = pi_old / pi_inference``) exceeds it leaves
+            the loss terms, as truncated completions do
+            (:func:`~torchrl_grpo.loss_terms.sequence_veto_mask`; verl's ``seq_max_k3``
+            rejection). Reads ``inference_log_prob``. The share of sequences vetoed is
+            ``inference_vetoed_fraction``. Schedulable buffer.
+        trust_region (str or callable, optional): DPPO's trust region on the probabilities: a
+            token whose probability moved past the bound in its advantage's direction is zeroed
+            in ``loss_objective``; ``"dppo_tv"`` (the difference of probabilities,
+            :func:`~torchrl_grpo.loss_terms.dppo_tv_mask`), ``"dppo_kl"`` (the binary KL,
+            :func:`~torchrl_grpo.loss_terms.dppo_kl_mask`) or a callable ``(log_prob,
+            old_log_prob, advantage, mask, low, high) -> keep``. Measured against the policy
+            the ratio is taken against (``proximal_log_prob`` with ``decoupled``). The masked
+            share is ``trust_region_masked_fraction``. See :class:`DPPOLoss` for the paper's
+            objective. Defaults to ``None`` (off).
+        trust_region_bounds (float or tuple of float, optional): ``(delta_low, delta_high)``
+            (a float for both). Defaults to ``0.15`` for ``"dppo_tv"`` and ``0.05`` for
+            ``"dppo_kl"`` (verl's DPPO recipe); required for a callable. Schedulable buffers
+            ``trust_region_low`` / ``trust_region_high``.
         decoupled (bool): decoupled PPO (AReaL): the ratio and its clip are taken against
             ``proximal_log_prob`` (the policy before this update), and each token's objective
             is weighted by ``pi_prox / pi_behav``, ``sample_log_prob`` being the behaviour
@@ -370,22 +431,32 @@ class GRPOLoss(ClipPPOLoss):
         entropy_bonus: bool = True,
         samples_mc_entropy: int = 1,
         entropy_coeff: float | None = None,
+        entropy_target: float | None = None,
+        entropy_coeff_bounds: tuple[float, float] | None = None,
+        entropy_coeff_step: float | None = None,
         objective: str | Objective = "clip",
         ratio_level: str | RatioLevel = "token",
         aggregation: str | Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = "token_mean",
         max_length: int | None = None,
         clip_ratio_c: float | None = None,
+        delta: float | None = None,
         kl_to_ref_coeff: float | None = None,
         kl_to_ref_estimator: str | Callable = "k3",
+        kl_to_ref_unbiased: bool = False,
         kl_to_inference_coeff: float | None = None,
         kl_to_inference_estimator: str | Callable = "k3",
         kl_mask_threshold: float | None = None,
         tis_cap: float | None = None,
         sapo_temperature_pos: float | None = None,
         sapo_temperature_neg: float | None = None,
+        vespo_k: tuple[float, float] | None = None,
+        vespo_lambda: tuple[float, float] | None = None,
         inference_correction: str | Callable | None = None,
         inference_correction_bounds: tuple[float | None, float | None] | None = None,
         off_policy_mask_threshold: float | None = None,
+        inference_veto_threshold: float | None = None,
+        trust_region: str | Callable | None = None,
+        trust_region_bounds: float | tuple[float, float] | None = None,
         decoupled: bool = False,
         behaviour_weight_cap: float | None = None,
         top_entropy_quantile: float | None = None,
@@ -404,6 +475,10 @@ class GRPOLoss(ClipPPOLoss):
         options = loss_options(actor_network, settings, replaced, critic)
         if options.actor_network is None:
             raise TypeError("GRPOLoss needs a policy: GRPOLoss(actor_network, ...).")
+        self._build(options)
+
+    def _build(self, options: LossOptions) -> None:
+        """ClipPPOLoss built with the options it takes, then the rest wired in."""
         super().__init__(
             options.actor_network,
             None,
@@ -434,9 +509,14 @@ class GRPOLoss(ClipPPOLoss):
         self._inference_correction = options.inference_correction
         self.decoupled = options.decoupled
         self.mask_truncated_completions = options.mask_truncated_completions
+        self.kl_to_ref_unbiased = options.kl_to_ref_unbiased
+        self._trust_region = options.trust_region
         device = self.entropy_coeff.device
         for name, value in options.coefficients.items():
             self.register_coeff_buffer(name, value, device=device)
+        self.adaptive_entropy = None  # its buffers are saved with the loss's state_dict
+        if options.adaptive_entropy is not None:
+            self.adaptive_entropy = AdaptiveEntropy(*options.adaptive_entropy, device=device)
         if self.is_llm:  # torchrl's LLM layout (torchrl.objectives.llm.GRPOLoss's keys)
             self.set_keys(**LLM_KEYS)
         self._in_keys = None
@@ -501,7 +581,10 @@ class GRPOLoss(ClipPPOLoss):
         if getattr(self, "kl_to_ref_coeff", None) is not None:
             keys.append(tk.ref_log_prob)
         tis_cap = getattr(self, "tis_cap", None)
-        if tis_cap is not None or getattr(self, "_inference_correction", None) is not None:
+        veto = getattr(self, "inference_veto_threshold", None)
+        if tis_cap is not None or veto is not None:
+            keys.append(tk.inference_log_prob)
+        elif getattr(self, "_inference_correction", None) is not None:
             keys.append(tk.inference_log_prob)
         if getattr(self, "decoupled", False):
             keys.append(tk.proximal_log_prob)
@@ -524,12 +607,20 @@ class GRPOLoss(ClipPPOLoss):
             ]
             if self.entropy_bonus:
                 keys += ["entropy", "loss_entropy"]
+            if self.adaptive_entropy is not None:
+                keys.append("entropy_coeff")
             if self.kl_to_ref_coeff is not None:
                 keys += ["kl_to_ref", "loss_kl_to_ref"]
             if self.kl_to_inference_coeff is not None:
                 keys += ["kl_to_inference", "loss_kl_to_inference"]
+            if self._read_plan().inference is not None:
+                keys += [f"inference_{name}" for name in _MISMATCH_STATS]
             if self.inference_correction is not None:
                 keys.append("inference_masked_fraction")
+            if self.inference_veto_threshold is not None:
+                keys.append("inference_vetoed_fraction")
+            if self._trust_region is not None:
+                keys.append("trust_region_masked_fraction")
             if self.off_policy_mask_threshold is not None:
                 keys.append("off_policy_masked_fraction")
             if self.decoupled:
@@ -666,13 +757,16 @@ class GRPOLoss(ClipPPOLoss):
 
     def _read_plan(self) -> ReadPlan:
         """What this call reads from its batch: the keys, and the entries its settings need."""
-        inference, fallback = None, False
-        if self.inference_correction is not None:
-            inference = "for tis_cap" if self.tis_cap is not None else "for inference_correction"
-        elif self.kl_to_inference_coeff is not None:
-            inference, fallback = "for kl_to_inference_coeff", True
-        elif self.off_policy_mask_threshold is not None:
-            inference, fallback = "for off_policy_mask_threshold", True
+        correction = "tis_cap" if self.tis_cap is not None else "inference_correction"
+        readers = [  # (reads inference_log_prob, why, sample_log_prob may stand in)
+            (self.inference_correction is not None, correction, False),
+            (self.inference_veto_threshold is not None, "inference_veto_threshold", False),
+            (self.kl_to_inference_coeff is not None, "kl_to_inference_coeff", True),
+            (self.off_policy_mask_threshold is not None, "off_policy_mask_threshold", True),
+        ]
+        readers = [(why, fallback) for on, why, fallback in readers if on]
+        inference = f"for {readers[0][0]}" if readers else None
+        fallback = bool(readers) and all(fallback for _, fallback in readers)
         end_tokens = ()  # TRL's rule for an LLM wrapper's batch without a truncated entry
         if self.is_llm and self.mask_truncated_completions:
             end_tokens = tokenizer_end_tokens(getattr(self.actor_network, "tokenizer", None))
@@ -716,15 +810,19 @@ class GRPOLoss(ClipPPOLoss):
         # the policy the ratio and its clip are taken against: the proximal one (decoupled PPO)
         # or the one that sampled the data
         anchor = x.old_log_prob if x.proximal_log_prob is None else x.proximal_log_prob
-        loss_mask = self._loss_mask(x, anchor)
+        loss_mask, out = self._loss_mask(x, anchor)
         reduce = functools.partial(self._reduce, loss_mask=loss_mask, shape=x.shape)
         log_clip_low, log_clip_high = self.clip_bounds
         log_ratio = self._ratio_level(lp - anchor, mask)  # (B, T)
-        per_token = self._objective(log_ratio, x.advantage, lp, log_clip_low, log_clip_high)
+        if self.delta is not None:  # the two-sided clip replaces PPO's surrogate
+            args = (log_ratio, x.advantage, log_clip_low, log_clip_high, self.delta)
+            per_token = two_sided_clip_loss(*args)
+        else:
+            per_token = self._objective(log_ratio, x.advantage, lp, log_clip_low, log_clip_high)
         if self.clip_ratio_c is not None:
             per_token = dual_clip_loss(per_token, x.advantage, self.clip_ratio_c)
         # tokens weighted or zeroed in the objective (they stay in the aggregation's denominator)
-        weight, keep, fractions = self._objective_factors(x, loss_mask)
+        weight, keep, fractions = self._objective_factors(x, loss_mask, anchor)
         if weight is not None:
             per_token = per_token * weight
         if keep is not None:
@@ -732,15 +830,18 @@ class GRPOLoss(ClipPPOLoss):
         clip_fraction, clip_low, clip_high = clip_fractions(
             log_ratio, mask, log_clip_low, log_clip_high
         )
-        out = {
-            "loss_objective": reduce(per_token),
-            "clip_fraction": clip_fraction,
-            "clip_fraction_low": clip_low,
-            "clip_fraction_high": clip_high,
-            "kl_approx": masked_mean(anchor - lp, mask).detach(),
+        out.update(
+            loss_objective=reduce(per_token),
+            clip_fraction=clip_fraction,
+            clip_fraction_low=clip_low,
+            clip_fraction_high=clip_high,
+            kl_approx=masked_mean(anchor - lp, mask).detach(),
             **_ratio_metrics(log_ratio, mask),
             **fractions,
-        }
+        )
+        if x.inference_log_prob is not None:  # how far the sampler is from the trainer
+            stats = inference_mismatch(x.old_log_prob - x.inference_log_prob, mask)
+            out.update({f"inference_{name}": value for name, value in stats.items()})
         if x.truncated is not None:
             truncated = (x.truncated & mask).any(-1)  # (B,)
             out["truncated_fraction"] = (truncated.sum() / mask.any(-1).sum()).to(lp.dtype)
@@ -748,17 +849,23 @@ class GRPOLoss(ClipPPOLoss):
             out["normalization_count"] = aggregation_sum(self._aggregate, lp.detach(), loss_mask)[1]
         return {**out, **self._regularisers(x, reduce)}
 
-    def _loss_mask(self, x: Inputs, anchor: torch.Tensor) -> torch.Tensor:
-        """The tokens the loss terms cover (and the aggregation counts): the real ones, less
-        those outside the KL trust region and those of truncated completions. The metrics
-        describe every real token."""
-        loss_mask = x.mask
+    def _loss_mask(self, x: Inputs, anchor: torch.Tensor):
+        """``(loss_mask, metrics)``: the tokens the loss terms cover (and the aggregation counts),
+        the real ones less those outside the KL trust region, those of truncated completions and
+        those of vetoed sequences; the metrics describe every real token."""
+        loss_mask, out = x.mask, {}
         if self.kl_mask_threshold is not None:
             in_region = kl_trust_region_mask(x.log_prob - anchor, self.kl_mask_threshold)
             loss_mask = loss_mask & in_region
         if x.truncated is not None:
             loss_mask = loss_mask & ~x.truncated
-        return loss_mask
+        if self.inference_veto_threshold is not None:
+            log_weight = x.old_log_prob - x.inference_log_prob
+            kept = sequence_veto_mask(log_weight, x.mask, self.inference_veto_threshold)
+            vetoed = (x.mask.any(-1) & ~kept.any(-1)).sum() / x.mask.any(-1).sum()
+            out["inference_vetoed_fraction"] = vetoed.to(x.log_prob.dtype)
+            loss_mask = loss_mask & kept
+        return loss_mask, out
 
     def _reduce(self, per_token, loss_mask: torch.Tensor, shape: torch.Size) -> torch.Tensor:
         """``(B, T)`` -> a scalar by the aggregation, or the per-token tensor (``"none"``)."""
@@ -775,7 +882,11 @@ class GRPOLoss(ClipPPOLoss):
         out = {}
         if self.entropy_bonus:
             out["entropy"] = masked_mean(x.entropy, x.mask).detach()
-            out["loss_entropy"] = -self.entropy_coeff * reduce(x.entropy)
+            coeff = self.entropy_coeff
+            if self.adaptive_entropy is not None:
+                applied = self.adaptive_entropy.applied(coeff, x.entropy, x.mask)
+                coeff = out["entropy_coeff"] = applied
+            out["loss_entropy"] = -coeff * reduce(x.entropy)
             if x.head_entropy is not None:  # a multi-head policy's, as ClipPPOLoss reports it
                 out["composite_entropy"] = x.head_entropy.detach()
         for name, coeff, other, estimator in (
@@ -789,11 +900,38 @@ class GRPOLoss(ClipPPOLoss):
         ):
             if coeff is not None:
                 kl = estimator(x.log_prob, other)  # (B, T)
+                if name == "kl_to_ref" and self.kl_to_ref_unbiased:  # r_t k_t, r vs the sampler
+                    kl = importance_weighted_kl(kl, x.log_prob - x.old_log_prob)
                 out[name] = masked_mean(kl, x.mask).detach()
                 out["loss_" + name] = coeff * reduce(kl)
         return out
 
-    def _objective_factors(self, x: Inputs, loss_mask: torch.Tensor):
+    def update_entropy_coeff(self) -> float:
+        """Move the adaptive entropy coefficient once, toward the target (call once per step).
+
+        The entropy of the tokens seen since the last update (every call in training mode,
+        micro-batches included) decides: the coefficient goes up by the step when it is at or
+        below ``entropy_target``, down otherwise, within ``entropy_coeff_bounds``
+        (:func:`~torchrl_grpo.loss_terms.adaptive_entropy_coeff`); the next calls apply it
+        while that entropy stays at or below the target. With several ranks, sum the window
+        first: ``torch.distributed.all_reduce(loss.adaptive_entropy.window)``. The window, the
+        last entropy and the coefficient are buffers, saved with the loss's ``state_dict``
+        (:class:`~torchrl_grpo.loss.entropy.AdaptiveEntropy`).
+
+        Returns:
+            float: the new coefficient (also in ``loss.entropy_coeff``).
+
+        Raises:
+            RuntimeError: without ``entropy_target``, or with no token seen since the last
+                update.
+        """
+        if self.adaptive_entropy is None:
+            raise RuntimeError("update_entropy_coeff needs GRPOLoss(..., entropy_target=...).")
+        coeff = self.adaptive_entropy.update(float(self.entropy_coeff))
+        self.entropy_coeff.fill_(coeff)
+        return coeff
+
+    def _objective_factors(self, x: Inputs, loss_mask: torch.Tensor, anchor: torch.Tensor):
         """What multiplies each token's objective: ``(weight, keep, masked fractions)``.
 
         Each enabled variant gives a detached weight and/or the tokens it keeps (one function
@@ -817,6 +955,10 @@ class GRPOLoss(ClipPPOLoss):
                 x.log_prob, x.inference_log_prob, x.advantage, x.mask, threshold
             )
             factors.append((None, k, "off_policy_masked_fraction"))
+        if self._trust_region is not None:  # DPPO: around the policy the ratio is taken against
+            low, high = self.trust_region_low, self.trust_region_high
+            k = self._trust_region(x.log_prob, anchor, x.advantage, x.mask, low, high)
+            factors.append((None, k, "trust_region_masked_fraction"))
         if self.top_entropy_quantile is not None:
             k = high_entropy_token_mask(x.entropy, loss_mask, self.top_entropy_quantile)
             factors.append((None, k, None))

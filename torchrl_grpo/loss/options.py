@@ -27,12 +27,24 @@ from torchrl_grpo.loss_terms import (
     KL_ESTIMATORS,
     OBJECTIVES,
     RATIO_LEVELS,
+    TRUST_REGIONS,
     Objective,
     RatioLevel,
 )
 
 #: SAPO's temperatures (tau_pos, tau_neg) when none are given: the paper's and TRL's.
 SAPO_TEMPERATURES = (1.0, 1.05)
+#: VESPO's kernels when none are given, ``(for A >= 0, for A < 0)``: TRL's ``vespo_k_pos``,
+#: ``vespo_k_neg`` and ``vespo_lambda_pos``, ``vespo_lambda_neg``.
+VESPO_K = (2.0, 3.0)
+VESPO_LAMBDA = (3.0, 2.0)
+#: DPPO's bounds ``(delta_low, delta_high)`` when none are given: verl's DPPO recipe
+#: (``examples/dppo_trainer``: 0.15 for the total variation, 0.05 for the binary KL).
+TRUST_REGION_BOUNDS = {"dppo_tv": (0.15, 0.15), "dppo_kl": (0.05, 0.05)}
+#: The adaptive entropy coefficient's ``(min, max)`` and step when not given: TRL's
+#: ``entropy_coef_min``, ``entropy_coef_max`` and ``entropy_coef_delta``.
+ENTROPY_COEFF_BOUNDS = (0.0, 1.0)
+ENTROPY_COEFF_STEP = 0.005
 #: The inference band when ``inference_correction`` is set without bounds: TRL's
 #: ``vllm_importance_sampling_clip_min`` / ``_clip_max`` defaults.
 INFERENCE_CORRECTION_BOUNDS = (None, 3.0)
@@ -42,6 +54,9 @@ TORCHRL_AGGREGATIONS = {"prompt_mean": "seq_mean_token_mean"}
 #: ClipPPOLoss's ``clip_epsilon`` and ``entropy_coeff``; ``None`` when the variant is off.
 COEFFICIENTS = (
     "clip_ratio_c",
+    "delta",
+    "trust_region_low",
+    "trust_region_high",
     "kl_to_ref_coeff",
     "kl_to_inference_coeff",
     "kl_mask_threshold",
@@ -51,6 +66,7 @@ COEFFICIENTS = (
     "off_policy_mask_threshold",
     "behaviour_weight_cap",
     "top_entropy_quantile",
+    "inference_veto_threshold",
 )
 
 _NO_CRITIC = "GRPO has no critic: the advantage comes with the batch (torchrl_grpo.MCAdvantage)"
@@ -121,14 +137,20 @@ class LossOptions:
         no_lower_bound (bool): ``eps_low = 1``, CISPO's weight without a lower bound.
         entropy_bonus (bool), samples_mc_entropy (int), entropy_coeff (float or None),
             reduction (str or None), functional (bool), device: ClipPPOLoss's settings.
-        objective (Objective): the per-token surrogate, SAPO's temperatures bound.
+        objective (Objective): the per-token surrogate, SAPO's temperatures or VESPO's
+            kernels bound.
         ratio_level (RatioLevel): ``(log_ratio, mask) -> log_ratio``.
         aggregate (callable): ``(loss, mask) -> scalar``, Dr. GRPO's ``max_length`` bound.
         kl_to_ref_estimator (callable), kl_to_inference_estimator (callable):
             ``(log_prob, other_log_prob) -> per-token estimate``.
         inference_correction (callable or None): ``(log_weight, mask, low, high) ->
             (weight, keep)``; ``None`` when off or given as ``tis_cap``.
-        decoupled (bool), mask_truncated_completions (bool): as the keywords.
+        decoupled (bool), mask_truncated_completions (bool), kl_to_ref_unbiased (bool): as
+            the keywords.
+        trust_region (callable or None): DPPO's ``(log_prob, old_log_prob, advantage, mask,
+            low, high) -> keep``; ``None`` when off.
+        adaptive_entropy (tuple or None): ``(target, min, max, step)`` of the adaptive entropy
+            coefficient; ``None`` when the coefficient is fixed.
         coefficients (Mapping[str, float or None]): the schedulable buffers of
             :data:`COEFFICIENTS`, in that order; ``None`` when the variant is off.
     """
@@ -154,6 +176,9 @@ class LossOptions:
     inference_correction: Callable | None
     decoupled: bool
     mask_truncated_completions: bool
+    kl_to_ref_unbiased: bool
+    trust_region: Callable | None
+    adaptive_entropy: tuple[float, float, float, float] | None
     coefficients: Mapping[str, float | None]
 
 
@@ -215,19 +240,10 @@ def loss_options(
             "over its heads, as ClipPPOLoss does with a scalar; per-head coefficients are not "
             "supported."
         )
-    objective = _make_objective(k.objective, k.sapo_temperature_pos, k.sapo_temperature_neg)
-    _check_dual_clip(objective, k.clip_ratio_c)
-    for name in ("tis_cap", "kl_mask_threshold", "off_policy_mask_threshold"):
-        _check_range(name, getattr(k, name))
-    inference_correction, (low, high) = _make_inference_correction(
-        k.inference_correction, k.inference_correction_bounds, k.tis_cap
-    )
-    _check_decoupled(k.decoupled, k.behaviour_weight_cap)
-    _check_quantile(k.top_entropy_quantile)
-    for name in ("kl_to_ref_coeff", "kl_to_inference_coeff"):
-        _check_range(name, getattr(k, name))
+    objective = _make_objective(k)
+    _check_dual_clip(objective, k.clip_ratio_c, k.delta)
+    trust_region, inference_correction, bounds = _masks_and_weights(k)
     clip_epsilon, no_lower_bound = _clip_band(k.clip_epsilon)
-    bounds = {"inference_correction_low": low, "inference_correction_high": high}
     coefficients = {name: bounds.get(name, getattr(k, name, None)) for name in COEFFICIENTS}
     return LossOptions(
         actor_network=actor_network,
@@ -254,8 +270,38 @@ def loss_options(
         inference_correction=inference_correction,
         decoupled=bool(k.decoupled),
         mask_truncated_completions=bool(k.mask_truncated_completions),
+        kl_to_ref_unbiased=_check_unbiased_kl(k.kl_to_ref_unbiased, k.kl_to_ref_coeff),
+        trust_region=trust_region,
+        adaptive_entropy=_adaptive_entropy(k),
         coefficients=MappingProxyType(coefficients),
     )
+
+
+def _masks_and_weights(k: SimpleNamespace):
+    """``(trust_region, inference_correction, bounds)``: the variants that weigh or drop
+    tokens, checked; ``bounds`` are the buffers of their bands, by name."""
+    for name in (
+        "tis_cap",
+        "kl_mask_threshold",
+        "off_policy_mask_threshold",
+        "inference_veto_threshold",
+        "kl_to_ref_coeff",
+        "kl_to_inference_coeff",
+    ):
+        _check_range(name, getattr(k, name))
+    trust_region, (tr_low, tr_high) = _make_trust_region(k.trust_region, k.trust_region_bounds)
+    inference_correction, (low, high) = _make_inference_correction(
+        k.inference_correction, k.inference_correction_bounds, k.tis_cap
+    )
+    _check_decoupled(k.decoupled, k.behaviour_weight_cap)
+    _check_quantile(k.top_entropy_quantile)
+    bounds = {
+        "inference_correction_low": low,
+        "inference_correction_high": high,
+        "trust_region_low": tr_low,
+        "trust_region_high": tr_high,
+    }
+    return trust_region, inference_correction, bounds
 
 
 def _lookup(registry: Mapping[str, Callable], value: str | Callable, name: str) -> Callable:
@@ -328,35 +374,112 @@ def _aggregation_and_reduction(aggregation, reduction: str | None):
     return aggregation, reduction
 
 
-def _make_objective(objective, temperature_pos, temperature_neg) -> Objective:
-    """The objective; SAPO's with its temperatures bound (the defaults where not given)."""
-    fn = _lookup(OBJECTIVES, objective, "objective")
-    if fn is not OBJECTIVES["sapo"]:
-        if temperature_pos is not None or temperature_neg is not None:
-            raise ValueError(
-                f"sapo_temperature_pos / sapo_temperature_neg apply to objective='sapo', "
-                f"not {objective!r}."
-            )
-        return fn
-    taus = [
-        default if tau is None else tau
-        for tau, default in zip((temperature_pos, temperature_neg), SAPO_TEMPERATURES)
-    ]
-    if min(taus) <= 0:
-        raise ValueError(f"SAPO temperatures must be positive, got {tuple(taus)}.")
-    return functools.partial(fn, temperature_pos=taus[0], temperature_neg=taus[1])
+def _make_objective(k: SimpleNamespace) -> Objective:
+    """The objective, SAPO's temperatures or VESPO's kernels bound (the defaults where not
+    given); each variant's settings are rejected with another objective."""
+    fn = _lookup(OBJECTIVES, k.objective, "objective")
+    sapo = (k.sapo_temperature_pos, k.sapo_temperature_neg)
+    vespo = (k.vespo_k, k.vespo_lambda)
+    for name, settings, its_fn in (
+        ("sapo", sapo, OBJECTIVES["sapo"]),
+        ("vespo", vespo, OBJECTIVES["vespo"]),
+    ):
+        if fn is not its_fn and any(x is not None for x in settings):
+            names = "sapo_temperature_pos / _neg" if name == "sapo" else "vespo_k / vespo_lambda"
+            raise ValueError(f"{names} apply to objective={name!r}, not {k.objective!r}.")
+    if fn is OBJECTIVES["sapo"]:
+        taus = [default if tau is None else tau for tau, default in zip(sapo, SAPO_TEMPERATURES)]
+        if min(taus) <= 0:
+            raise ValueError(f"SAPO temperatures must be positive, got {tuple(taus)}.")
+        return functools.partial(fn, temperature_pos=taus[0], temperature_neg=taus[1])
+    if fn is OBJECTIVES["vespo"]:
+        return _vespo(fn, k)
+    return fn
 
 
-def _check_dual_clip(objective: Objective, clip_ratio_c: float | None) -> None:
-    if clip_ratio_c is None:
-        return
-    is_sapo = getattr(objective, "func", None) is OBJECTIVES["sapo"]
-    if objective is OBJECTIVES["cispo"] or is_sapo:
+def _vespo(fn: Objective, k: SimpleNamespace) -> Objective:
+    """VESPO's objective with its kernels bound; its weight is the product of the token ratios."""
+    if not (callable(k.ratio_level) or k.ratio_level == "sequence_sum"):
         raise ValueError(
-            "clip_ratio_c (dual clip) applies to the PPO surrogate, not "
-            f"{'SAPO' if is_sapo else 'CISPO'}."
+            "objective='vespo' weighs each sequence by the product of its token ratios: use "
+            f"ratio_level='sequence_sum' (VESPOLoss sets it), not {k.ratio_level!r}."
         )
-    _check_range("clip_ratio_c", clip_ratio_c)
+    ks, lambdas = (
+        VESPO_K if k.vespo_k is None else tuple(k.vespo_k),
+        VESPO_LAMBDA if k.vespo_lambda is None else tuple(k.vespo_lambda),
+    )
+    if len(ks) != 2 or len(lambdas) != 2 or min(*ks, *lambdas) < 0:
+        raise ValueError(
+            "vespo_k and vespo_lambda are pairs (for A >= 0, for A < 0) of non-negative "
+            f"numbers, got {ks} and {lambdas}."
+        )
+    return functools.partial(
+        fn, k_pos=ks[0], lambda_pos=lambdas[0], k_neg=ks[1], lambda_neg=lambdas[1]
+    )
+
+
+def _check_dual_clip(objective: Objective, clip_ratio_c: float | None, delta: float | None):
+    """The dual clip and the two-sided clip bound the PPO surrogate, one of them at a time."""
+    if clip_ratio_c is not None and delta is not None:
+        raise ValueError(
+            "clip_ratio_c and delta both bound the loss of negative-advantage tokens (delta "
+            "> 1 + eps_high is the dual clip with c = delta): pass one."
+        )
+    fn = getattr(objective, "func", objective)
+    names = {OBJECTIVES["cispo"]: "CISPO", OBJECTIVES["sapo"]: "SAPO", OBJECTIVES["vespo"]: "VESPO"}
+    if clip_ratio_c is not None:
+        if fn in names:
+            raise ValueError(
+                f"clip_ratio_c (dual clip) applies to the PPO surrogate, not {names[fn]}."
+            )
+        _check_range("clip_ratio_c", clip_ratio_c)
+    if delta is not None:
+        if fn is not OBJECTIVES["clip"]:
+            raise ValueError(
+                "delta (two-sided clip) caps the ratio of PPO's surrogate: objective='clip' only."
+            )
+        _check_range("delta", delta)
+
+
+def _make_trust_region(trust_region, bounds):
+    """``(fn, (low, high))``: DPPO's mask and its bounds (the recipe's where not given)."""
+    if trust_region is None:
+        if bounds is not None:
+            raise ValueError("trust_region_bounds needs a trust_region.")
+        return None, (None, None)
+    fn = _lookup(TRUST_REGIONS, trust_region, "trust_region")
+    if bounds is None:
+        if callable(trust_region):
+            raise ValueError("a callable trust_region needs trust_region_bounds=(low, high).")
+        bounds = TRUST_REGION_BOUNDS[trust_region]
+    low, high = bounds if isinstance(bounds, (tuple, list)) else (bounds, bounds)
+    for name, value in (("trust_region_low", low), ("trust_region_high", high)):
+        _check_range(name, value)
+    return fn, (float(low), float(high))
+
+
+def _check_unbiased_kl(unbiased: bool, kl_to_ref_coeff: float | None) -> bool:
+    if unbiased and kl_to_ref_coeff is None:
+        raise ValueError("kl_to_ref_unbiased weighs the KL to the reference: set kl_to_ref_coeff.")
+    return bool(unbiased)
+
+
+def _adaptive_entropy(k: SimpleNamespace) -> tuple[float, float, float, float] | None:
+    """``(target, min, max, step)`` of the adaptive entropy coefficient, or ``None`` (fixed)."""
+    if k.entropy_target is None:
+        if k.entropy_coeff_bounds is not None or k.entropy_coeff_step is not None:
+            raise ValueError("entropy_coeff_bounds / entropy_coeff_step need an entropy_target.")
+        return None
+    if not k.entropy_bonus:
+        raise ValueError("entropy_target adapts the entropy bonus: it needs entropy_bonus=True.")
+    low, high = ENTROPY_COEFF_BOUNDS if k.entropy_coeff_bounds is None else k.entropy_coeff_bounds
+    step = ENTROPY_COEFF_STEP if k.entropy_coeff_step is None else k.entropy_coeff_step
+    if not (k.entropy_target >= 0 and 0 <= low <= high and step > 0):
+        raise ValueError(
+            "the adaptive entropy coefficient needs entropy_target >= 0, "
+            f"0 <= min <= max and step > 0, got {k.entropy_target}, ({low}, {high}), {step}."
+        )
+    return float(k.entropy_target), float(low), float(high), float(step)
 
 
 def _check_range(name: str, value: float | None) -> None:
@@ -484,6 +607,10 @@ _RANGES = {
     "inference_correction_low": ("non-negative", 0.0),
     "inference_correction_high": ("positive", 0.0),
     "clip_ratio_c": ("greater than", 1.0),
+    "delta": ("greater than", 1.0),
+    "trust_region_low": ("positive", 0.0),
+    "trust_region_high": ("positive", 0.0),
+    "inference_veto_threshold": ("positive", 0.0),
     "behaviour_weight_cap": ("greater than", 1.0),
 }
 

@@ -34,6 +34,13 @@ class LLMLossOutput(TensorClass["nocast"]):
     mean_ratio: torch.Tensor | None = None
     composite_entropy: TensorDictBase | None = None
     normalization_count: torch.Tensor | None = None  # inside GRPOLoss.summed()
+    entropy_coeff: torch.Tensor | None = None
+    trust_region_masked_fraction: torch.Tensor | None = None
+    inference_vetoed_fraction: torch.Tensor | None = None
+    inference_chi2_token: torch.Tensor | None = None
+    inference_chi2_sequence: torch.Tensor | None = None
+    inference_seq_max_k3_mean: torch.Tensor | None = None
+    inference_seq_max_k3_max: torch.Tensor | None = None
 
     def __getitem__(self, index):
         # out["loss_objective"], as a ClipPPOLoss TensorDict output is read
@@ -117,6 +124,9 @@ GRPOLossOutput.__doc__ = """What :class:`GRPOLoss` returns: the terms to sum and
         mean_ratio: the mean importance ratio over the real tokens.
         entropy: mean per-token entropy of the policy (``None`` without ``entropy_bonus``).
         loss_entropy: ``-entropy_coeff`` times the aggregated entropy.
+        entropy_coeff: the entropy coefficient this call applied, with ``entropy_target``
+            (the adaptive coefficient, or 0 while the entropy last measured is above the
+            target).
         kl_to_ref: mean KL estimate to the reference policy (``None`` without ``kl_to_ref_coeff``).
         loss_kl_to_ref: ``kl_to_ref_coeff`` times the aggregated estimate.
         kl_to_inference: mean KL estimate to the sampling policy.
@@ -130,6 +140,17 @@ GRPOLossOutput.__doc__ = """What :class:`GRPOLoss` returns: the terms to sum and
             exceeds ``behaviour_weight_cap`` (with ``decoupled=True``; 0 without a cap).
         truncated_fraction: share of the sequences flagged truncated, which leave the loss
             (with ``mask_truncated_completions``).
+        trust_region_masked_fraction: share of real tokens outside DPPO's trust region, zeroed
+            in the objective (with ``trust_region``; verl's ``pg_clipfrac`` there).
+        inference_vetoed_fraction: share of the sequences vetoed, which leave the loss (with
+            ``inference_veto_threshold``).
+        inference_chi2_token, inference_chi2_sequence: chi-square divergence of the importance
+            weights ``pi_old / pi_inference``, per token and per sequence; and
+        inference_seq_max_k3_mean, inference_seq_max_k3_max: the mean and the largest, over
+            the sequences, of their worst token's k3 mismatch
+            (:func:`~torchrl_grpo.loss_terms.inference_mismatch`). Whenever the loss reads
+            ``inference_log_prob`` (0 where ``sample_log_prob`` stands in for it).
+        normalization_count: inside :meth:`GRPOLoss.summed`, what the sums divide by.
         composite_entropy: a multi-head policy's entropy per head and per element of the batch
             (padding included), detached, as ClipPPOLoss reports it; ``None`` for one head.
 

@@ -16,7 +16,17 @@ from torchrl_grpo.loss.grpo import GRPOLoss
 from torchrl_grpo.loss.options import SAPO_TEMPERATURES
 from torchrl_grpo.loss.output import CISPOLossOutput, DAPOLossOutput
 
-__all__ = ["DAPO", "CISPOLoss", "DAPOLoss", "DrGRPOLoss", "GSPOLoss", "SAPOLoss"]
+__all__ = [
+    "DAPO",
+    "CISPOLoss",
+    "DAPOLoss",
+    "DPPOLoss",
+    "DrGRPOLoss",
+    "GSPOLoss",
+    "LUSPOLoss",
+    "SAPOLoss",
+    "VESPOLoss",
+]
 
 
 class _PresetSignature:
@@ -295,6 +305,163 @@ class SAPOLoss(_Preset):
             "sapo_temperature_pos": SAPO_TEMPERATURES[0],
             "sapo_temperature_neg": SAPO_TEMPERATURES[1],
             "aggregation": "seq_mean_token_mean",
+            "entropy_coeff": 0.0,
+        }
+    )
+
+
+class DPPOLoss(_Preset):
+    """GRPOLoss with DPPO's trust region: bound each token's probability, not its ratio.
+
+    DPPO ("Rethinking the Trust Region in LLM RL", arXiv:2602.04879) drops PPO's clip of the
+    ratio and instead zeroes the tokens whose probability has already moved past a bound in
+    the direction of their advantage (:func:`~torchrl_grpo.loss_terms.dppo_tv_mask`, or the
+    binary-KL form :func:`~torchrl_grpo.loss_terms.dppo_kl_mask`); the kept tokens get the
+    truncated importance-weighted policy gradient, as verl's ``dppo_tv`` / ``dppo_kl``:
+
+    .. math:: L = -\\frac{1}{\\sum_i |o_i|} \\sum_{i,t} M_{i,t}\\,
+        \\operatorname{sg}\\big[\\min(r_{i,t}, C)\\big] A_i \\log \\pi_\\theta(o_{i,t})
+
+    That is :func:`~torchrl_grpo.loss_terms.cispo_loss` with no lower bound and the cap ``C``:
+    verl's DPPO recipe runs ``C = 10^4`` (``clip_ratio_c``; in effect no cap) with the bound
+    ``0.15`` (total variation) or ``0.05`` (binary KL) on both sides. The masked share is
+    ``trust_region_masked_fraction``. The aggregation is verl's default token mean; its recipe
+    uses Dr. GRPO's (``aggregation="seq_mean_token_sum_norm", max_length=L``).
+
+    Args:
+        actor_network (ProbabilisticTensorDictSequential or LLMWrapperBase): the policy.
+
+    Keyword Args:
+        trust_region: defaults to ``"dppo_tv"`` (``"dppo_kl"`` for the KL form).
+        trust_region_bounds: ``(delta_low, delta_high)``; defaults to ``0.15`` for
+            ``"dppo_tv"``, ``0.05`` for ``"dppo_kl"``.
+        objective: defaults to ``"cispo"``.
+        clip_epsilon: defaults to ``(1.0, 9999.0)``: the weight is capped at ``C = 10^4``.
+        aggregation: defaults to ``"token_mean"``.
+        entropy_coeff: defaults to ``0.0``.
+        **kwargs: any other :class:`GRPOLoss` keyword.
+
+    Examples:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> from tensordict.nn import TensorDictModule
+        >>> from torchrl.modules import ProbabilisticActor
+        >>> net = TensorDictModule(torch.nn.Linear(3, 5), ["hidden"], ["logits"])
+        >>> policy = ProbabilisticActor(net, in_keys=["logits"], out_keys=["tokens"],
+        ...     distribution_class=torch.distributions.Categorical, return_log_prob=True)
+        >>> batch = policy(TensorDict(hidden=torch.randn(2, 4, 3), batch_size=[2])).detach()
+        >>> batch["advantage"] = torch.tensor([1.0, -1.0])
+        >>> out = DPPOLoss(policy, trust_region="dppo_kl")(batch)
+        >>> out.trust_region_masked_fraction  # on-policy: no token has moved
+        tensor(0.)
+    """
+
+    defaults = MappingProxyType(
+        {
+            "trust_region": "dppo_tv",
+            "objective": "cispo",
+            "clip_epsilon": (1.0, 9999.0),
+            "aggregation": "token_mean",
+            "entropy_coeff": 0.0,
+        }
+    )
+
+
+class VESPOLoss(_Preset):
+    """GRPOLoss with VESPO's objective: a smooth kernel on the sequence importance weight.
+
+    VESPO (arXiv:2602.10693; TRL's ``loss_type="vespo"``) weighs each sequence's REINFORCE
+    gradient by ``phi(W) = W^k e^{lambda (1 - W)}`` of its importance weight ``W``, the product
+    of its token ratios, with the gradient of the weight stopped
+    (:func:`~torchrl_grpo.loss_terms.vespo_loss`), in place of any clip:
+
+    .. math:: L = -\\frac{1}{\\sum_i |o_i|} \\sum_{i,t} \\operatorname{sg}\\big[\\phi(W_i)\\big]
+        A_i \\log \\pi_\\theta(o_{i,t}), \\qquad W_i = \\prod_t r_{i,t}
+
+    with ``(k, lambda) = (2, 3)`` for ``A >= 0`` and ``(3, 2)`` for ``A < 0`` (TRL's
+    ``vespo_k_pos`` ... defaults) and TRL's normalisation, the token mean over the batch.
+    ``clip_epsilon`` only sets the reported clip fractions (of ``W``). With
+    ``inference_correction``, TRL folds the sampler's weight into ``W``; here it multiplies
+    the loss, as for every objective.
+
+    Args:
+        actor_network (ProbabilisticTensorDictSequential or LLMWrapperBase): the policy.
+
+    Keyword Args:
+        objective: defaults to ``"vespo"``.
+        ratio_level: defaults to ``"sequence_sum"`` (``W``, the product of the token ratios).
+        vespo_k: ``(k for A >= 0, k for A < 0)``, defaults to ``(2.0, 3.0)``.
+        vespo_lambda: ``(lambda for A >= 0, lambda for A < 0)``, defaults to ``(3.0, 2.0)``.
+        aggregation: defaults to ``"token_mean"``.
+        entropy_coeff: defaults to ``0.0``.
+        **kwargs: any other :class:`GRPOLoss` keyword.
+
+    Examples:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> from tensordict.nn import TensorDictModule
+        >>> from torchrl.modules import ProbabilisticActor
+        >>> net = TensorDictModule(torch.nn.Linear(3, 5), ["hidden"], ["logits"])
+        >>> policy = ProbabilisticActor(net, in_keys=["logits"], out_keys=["tokens"],
+        ...     distribution_class=torch.distributions.Categorical, return_log_prob=True)
+        >>> batch = policy(TensorDict(hidden=torch.randn(2, 4, 3), batch_size=[2])).detach()
+        >>> batch["advantage"] = torch.tensor([1.0, -1.0])
+        >>> out = VESPOLoss(policy)(batch)  # on-policy W = 1, phi = 1: REINFORCE's gradient
+        >>> out.mean_ratio
+        tensor(1.)
+    """
+
+    defaults = MappingProxyType(
+        {
+            "objective": "vespo",
+            "ratio_level": "sequence_sum",
+            "aggregation": "token_mean",
+            "entropy_coeff": 0.0,
+        }
+    )
+
+
+class LUSPOLoss(_Preset):
+    """GRPOLoss with LUSPO's defaults: GSPO's sequence loss scaled by the sequence's length.
+
+    LUSPO (arXiv:2602.05261; TRL's ``loss_type="luspo"``) multiplies GSPO's per-sequence loss
+    by the number of tokens of the sequence, so that long responses are not under-weighted by
+    the sequence mean:
+
+    .. math:: L = \\frac{1}{G} \\sum_{i=1}^{G} |o_i|\\, \\Big(-\\min\\big(s_i A_i,\\
+        \\operatorname{clip}(s_i, 1-\\varepsilon_{low}, 1+\\varepsilon_{high}) A_i\\big)\\Big)
+
+    GSPO's sequence ratio ``s_i`` (:func:`~torchrl_grpo.loss_terms.sequence_log_ratio`) is
+    the same on every token of the sequence, so this is the ``"seq_mean_token_sum"``
+    aggregation of GSPO's per-token loss: no new term. The band ``(2e-3, 2.5e-3)`` is TRL's
+    LUSPO recipe. TRL divides by every row of the batch; here rows with no real token are not
+    counted (as every aggregation here).
+
+    Args:
+        actor_network (ProbabilisticTensorDictSequential or LLMWrapperBase): the policy.
+
+    Keyword Args:
+        clip_epsilon: defaults to ``(2e-3, 2.5e-3)``.
+        ratio_level: defaults to ``"sequence"``.
+        aggregation: defaults to ``"seq_mean_token_sum"``.
+        entropy_coeff: defaults to ``0.0``.
+        **kwargs: any other :class:`GRPOLoss` keyword.
+
+    Examples:
+        >>> import torch
+        >>> from tensordict.nn import TensorDictModule
+        >>> from torchrl.modules import ProbabilisticActor
+        >>> net = TensorDictModule(torch.nn.Linear(3, 5), ["hidden"], ["logits"])
+        >>> policy = ProbabilisticActor(net, in_keys=["logits"], out_keys=["tokens"],
+        ...     distribution_class=torch.distributions.Categorical)
+        >>> loss = LUSPOLoss(policy)
+    """
+
+    defaults = MappingProxyType(
+        {
+            "clip_epsilon": (2e-3, 2.5e-3),
+            "ratio_level": "sequence",
+            "aggregation": "seq_mean_token_sum",
             "entropy_coeff": 0.0,
         }
     )
