@@ -12,7 +12,12 @@ output of an LLM head. The actor's ``distribution_class`` is ``torch.distributio
 one with the loss variants that add per-token work switched on at once (SAPO's objective, the
 ``sequence_mask`` inference correction, off-policy sequence masking, decoupled PPO with a
 behaviour cap, top-20% entropy tokens, masking of truncated completions), to check that these
-terms stay within the memory budget.
+terms stay within the memory budget. Two more lean paths switch on the 2026 terms at once: with
+PPO's surrogate ("recent": the two-sided clip ``delta``, DPPO's binary-KL trust region, the
+unbiased KL to the reference, the adaptive entropy coefficient, the veto and the mismatch
+statistics, IcePop's token mask, token-sum aggregation) and with VESPO's objective ("vespo":
+the sequence weight, DPPO's total-variation trust region, the unbiased KL, the adaptive entropy,
+the veto). Every loss term is backpropagated (``total_loss()``).
 
 From hidden states: two paths start from the last hidden states ``[B, T, H]`` (a leaf) and an
 output layer ``W`` ``[V, H]`` (no bias). "head" applies the layer (``[B, T, V]`` logits) and then
@@ -56,12 +61,17 @@ from pathlib import Path
 import torch
 
 #: Paths in two groups, each compared with its first path.
-GROUPS = {"logits": ("plain", "lean", "variants"), "hidden states": ("head", "hidden")}
+GROUPS = {
+    "logits": ("plain", "lean", "variants", "recent", "vespo"),
+    "hidden states": ("head", "hidden"),
+}
 PATHS = tuple(path for group in GROUPS.values() for path in group)
 NAMES = {
     "plain": "Categorical (plain)",
     "lean": "TokenCategorical (lean)",
     "variants": "lean + per-token variants",
+    "recent": "lean + 2026 terms (clip)",
+    "vespo": "lean + 2026 terms (VESPO)",
     "head": "Linear + TokenCategorical",
     "hidden": "HiddenTokenCategorical",
 }
@@ -81,6 +91,29 @@ VARIANTS = {
     "top_entropy_quantile": 0.2,
     "mask_truncated_completions": True,
 }
+#: The 2026 terms at once, with PPO's surrogate.
+RECENT = {
+    "delta": 4.0,
+    "trust_region": "dppo_kl",
+    "kl_to_ref_coeff": 0.01,
+    "kl_to_ref_unbiased": True,
+    "entropy_target": 0.5,
+    "inference_veto_threshold": 0.5,
+    "inference_correction": "token_mask",
+    "aggregation": "token_sum",
+}
+#: The 2026 terms with VESPO's objective (the two-sided clip is PPO's only).
+VESPO = {
+    "objective": "vespo",
+    "ratio_level": "sequence_sum",
+    "trust_region": "dppo_tv",
+    "kl_to_ref_coeff": 0.01,
+    "kl_to_ref_unbiased": True,
+    "entropy_target": 0.5,
+    "inference_veto_threshold": 0.5,
+}
+#: The loss keywords of each path (none: GRPOLoss's defaults).
+PATH_VARIANTS = {"variants": VARIANTS, "recent": RECENT, "vespo": VESPO}
 
 
 def parse_args(argv=None):
@@ -188,10 +221,11 @@ def make_case(
         return torch.randn(*shape, generator=g).to(device)
 
     data["old_log_prob"] = log_prob + 0.2 * noise(b, t)
-    variants = VARIANTS if path == "variants" else {}
+    variants = PATH_VARIANTS.get(path, {})
     if variants:
         data["inference_log_prob"] = data["old_log_prob"] + 0.01 * noise(b, t)
         data["proximal_log_prob"] = data["old_log_prob"] + 0.1 * noise(b, t)
+        data["ref_log_prob"] = log_prob + 0.3 * noise(b, t)
         data["truncated"] = (torch.rand(b, generator=g) < 0.25).to(device)
     loss = GRPOLoss(
         actor, clip_epsilon=(0.2, 0.28), entropy_coeff=0.01, functional=False, **variants
@@ -204,7 +238,7 @@ def step(loss, batch, leaves):
     for leaf in leaves.values():
         leaf.grad = None
     out = loss(batch)
-    (out.loss_objective + out.loss_entropy).backward()
+    out.total_loss().backward()
     return out
 
 

@@ -32,6 +32,7 @@ class AdaptiveEntropy(torch.nn.Module):
 
     Examples:
         >>> import torch
+        >>> from torchrl_grpo.loss.entropy import AdaptiveEntropy
         >>> controller = AdaptiveEntropy(target=0.5, low=0.0, high=1.0, step=0.1)
         >>> coeff = torch.tensor(0.2)
         >>> entropy, mask = torch.tensor([[0.3, 0.1, 9.0]]), torch.tensor([[True, True, False]])

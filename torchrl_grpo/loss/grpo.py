@@ -149,14 +149,16 @@ class GRPOLoss(ClipPPOLoss):
     and every mean divides by the number of real tokens or non-empty sequences.
 
     **Leaving a token out, two ways.** Tokens *excluded* from the loss are not counted by the
-    aggregation: those outside the KL trust region (``kl_mask_threshold``, as torchrl) and
-    those of truncated completions (``mask_truncated_completions``, as TRL and DAPO, where they
-    leave the batch). Tokens *zeroed* keep their place in the aggregation's denominator, as the
+    aggregation: those outside the KL trust region (``kl_mask_threshold``, as torchrl), those
+    of truncated completions (``mask_truncated_completions``, as TRL and DAPO, where they
+    leave the batch) and those of vetoed sequences (``inference_veto_threshold``, as verl's
+    rejection). Tokens *zeroed* keep their place in the aggregation's denominator, as the
     papers write them (a factor ``M_{i,t}`` or ``w_t`` inside the sum): off-policy sequence
     masking, the masking modes of ``inference_correction``, the behaviour-weight cap of
-    decoupled PPO and high-entropy token selection. Metrics (ESS, clip fractions, KL means,
-    entropy) describe every real token either way. Only ``loss_objective`` is zeroed or
-    weighted; ``loss_entropy`` and the KL terms cover every token left in the loss.
+    decoupled PPO, high-entropy token selection and DPPO's ``trust_region``. Metrics (ESS,
+    clip fractions, KL means, entropy) describe every real token either way. Only
+    ``loss_objective`` is zeroed or weighted; ``loss_entropy`` and the KL terms cover every
+    token left in the loss.
 
     **Degenerate cases.** A batch with no real token raises ``ValueError`` (there is nothing to
     average, and a silent zero loss would hide a broken pipeline). A sequence with no real token
