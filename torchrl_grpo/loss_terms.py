@@ -929,6 +929,8 @@ def vespo_loss(
     PPO's clip cuts the gradient at a hard bound. ``(k, lambda)`` is ``(k_pos, lambda_pos)``
     for ``A >= 0`` and ``(k_neg, lambda_neg)`` for ``A < 0``; TRL's defaults ``(2, 3)`` and
     ``(3, 2)``. ``lambda`` is floored at ``1e-4`` and a non-finite ``phi`` is 0, as TRL does.
+    The kernel follows the sign of each token's advantage: with a per-sequence advantage (TRL's
+    case) one kernel per sequence.
     Like CISPO's, the value of this loss is not a PPO loss value; only its gradient is.
 
     Args:
@@ -955,8 +957,9 @@ def vespo_loss(
     with torch.no_grad():
         log_w = log_weight.clamp(math.log(1e-8), MAX_LOG_RATIO)
         positive = advantage >= 0
-        k = torch.where(positive, k_pos, k_neg)
-        lam = torch.where(positive, lambda_pos, lambda_neg).clamp(min=1e-4)
+        k = torch.where(positive, log_w.new_tensor(k_pos), log_w.new_tensor(k_neg))
+        lam = torch.where(positive, log_w.new_tensor(lambda_pos), log_w.new_tensor(lambda_neg))
+        lam = lam.clamp(min=1e-4)
         log_phi = lam + k * log_w - lam * log_w.exp()
         phi = log_phi.exp().nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
     return -phi * advantage * log_prob
@@ -1428,15 +1431,17 @@ def inference_mismatch(log_weight: torch.Tensor, mask: torch.Tensor) -> dict[str
     """
     _check_same_shape(log_weight=log_weight, mask=mask)
     with torch.no_grad():
+        # float32 at least (e^40 overflows float16); masks, not indexing (no host sync)
+        log_weight = log_weight.to(torch.promote_types(log_weight.dtype, torch.float32))
         d = log_weight.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
         nonempty = mask.any(-1)  # (B,)
         seq_sum = torch.where(mask, log_weight, 0.0).sum(-1).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
-        seq_max = _sequence_max_k3(log_weight, mask)[nonempty]
+        seq_max = _sequence_max_k3(log_weight, mask)  # (B,), 0 for an empty sequence
         return {
             "chi2_token": masked_mean((2 * d).exp(), mask) - 1.0,
-            "chi2_sequence": (2 * seq_sum[nonempty]).exp().mean() - 1.0,
-            "seq_max_k3_mean": seq_max.mean(),
-            "seq_max_k3_max": seq_max.max(),
+            "chi2_sequence": masked_mean((2 * seq_sum).exp(), nonempty) - 1.0,
+            "seq_max_k3_mean": masked_mean(seq_max, nonempty),
+            "seq_max_k3_max": seq_max.max(),  # every value >= 0: empty rows do not win
         }
 
 

@@ -11,7 +11,7 @@ import torch
 from helpers.loss import known_batch, known_policy, pad, token_batch, token_policy
 
 from torchrl_grpo import DPPOLoss, GRPOLoss, LUSPOLoss, VESPOLoss
-from torchrl_grpo.loss_terms import dppo_tv_mask
+from torchrl_grpo.loss_terms import dppo_tv_mask, inference_mismatch, vespo_loss
 
 # the running example: real tokens' PPO losses -1.0, -1.1, -1.2 | 0.8, 4.0 (5 tokens);
 # p = .5, .55, .75 | .25, .4 against p_old = .5, .5, .5 | .5, .1
@@ -199,3 +199,38 @@ class TestWiring:
     def test_errors(self, kwargs, match):
         with pytest.raises(ValueError, match=match):
             GRPOLoss(token_policy(), **kwargs)
+
+
+class TestReviewEdges:
+    def test_a_variant_off_at_construction_stays_off(self):
+        loss = GRPOLoss(token_policy(), objective="cispo")
+        with pytest.raises(ValueError, match="delta was off"):
+            loss.delta = 4.0  # would have replaced CISPO by PPO's clip, unchecked
+        with pytest.raises(ValueError, match="inference_veto_threshold was off"):
+            loss.inference_veto_threshold = 0.1
+        assert loss.delta is None
+        on = GRPOLoss(token_policy(), kl_to_ref_coeff=0.0)
+        on.kl_to_ref_coeff = 0.1  # built on (at 0): schedulable
+        assert on.kl_to_ref_coeff.item() == pytest.approx(0.1)
+
+    def test_vespo_keeps_the_dtype(self):
+        log_prob = torch.zeros(2, 3, dtype=torch.bfloat16, requires_grad=True)
+        adv = torch.tensor([[1.0], [-1.0]], dtype=torch.bfloat16)
+        loss = vespo_loss(torch.zeros(2, 3, dtype=torch.bfloat16), adv, log_prob)
+        assert loss.dtype == torch.bfloat16
+
+    def test_mismatch_statistics_in_half_precision(self):
+        log_w = torch.full((2, 3), 15.0, dtype=torch.float16)  # e^(2 * 20) overflows float16
+        mask = torch.tensor([[True, True, True], [False, False, False]])  # an empty row
+        stats = inference_mismatch(log_w, mask)
+        assert all(torch.isfinite(v) for v in stats.values())
+        assert stats["chi2_sequence"].item() == pytest.approx(math.exp(40.0) - 1, rel=1e-3)
+
+    def test_evaluations_do_not_move_the_adaptive_entropy(self):
+        loss = GRPOLoss(token_policy(), entropy_target=1.0)
+        with torch.no_grad():
+            loss(token_batch())
+        assert loss.adaptive_entropy.window.tolist() == [0.0, 0.0]
+        loss(token_batch())
+        assert loss.adaptive_entropy.window.dtype == torch.float64
+        assert loss.adaptive_entropy.window[1].item() == token_batch()["mask"].sum().item()

@@ -18,7 +18,8 @@ __all__ = ["AdaptiveEntropy"]
 class AdaptiveEntropy(torch.nn.Module):
     """The entropy bonus's coefficient steered toward a target entropy (TRL's rule).
 
-    Every call in training mode adds its real tokens' entropy to a window; :meth:`update`
+    Every call in training mode with gradients on (not an evaluation under
+    ``torch.no_grad()``) adds its real tokens' entropy to a window (float64); :meth:`update`
     (once per optimizer step) measures the window's token-weighted mean entropy ``H``, moves
     the coefficient by ``step`` toward keeping ``H`` at ``target`` and empties the window. A
     call applies the coefficient only while the ``H`` last measured is at or below the target
@@ -48,24 +49,24 @@ class AdaptiveEntropy(torch.nn.Module):
         super().__init__()
         self.target, self.low, self.high, self.step = target, low, high, step
         # (entropy sum, token count) since the last update, and the entropy it measured
-        self.register_buffer("window", torch.zeros(2, device=device))
+        self.register_buffer("window", torch.zeros(2, dtype=torch.float64, device=device))
         self.register_buffer("last_entropy", torch.tensor(float("inf"), device=device))
 
     def applied(
         self, coeff: torch.Tensor, entropy: torch.Tensor, mask: torch.Tensor
     ) -> torch.Tensor:
         """The coefficient this call applies (``coeff`` or 0); records the batch's entropy in
-        training mode.
+        training mode, with gradients on.
 
         Args:
             coeff (torch.Tensor): the coefficient now (the loss's ``entropy_coeff``).
             entropy (torch.Tensor): per-token entropy ``(B, T)``.
             mask (torch.Tensor): boolean ``(B, T)``, ``True`` on real tokens.
         """
-        if self.training:
+        if self.training and torch.is_grad_enabled():
             with torch.no_grad():
-                real = mask.to(entropy.dtype)
-                self.window += torch.stack([(entropy * real).sum(), real.sum()])
+                real = mask.to(torch.float64)
+                self.window += torch.stack([(entropy.double() * real).sum(), real.sum()])
         return torch.where(self.last_entropy <= self.target, coeff, 0.0)
 
     def update(self, coeff: float) -> float:

@@ -163,7 +163,11 @@ class GRPOLoss(ClipPPOLoss):
     **Degenerate cases.** A batch with no real token raises ``ValueError`` (there is nothing to
     average, and a silent zero loss would hide a broken pipeline). A sequence with no real token
     inside a batch is ignored: it is not counted by the per-sequence aggregations. A
-    sequence-level ratio of an empty sequence is 1.
+    sequence-level ratio of an empty sequence is 1. When every real token is left out (by
+    ``kl_mask_threshold``, truncation or the veto), the ``loss_*`` terms are 0 and send no
+    gradient; the fractions say why (``inference_vetoed_fraction`` 1...). A variant left off
+    (``None``) at construction stays off: setting it later raises ``ValueError``; a
+    ``state_dict`` loads into a loss built with the same variants (their buffers are saved).
 
     Args:
         actor_network (ProbabilisticTensorDictSequential or LLMWrapperBase): the policy
@@ -187,8 +191,9 @@ class GRPOLoss(ClipPPOLoss):
             coefficient's starting value (TRL starts at 0), moved once per optimizer step by
             :meth:`update_entropy_coeff` toward keeping the entropy at this target, and
             applied only while the entropy last measured is at or below it (so not before the
-            first update). The applied value is ``entropy_coeff`` in the output. Needs
-            ``entropy_bonus``.
+            first update). The applied value is ``entropy_coeff`` in the output. The entropy
+            is recorded by the calls made in training mode with gradients on (not under
+            ``torch.no_grad()``, nor after ``loss.eval()``). Needs ``entropy_bonus``.
         entropy_coeff_bounds (tuple of float, optional): ``(min, max)`` of the adaptive
             coefficient. Defaults to ``(0.0, 1.0)`` (TRL's) with ``entropy_target``.
         entropy_coeff_step (float, optional): its step per update. Defaults to ``0.005``
@@ -240,11 +245,13 @@ class GRPOLoss(ClipPPOLoss):
             ``low_var_kl``) or ``(log_prob, ref_log_prob) -> per-token estimate``.
             Defaults to ``"k3"``.
         kl_to_ref_unbiased (bool): DeepSeek-V3.2's unbiased KL (TRL's
-            ``use_bias_correction_kl``, on by default there): each token's KL estimate is
-            multiplied by ``pi_theta / pi_old`` (``sample_log_prob``; the ratio keeps its
-            gradient: :func:`~torchrl_grpo.loss_terms.importance_weighted_kl`), so that its
-            gradient is the reverse KL's off-policy too. ``kl_to_ref`` reports the weighted
-            estimate. Needs ``kl_to_ref_coeff``. Defaults to ``False``.
+            ``use_bias_correction_kl``, on by default in TRL 1.16): each token's KL estimate is
+            multiplied by the token's ``pi_theta / pi_old`` (``sample_log_prob``; the ratio
+            keeps its gradient: :func:`~torchrl_grpo.loss_terms.importance_weighted_kl`), so
+            that its gradient is the reverse KL's off-policy too, whatever ``ratio_level``
+            (TRL weighs by GSPO's sequence ratio under ``importance_sampling_level=
+            "sequence"``). ``kl_to_ref`` reports the weighted estimate. Needs
+            ``kl_to_ref_coeff``. Defaults to ``False``.
         kl_to_inference_coeff (float, optional): ``beta_inf``; enables ``kl_to_inference`` /
             ``loss_kl_to_inference``. Schedulable buffer.
         kl_to_inference_estimator (str or callable): as ``kl_to_ref_estimator``.
@@ -523,6 +530,7 @@ class GRPOLoss(ClipPPOLoss):
             self.set_keys(**LLM_KEYS)
         self._in_keys = None
         self._out_keys = None
+        self._wired = True  # from now on, a variant left off stays off (see __setattr__)
 
     @property
     def inference_correction(self) -> Callable | None:
@@ -552,6 +560,14 @@ class GRPOLoss(ClipPPOLoss):
         # a scheduler's new value (``loss.clip_epsilon = 0.1``) is checked as at construction
         if name in _SCHEDULED and isinstance(value, (int, float)):
             check_scheduled(name, value)
+        # a variant left off at construction is not a buffer: setting it would skip every
+        # check of loss_options (an objective it cannot go with...) and the read plan's keys
+        if name in COEFFICIENTS and value is not None and self.__dict__.get("_wired"):
+            if getattr(self, name, None) is None:
+                raise ValueError(
+                    f"{name} was off (None) when the loss was built: pass {name}=... to "
+                    f"{type(self).__name__}(...) (0.0 to schedule it from zero) to turn it on."
+                )
         super().__setattr__(name, value)
 
     def set_keys(self, **kwargs) -> None:
@@ -720,7 +736,11 @@ class GRPOLoss(ClipPPOLoss):
         """
         count = float(count)
         if count <= 0:
-            raise ValueError(f"normalize_gradients: count must be positive, got {count}.")
+            raise ValueError(
+                f"normalize_gradients: count must be positive, got {count}: no token of the "
+                "whole step is in the loss (every one padding, or left out by the KL mask, "
+                "truncation or the veto)."
+            )
         for parameter in parameters:
             if parameter.grad is not None:
                 parameter.grad.mul_(ranks / count)
