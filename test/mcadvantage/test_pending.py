@@ -7,7 +7,7 @@ from helpers import (
 from helpers.states import hold, read, uids
 
 from torchrl_grpo.mcadvantage import pending as pending_
-from torchrl_grpo.mcadvantage.records import Pending, Returns
+from torchrl_grpo.mcadvantage.records import NO_VERSION, Pending, Returns
 
 
 def returns_of(batch, start=0.0):
@@ -22,7 +22,8 @@ class TestHoldAndGather:
         state = hold(Pending(), batch)
         assert state.chunks.steps == (batch.steps,)
         assert state.chunks.steps[0].data is batch.steps.data  # no copy
-        assert state.spans.tolist() == [[0, 0, 2, 0], [0, 2, 1, 0]]
+        unknown = NO_VERSION  # no policy version in these steps
+        assert state.spans.tolist() == [[0, 0, 2, 0, unknown], [0, 2, 1, 0, unknown]]
         assert state.ids.values.tolist() == [[1], [2]]
         assert state.returns.value.tolist() == [10.0 * 0, 1.0]
 

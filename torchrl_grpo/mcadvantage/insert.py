@@ -12,7 +12,16 @@ from __future__ import annotations
 from tensordict import TensorDictBase
 from torchrl import torchrl_logger
 
-from torchrl_grpo.mcadvantage import groups, limits, pending, read, release, returns, tails
+from torchrl_grpo.mcadvantage import (
+    groups,
+    limits,
+    pending,
+    read,
+    release,
+    returns,
+    staleness,
+    tails,
+)
 from torchrl_grpo.mcadvantage.options import Options
 from torchrl_grpo.mcadvantage.records import NOTHING_RELEASED, Outcome, State
 from torchrl_grpo.mcadvantage.registry import ENDED, RUNNING
@@ -26,7 +35,8 @@ def insert(options: Options, state: State, tensordict: TensorDictBase) -> Outcom
 
     1. Trajectories that cross insertions are joined with the held tails (``traj_key``); the
        unfinished ones are held.
-    2. The complete trajectories are read and checked: steps, bounds, rewards, group ids.
+    2. The complete trajectories are read and checked: steps, bounds, rewards, group ids and
+       policy versions; with ``max_policy_lag``, the stale ones (pending or incoming) go.
     3. Their returns are computed (float64, and torchrl's where its rules compare them).
     4. The groups now complete are found: rounds of ``grpo_size``, or candidate selection.
     5. Their advantages are written and the groups the filters keep are released.
@@ -42,10 +52,11 @@ def insert(options: Options, state: State, tensordict: TensorDictBase) -> Outcom
     state, marks, complete = _join_tails(options, state, tensordict)  # 1.
     batch = None
     if complete is not None:  # 2.
-        batch = read.read_insertion(complete, options.keys, state.pending)
-    if batch is None:  # nothing completes, or no step
-        state = State(state.pending, state.tails, state.stats, clock)
-        return _finish(options, None, state, marks)
+        required = options.staleness.max_lag is not None
+        batch = read.read_insertion(complete, options.keys, state.pending, required)
+    state, batch = staleness.drop_stale(options, state, batch)
+    if batch is None:  # nothing completes, no step, or only stale trajectories
+        return _finish(options, None, state._replace(insertions=clock), marks)
     _check_ragged(options, batch)
     estimator, group_filter = options.estimator, options.group_filter  # 3.
     exact = options.selects or group_filter.keep_return_bounds is not None
@@ -71,10 +82,13 @@ def insert(options: Options, state: State, tensordict: TensorDictBase) -> Outcom
         trajectory_return=estimator.trajectory_return,
         group_size=options.grpo_size,
     )
+    reference = staleness.reference(options, state.newest_version)
+    stats = staleness.lag_stats(stats, state.pending, batch, rounds, reference)
     held = pending.remaining(state.pending, batch, rounds.consumed, incoming, state.insertions)
     if options.verbose:
-        _log(batch.num_trajectories, rounds, released, held.num_pending)
-    return _finish(options, released.out, State(held, state.tails, stats, clock), marks)
+        _log(batch.num_trajectories, rounds, released, held.num_pending, stats)
+    state = state._replace(pending=held, stats=stats, insertions=clock)
+    return _finish(options, released.out, state, marks)
 
 
 def commit(state: State, marks: tuple) -> State:
@@ -99,7 +113,7 @@ def _join_tails(options: Options, state: State, tensordict: TensorDictBase):
             "evicted_steps": stats["evicted_steps"] + joined.dropped_steps,
             "evicted_trajectories": stats["evicted_trajectories"] + joined.dropped_tails,
         }
-    state = State(state.pending, joined.tails, stats, state.insertions)
+    state = state._replace(tails=joined.tails, stats=stats)
     marks = ((joined.ended, ENDED),)
     if joined.restarted is not None and joined.restarted.numel():  # before their end, if any
         marks = ((joined.restarted, RUNNING), *marks)
@@ -121,9 +135,10 @@ def _check_ragged(options: Options, batch) -> None:
         )
 
 
-def _log(trajectories: int, rounds, released, pending: int) -> None:
+def _log(trajectories: int, rounds, released, pending: int, stats: dict) -> None:
     dropped = rounds.num_rounds - released.written + rounds.given_up
     torchrl_logger.info(
         f"MCAdvantage: {trajectories} trajectories in, {released.written} groups written, "
-        f"{dropped} dropped, {pending} trajectories pending."
+        f"{dropped} dropped, {pending} trajectories pending, "
+        f"{stats['stale_trajectories']} stale so far."
     )

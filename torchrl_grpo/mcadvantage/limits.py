@@ -66,7 +66,7 @@ def apply_limits(limits: Limits, state: State, marks: tuple) -> tuple[State, tup
     stats["evicted_groups"] += groups
     stats["evicted_trajectories"] += trajectories + unfinished
     stats["evicted_steps"] += steps
-    return State(pending, tails, stats, state.insertions), marks
+    return state._replace(pending=pending, tails=tails, stats=stats), marks
 
 
 def evict_groups(limits: Limits, pending, clock: int):

@@ -29,6 +29,7 @@ __all__ = [
     "Limits",
     "Options",
     "Selection",
+    "Staleness",
     "StepGroups",
     "TrajectoryKeys",
     "make_options",
@@ -47,6 +48,8 @@ class Keys(NamedTuple):
     # each step's anchor state (GiGPO's step groups; None: none)
     reward_weights: tuple[tuple[NestedKey, float], ...] = ()
     anchor: NestedKey | None = None
+    # beyond torchrl: the policy version of each step (torchrl's PolicyVersion), read when there
+    version: NestedKey | None = "policy_version"
 
 
 class TrajectoryKeys(NamedTuple):
@@ -109,6 +112,13 @@ class Limits(NamedTuple):
     on_overflow: str  # "drop_oldest" or "raise"
 
 
+class Staleness(NamedTuple):
+    """How old the data may be, in policy versions (:mod:`~torchrl_grpo.mcadvantage.staleness`)."""
+
+    max_lag: int | None  # a trajectory more versions behind the reference is dropped
+    consumer_version: int | None  # the reference the trainer sets; None: the newest version read
+
+
 class Options(NamedTuple):
     """Every setting of one transform, checked."""
 
@@ -120,6 +130,7 @@ class Options(NamedTuple):
     group_filter: GroupFilter
     selection: Selection
     limits: Limits
+    staleness: Staleness = Staleness(None, None)
 
     @property
     def selects(self) -> bool:
@@ -164,6 +175,9 @@ SETTINGS = {
     "on_overflow": ("limits", "on_overflow"),
     "traj_key": ("trajectory_keys", "traj"),
     "step_count_key": ("trajectory_keys", "count"),
+    "policy_version_key": ("keys", "version"),
+    "max_policy_lag": ("staleness", "max_lag"),
+    "consumer_version": ("staleness", "consumer_version"),
 }
 
 
@@ -212,6 +226,7 @@ def make_options(
         advantage=advantage_key,
         reward_weights=weights,
         anchor=kw["anchor_key"],
+        version=kw["policy_version_key"],
     )
     traj_key = kw["traj_key"]
     return Options(
@@ -227,6 +242,7 @@ def make_options(
         group_filter=_group_filter(kw, trajectory_return),
         selection=selection,
         limits=_limits(kw),
+        staleness=_staleness(kw),
     )
 
 
@@ -255,6 +271,9 @@ KEYWORDS = {
     "on_overflow": "drop_oldest",
     "traj_key": ("collector", "traj_ids"),
     "step_count_key": "step_count",
+    "policy_version_key": "policy_version",
+    "max_policy_lag": None,
+    "consumer_version": None,
 }
 
 
@@ -372,6 +391,23 @@ def _limits(kw: dict) -> Limits:
             f"on_overflow must be 'drop_oldest' or 'raise', got {kw['on_overflow']!r}."
         )
     return Limits(limits["max_pending_groups"], limits["max_pending_age"], kw["on_overflow"])
+
+
+def _staleness(kw: dict) -> Staleness:
+    """``max_policy_lag`` (a non-negative integer) and ``consumer_version`` (an integer)."""
+    max_lag, consumer = kw["max_policy_lag"], kw["consumer_version"]
+    if max_lag is not None:
+        max_lag = _integer("max_policy_lag", max_lag)
+        if max_lag < 0:
+            raise ValueError(f"max_policy_lag must be at least 0 or None, got {max_lag}.")
+        if kw["policy_version_key"] is None:
+            raise ValueError(
+                "max_policy_lag bounds the lag of each trajectory's policy version: it needs "
+                "policy_version_key (torchrl's PolicyVersion writes 'policy_version')."
+            )
+    if consumer is not None:
+        consumer = _integer("consumer_version", consumer)
+    return Staleness(max_lag, consumer)
 
 
 def _reward_weights(

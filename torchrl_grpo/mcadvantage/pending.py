@@ -18,7 +18,14 @@ from torch import Tensor
 
 from torchrl_grpo.mcadvantage import returns as returns_
 from torchrl_grpo.mcadvantage.ids import GroupIds
-from torchrl_grpo.mcadvantage.records import QUEUED_AT, Insertion, Pending, Returns
+from torchrl_grpo.mcadvantage.records import (
+    NO_VERSION,
+    QUEUED_AT,
+    VERSION,
+    Insertion,
+    Pending,
+    Returns,
+)
 from torchrl_grpo.mcadvantage.steps import Steps
 from torchrl_grpo.mcadvantage.store import CHUNK, LENGTH, OFFSET, ranges
 
@@ -58,19 +65,23 @@ def append(
     ids: GroupIds,
     returns: Returns,
     queued_at: int,
+    versions: Tensor | None = None,
 ) -> Pending:
     """``pending`` with the trajectories of ``steps`` (a new chunk) queued after the others:
-    trajectory ``i`` is steps ``offset[i] : offset[i] + lengths[i]``."""
+    trajectory ``i`` is steps ``offset[i] : offset[i] + lengths[i]``, sampled by policy version
+    ``versions[i]`` (``None``: unknown)."""
     number = len(pending.chunks.steps)
     if lengths.shape[0] == 1:  # one trajectory: its span from Python ints (numpy builds a
         # small tensor from a literal a few times faster than torch.tensor does)
-        row = [[number, int(offset), int(lengths), queued_at]]
+        version = NO_VERSION if versions is None else int(versions)
+        row = [[number, int(offset), int(lengths), queued_at, version]]
         span = torch.from_numpy(np.array(row, dtype=np.int64))
     else:
-        span = torch.empty(lengths.shape[0], 4, dtype=torch.long)
+        span = torch.empty(lengths.shape[0], 5, dtype=torch.long)
         for column, value in ((CHUNK, number), (OFFSET, offset), (LENGTH, lengths)):
             span[:, column] = value
         span[:, QUEUED_AT] = queued_at
+        span[:, VERSION] = NO_VERSION if versions is None else versions
     held = pending.ids is not None and pending.num_pending
     return Pending(
         chunks=pending.chunks.add(steps),
@@ -156,6 +167,7 @@ def _queue(
             ids=batch.group_ids,
             returns=incoming,
             queued_at=clock,
+            versions=batch.versions,
         )
     lengths = batch.lengths[keep]
     return append(
@@ -166,4 +178,5 @@ def _queue(
         ids=batch.group_ids.select(keep.nonzero().squeeze(1)),
         returns=returns_.take(incoming, keep),
         queued_at=clock,
+        versions=None if batch.versions is None else batch.versions[keep],
     )

@@ -31,7 +31,7 @@ from torchrl_grpo.mcadvantage.options import Keys
 from torchrl_grpo.mcadvantage.records import Insertion, Pending
 from torchrl_grpo.mcadvantage.steps import DenseSteps, Elements, RaggedSteps, Steps, get_entry
 
-__all__ = ["PADDING_MASK", "drop_padding", "read_insertion", "trajectory_bounds"]
+__all__ = ["PADDING_MASK", "drop_padding", "read_insertion", "read_versions", "trajectory_bounds"]
 
 #: The entry torchrl's collectors write with ``split_trajs=True``: ``True`` on real steps,
 #: ``False`` on the zero padding of each ``[trajectories, max length]`` row.
@@ -60,7 +60,9 @@ def drop_padding(tensordict: TensorDictBase) -> TensorDictBase:
     return tensordict[mask]
 
 
-def read_insertion(tensordict: TensorDictBase, keys: Keys, pending: Pending) -> Insertion | None:
+def read_insertion(
+    tensordict: TensorDictBase, keys: Keys, pending: Pending, required_version: bool = False
+) -> Insertion | None:
     """Read one insertion; ``None`` if it holds no step.
 
     Args:
@@ -69,6 +71,8 @@ def read_insertion(tensordict: TensorDictBase, keys: Keys, pending: Pending) -> 
         keys: the keys to read.
         pending: what is held back; the insertion's steps and group ids must be of the same
             kind (dense or ragged steps; string or tensor ids of one width).
+        required_version: the policy version must be there (``max_policy_lag`` is set); else
+            it is read when the input has it.
 
     Raises:
         KeyError: a key is missing (the message names it and lists the input's keys).
@@ -101,6 +105,7 @@ def read_insertion(tensordict: TensorDictBase, keys: Keys, pending: Pending) -> 
         reward_width=elements.run_width(width),
         num_steps=num_steps,
         num_trajectories=lengths.shape[0],
+        versions=read_versions(steps, starts, keys.version, required=required_version),
     )
 
 
@@ -240,6 +245,48 @@ def _check_anchors(steps: Steps, key) -> None:
                 f"MCAdvantage: the anchor state under {key!r} must be a tensor or a string, got "
                 f"{type(value).__name__}: {value!r:.80}."
             )
+
+
+def read_versions(steps: Steps, starts: Tensor, key, required: bool = False) -> Tensor | None:
+    """The policy version of each trajectory, read at its first step (torchrl's
+    ``PolicyVersion`` writes an integer per step); ``None`` without ``key`` in the input, or
+    with versions that are not integers (``PolicyVersion(version_type="uuid")``'s strings),
+    unless ``required``.
+
+    Raises:
+        KeyError: ``required`` and the input has no ``key``.
+        TypeError: ``required`` and the versions are not one integer per step.
+
+    Examples:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> from torchrl_grpo.mcadvantage.steps import DenseSteps
+        >>> steps = DenseSteps(TensorDict(policy_version=torch.tensor([3, 3, 5]), batch_size=[3]))
+        >>> read_versions(steps, torch.tensor([0, 2]), "policy_version")
+        tensor([3, 5])
+    """
+    if key is None:
+        return None
+    probe = steps.data[0] if steps.ragged else steps.data  # a cheap look before the read
+    if probe.get(key, None) is None:
+        if required:
+            get_entry(probe, key, "policy version")  # raises KeyError, naming the keys there
+        return None
+    values = steps.entries(key, "policy version", starts)
+    if isinstance(values, list) and values and all(isinstance(v, Tensor) for v in values):
+        values = torch.stack([value.reshape(-1).cpu() for value in values])  # ragged steps
+    n = starts.shape[0]
+    if isinstance(values, Tensor) and not values.is_floating_point() and not values.is_complex():
+        values = values.reshape(n, -1)
+        if values.shape[1] == 1 and values.dtype != torch.bool:
+            return values[:, 0].to(device="cpu", dtype=torch.long)
+    if required:
+        raise TypeError(
+            f"MCAdvantage: max_policy_lag compares integer policy versions, one per step, but "
+            f"{key!r} holds {type(values).__name__} values (PolicyVersion(version_type=int) "
+            "writes integers)."
+        )
+    return None
 
 
 def _group_ids(steps: Steps, starts: Tensor, key, pending: Pending, group_id) -> GroupIds:

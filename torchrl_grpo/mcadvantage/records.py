@@ -28,10 +28,12 @@ if TYPE_CHECKING:
 __all__ = [
     "LAST_COUNT",
     "NOTHING_RELEASED",
+    "NO_VERSION",
     "QUEUED_AT",
     "STARTED_AT",
     "TAIL_ID",
     "TRAJ",
+    "VERSION",
     "Insertion",
     "Joined",
     "Outcome",
@@ -44,11 +46,15 @@ __all__ = [
 ]
 
 QUEUED_AT = 3  # ``Pending.spans``: the insertion that queued the trajectory (its age's start)
+VERSION = 4  # ``Pending.spans``: the policy version that sampled it (``NO_VERSION``: unknown)
+#: The policy version of a trajectory whose batch carried none.
+NO_VERSION = torch.iinfo(torch.long).min
 TRAJ = 3  # ``Tails.pieces``: the trajectory id of the piece
 TAIL_ID, STARTED_AT, LAST_COUNT = range(3)  # the columns of ``Tails.meta``
 
 # Empty tables, shared: a state's tensors are never written in place.
 _NO_SPANS = torch.zeros(0, 4, dtype=torch.long)
+_NO_PENDING_SPANS = torch.zeros(0, 5, dtype=torch.long)
 _NO_META = torch.zeros(0, 3, dtype=torch.long)
 _NO_VALUES = torch.zeros(0, dtype=torch.float64)
 
@@ -74,6 +80,7 @@ class Insertion(NamedTuple):
     reward_width: int | None  # the same for reward elements; None: not known (found on use)
     num_steps: int  # N
     num_trajectories: int  # n
+    versions: Tensor | None = None  # (n,) int64 policy version at each first step; None: none
 
 
 class Rounds(NamedTuple):
@@ -111,11 +118,11 @@ class Pending(NamedTuple):
     """The trajectories of incomplete groups, held in arrival order.
 
     Trajectory ``j`` is span ``spans[j]`` of ``chunks`` (its columns ``CHUNK``, ``OFFSET``,
-    ``LENGTH``, ``QUEUED_AT``), has group id ``ids[j]`` and returns ``returns[j]``.
+    ``LENGTH``, ``QUEUED_AT``, ``VERSION``), has group id ``ids[j]`` and returns ``returns[j]``.
     """
 
     chunks: Chunks = Chunks()
-    spans: Tensor = _NO_SPANS  # (Q, 4)
+    spans: Tensor = _NO_PENDING_SPANS  # (Q, 5)
     ids: GroupIds | None = None  # None: no id was ever held (any kind may come)
     returns: Returns = Returns(_NO_VALUES, None)  # torchrl's only with selection or bounds
     ragged: bool = False  # ragged steps were seen: steps are read as ragged from then on
@@ -152,6 +159,7 @@ class State(NamedTuple):
     tails: Tails
     stats: dict  # the counters (see torchrl_grpo.mcadvantage.stats)
     insertions: int  # insertions that went through: the clock of the ages
+    newest_version: int | None = None  # the newest policy version read so far (None: none)
 
 
 class Joined(NamedTuple):

@@ -123,7 +123,9 @@ class Replica:
             tails = self.state.tails
             if tails.num_tails:
                 tails.registry.mark(tails.meta[:, TAIL_ID], GIVEN_UP)
-            self.state = State(Pending(), Tails(registry=tails.registry), self.state.stats, 0)
+            self.state = self.state._replace(
+                pending=Pending(), tails=Tails(registry=tails.registry), insertions=0
+            )
 
     def forget_trajectory_ids(self) -> None:
         """Forget which trajectory ids ended, and give up the held tails (counted in

@@ -15,8 +15,10 @@ from torch import Tensor
 from torchrl_grpo.mcadvantage.ids import ids_from_plain
 from torchrl_grpo.mcadvantage.pending import gather
 from torchrl_grpo.mcadvantage.records import (
+    NO_VERSION,
     QUEUED_AT,
     TAIL_ID,
+    VERSION,
     Pending,
     Returns,
     State,
@@ -54,6 +56,8 @@ def to_plain(state: State) -> dict:
         "returns": pending.returns.value.clone(),
         "torchrl_returns": _clone(pending.returns.torchrl),
         "arrival": pending.spans[:, QUEUED_AT].clone(),
+        "versions": pending.spans[:, VERSION].clone(),
+        "newest_version": state.newest_version,
         "insertions": state.insertions,
         "stats": dict(state.stats),
     }
@@ -64,7 +68,10 @@ def from_plain(plain: dict) -> State:
     bookkeeping comes back to the CPU (where ``torch.load(..., map_location=...)`` put it).
     Counters missing from an older checkpoint start at their start values."""
     lengths = _cpu(plain["lengths"])
-    spans = _spans(lengths, _cpu(plain["arrival"]))
+    versions = _cpu(plain.get("versions"))  # absent before policy versions were kept
+    if versions is None:
+        versions = torch.full_like(lengths, NO_VERSION)
+    spans = torch.cat([_spans(lengths, _cpu(plain["arrival"])), versions[:, None]], 1)
     chunks = Chunks()
     if plain["steps"] is not None:
         kind = RaggedSteps if isinstance(plain["steps"], list) else DenseSteps
@@ -79,7 +86,13 @@ def from_plain(plain: dict) -> State:
     )
     tails = Tails() if plain.get("tails") is None else _tails(plain["tails"])
     stats = {**fresh_stats(), **plain["stats"]}
-    return State(pending=pending, tails=tails, stats=stats, insertions=plain["insertions"])
+    return State(
+        pending=pending,
+        tails=tails,
+        stats=stats,
+        insertions=plain["insertions"],
+        newest_version=plain.get("newest_version"),
+    )
 
 
 def upgrade_state_dict(state_dict: dict, prefix: str, grpo_size: int) -> None:

@@ -12,7 +12,7 @@ from torchrl_grpo.advantages import Segments
 from torchrl_grpo.mcadvantage.records import Insertion, Released, Rounds, State
 from torchrl_grpo.mcadvantage.store import LENGTH
 
-__all__ = ["STAT_NAMES", "count", "fresh_stats", "snapshot"]
+__all__ = ["LAG_STATS", "STAT_NAMES", "count", "fresh_stats", "snapshot"]
 
 STAT_NAMES = (
     "completed_trajectories",
@@ -31,15 +31,20 @@ STAT_NAMES = (
     "evicted_trajectories",
     # beyond torchrl: steps of unfinished trajectories given up (``traj_key``), held or arriving
     "evicted_steps",
+    # beyond torchrl: trajectories left out for lagging more than ``max_policy_lag`` versions
+    "stale_trajectories",
 )
+#: Beyond the counters: the policy lags of the groups the last insertion that completed any
+#: completed (see :mod:`~torchrl_grpo.mcadvantage.staleness`); absent until known.
+LAG_STATS = ("policy_lag_min", "policy_lag_max", "policy_lag_mean", "policy_version_spread")
 
 
 def fresh_stats() -> dict:
-    """Every counter at its start value (torchrl's, plus the eviction counters).
+    """Every counter at its start value (torchrl's, plus the eviction and staleness counters).
 
     Examples:
-        >>> fresh_stats()["trajectory_return_max"]
-        -inf
+        >>> fresh_stats()["trajectory_return_max"], "policy_lag_max" in fresh_stats()
+        (-inf, False)
     """
     stats = dict.fromkeys(STAT_NAMES, 0)
     stats["trajectory_return_sum"] = 0.0

@@ -204,6 +204,22 @@ class MCAdvantage(Transform):
             ``"step_count"``), read with ``traj_key`` when the input has it: a trajectory must
             start at 0 and count up by one across insertions, so that a continuation whose
             earlier part is missing raises ``ValueError``. ``None``: not checked.
+        policy_version_key: key of each step's policy version, an integer (torchrl's
+            ``PolicyVersion`` transform, or a collector's ``track_policy_version``, writes
+            ``"policy_version"``), read at each trajectory's first step when the input has it.
+            A trajectory's *lag* is ``reference - version``, the reference being
+            :attr:`consumer_version` when set, else the newest version read so far. Each
+            insertion that completes groups reports their lags (``policy_lag_min``,
+            ``policy_lag_max``, ``policy_lag_mean``) and the largest spread of versions inside
+            one of them (``policy_version_spread``) in :meth:`get_stats`.
+        max_policy_lag: with an integer ``K``, the trajectories (pending or arriving) that lag
+            by more than ``K`` versions are dropped at each insertion and counted in
+            ``stale_trajectories``, so that a group completes only with recent trajectories;
+            the key must then be in every insertion. ``None`` (default): no bound.
+        consumer_version: the reference version (the trainer's, as torchrl's
+            ``StalenessAwareSampler.consumer_version``): set it after each weight update
+            (``transform.consumer_version = version``). ``None`` (default): the newest version
+            read.
 
     Raises:
         ValueError: for inconsistent arguments (same conditions as torchrl), and for the added
@@ -270,6 +286,9 @@ class MCAdvantage(Transform):
         on_overflow: str = "drop_oldest",
         traj_key: NestedKey | None = ("collector", "traj_ids"),
         step_count_key: NestedKey | None = "step_count",
+        policy_version_key: NestedKey | None = "policy_version",
+        max_policy_lag: int | None = None,
+        consumer_version: int | None = None,
     ):
         super().__init__()
         arguments = {name: value for name, value in locals().items() if name in _KEYWORDS}
@@ -313,6 +332,9 @@ class MCAdvantage(Transform):
     on_overflow = Setting("``drop_oldest`` or ``raise``.")
     traj_key = Setting("Key of the trajectory ids.")
     step_count_key = Setting("Key of the step counter.")
+    policy_version_key = Setting("Key of each step's policy version.")
+    max_policy_lag = Setting("Most versions a trajectory may lag (``None``: no bound).")
+    consumer_version = Setting("The version lags are measured from (``None``: the newest read).")
 
     @property
     def reward_weights(self) -> dict | None:
@@ -344,6 +366,7 @@ class MCAdvantage(Transform):
     evicted_groups = Counter("Incomplete groups given up by the memory limits.")
     evicted_trajectories = Counter("Their trajectories, and unfinished ones given up.")
     evicted_steps = Counter("Steps of unfinished trajectories given up, held or arriving.")
+    stale_trajectories = Counter("Trajectories dropped for lagging past ``max_policy_lag``.")
 
     # --- where the state lives ---------------------------------------------------------------
 
