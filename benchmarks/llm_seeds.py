@@ -3,6 +3,11 @@
     .venv/bin/python benchmarks/llm_seeds.py                  # seeds 0, 1, 2: about 3 x 3 min
     .venv/bin/python benchmarks/llm_seeds.py --seeds 3 4      # other seeds
     .venv/bin/python benchmarks/llm_seeds.py -- --steps 300   # after --: flags for the example
+    .venv/bin/python benchmarks/llm_seeds.py --example async  # examples/llm_grpo_async.py
+    .venv/bin/python benchmarks/llm_seeds.py --example both   # each seed: sync, then async
+
+With ``--example both`` every seed runs the synchronous example, then the asynchronous one, on
+the same seed and budget, and the table adds the async run's largest policy lag (``max_lag``).
 
 Each run is a fresh process (the example's own ``wall_s`` starts before its imports; the table
 also shows the process's wall time measured from here). The targets are those of the example on
@@ -24,18 +29,23 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-EXAMPLE = ROOT / "examples" / "llm_grpo.py"
-RESULT = re.compile(r"^RESULT acc_before=(\S+) acc_after=(\S+) wall_s=(\S+)$", re.MULTILINE)
+EXAMPLES = {
+    "sync": ROOT / "examples" / "llm_grpo.py",
+    "async": ROOT / "examples" / "llm_grpo_async.py",
+}
+RESULT = re.compile(
+    r"^RESULT acc_before=(\S+) acc_after=(\S+) wall_s=(\S+)(?: max_lag=(\S+))?$", re.MULTILINE
+)
 MIN_GAIN = 0.45  # absolute accuracy points, as a fraction
 MAX_WALL_S = 200.0
 
 
-def run(seed: int, out: str, extra: list[str]) -> dict:
+def run(seed: int, out: str, extra: list[str], example: str = "sync") -> dict:
     """One run of the example; its RESULT line, the process's wall time and the load around it."""
     load_before = os.getloadavg()[0]
     start = time.perf_counter()
     proc = subprocess.run(
-        [sys.executable, str(EXAMPLE), "--seed", str(seed), "--out", out, *extra],
+        [sys.executable, str(EXAMPLES[example]), "--seed", str(seed), "--out", out, *extra],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,  # the progress bar
@@ -45,15 +55,18 @@ def run(seed: int, out: str, extra: list[str]) -> dict:
     match = RESULT.search(proc.stdout)
     if proc.returncode != 0 or match is None:
         sys.exit(f"seed {seed}: the example failed (exit {proc.returncode}):\n{proc.stdout}")
-    before, after, wall_s = map(float, match.groups())
+    before, after, wall_s = map(float, match.groups()[:3])
+    steps = re.search(r"after (\d+) GRPO steps", proc.stdout)
     return {
+        "example": example,
+        "max_lag": match.group(4) or "-",
         "seed": seed,
         "before": before,
         "after": after,
         "wall_s": wall_s,
         "process_s": process_s,
         "load": (load_before, os.getloadavg()[0]),
-        "steps": re.search(r"after (\d+) GRPO steps", proc.stdout).group(1),
+        "steps": steps.group(1) if steps else "?",
     }
 
 
@@ -61,31 +74,36 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--out", default="runs/llm_seeds")
+    parser.add_argument("--example", choices=["sync", "async", "both"], default="sync")
     parser.add_argument("extra", nargs="*", help="flags passed to the example (after --)")
     args = parser.parse_args(argv)
 
-    print(f"examples/llm_grpo.py {' '.join(args.extra) or '(defaults)'}, {os.cpu_count()} CPUs")
+    examples = ["sync", "async"] if args.example == "both" else [args.example]
+    names = ", ".join(EXAMPLES[e].name for e in examples)
+    print(f"{names} {' '.join(args.extra) or '(defaults)'}, {os.cpu_count()} CPUs")
     header = (
-        f"{'seed':>4}  {'acc before':>10}  {'acc after':>9}  {'gain':>6}  {'GRPO steps':>10}  "
-        f"{'wall s':>6}  {'process s':>9}  {'load 1-min':>11}  target met"
+        f"{'example':>7}  {'seed':>4}  {'acc before':>10}  {'acc after':>9}  {'gain':>6}  "
+        f"{'GRPO steps':>10}  {'max_lag':>7}  {'wall s':>6}  {'process s':>9}  "
+        f"{'load 1-min':>11}  target met"
     )
     print(header)
     print("-" * len(header))
     rows = []
     for seed in args.seeds:
-        r = run(seed, args.out, args.extra)
-        met = r["after"] - r["before"] >= MIN_GAIN and r["process_s"] <= MAX_WALL_S
-        rows.append(met)
-        print(
-            f"{r['seed']:>4}  {r['before']:>10.3f}  {r['after']:>9.3f}  "
-            f"{r['after'] - r['before']:>+6.3f}  {r['steps']:>10}  {r['wall_s']:>6.0f}  "
-            f"{r['process_s']:>9.0f}  {r['load'][0]:>5.2f}-{r['load'][1]:<5.2f}  "
-            f"{'yes' if met else 'NO'}",
-            flush=True,
-        )
+        for example in examples:
+            r = run(seed, args.out, args.extra, example)
+            met = r["after"] - r["before"] >= MIN_GAIN and r["process_s"] <= MAX_WALL_S
+            rows.append(met)
+            print(
+                f"{example:>7}  {r['seed']:>4}  {r['before']:>10.3f}  {r['after']:>9.3f}  "
+                f"{r['after'] - r['before']:>+6.3f}  {r['steps']:>10}  {r['max_lag']:>7}  "
+                f"{r['wall_s']:>6.0f}  {r['process_s']:>9.0f}  "
+                f"{r['load'][0]:>5.2f}-{r['load'][1]:<5.2f}  {'yes' if met else 'NO'}",
+                flush=True,
+            )
     print(
         f"\ntarget: gain >= {MIN_GAIN:+.2f} and process wall time <= {MAX_WALL_S:.0f} s; "
-        f"met by {sum(rows)} of {len(rows)} seeds"
+        f"met by {sum(rows)} of {len(rows)} runs"
     )
 
 

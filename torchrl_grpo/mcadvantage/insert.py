@@ -87,7 +87,7 @@ def insert(options: Options, state: State, tensordict: TensorDictBase) -> Outcom
     held = pending.remaining(state.pending, batch, rounds.consumed, incoming, state.insertions)
     if options.verbose:
         _log(batch.num_trajectories, rounds, released, held.num_pending, stats)
-    state = state._replace(pending=held, stats=stats, insertions=clock)
+    state = State(held, state.tails, stats, clock, state.newest_version)
     return _finish(options, released.out, state, marks)
 
 

@@ -35,12 +35,15 @@ def drop_stale(options: Options, state: State, batch: Insertion | None):
     """``(state, batch)`` after an insertion's versions are read: the newest version updated,
     and, with ``max_policy_lag``, the pending and incoming trajectories that lag by more than it
     left out (counted in ``stale_trajectories``). ``batch`` becomes ``None`` if none is left."""
+    max_lag = options.staleness.max_lag
+    if max_lag is None and (batch is None or batch.versions is None):
+        return state, batch  # nothing read, nothing bounded: the usual case, at no cost
     newest = state.newest_version
     if batch is not None and batch.versions is not None:
         top = int(batch.versions.max())
         newest = top if newest is None else max(newest, top)
         state = state._replace(newest_version=newest)
-    max_lag, ref = options.staleness.max_lag, reference(options, newest)
+    ref = reference(options, newest)
     if max_lag is None or ref is None:
         return state, batch
     pending, gone = state.pending, 0
