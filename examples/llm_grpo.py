@@ -187,17 +187,18 @@ class Settings:
     )
 
 
-def parse_args(argv=None, task: "Task | None" = None) -> Settings:
+def parse_args(argv=None, task: "Task | None" = None, settings_cls: type = Settings) -> Settings:
     """The settings of the run; ``--help`` documents each, with its default.
 
     ``--max-new-tokens`` defaults to what ``task`` needs (by default the digit sum's, for
-    ``--digits``): its longest answer and end-of-sequence.
+    ``--digits``): its longest answer and end-of-sequence. ``settings_cls``: ``Settings`` or a
+    dataclass extending it (another example's settings, each field a flag).
     """
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    for f in dataclasses.fields(Settings):
+    for f in dataclasses.fields(settings_cls):
         flag = "--" + f.name.replace("_", "-")
         if isinstance(f.default, bool):
             action = argparse.BooleanOptionalAction
@@ -205,7 +206,7 @@ def parse_args(argv=None, task: "Task | None" = None) -> Settings:
         else:
             kind = f.metadata.get("type", type(f.default))
             parser.add_argument(flag, type=kind, default=f.default, help=f.metadata["help"])
-    cfg = Settings(**vars(parser.parse_args(argv)))
+    cfg = settings_cls(**vars(parser.parse_args(argv)))
     if cfg.steps < 1 or cfg.group_size < 2:
         parser.error("--steps must be at least 1 and --group-size at least 2")
     if cfg.max_new_tokens is None:
@@ -463,18 +464,27 @@ def _device(cfg_device: str | None):
     return None if cfg_device in (None, "cpu") else torch.device(cfg_device)
 
 
-def make_sampler(model, tokenizer, cfg: Settings, greedy: bool = False) -> TransformersWrapper:
+def make_sampler(
+    model,
+    tokenizer,
+    cfg: Settings,
+    greedy: bool = False,
+    cls: type = TransformersWrapper,
+    return_log_probs: bool = False,
+) -> TransformersWrapper:
     """Completions of the prompt tokens: sampled from ``softmax(logits)``, or greedy.
 
     ``bad_words_ids`` keeps the model from emitting padding, which the wrapper would strip (the
     wrapper silently drops generation arguments it does not list, ``suppress_tokens`` among them).
+    Here the loss's log-probs come from the scoring wrapper; the asynchronous example passes
+    ``cls=ExactLogProbsTransformersWrapper, return_log_probs=True`` (the behaviour policy's).
     """
-    return TransformersWrapper(
+    return cls(
         model,
         tokenizer=tokenizer,
         input_mode="tokens",
         generate=True,
-        return_log_probs=False,  # the loss's log-probs come from the scoring wrapper
+        return_log_probs=return_log_probs,
         pad_output=True,
         device=_device(cfg.device),
         generate_kwargs={

@@ -613,39 +613,7 @@ class GRPOLoss(ClipPPOLoss):
     @property
     def out_keys(self):
         if self._out_keys is None:
-            keys = [
-                "loss_objective",
-                "clip_fraction",
-                "clip_fraction_low",
-                "clip_fraction_high",
-                "kl_approx",
-                "ESS",
-                "max_ratio",
-                "mean_ratio",
-            ]
-            if self.entropy_bonus:
-                keys += ["entropy", "loss_entropy"]
-            if self.adaptive_entropy is not None:
-                keys.append("entropy_coeff")
-            if self.kl_to_ref_coeff is not None:
-                keys += ["kl_to_ref", "loss_kl_to_ref"]
-            if self.kl_to_inference_coeff is not None:
-                keys += ["kl_to_inference", "loss_kl_to_inference"]
-            if self._read_plan().inference is not None:
-                keys += [f"inference_{name}" for name in _MISMATCH_STATS]
-            if self.inference_correction is not None:
-                keys.append("inference_masked_fraction")
-            if self.inference_veto_threshold is not None:
-                keys.append("inference_vetoed_fraction")
-            if self._trust_region is not None:
-                keys.append("trust_region_masked_fraction")
-            if self.off_policy_mask_threshold is not None:
-                keys.append("off_policy_masked_fraction")
-            if self.decoupled:
-                keys.append("behaviour_masked_fraction")
-            if self.mask_truncated_completions:
-                keys.append("truncated_fraction")
-            self._out_keys = keys
+            self._out_keys = _output_keys(self)
         return self._out_keys
 
     @out_keys.setter
@@ -993,6 +961,34 @@ class GRPOLoss(ClipPPOLoss):
                 weight = w if weight is None else weight * w
             keep = k if keep is None else keep & k
         return weight, keep, fractions
+
+
+def _output_keys(loss: GRPOLoss) -> list[str]:
+    """The entries ``loss``'s output holds with its settings (its ``out_keys``)."""
+    keys = [
+        "loss_objective",
+        "clip_fraction",
+        "clip_fraction_low",
+        "clip_fraction_high",
+        "kl_approx",
+        "ESS",
+        "max_ratio",
+        "mean_ratio",
+    ]
+    optional = (  # (on, the entries it adds)
+        (loss.entropy_bonus, ["entropy", "loss_entropy"]),
+        (loss.adaptive_entropy is not None, ["entropy_coeff"]),
+        (loss.kl_to_ref_coeff is not None, ["kl_to_ref", "loss_kl_to_ref"]),
+        (loss.kl_to_inference_coeff is not None, ["kl_to_inference", "loss_kl_to_inference"]),
+        (loss._read_plan().inference is not None, [f"inference_{n}" for n in _MISMATCH_STATS]),
+        (loss.inference_correction is not None, ["inference_masked_fraction"]),
+        (loss.inference_veto_threshold is not None, ["inference_vetoed_fraction"]),
+        (loss._trust_region is not None, ["trust_region_masked_fraction"]),
+        (loss.off_policy_mask_threshold is not None, ["off_policy_masked_fraction"]),
+        (loss.decoupled, ["behaviour_masked_fraction"]),
+        (loss.mask_truncated_completions, ["truncated_fraction"]),
+    )
+    return keys + [key for on, added in optional if on for key in added]
 
 
 def _ratio_metrics(log_ratio: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
