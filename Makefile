@@ -41,9 +41,11 @@ bench: $(VENV)/.stamp-examples+llm+dist
 	$(PY) benchmarks/llm_loss_memory.py
 	$(PY) benchmarks/cartpole_seeds.py
 
-# The LLM example at its defaults for seeds 0-2, one after the other (about 10 minutes).
-bench-llm: $(VENV)/.stamp-examples+llm
+# The LLM example at its defaults for seeds 0-2, one after the other (about 10 minutes), then
+# the synchronous and the asynchronous example on the same seeds (about 20 minutes).
+bench-llm: $(VENV)/.stamp-examples+llm+dist
 	$(PY) benchmarks/llm_seeds.py
+	$(PY) benchmarks/llm_seeds.py --example both
 
 # The suite against torchrl's and tensordict's nightlies, in a venv of its own: what their next
 # release changes. Not in .ci/run, so that an upstream break does not block landing. The package
