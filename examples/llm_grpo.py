@@ -645,8 +645,9 @@ def warm_start(model, tokenizer, cfg: Settings, task: Task, gen, exclude, val_ac
     return cfg.sft_max_steps
 
 
-def plot(history: dict, path: str, acc_before: float) -> None:
-    fig, ax = plt.subplots(figsize=(6.4, 3.6), dpi=100)
+def plot_progress(ax, history: dict, acc_before: float, title: str) -> None:
+    """The samples' mean reward and the greedy accuracy per GRPO step, on ``ax`` (the
+    asynchronous example draws the same panel above its lags)."""
     ax.plot(
         history["step"],
         history["reward"],
@@ -664,11 +665,17 @@ def plot(history: dict, path: str, acc_before: float) -> None:
         label="greedy accuracy, held-out prompts",
     )
     ax.axhline(acc_before, color="gray", ls="--", lw=1, label="after the warm start")
-    ax.set_xlabel("GRPO step")
     ax.set_ylim(0, 1)
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right", fontsize=8)
-    ax.set_title("GRPO on digit sums: tiny Qwen2, torchrl's LLM stack, CPU", fontsize=10)
+    ax.set_title(title, fontsize=10)
+
+
+def plot(history: dict, path: str, acc_before: float) -> None:
+    fig, ax = plt.subplots(figsize=(6.4, 3.6), dpi=100)
+    title = "GRPO on digit sums: tiny Qwen2, torchrl's LLM stack, CPU"
+    plot_progress(ax, history, acc_before, title)
+    ax.set_xlabel("GRPO step")
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

@@ -318,45 +318,17 @@ class Trainer:
 
 def plot(history: dict, path: Path, acc_before: float) -> None:
     fig, (ax, lag) = plt.subplots(2, 1, figsize=(6.4, 5.4), dpi=100, sharex=True)
-    ax.plot(
-        history["step"],
-        history["reward"],
-        color="tab:blue",
-        alpha=0.6,
-        lw=1,
-        label="mean reward of the sampled rows",
-    )
-    ax.plot(
-        history["eval_step"],
-        history["accuracy"],
-        "o-",
-        color="tab:red",
-        ms=3,
-        label="greedy accuracy, held-out prompts",
-    )
-    ax.axhline(acc_before, color="gray", ls="--", lw=1, label="after the warm start")
-    ax.set_ylim(0, 1)
-    ax.legend(loc="lower right", fontsize=8)
-    ax.set_title("Asynchronous GRPO on digit sums: tiny Qwen2, Ray collectors, CPU", fontsize=10)
-    lag.plot(
-        history["step"],
-        history["policy_lag_max"],
-        color="tab:purple",
-        lw=1,
-        label="policy lag at insertion, max",
-    )
-    lag.plot(
-        history["step"],
-        history["sample_lag_mean"],
-        color="tab:green",
-        lw=1,
-        label="policy lag at sampling, mean",
-    )
+    title = "Asynchronous GRPO on digit sums: tiny Qwen2, Ray collectors, CPU"
+    sync.plot_progress(ax, history, acc_before, title)
+    for name, color, label in (
+        ("policy_lag_max", "tab:purple", "policy lag at insertion, max"),
+        ("sample_lag_mean", "tab:green", "policy lag at sampling, mean"),
+    ):
+        lag.plot(history["step"], history[name], color=color, lw=1, label=label)
     lag.set_xlabel("GRPO step (weight pushes)")
     lag.set_ylabel("versions")
     lag.legend(loc="upper right", fontsize=8)
-    for axis in (ax, lag):
-        axis.grid(alpha=0.3)
+    lag.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

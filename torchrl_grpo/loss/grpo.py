@@ -598,11 +598,9 @@ class GRPOLoss(ClipPPOLoss):
         keys += [tk.advantage, tk.mask]
         if getattr(self, "kl_to_ref_coeff", None) is not None:
             keys.append(tk.ref_log_prob)
-        tis_cap = getattr(self, "tis_cap", None)
-        veto = getattr(self, "inference_veto_threshold", None)
-        if tis_cap is not None or veto is not None:
-            keys.append(tk.inference_log_prob)
-        elif getattr(self, "_inference_correction", None) is not None:
+        # the readers that need the sampler's own log-probs (the others fall back)
+        readers = ("tis_cap", "inference_veto_threshold", "_inference_correction")
+        if any(getattr(self, name, None) is not None for name in readers):
             keys.append(tk.inference_log_prob)
         if getattr(self, "decoupled", False):
             keys.append(tk.proximal_log_prob)
