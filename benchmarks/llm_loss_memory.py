@@ -4,6 +4,8 @@ Run (a few minutes on one CPU thread, ~10 GB of RAM at Qwen's vocabulary)::
 
     .venv/bin/python benchmarks/llm_loss_memory.py --batch 4 --length 512 --vocab 151936
     .venv/bin/python benchmarks/llm_loss_memory.py --batch 2 --length 64 --vocab 4096  # quick
+    .venv/bin/python benchmarks/llm_loss_memory.py --device cuda --dtype bfloat16 \
+        --batch 8 --length 1024 --vocab 151936 --hidden 896 --paths torchrl ours lean  # a GPU
 
 Every path takes the same ragged lazy stack of ``B`` sequences of ``T/2`` to ``T`` tokens
 (prompt of 32 tokens) and a one-layer ``Qwen2`` with a ``V``-token vocabulary (built locally),
@@ -27,7 +29,9 @@ step's peak beyond the model and the batch (activations, logits or chunks, gradi
 of address space, so that a path that does not fit fails with an allocation error instead of
 swapping the machine; its row then says so. A second, allocator-independent column sums the
 distinct storages autograd saves for backward (``torch.autograd.graph.saved_tensors_hooks``).
-Time is the median of ``--repeats`` passes after the measured one, as a ratio to torchrl's
+With ``--device cuda`` the model and the batch are on the GPU, memory is the allocator's peak
+(``torch.cuda.max_memory_allocated``) beyond what is allocated before the step, no address-space
+cap is set, and each pass is timed after a synchronization. Time is the median of ``--repeats`` passes after the measured one, as a ratio to torchrl's
 path in the same run. Values (``loss_objective``, ``loss_entropy``, ``ESS``) and the gradient
 of the model's parameters are compared with torchrl's path.
 """
@@ -70,6 +74,7 @@ def parse_args(argv=None):
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--repeats", type=int, default=3, help="timed passes per path")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda: memory from its allocator")
     parser.add_argument("--memory-gib", type=float, default=20.0, help="address space per path")
     parser.add_argument("--chunk-size", type=int, help="the lean wrapper's chunk_size")
     parser.add_argument("--paths", nargs="+", choices=PATHS, default=list(PATHS))
@@ -106,7 +111,7 @@ def make_model(args):
         pad_token_id=vocab - 1,
         tie_word_embeddings=True,
     )
-    model = Qwen2ForCausalLM(config).to(getattr(torch, args.dtype)).eval()
+    model = Qwen2ForCausalLM(config).to(args.device, getattr(torch, args.dtype)).eval()
     return model, tokenizer
 
 
@@ -181,20 +186,28 @@ def gradient_sample(model) -> list[float]:
     return torch.cat(grads).float().tolist() if grads else []
 
 
+def sync(device: torch.device) -> None:
+    if device.type != "cpu":
+        torch.accelerator.synchronize(device)
+
+
 def worker(args) -> None:
     import tensordict
 
-    limit = int(args.memory_gib * 2**30)
-    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    device = torch.device(args.device)
+    accelerator = device.type != "cpu"
+    if not accelerator:  # CUDA reserves far more address space than it uses: no cap there
+        limit = int(args.memory_gib * 2**30)
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     warnings.filterwarnings("ignore")
     torch.set_num_threads(args.threads)
     with tensordict.set_list_to_stack(True):
         model, tokenizer = make_model(args)
         wrapper = make_wrapper(args.worker, model, tokenizer, args.chunk_size)
         step = make_step(args.worker, wrapper)
-        step(make_batch(2, 8, args.vocab, seed=1))  # warm-up at a tiny size
+        step(make_batch(2, 8, args.vocab, seed=1).to(device))  # warm-up at a tiny size
         model.zero_grad(set_to_none=True)
-        batch = make_batch(args.batch, args.length, args.vocab)
+        batch = make_batch(args.batch, args.length, args.vocab).to(device)
         tokens = sum(t.numel() for t in batch.get(("tokens", "full"), as_list=True))
         saved = {}
 
@@ -202,7 +215,10 @@ def worker(args) -> None:
             saved[x.untyped_storage().data_ptr()] = x.untyped_storage().nbytes()
             return x
 
-        before = rss_bytes()
+        if accelerator:
+            sync(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device) if accelerator else rss_bytes()
         start = time.perf_counter()
         try:
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
@@ -212,14 +228,16 @@ def worker(args) -> None:
             what = f"{int(tried[1]) / 2**30:.1f} GiB" if tried else str(err)[:100]
             print(json.dumps({"error": f"out of memory: could not allocate {what} more"}))
             return
+        sync(device)
         first = time.perf_counter() - start
-        peak = max_rss_bytes()
+        peak = torch.cuda.max_memory_allocated(device) if accelerator else max_rss_bytes()
         grads = gradient_sample(model)
         times = []
         for _ in range(args.repeats):
             model.zero_grad(set_to_none=True)
             start = time.perf_counter()
             step(batch)
+            sync(device)
             times.append(time.perf_counter() - start)
     result = {
         "extra_bytes": peak - before,
@@ -236,7 +254,7 @@ def worker(args) -> None:
 
 def run_path(path: str, args) -> dict:
     cmd = [sys.executable, __file__, "--worker", path]
-    for name in ("batch", "length", "vocab", "hidden", "dtype", "repeats", "threads"):
+    for name in ("batch", "length", "vocab", "hidden", "dtype", "repeats", "threads", "device"):
         cmd += [f"--{name}", str(getattr(args, name))]
     cmd += ["--memory-gib", str(args.memory_gib)]
     if args.chunk_size is not None:
@@ -265,7 +283,12 @@ def main(args) -> None:
         f"GRPO step on torchrl's LLM stack (1-layer Qwen2, H={args.hidden}, {args.dtype}), "
         f"masking_strategy='sft', B={args.batch} ragged T<={args.length} ({tokens} tokens) "
         f"V={args.vocab}, padded logits {logits / MIB:.0f} MiB float32, {args.threads} "
-        f"thread(s), median of {args.repeats}, cap {args.memory_gib:g} GiB per path"
+        f"thread(s), median of {args.repeats}, "
+        + (
+            f"on {torch.cuda.get_device_name(args.device)} (allocator peak)"
+            if args.device != "cpu"
+            else f"cap {args.memory_gib:g} GiB per path"
+        )
         + (f", lean chunk_size={args.chunk_size}" if args.chunk_size else "")
     )
     header = (

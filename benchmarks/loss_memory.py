@@ -132,6 +132,11 @@ def parse_args(argv=None):
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--device", default="cpu", help="cpu, or cuda: memory from its allocator")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="of the inputs")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="also print torch.profiler's top operators of one pass of each path",
+    )
     parser.add_argument("--worker", choices=PATHS, help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
@@ -153,7 +158,9 @@ def make_case(
     dtype: torch.dtype = torch.float32,
 ):
     """``(loss, batch, leaves)``: the loss of a path, its batch, its differentiable inputs (of
-    ``dtype``, on ``device``; the same numbers on every device, drawn on the CPU)."""
+    ``dtype``, on ``device``; the same numbers in every process on one device: the small
+    tensors are drawn on the CPU, the logits on ``device`` by a generator seeded there, since
+    drawing ``B x T x V`` numbers on one CPU thread costs more than the step on a GPU)."""
     from tensordict import TensorDict
     from tensordict.nn import (
         ProbabilisticTensorDictModule,
@@ -180,7 +187,9 @@ def make_case(
     data = {k: x.to(device) for k, x in data.items()}
     tokens = data["tokens"]
     if path in GROUPS["logits"]:
-        logits = torch.randn(b, t, v, generator=g).mul_(2.0).to(device, dtype).requires_grad_()
+        big = torch.Generator(device).manual_seed(seed)
+        logits = torch.randn(b, t, v, generator=big, device=device).mul_(2.0)
+        logits = logits.to(dtype).requires_grad_()
         with torch.no_grad():
             log_prob, _ = token_log_prob_entropy(logits, tokens)
         data["logits"] = logits
@@ -294,6 +303,17 @@ def worker(args) -> None:
         step(loss, batch, leaves)
         times.append(clock() - start)
 
+    if args.profile:  # one more pass under the profiler; its table goes to stderr
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if accelerator:
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        with torch.profiler.profile(activities=activities) as prof:
+            step(loss, batch, leaves)
+            clock()
+        sort = "self_cuda_time_total" if accelerator else "self_cpu_time_total"
+        print(f"profile of {args.worker}:", file=sys.stderr)
+        print(prof.key_averages().table(sort_by=sort, row_limit=20), file=sys.stderr)
+
     grads = {
         k: leaf.grad.detach().flatten()[::GRAD_STRIDE].float().cpu() for k, leaf in leaves.items()
     }
@@ -316,9 +336,13 @@ def run_path(path: str, args, out: Path) -> dict:
         cmd += [f"--{name}", str(getattr(args, name))]
     if args.chunk_size is not None:
         cmd += ["--chunk-size", str(args.chunk_size)]
+    if args.profile:
+        cmd.append("--profile")
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         raise RuntimeError(f"{path} worker failed:\n{proc.stderr}")
+    if args.profile:
+        sys.stderr.write(proc.stderr)
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 

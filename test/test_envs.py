@@ -202,16 +202,11 @@ class TestSameStartGroups:
 class TestDevices:
     def test_env_on_device(self, device):
         """An env whose outputs live on ``device`` (partial resets included): the seeds are
-        written there and the groups are the CPU env's."""
+        written there and the groups are the CPU env's. Three single envs in a ``SerialEnv``:
+        torchrl 0.14.1's ``GymWrapper`` of a gymnasium vector env fails on a GPU's partial
+        resets (it reads the ``reset_mask`` with ``.numpy()``, seen on an H200)."""
         env = TransformedEnv(
-            GymWrapper(
-                gym.vector.SyncVectorEnv(
-                    [lambda: gym.make("CartPole-v1")] * 3,
-                    autoreset_mode=gym.vector.AutoresetMode.DISABLED,
-                ),
-                categorical_action_encoding=True,
-                device=device,
-            ),
+            SerialEnv(3, functools.partial(GymEnv, "CartPole-v1", device=device)),
             SameStartGroups(2, seeds=range(50, 90)),
         )
         steps = collect(env, frames_per_batch=60, total_frames=240)

@@ -297,7 +297,7 @@ def _group_ids(steps: Steps, starts: Tensor, key, pending: Pending, group_id) ->
     if group_id is None:
         values = steps.entries(key, "group id", starts)
     else:
-        values = group_id[:1] if n == 1 else group_id.index_select(0, starts)
+        values = group_id[:1] if n == 1 else group_id.index_select(0, starts.to(group_id.device))
     if isinstance(values, list) and values and isinstance(values[0], Tensor):  # ragged steps
         values = torch.stack([value.cpu() for value in values])
     held = pending.ids if pending.num_pending else None

@@ -144,7 +144,7 @@ class DenseSteps(Steps):
     def entries(self, key, role: str, at: Tensor | None = None) -> Tensor | list:
         value = get_entry(self.data, key, role)
         if isinstance(value, Tensor):
-            return value if at is None else value.index_select(0, at)
+            return value if at is None else value.index_select(0, at.to(value.device))
         if hasattr(value, "tolist"):  # NonTensorStack / NonTensorData: strings
             values = value.tolist()
             values = values if isinstance(values, list) else [values] * self.data.shape[0]

@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# Every GPU row of the package in one call (docs/benchmarks.rst, "On a GPU"): the CUDA tests, the
+# token loss's memory and time in bf16 and float32 at Qwen's vocabulary, the loss on torchrl's LLM
+# stack, the transform's throughput into a CUDA storage, and a profile of the lean loss. Each table
+# goes to its own file under $OUT (default runs/gpu). Within about 8 minutes on one H100/H200.
+#
+#   bash benchmarks/gpu.sh                # on a machine with a GPU
+#   DEVICE=cpu QUICK=1 bash benchmarks/gpu.sh   # the same script on the CPU, small shapes (a dry run)
+#   ONLY="tests transform" bash benchmarks/gpu.sh  # the steps whose names start with these words
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-runs/gpu}
+DEVICE=${DEVICE:-cuda}
+PY=${PYTHON:-python3}
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+
+if [ -n "${QUICK:-}" ]; then  # the dry run: every command, at sizes a CPU runs in seconds
+  TOKEN="--batch 2 --length 64 --vocab 4096 --hidden 64 --repeats 1"
+  LLM="--batch 2 --length 64 --vocab 4096 --repeats 1"
+  TRANSFORM="--quick"
+  TESTS=(test/test_token_dist.py)
+else
+  TOKEN="--batch 8 --length 1024 --vocab 151936 --hidden 1024 --repeats 5"
+  LLM="--batch 8 --length 1024 --vocab 151936 --hidden 896 --repeats 5"
+  TRANSFORM="--repeats 5"
+  TESTS=(test/test_advantages.py test/mcadvantage/test_read.py test/mcadvantage/test_transform.py
+         test/test_checkpoint.py test/test_token_dist.py test/loss/test_grpo.py test/test_envs.py)
+fi
+
+# step NAME SECONDS COMMAND...: runs it with a time limit, its output to $OUT/NAME.txt and here.
+step() {
+  local name=$1 limit=$2 word
+  shift 2
+  if [ -n "${ONLY:-}" ]; then
+    for word in $ONLY; do [[ $name == "$word"* ]] && break; word=; done
+    [ -z "$word" ] && return
+  fi
+  echo "== $name: $*" | tee "$OUT/$name.txt"
+  timeout "$limit" "$@" 2>&1 | tee -a "$OUT/$name.txt"
+  echo "== $name: exit ${PIPESTATUS[0]}" | tee -a "$OUT/$name.txt"
+}
+
+step env 60 bash -c "date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv \
+  2>/dev/null; $PY -c 'import torch, torchrl, tensordict, transformers as t; \
+print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, \"torchrl\", torchrl.__version__, \
+\"tensordict\", tensordict.__version__, \"transformers\", t.__version__)'"
+# In order of what matters most: a step cut off by the call's limit leaves what it printed.
+step tests 110 "$PY" -m pytest -q -p no:cacheprovider "${TESTS[@]}" -k "Devices or cuda"
+for dtype in bfloat16 float32; do
+  step "loss_memory_$dtype" 70 "$PY" benchmarks/loss_memory.py --device "$DEVICE" --dtype "$dtype" \
+    $TOKEN --paths plain lean head hidden
+done
+step transform_throughput 80 "$PY" benchmarks/transform_throughput.py --device "$DEVICE" $TRANSFORM
+for dtype in bfloat16 float32; do
+  step "llm_loss_memory_$dtype" 100 "$PY" benchmarks/llm_loss_memory.py --device "$DEVICE" \
+    --dtype "$dtype" $LLM --paths torchrl ours lean
+done
+step profile 50 "$PY" benchmarks/loss_memory.py --device "$DEVICE" --dtype bfloat16 $TOKEN \
+  --paths lean --profile
