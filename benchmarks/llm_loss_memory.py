@@ -33,7 +33,8 @@ With ``--device cuda`` the model and the batch are on the GPU, memory is the all
 (``torch.cuda.max_memory_allocated``) beyond what is allocated before the step, no address-space
 cap is set, and each pass is timed after a synchronization. Time is the median of ``--repeats``
 passes after the measured one, as a ratio to torchrl's path in the same run. Values
-(``loss_objective``, ``loss_entropy``, ``ESS``) and the gradient of the model's parameters are compared with torchrl's path.
+(``loss_objective``, ``loss_entropy``, ``ESS``) and the gradient of the model's parameters are
+compared with torchrl's path.
 """
 
 from __future__ import annotations
