@@ -419,7 +419,8 @@ class GreedyAccuracy:
 
     @torch.no_grad()
     def __call__(self) -> float:
-        return self.env.step(self.policy(self.prompts.copy()))["next", "reward"].mean().item()
+        # a deep copy: the sampler writes into the nested entries (tokens, masks) of its input
+        return self.env.step(self.policy(self.prompts.clone()))["next", "reward"].mean().item()
 
 
 # --------------------------------------------------------------------------------------------

@@ -345,6 +345,9 @@ def _advantage(
         mean, count = _mean(x, steps.cells)  # (C,), (C,)
         dev = x - steps.cells.spread(mean)
         centred, factor = BASELINES[baseline](x, dev, steps.cells, count)  # (S,), (C,)
+        if steps.cell_scale:  # each (group, time step) cell a group of its own (rLLM per_step)
+            scale = SCALES[scale_rewards](dev, steps.cells, mean, count)  # (C,)
+            return centred * steps.cells.spread(factor / scale.clamp_min(epsilon))
         scale = steps.scale(scale_rewards, dev, seg)  # (G,)
         return centred * steps.cells.spread(factor) / seg.expand(scale.clamp_min(epsilon))
     mean, count = _mean(x, seg)  # (G,), (G,)
@@ -359,6 +362,7 @@ class _TimeSteps(NamedTuple):
 
     cells: Segments  # the cell of each sample, (S,) -> (C,)
     per_group: Tensor  # (G,) cells of each group: its time steps that some trajectory reached
+    cell_scale: bool = False  # scale each cell by its own spread (else the group's pooled one)
 
     def scale(self, scale_rewards: str, dev: Tensor, seg: Segments) -> Tensor:
         r"""``(G,)`` the pooled std of the deviations ``dev`` ``(S,)`` from their cells' means:
@@ -403,6 +407,7 @@ def group_relative_advantage(
     epsilon: float = 1e-6,
     lengths: Tensor | None = None,
     by_time_step: bool = False,
+    time_step_scale: str = "pooled",
 ) -> Tensor:
     r"""Group-relative advantage :math:`A_i = (x_i - b_i) / \max(s_i, \epsilon)`.
 
@@ -435,6 +440,10 @@ def group_relative_advantage(
     :math:`n_g` samples and :math:`T_g` time steps (``"batch"``: pooled over every group), so
     the steps of a trajectory keep their relative weights (a per-step std would blow the tiny
     differences between the returns-to-go of early steps up to unit size).
+    ``time_step_scale="cell"`` scales each (group, time step) cell by its own spread instead:
+    every cell is then a GRPO group of its own, rLLM's ``stepwise_advantage.mode="per_step"``
+    (the turns of an agent's dialogs compared turn index by turn index, rLLM 0.2; a turn that
+    only one dialog reached gets ``0``).
 
     Args:
         x: samples, shape ``(S,)``: trajectory returns, or reward elements for per-step GRPO.
@@ -449,6 +458,8 @@ def group_relative_advantage(
             per-sample index ``group_index.repeat_interleave(lengths)``, computed faster (per-step
             GRPO: the runs are the trajectories, the samples their reward elements).
         by_time_step: compare samples at the same position of their runs (needs ``lengths``).
+        time_step_scale: with ``by_time_step``: ``"pooled"`` (the group's pooled std) or
+            ``"cell"`` (each time step's own).
 
     Returns:
         Advantages, shape ``(S,)``, float64.
@@ -474,8 +485,12 @@ def group_relative_advantage(
     _check_names(baseline, scale_rewards)
     _check_samples("x", x)
     _check_index(x, group_index, lengths)
+    if time_step_scale not in ("pooled", "cell"):
+        raise ValueError(f"time_step_scale must be 'pooled' or 'cell', got {time_step_scale!r}.")
     seg = Segments(group_index, num_groups, lengths)
-    steps = _time_steps(seg) if by_time_step else None
+    steps = (
+        _time_steps(seg)._replace(cell_scale=time_step_scale == "cell") if by_time_step else None
+    )
     adv = _advantage(seg.view(x.double()), seg, baseline, scale_rewards, epsilon, steps)  # (S,)
     return batch_whiten(adv, epsilon=epsilon) if whiten else adv
 
@@ -646,6 +661,7 @@ def multi_reward_advantage(
     epsilon: float = 1e-6,
     lengths: Tensor | None = None,
     by_time_step: bool = False,
+    time_step_scale: str = "pooled",
 ) -> Tensor:
     r"""GDPO: each reward normalized within its group, then summed with weights, then whitened.
 
@@ -674,6 +690,7 @@ def multi_reward_advantage(
         lengths: samples per run, shape ``(R,)``, as in :func:`group_relative_advantage`.
         by_time_step: each reward's baseline at each time step, as in
             :func:`group_relative_advantage` (needs ``lengths``).
+        time_step_scale: with ``by_time_step``, as in :func:`group_relative_advantage`.
 
     Returns:
         Advantages, shape ``(S,)``, float64.
@@ -699,8 +716,12 @@ def multi_reward_advantage(
         )
     _check_names(baseline, scale_rewards)
     _check_index(x[:, 0], group_index, lengths)
+    if time_step_scale not in ("pooled", "cell"):
+        raise ValueError(f"time_step_scale must be 'pooled' or 'cell', got {time_step_scale!r}.")
     seg = Segments(group_index, num_groups, lengths)
-    steps = _time_steps(seg) if by_time_step else None
+    steps = (
+        _time_steps(seg)._replace(cell_scale=time_step_scale == "cell") if by_time_step else None
+    )
     w = weights.double().tolist()
     x = x.double()
     adv = sum(  # a loop over the K rewards, each a pass over the samples

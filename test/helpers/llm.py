@@ -138,3 +138,86 @@ def llm_batch(model, tokenizer, prompts, *, seed: int = 0, drift: float = 0.3):
             step.set("advantage", torch.randn(1, 1, generator=g))
             steps.append(step)
     return lazy_stack(steps)
+
+
+#: A chat template that writes each message as it is (a prompt is its own text).
+PLAIN_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
+
+
+def dialog_env(
+    tokenizer, queries, *, turns: int = 2, reply: str = "1 2=", exact: bool = True, early=()
+):
+    """A two-turn agent on torchrl's ``DatasetChatEnv`` in tokens mode, one dialog per query
+    (every reset serves ``queries`` again).
+
+        After each answer the environment replies ``reply`` (its tokens at ``"reply_tokens"``) and
+        gives reward 0; ``StepCounter`` ends each dialog after ``turns`` answers, and the rows in
+    ``early`` end after their first (a collector then resets them alone). ``exact``: with
+        :class:`~torchrl_grpo.llm.ExactTurns` (else torchrl's ``ChatEnv`` alone, which makes the
+        sampler's whole padded output the next prompt and appends no reply).
+    """
+    from tensordict import TensorDict
+    from torchrl.data import Unbounded
+    from torchrl.envs import StepCounter, Transform
+    from torchrl.envs.llm import DatasetChatEnv
+
+    from torchrl_grpo.llm import ExactTurns
+
+    class Reply(Transform):
+        def _step(self, tensordict, next_tensordict):
+            n = next_tensordict.shape[0]
+            next_tensordict.set("reward", torch.zeros(n, 1, 1))
+            first = tensordict.get("step_count").reshape(n) == 0
+            ends = torch.zeros(n, 1, dtype=torch.bool)
+            ends[list(early)] = True
+            ends &= first.unsqueeze(-1)
+            next_tensordict.set("terminated", ends | next_tensordict.get("terminated"))
+            next_tensordict.set("done", ends | next_tensordict.get("done"))
+            next_tensordict = next_tensordict.to_lazystack(0)
+            ids = torch.tensor(tokenizer(reply)["input_ids"])
+            for row in next_tensordict.tensordicts:
+                row.set("reply_tokens", ids)
+            return next_tensordict
+
+        def transform_reward_spec(self, reward_spec):
+            reward_spec["reward"] = Unbounded(reward_spec.shape + (1, 1))
+            return reward_spec
+
+    class Queries(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            while True:
+                yield TensorDict(query=list(queries), batch_size=[len(queries)])
+
+    tokenizer.chat_template = PLAIN_TEMPLATE
+    loader = torch.utils.data.DataLoader(Queries(), batch_size=None, collate_fn=lambda td: td)
+    env = DatasetChatEnv.from_dataloader(
+        loader,
+        batch_size=(len(queries),),
+        tokenizer=tokenizer,
+        input_mode="tokens",
+        template_kwargs={"chat_template": PLAIN_TEMPLATE},
+    )
+    env.append_transform(Reply())
+    if exact:
+        env.append_transform(ExactTurns(tokenizer.pad_token_id, tokenizer.eos_token_id))
+    env.append_transform(StepCounter(max_steps=turns))
+    return env
+
+
+def dialog_sampler(model, tokenizer, *, pad_output: bool = True, max_new_tokens: int = 3):
+    """torchrl's sampler for :func:`dialog_env`: tokens in, ``max_new_tokens`` sampled tokens
+    out (never the pad token), padded or not."""
+    from torchrl.modules.llm import TransformersWrapper
+
+    return TransformersWrapper(
+        model,
+        tokenizer=tokenizer,
+        input_mode="tokens",
+        generate=True,
+        pad_output=pad_output,
+        generate_kwargs={
+            "max_new_tokens": max_new_tokens,
+            "do_sample": True,
+            "bad_words_ids": [[tokenizer.pad_token_id]],
+        },
+    )

@@ -206,7 +206,7 @@ class TestRewardToGo:
             for n, done in ((2, False), (3, True))
         ]
         before = t.get_stats()
-        with pytest.raises(ValueError, match="reward_to_go_gamma .* ragged"):
+        with pytest.raises(ValueError, match="reward_to_go_gamma .* rewards of different sizes"):
             t.inv(lazy_stack(steps))
         assert t.get_stats() == before and t.queued_trajectories == 0
 
@@ -362,7 +362,7 @@ class TestRewardToGoByTimeStep:
 
     def test_validation(self):
         with pytest.raises(
-            ValueError, match=r"must be one of \['group', 'time_step'\], got 'step'"
+            ValueError, match=r"must be one of \['group', 'time_step', 'step_group'\], got 'step'"
         ):
             MCAdvantage(4, reward_to_go_gamma=0.9, reward_to_go_baseline="step")
         with pytest.raises(ValueError, match="needs reward_to_go_gamma"):

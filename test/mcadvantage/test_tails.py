@@ -39,6 +39,14 @@ def steps(ids, done, counts=None, values=None):
     return td
 
 
+def turns(flat):
+    """Flat steps as a lazy stack whose steps carry token sequences of different lengths
+    (``uid % 3 + 1`` tokens): ragged steps, as an agent's turns."""
+    return lazy_stack(
+        [step.set("tokens", torch.arange(int(step["uid"]) % 3 + 1)) for step in flat.unbind(0)]
+    )
+
+
 class TestJoin:
     def test_pieces_wait_for_their_end(self):
         first = join(Tails(), steps([0, 1, 0], [False, False, False], [0, 0, 1]), KEYS, 0)
@@ -117,14 +125,19 @@ class TestStreamed:
         assert streamed(Tails(), td.exclude(("collector", "traj_ids")), KEYS) is None
         assert streamed(Tails(), td, KEYS._replace(traj=None)) is None
 
-    def test_ragged_steps_are_whole_trajectories(self):
+    def test_ragged_steps_are_read_by_id(self):
+        """Ragged steps (an agent's turns: token sequences of different lengths) are read by
+        id as a lazy stack, held tails or not; ``[B, T]`` ragged rows are flattened row by
+        row."""
         a = TensorDict(collector=TensorDict(traj_ids=torch.tensor(0)), tokens=torch.arange(2))
         b = TensorDict(collector=TensorDict(traj_ids=torch.tensor(1)), tokens=torch.arange(3))
         ragged = lazy_stack([a, b])
-        assert streamed(Tails(), ragged, KEYS) is None
+        assert streamed(Tails(), ragged, KEYS) is ragged
         held = join(Tails(), steps([5], [False], [0]), KEYS, 0).tails
-        with pytest.raises(NotImplementedError, match="need dense steps"):
-            streamed(held, ragged, KEYS)
+        assert streamed(held, ragged, KEYS) is ragged
+        rows = lazy_stack([lazy_stack([a, b]), lazy_stack([b, a])])
+        flat = streamed(Tails(), rows, KEYS)
+        assert [len(t) for t in flat.get("tokens", as_list=True)] == [2, 3, 3, 2]
 
 
 class TestStreaming:
@@ -148,6 +161,30 @@ class TestStreaming:
             "held_steps": 0,
             "held_trajectories": 0,
         }
+
+    @pytest.mark.parametrize("trajectory_return", [None, "last"])
+    def test_ragged_turns_equal_whole_trajectories(self, trajectory_return):
+        """Ragged steps crossing insertions (the turns of dialogs cut by a collector's
+        batches): each insertion releases what inserting the whole trajectories releases, the
+        tokens of every step intact."""
+        batches, completed = collector_stream(4, 6, 3, seed=5, max_len=4, steps_per_batch=3)
+        ours = streaming(trajectory_return=trajectory_return)
+        ref = streaming(trajectory_return=trajectory_return, traj_key=None)
+        stored = []
+        for batch, whole in zip(batches, completed):
+            got = ours.inv(turns(batch.reshape(-1)))
+            want = None if not whole else ref.inv(turns(torch.cat(whole)))
+            if want is None:
+                assert got is None
+                continue
+            assert got["uid"].tolist() == want["uid"].tolist()
+            torch.testing.assert_close(got["advantage"], want["advantage"])
+            for step, tokens in zip(got["uid"].tolist(), got.get("tokens", as_list=True)):
+                assert tokens.tolist() == list(range(step % 3 + 1))
+            stored += got["uid"].tolist()
+        every_step = torch.cat([b.reshape(-1) for b in batches])["uid"].tolist()
+        assert sorted(stored) == sorted(every_step)
+        assert ours.held_trajectories == ours.queued_trajectories == 0
 
     @pytest.mark.parametrize(
         "estimator",

@@ -9,13 +9,18 @@
   log-probs keep the first generated token's value (torchrl 0.14.1 zeroes it), for a sampler
   whose log-probs a loss reads as the behaviour policy's. Defined in :mod:`torchrl_grpo._compat`,
   where every reliance on a private torchrl name lives.
+* :class:`ExactTurns`: an env transform for multi-turn dialogs on torchrl's ``ChatEnv`` in tokens
+  mode: the next prompt is the dialog's tokens exactly as sampled, with the environment's reply,
+  its own attention mask, a dialog id, and the stored turns cut to their real tokens.
 """
 
 from torchrl_grpo._compat import ExactLogProbsTransformersWrapper
 from torchrl_grpo.llm.lean_wrapper import HiddenLLMMaskedCategorical, LeanTransformersWrapper
+from torchrl_grpo.llm.turns import ExactTurns
 
 __all__ = [
     "ExactLogProbsTransformersWrapper",
+    "ExactTurns",
     "HiddenLLMMaskedCategorical",
     "LeanTransformersWrapper",
 ]

@@ -756,8 +756,9 @@ class GRPOLoss(ClipPPOLoss):
         inference = f"for {readers[0][0]}" if readers else None
         fallback = bool(readers) and all(fallback for _, fallback in readers)
         end_tokens = ()  # TRL's rule for an LLM wrapper's batch without a truncated entry
+        tokenizer = getattr(self.actor_network, "tokenizer", None) if self.is_llm else None
         if self.is_llm and self.mask_truncated_completions:
-            end_tokens = tokenizer_end_tokens(getattr(self.actor_network, "tokenizer", None))
+            end_tokens = tokenizer_end_tokens(tokenizer)
         return ReadPlan(
             owner=type(self).__name__,
             keys=self.tensor_keys,
@@ -771,6 +772,8 @@ class GRPOLoss(ClipPPOLoss):
             proximal=self.decoupled,
             truncated=self.mask_truncated_completions,
             end_tokens=end_tokens,
+            pad_token_id=getattr(tokenizer, "pad_token_id", None),
+            pad_output=bool(getattr(self.actor_network, "pad_output", True)),
             entropy=bool(self.entropy_bonus) or self.top_entropy_quantile is not None,
             samples_mc_entropy=self.samples_mc_entropy,
         )

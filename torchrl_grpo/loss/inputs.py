@@ -20,10 +20,18 @@ import torch
 from tensordict import TensorDict, TensorDictBase, unravel_key
 from tensordict.nn import CompositeDistribution, set_composite_lp_aggregate
 from tensordict.utils import NestedKey
+from torch.nn.utils.rnn import pad_sequence
 from torchrl.objectives import AUTO_LOSS_MASK_KEYS
 
 from torchrl_grpo import _compat
 from torchrl_grpo.llm.lean_wrapper import HiddenLLMMaskedCategorical
+from torchrl_grpo.loss.positions import (
+    check_no_inner_pads,
+    kept_positions,
+    relayout,
+    response_positions,
+    rows_on_tokens,
+)
 from torchrl_grpo.token_dist import token_log_prob_entropy
 
 #: torchrl's keys for LLM-wrapper batches (those of ``torchrl.objectives.llm.GRPOLoss``).
@@ -83,6 +91,8 @@ class ReadPlan(NamedTuple):
     proximal: bool  # read proximal_log_prob (decoupled)
     truncated: bool  # read or infer the truncated flags (mask_truncated_completions)
     end_tokens: tuple[int, ...]  # EOS and pad ids: TRL's rule when no flag is stored
+    pad_token_id: int | None  # an LLM wrapper's: the pad id of the stored token sequences
+    pad_output: bool  # an LLM wrapper's: it keeps every stored position (False: drops the pads)
     entropy: bool  # compute the entropy (entropy_bonus or top_entropy_quantile)
     samples_mc_entropy: int
 
@@ -96,19 +106,22 @@ def read_stored(tensordict: TensorDictBase, plan: ReadPlan) -> Stored:
         heads = [_get_input(tensordict, key, why, plan) for key in keys.sample_log_prob]
         old = _sum_heads(heads, tensordict.batch_dims)
     else:
-        old = _get_input(tensordict, keys.sample_log_prob, "the sampling log-probs", plan)
+        why = "the sampling log-probs"
+        old = _get_input(tensordict, keys.sample_log_prob, why, plan, per_token=True)
     ref = inference = proximal = None
     if plan.ref:
-        ref = _get_input(tensordict, keys.ref_log_prob, "for kl_to_ref_coeff", plan)
+        why = "for kl_to_ref_coeff"
+        ref = _get_input(tensordict, keys.ref_log_prob, why, plan, per_token=True)
     if plan.inference is not None:
         key = keys.inference_log_prob
         # torchrl's convention: without the sampler's own log-probs, the KL to inference (and
         # OPSM's drift, as TRL) is taken against sample_log_prob
         if plan.inference_fallback and not _has(tensordict, key):
             key = keys.sample_log_prob
-        inference = _get_input(tensordict, key, plan.inference, plan)
+        inference = _get_input(tensordict, key, plan.inference, plan, per_token=True)
     if plan.proximal:
-        proximal = _get_input(tensordict, keys.proximal_log_prob, "for decoupled=True", plan)
+        why = "for decoupled=True"
+        proximal = _get_input(tensordict, keys.proximal_log_prob, why, plan, per_token=True)
     return Stored(advantage=advantage, old=old, ref=ref, inference=inference, proximal=proximal)
 
 
@@ -201,6 +214,12 @@ def read_llm(tensordict: TensorDictBase, dist, stored: Stored, plan: ReadPlan) -
     stored = Stored(*(None if value is None else value.to(device) for value in stored))
     tokens = _get_input(tensordict, keys.action, "the sampled tokens", plan, padding=-100)
     tokens = tokens.to(device)
+    check_no_inner_pads(tokens, plan)
+    stored_shape = tokens.shape  # (B, T): each stored row left-padded
+    answer = response_positions(tensordict, stored_shape, plan)
+    index = kept_positions(tensordict, tokens, plan)  # the wrapper's positions, if it drops pads
+    tokens = relayout(tokens, index, -100)
+    stored = Stored(*(relayout(value, index) for value in stored))
     if tokens.shape != mask.shape:
         raise ValueError(
             f"{keys.action!r} has shape {tuple(tokens.shape)} once padded, but the policy's "
@@ -209,25 +228,40 @@ def read_llm(tensordict: TensorDictBase, dist, stored: Stored, plan: ReadPlan) -
         )
     old_log_prob = _match_shape(stored.old, mask.shape, keys.sample_log_prob)
     mask = mask & torch.isfinite(old_log_prob)
-    mask = mask & _token_mask(tensordict, mask.shape, mask.device, plan)
-    truncated = _truncated(tensordict, mask.shape, plan, last_tokens=tokens[:, -1])
-    truncated = None if truncated is None else truncated.to(device)
+    if answer is not None:  # each row's own answer (torchrl's "sft" mask errs on ragged rows)
+        mask = mask & relayout(answer.to(device), index, False)
+    mask = mask & relayout(_token_mask(tensordict, stored_shape, device, plan), index, False)
+    last_tokens = tokens[:, -1]
+    truncated = _truncated(tensordict, stored_shape, plan, last_tokens=last_tokens)
+    truncated = None if truncated is None else relayout(truncated.to(device), index, False)
     log_prob, entropy = _token_log_prob_entropy(dist, tokens.masked_fill(~mask, -100))
     entropy = entropy if plan.entropy else None
     return _line_up(log_prob, mask, entropy, stored._replace(old=old_log_prob), truncated, keys)
 
 
 def _get_input(
-    tensordict: TensorDictBase, key: NestedKey, why: str, plan: ReadPlan, padding: float = 0.0
+    tensordict: TensorDictBase,
+    key: NestedKey,
+    why: str,
+    plan: ReadPlan,
+    padding: float = 0.0,
+    per_token: bool = False,
 ) -> torch.Tensor:
-    """An entry that must be data: present, without gradient; padded left if ragged."""
+    """An entry that must be data: present, without gradient; padded left if ragged. A
+    ``per_token`` entry of an LLM wrapper's ragged batch is first lined up with each row's
+    tokens (:func:`~torchrl_grpo.loss.positions.rows_on_tokens`)."""
     if plan.padded:
         side = "left"
         if key == plan.keys.ref_log_prob:
             side, padding = plan.ref_padding
-        value = tensordict.get(
-            key, None, as_padded_tensor=True, padding_side=side, padding_value=padding
-        )
+        rows = tensordict.get(key, None, as_list=True) if per_token else None
+        if isinstance(rows, list):  # ragged rows (a lazy stack): each on its row's tokens
+            rows = rows_on_tokens(tensordict, key, rows, plan)
+            value = pad_sequence(rows, batch_first=True, padding_value=padding, padding_side=side)
+        else:
+            value = tensordict.get(
+                key, None, as_padded_tensor=True, padding_side=side, padding_value=padding
+            )
     else:
         value = tensordict.get(key, None)
     if value is None:
@@ -284,8 +318,8 @@ def _token_mask(
         extra = AUTO_LOSS_MASK_KEYS if loss_mask == "auto" else (loss_mask,)
     mask = torch.ones(shape, dtype=torch.bool, device=device)
     for key in dict.fromkeys((plan.keys.mask, *extra)):
-        if tensordict.get(key, None) is not None:
-            entry = _get_input(tensordict, key, "a mask", plan, padding=False)
+        if _has(tensordict, key):
+            entry = _get_input(tensordict, key, "a mask", plan, padding=False, per_token=True)
             mask = mask & _per_token(entry, shape, key).bool().to(device)
     return mask
 

@@ -127,11 +127,16 @@ def _finish(options: Options, out, state: State, marks: tuple) -> Outcome:
 
 
 def _check_ragged(options: Options, batch) -> None:
-    if batch.steps.ragged and options.estimator.reward_to_go_gamma is not None:
+    """Ragged steps (an agent's turns) take a reward-to-go when every step has as many reward
+    elements (one per turn, torchrl's ``[1, 1]``): the steps are ragged, the rewards are not."""
+    if not batch.steps.ragged or options.estimator.reward_to_go_gamma is None:
+        return
+    per_step = batch.reward_lengths.double() / batch.lengths.double()
+    if not bool((per_step == per_step[0]).all()) or float(per_step[0]) % 1:
         raise ValueError(
             "MCAdvantage: reward_to_go_gamma discounts each reward element along the steps "
             f"of its trajectory, which needs as many elements under {options.keys.reward!r} "
-            "at every step; this insertion's steps are ragged (a lazy stack)."
+            "at every step; this insertion's steps have rewards of different sizes."
         )
 
 

@@ -460,7 +460,7 @@ def _step_groups(kw: dict) -> StepGroups | None:
     return groups
 
 
-REWARD_TO_GO_BASELINES = ("group", "time_step")
+REWARD_TO_GO_BASELINES = ("group", "time_step", "step_group")
 
 
 def _reward_to_go_baseline(kw: dict) -> str:

@@ -186,7 +186,13 @@ def _done_flags(done, shape: torch.Size, key) -> Tensor:
         row = int((~row_ends.bool()).nonzero()[0])
         raise RuntimeError(
             "MCAdvantage: expected complete trajectories, but the input's last step "
-            f"(row {row} of batch {tuple(shape)}) has {key!r}=False."
+            f"(row {row} of batch {tuple(shape)}) has {key!r}=False. A collector's batch can "
+            "end inside a trajectory (an agent's dialog after one of its turns): give every "
+            "step a trajectory id (traj_key) and the unfinished ones are held until they end. "
+            "torchrl's collectors write ('collector', 'traj_ids'); torchrl's LLMCollector "
+            "writes none: append torchrl_grpo.llm.ExactTurns to the env and use "
+            "MCAdvantage(traj_key='dialog_id'), or collect whole dialogs "
+            "(LLMCollector(yield_completed_trajectories=True))."
         )
     done = done.cpu()  # bookkeeping is on the CPU whatever the data's device (no-op there)
     return done if done.dtype == torch.bool else done.bool()

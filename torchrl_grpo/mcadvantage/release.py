@@ -144,7 +144,8 @@ def _group_advantage(x, runs, per_key, member_round, num_rounds: int, options: O
         epsilon=estimator.epsilon,
         whiten=estimator.whiten,
         lengths=runs,
-        by_time_step=estimator.reward_to_go_baseline == "time_step",
+        by_time_step=estimator.reward_to_go_baseline != "group",
+        time_step_scale="cell" if estimator.reward_to_go_baseline == "step_group" else "pooled",
     )
     if per_key is None:
         return group_relative_advantage(x, member_round, num_rounds, **kw)

@@ -193,10 +193,13 @@ class RaggedSteps(Steps):
     def output(self) -> TensorDictBase:
         return lazy_stack(self.data)
 
-    def reward_elements(self, key) -> tuple[Tensor, Varying]:
+    def reward_elements(self, key) -> tuple[Tensor, Elements]:
         values = [get_entry(step, key, "reward") for step in self.data]
-        counts = torch.tensor([value.numel() for value in values])
-        return torch.cat([value.reshape(-1).cpu() for value in values]), Varying(counts)
+        counts = [value.numel() for value in values]
+        flat = torch.cat([value.reshape(-1).cpu() for value in values])
+        if counts and all(count == counts[0] for count in counts):  # ragged tokens, one reward
+            return flat, Uniform(counts[0])
+        return flat, Varying(torch.tensor(counts))
 
     def write(self, key, values: Tensor, like) -> None:
         """Set ``key`` at each step to its share of ``values``, shaped and placed as ``like``."""

@@ -27,13 +27,13 @@ are not data and are left out.
 from __future__ import annotations
 
 import torch
-from tensordict import LazyStackedTensorDict, TensorDictBase
+from tensordict import LazyStackedTensorDict, TensorDictBase, lazy_stack
 from torch import Tensor
 
 from torchrl_grpo.mcadvantage.options import TrajectoryKeys
 from torchrl_grpo.mcadvantage.records import LAST_COUNT, TAIL_ID, TRAJ, Joined, Tails
 from torchrl_grpo.mcadvantage.registry import ENDED, GIVEN_UP, RUNNING, IdRegistry
-from torchrl_grpo.mcadvantage.steps import DenseSteps, get_entry
+from torchrl_grpo.mcadvantage.steps import DenseSteps, RaggedSteps, Steps, get_entry
 from torchrl_grpo.mcadvantage.store import CHUNK, LENGTH, LENIENT, OFFSET, ranges
 from torchrl_grpo.mcadvantage.warn import warn
 
@@ -43,26 +43,29 @@ _NO_IDS = torch.zeros(0, dtype=torch.long)
 
 
 def streamed(tails: Tails, tensordict: TensorDictBase, keys: TrajectoryKeys):
-    """The insertion as dense steps if it is read by trajectory id, else ``None`` (it is then
-    split at its done flags).
-
-    Raises:
-        NotImplementedError: ragged steps (a lazy stack of token sequences) arrive while
-            unfinished trajectories are held: pieces of ragged steps cannot be joined.
-    """
+    """The insertion as steps to read by trajectory id (dense, or a lazy stack of ragged steps:
+    the turns of dialogs, token sequences of different lengths), else ``None`` (it is then
+    split at its done flags)."""
     if keys.traj is None or keys.traj not in tensordict.keys(include_nested=True):
         return None
     if isinstance(tensordict, LazyStackedTensorDict):
         try:
             return tensordict.contiguous()
-        except RuntimeError:  # ragged steps (token sequences): complete trajectories only
-            if tails.num_tails:
-                raise NotImplementedError(
-                    "MCAdvantage: trajectories that cross insertions need dense steps; this "
-                    "insertion is a ragged lazy stack while unfinished trajectories are held."
-                ) from None
-            return None
+        except RuntimeError:  # ragged steps: kept as a lazy stack of steps
+            return tensordict if tensordict.batch_dims == 1 else _step_stack(tensordict)
     return tensordict
+
+
+def _step_stack(tensordict: TensorDictBase) -> LazyStackedTensorDict:
+    """A lazy stack ``[B, T]`` of ragged steps as one lazy stack of its steps, row after row."""
+    return lazy_stack([step for row in tensordict.unbind(0) for step in row.unbind(0)])
+
+
+def _steps(tensordict: TensorDictBase) -> Steps:
+    """Steps of a dense TensorDict, or of a lazy stack of ragged steps."""
+    if isinstance(tensordict, LazyStackedTensorDict):
+        return RaggedSteps(list(tensordict.unbind(0)))
+    return DenseSteps(tensordict)
 
 
 def join(tails: Tails, tensordict: TensorDictBase, keys: TrajectoryKeys, clock: int) -> Joined:
@@ -214,7 +217,7 @@ def _per_step_entries(tensordict: TensorDictBase, keys: TrajectoryKeys):
     """The flat steps (frames a preemptive collector did not fill left out), and their ids,
     done flags and step counts (``None`` without a counter), each ``(N,)`` on the CPU."""
     shape = tensordict.batch_size
-    flat = tensordict.reshape(-1) if len(shape) > 1 else tensordict
+    flat = tensordict.reshape(-1) if len(shape) > 1 else tensordict  # ragged steps: already 1-D
     ids = _per_step(flat, keys.traj, "trajectory id", shape).long()  # (N,)
     done = _per_step(flat, keys.done, "done", shape).bool()  # (N,)
     count = None
@@ -311,7 +314,7 @@ def _complete(tails: Tails, flat, index: Tensor, lengths: Tensor, ids: Tensor):
     pieces, position = pieces[by_trajectory], position[by_trajectory]
     held_lengths = torch.zeros_like(lengths).index_add_(0, position, pieces[:, LENGTH])
     used, local = torch.unique(pieces[:, CHUNK], return_inverse=True)  # the chunks involved
-    chunks = tails.chunks.add(DenseSteps(flat))  # the insertion as the last chunk
+    chunks = tails.chunks.add(_steps(flat))  # the insertion as the last chunk
     whole, starts = chunks.concatenated([*used.tolist(), len(tails.chunks.steps)])
     total = held_lengths + lengths  # (c,)
     out_start = torch.cumsum(total, 0) - total
@@ -335,7 +338,7 @@ def _next_tails(tails: Tails, *, leaving, flat, index, ids, lengths, last_count,
         offset = torch.cumsum(lengths, 0) - lengths
         number = torch.full_like(offset, len(chunks.steps))
         pieces = torch.cat([pieces, torch.stack([number, offset, lengths, ids], 1)])
-        chunks = chunks.add(DenseSteps(flat[index]))
+        chunks = chunks.add(_steps(flat[index]))
         held, slot = tail_index(Tails(meta=meta), ids)
         counts = torch.full_like(ids, -1) if last_count is None else last_count
         if bool(held.any()):  # continued tails: their last count moves on

@@ -122,7 +122,8 @@ class MCAdvantage(Transform):
     Keyword Args:
         trajectory_return: ``None`` (per-step normalization), or how a trajectory's rewards become
             its return: ``"sum"``, ``"max"``, ``"mean"`` (torchrl) or ``"last"`` (step-wise GRPO:
-            the final reward is broadcast to every step).
+            the final reward is broadcast to every step; Trinity-RFT's ``step_wise_grpo``,
+            rLLM's ``broadcast``: an agent's turns are the steps of its dialog).
         reward_to_go_gamma: ``None`` (default), or a discount ``gamma`` in ``[0, 1]`` that makes,
             with ``trajectory_return=None``, each step's sample its discounted reward-to-go
             instead of its reward: ``G_t = r_t + gamma * G_{t+1}`` with ``G_T = r_T`` at the
@@ -134,7 +135,9 @@ class MCAdvantage(Transform):
             elements per step is discounted element by element (as ``reward2go`` does with
             trailing dimensions). ``0`` gives the rewards themselves, ``1`` the undiscounted sum
             to the end. Requires ``trajectory_return=None``; not with ``anchor_key`` (GiGPO
-            discounts its step level with ``step_reward_gamma``), nor with ragged steps.
+            discounts its step level with ``step_reward_gamma``). Ragged steps (an agent's
+            turns, token sequences of different lengths) take it when every step has as many
+            reward elements (torchrl's ``[1, 1]`` per turn).
             A group whose trajectories have equal rewards-to-go at every time step (identical
             episodes) gets advantages of exactly ``0``, as in the other modes.
         reward_to_go_baseline: with ``reward_to_go_gamma``, what each step's reward-to-go is
@@ -143,7 +146,11 @@ class MCAdvantage(Transform):
             advantages even within one trajectory), or ``"time_step"``, the mean over the
             group's trajectories at the same time step (a time-dependent baseline; the scale is
             the pooled std of those deviations; see
-            :func:`~torchrl_grpo.advantages.group_relative_advantage` with ``by_time_step``).
+            :func:`~torchrl_grpo.advantages.group_relative_advantage` with ``by_time_step``), or
+            ``"step_group"``, each (group, time step) a GRPO group of its own, mean and std
+            (rLLM's ``stepwise_advantage.mode="per_step"``: the turns of an agent's dialogs
+            compared turn index by turn index; a turn only one dialog reached gets ``0``, where
+            rLLM, through verl, gives it its raw return).
         keep_return_bounds: exclusive ``(low, high)`` bounds on a group's mean return; a group
             outside them is dropped (DAPO dynamic sampling), decided as torchrl decides it.
             Requires ``trajectory_return``.
@@ -316,7 +323,7 @@ class MCAdvantage(Transform):
     anchor_key = Setting("Key of each step's anchor state (GiGPO).")
     trajectory_return = Setting("How a return is reduced.")
     reward_to_go_gamma = Setting("Discount of the per-step reward-to-go (``None``: off).")
-    reward_to_go_baseline = Setting("``group`` or ``time_step``.")
+    reward_to_go_baseline = Setting("``group``, ``time_step`` or ``step_group``.")
     baseline = Setting("``mean``, ``leave_one_out``, ``pass_at_k``.")
     scale_rewards = Setting("``group``, ``batch`` or ``none``.")
     epsilon = Setting("Floor of the scale.")

@@ -1,0 +1,161 @@
+"""Tests of torchrl_grpo/llm/turns.py: multi-turn dialogs on torchrl's ChatEnv, tokens exact.
+
+Each test runs a two-turn dialog on torchrl's ``ChatEnv`` in tokens mode with torchrl's own
+sampler (``TransformersWrapper(generate=True)``) on a tiny model: the next prompt, its mask, the
+dialog ids and the stored turns are checked against the tokens the sampler produced.
+"""
+
+import os
+
+import pytest
+import torch
+
+try:
+    import transformers  # noqa: F401
+except ImportError:
+    if os.environ.get("CI"):
+        raise  # CI installs the `llm` extra (make test): without it this is a failure, not a skip
+    pytest.skip("needs the llm extra: pip install -e '.[llm]'", allow_module_level=True)
+
+import tensordict
+from helpers.llm import dialog_env, dialog_sampler
+from tensordict import TensorDict
+
+from torchrl_grpo.llm import ExactTurns
+
+QUERIES = ["3 9 1 4=", "1 2 0 5=", "5 5 5 1=", "7 0 0 2="]  # one length: see ChatEnv
+#: (torchrl 0.14.1's ChatEnv fails to reset in tokens mode on prompts of different lengths)
+
+
+@pytest.fixture(autouse=True)
+def _list_to_stack():
+    with tensordict.set_list_to_stack(True):
+        yield
+
+
+def reset(env):
+    return env.reset(TensorDict(query=QUERIES, batch_size=[len(QUERIES)]))
+
+
+def real(tokens, pad):
+    return tokens[tokens != pad]
+
+
+class TestNextPrompt:
+    @pytest.mark.parametrize("pad_output", [True, False], ids=["padded", "ragged"])
+    def test_the_dialog_so_far_and_the_reply(self, tiny_llm, pad_output):
+        """The next prompt is this turn's prompt, its answer and the reply, token for token,
+        whatever padding the sampler used; its mask covers exactly it."""
+        model, tokenizer = tiny_llm
+        pad = tokenizer.pad_token_id
+        env, policy = dialog_env(tokenizer, QUERIES), dialog_sampler(model, tokenizer)
+        policy.pad_output = pad_output
+        reply = torch.tensor(tokenizer("1 2=")["input_ids"])
+        td = reset(env)
+        torch.manual_seed(0)
+        for _ in range(2):
+            prompts = [real(p, pad) for p in td.get(("tokens", "prompt"), as_list=True)]
+            td = policy(td)
+            answers = [real(r, pad) for r in td.get(("tokens", "response"), as_list=True)]
+            stored, td = env.step_and_maybe_reset(td)
+            if stored["next", "done"].any():
+                break
+            for prompt, answer, new, mask in zip(
+                prompts,
+                answers,
+                td.get(("tokens", "prompt"), as_list=True),
+                td.get(("masks", "all_attention_mask"), as_list=True),
+                strict=True,
+            ):
+                assert new.tolist() == torch.cat([prompt, answer, reply]).tolist()
+                assert mask.shape == new.shape and bool(mask.all())
+
+    def test_a_dialog_too_long_for_the_model_raises(self, tiny_llm):
+        model, tokenizer = tiny_llm
+        env = dialog_env(tokenizer, QUERIES)
+        next(t for t in env.transform if isinstance(t, ExactTurns)).max_length = 12
+        sampled = dialog_sampler(model, tokenizer)(reset(env))
+        with pytest.raises(ValueError, match=r"row 0 holds \d+ tokens .* max_length=12"):
+            env.step(sampled)
+
+
+class TestStoredTurns:
+    def test_each_turn_is_its_prompt_then_its_answer(self, tiny_llm):
+        """Inside a collector's step the stored turn is cut to its real tokens: full is prompt
+        then answer, nothing padded, masks as long as the tokens."""
+        model, tokenizer = tiny_llm
+        pad = tokenizer.pad_token_id
+        env, policy = dialog_env(tokenizer, QUERIES), dialog_sampler(model, tokenizer)
+        td = reset(env)
+        torch.manual_seed(1)
+        for _ in range(2):
+            sampled = policy(td)
+            answers = [real(r, pad) for r in sampled.get(("tokens", "response"), as_list=True)]
+            stored, td = env.step_and_maybe_reset(sampled)
+            full = stored.get(("tokens", "full"), as_list=True)
+            prompt = stored.get(("tokens", "prompt"), as_list=True)
+            response = stored.get(("tokens", "response"), as_list=True)
+            masks = stored.get(("masks", "all_attention_mask"), as_list=True)
+            for f, p, r, m, a in zip(full, prompt, response, masks, answers, strict=True):
+                assert f.tolist() == torch.cat([p, r]).tolist() and r.tolist() == a.tolist()
+                assert not bool((f == pad).any()) and m.shape == f.shape
+
+    def test_exact_turn_leaves_an_unpadded_turn_as_it_is(self):
+        turns = ExactTurns(pad_token_id=0)
+        td = TensorDict({("tokens", "full"): torch.tensor([[3, 4], [5, 6]])}, batch_size=[2])
+        assert turns.exact_turn(td) is td
+
+
+class TestDialogIds:
+    def test_new_at_each_reset_kept_across_turns(self, tiny_llm):
+        model, tokenizer = tiny_llm
+        env, policy = dialog_env(tokenizer, QUERIES), dialog_sampler(model, tokenizer)
+        td = reset(env)
+        first = td["dialog_id"].tolist()
+        assert first == [0, 1, 2, 3]
+        stored, td = env.step_and_maybe_reset(policy(td))
+        assert stored["dialog_id"].tolist() == first and td["dialog_id"].tolist() == first
+        stored, td = env.step_and_maybe_reset(policy(td))  # the second turn ends every dialog
+        assert stored["next", "done"].all()
+        assert stored["dialog_id"].tolist() == first
+        assert td["dialog_id"].tolist() == [4, 5, 6, 7]  # reset: new dialogs
+
+    def test_a_row_reset_alone_gets_its_new_prompt_mask(self, tiny_llm):
+        """A collector resets a finished row while the others go on: the reset row's mask is
+        its new prompt's (torchrl keeps the last turn's, and the sampler then attends to the
+        padding of the new prompt as if it were text); its dialog id is new."""
+        model, tokenizer = tiny_llm
+        env = dialog_env(tokenizer, QUERIES, early=(1, 3))
+        policy = dialog_sampler(model, tokenizer)
+        td = reset(env)
+        stored, td = env.step_and_maybe_reset(policy(td))
+        assert stored["next", "done"].reshape(-1).tolist() == [False, True, False, True]
+        prompts = td.get(("tokens", "prompt"), as_list=True)
+        masks = td.get(("masks", "all_attention_mask"), as_list=True)
+        assert [len(p) for p in prompts] == [len(m) for m in masks]
+        assert len(prompts[1]) == len(prompts[3]) == 8 and len(prompts[0]) > 8
+        ids = td["dialog_id"].tolist()
+        assert ids[0] == 0 and ids[2] == 2  # going on
+        assert min(ids[1], ids[3]) > 3 and ids[1] != ids[3]  # new
+
+    def test_partial_reset_renews_only_the_reset_rows(self):
+        turns = ExactTurns(pad_token_id=0)
+        before = TensorDict(
+            {
+                "dialog_id": torch.tensor([7, 8, 9]),
+                "_reset": torch.tensor([[False], [True], [False]]),
+            },
+            batch_size=[3],
+        )
+        out = turns._reset(before, TensorDict(batch_size=[3]))
+        assert out["dialog_id"].tolist() == [7, 0, 9]
+
+
+class TestErrors:
+    def test_a_pad_token_is_needed(self):
+        with pytest.raises(ValueError, match="needs the sampler's pad_token_id"):
+            ExactTurns(pad_token_id=None)
+
+    def test_a_pad_token_that_ends_sequences_is_refused(self):
+        with pytest.raises(ValueError, match=r"pad token id \(2\) is the end-of-sequence id"):
+            ExactTurns(pad_token_id=2, eos_token_id=2)

@@ -1,0 +1,272 @@
+"""Multi-turn dialogs on torchrl's ``ChatEnv`` in tokens mode, with every turn's tokens exact.
+
+An agent's dialog is a trajectory whose steps are its turns: at each step the policy answers the
+dialog so far, the environment replies (a tool's result, feedback on a wrong answer) and the next
+prompt is the dialog so far, the answer and the reply. torchrl 0.14.1's ``ChatEnv`` in tokens mode
+gets three things wrong across turns, and :class:`ExactTurns`, one env transform, puts them right:
+
+1. **The next prompt.** ``ChatEnv`` makes the sampler's whole output, ``("tokens", "full")``, the
+   next prompt. A sampler that pads (``pad_output=True``, which ``ChatEnv`` needs to stack ragged
+   answers) leaves its padding inside it: left padding of the shorter prompts, right padding
+   after the shorter answers. Generation hides them (its attention mask and position ids skip
+   them) but a scorer that reads the stored sequence without position ids counts them, so the
+   loss's ratio is not 1 on the policy that sampled (ESS 0.79 on a two-turn batch). Here the next
+   prompt is the dialog's real tokens only, with the environment's reply appended (read from
+   ``reply_key``, where any transform placed before this one may write it), exactly the tokens
+   that were sampled: nothing is decoded and encoded again.
+2. **The stale mask.** The sampler writes ``("masks", "all_attention_mask")`` for its output;
+   ``step_mdp`` carries it into the next step, where the sampler reads it as the new (longer)
+   prompt's mask: ``RuntimeError: The size of tensor a (12) must match ... (11)``. Worse, a row
+   reset while others go on (a collector's partial reset) keeps the mask of its last dialog:
+   no error, but the sampler attends to the new prompt's padding as if it were text, and the
+   turns it samples come from another distribution than the one they are trained as. Here
+   every step and every reset carries the mask of its own prompt.
+3. **The stored turns.** The turn that a collector stores is the sampler's padded output. At
+   each ``step_and_maybe_reset`` (collectors, ``rollout``) its token sequences, masks and
+   log-probs are cut to the real tokens, so that the buffer holds each turn exactly as sampled
+   (ragged rows of a lazy stack) whatever the sampler's ``pad_output``.
+
+A sampler with ``pad_output=False`` is accepted too: ``ChatEnv`` cannot stack its ragged output
+(``Failed to stack tensors within a tensordict``), so it is handed a padded copy.
+
+It also writes a **dialog id** (``dialog_id_key``), new at each reset of a row and kept across
+its turns: torchrl's ``LLMCollector`` writes no trajectory id, and without one
+:class:`~torchrl_grpo.MCAdvantage` cannot hold a dialog that a collector batch cut after one of
+its turns (``MCAdvantage(traj_key="dialog_id")`` joins them).
+
+Where this belongs, and why: an env transform, because the next prompt and its mask are the
+environment's output (a collector postproc or the loss would come after the sampler has read
+them), and because the env's ``step_and_maybe_reset`` hook is where the stored turn and the next
+prompt part (torchrl's ``Transform._post_step_mdp_hooks``).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+from tensordict import LazyStackedTensorDict, TensorDictBase
+from torchrl.data import Composite, Unbounded
+from torchrl.envs import Transform
+from torchrl.modules.llm import Masks
+
+__all__ = ["ExactTurns"]
+
+#: The per-token entries of a stored turn and the part of the sequence each one covers.
+_ENTRIES = {
+    ("tokens", "full"): "full",
+    ("tokens", "prompt"): "prompt",
+    ("tokens", "response"): "response",
+    ("masks", "all_attention_mask"): "full",
+    ("masks", "all_assistant_mask"): "full",
+    ("log_probs", "full"): "full",
+    ("log_probs", "prompt"): "prompt",
+    ("log_probs", "response"): "response",
+}
+
+
+class ExactTurns(Transform):
+    """The dialog so far as the next prompt, exactly as sampled, for a tokens-mode ``ChatEnv``.
+
+    Append it to the env after the transforms that write the environment's reply (at
+    ``reply_key``) and before the reward's. At each step it makes the next
+    ``("tokens", "prompt")`` the row's real tokens (the sampler's ``("tokens", "full")``
+    without its padding) followed by the reply's tokens, writes that prompt's attention mask, and
+    keeps the row's dialog id; at each reset it gives the reset rows new dialog ids. Inside a
+    collector (``step_and_maybe_reset``) the stored turn's tokens, masks and log-probs are cut to
+    its real tokens. See the module's docstring for what torchrl does without it.
+
+    Args:
+        pad_token_id: the id the sampler pads with (its tokenizer's ``pad_token_id``). It must
+            not be a token a dialog holds: a pad id equal to the end-of-sequence id (some base
+            models' tokenizers) would cut the end of every earlier turn out of the prompt.
+        eos_token_id: the tokenizer's end-of-sequence id, checked against ``pad_token_id``.
+        reply_key: where the environment's reply to the turn is read from the step's output: a
+            1-D integer tensor of token ids per row (empty, or absent, for no reply).
+        dialog_id_key: where the dialog id is written (``int64``, one per row).
+        max_length: the most tokens a prompt may hold (the model's context less the tokens of
+            an answer); a longer dialog raises ``ValueError`` naming the row. ``None``: no bound.
+
+    Raises:
+        ValueError: ``pad_token_id`` is ``None`` or equal to ``eos_token_id``.
+
+    Examples:
+        >>> import torch
+        >>> from tensordict import TensorDict, lazy_stack
+        >>> from torchrl_grpo.llm import ExactTurns
+        >>> turns = ExactTurns(pad_token_id=0, eos_token_id=1)
+        >>> # a padded turn: the second answer is one token shorter, the sampler padded it
+        >>> full = torch.tensor([[5, 6, 7, 1], [5, 8, 1, 0]])
+        >>> turns.dialog_tokens(full, full != 0)
+        [tensor([5, 6, 7, 1]), tensor([5, 8, 1])]
+    """
+
+    def __init__(
+        self,
+        pad_token_id: int | None,
+        eos_token_id: int | None = None,
+        *,
+        reply_key="reply_tokens",
+        dialog_id_key="dialog_id",
+        max_length: int | None = None,
+    ):
+        if pad_token_id is None:
+            raise ValueError(
+                "ExactTurns needs the sampler's pad_token_id: set the tokenizer's pad token "
+                "(tokenizer.pad_token = ...) to a token that no dialog holds."
+            )
+        if eos_token_id is not None and int(pad_token_id) == int(eos_token_id):
+            raise ValueError(
+                f"ExactTurns: the pad token id ({pad_token_id}) is the end-of-sequence id: every "
+                "earlier turn's end-of-sequence token would be taken for padding and cut out of "
+                "the dialog. Give the tokenizer a pad token of its own (for example "
+                "tokenizer.add_special_tokens({'pad_token': '<pad>'}) and resize the model's "
+                "embeddings), as torchrl's wrappers also mask every pad id."
+            )
+        super().__init__(in_keys=[("tokens", "full")], out_keys=[("tokens", "prompt")])
+        self.pad_token_id = int(pad_token_id)
+        self.reply_key = reply_key
+        self.dialog_id_key = dialog_id_key
+        self.max_length = max_length
+        self._ids = itertools.count()
+
+    @staticmethod
+    def dialog_tokens(full: torch.Tensor, mask: torch.Tensor) -> list[torch.Tensor]:
+        """The real tokens of each row of a padded ``[B, T]`` batch: ``full[b][mask[b]]``."""
+        return [row[keep] for row, keep in zip(full, mask.bool(), strict=True)]
+
+    # -- step -------------------------------------------------------------------------------
+
+    def _inv_call(self, tensordict: TensorDictBase) -> TensorDictBase:
+        # ChatEnv stacks ("tokens", "full"): give it a padded copy of a ragged sampler's output
+        if _is_ragged(tensordict, ("tokens", "full")):
+            tensordict = tensordict.copy()
+            padded = tensordict.get(
+                ("tokens", "full"), as_padded_tensor=True, padding_value=self.pad_token_id
+            )
+            tensordict.set(("tokens", "full"), padded)
+        return tensordict
+
+    def _step(self, tensordict: TensorDictBase, next_tensordict: TensorDictBase):
+        rows = self._real_rows(tensordict, ("tokens", "full"))
+        replies = _rows_of(next_tensordict, self.reply_key, len(rows))
+        prompts = []
+        for index, (row, reply) in enumerate(zip(rows, replies, strict=True)):
+            prompt = row if reply is None or reply.numel() == 0 else torch.cat([row, reply])
+            if self.max_length is not None and prompt.numel() > self.max_length:
+                raise ValueError(
+                    f"ExactTurns: the dialog of row {index} holds {prompt.numel()} tokens after "
+                    f"this turn, more than max_length={self.max_length} (the model's context "
+                    "less an answer's tokens). End such dialogs sooner (StepCounter(max_steps="
+                    "...)), shorten the replies, or use a model with a longer context."
+                )
+            prompts.append(prompt)
+        next_tensordict = _as_rows(next_tensordict)
+        masks = [torch.ones_like(prompt, dtype=torch.bool) for prompt in prompts]
+        _set_rows(next_tensordict, ("tokens", "prompt"), prompts)
+        _set_rows(next_tensordict, ("masks", "all_attention_mask"), masks)
+        if self.reply_key in next_tensordict.keys(True, True):
+            del next_tensordict[self.reply_key]
+        dialog_id = tensordict.get(self.dialog_id_key, None)
+        if dialog_id is not None:
+            next_tensordict.set(self.dialog_id_key, dialog_id)
+        return next_tensordict
+
+    def _real_rows(self, tensordict: TensorDictBase, key) -> list[torch.Tensor]:
+        """Each row's real tokens of ``key``: where ``("masks", "all_attention_mask")`` says,
+        else where they are not the pad id."""
+        tokens = tensordict.get(key, as_list=True)
+        masks = tensordict.get(("masks", "all_attention_mask"), None, as_list=True)
+        if masks is None or any(m.shape != t.shape for m, t in zip(masks, tokens, strict=True)):
+            masks = [t != self.pad_token_id for t in tokens]
+        return [t[m.bool()] for t, m in zip(tokens, masks, strict=True)]
+
+    # -- reset ------------------------------------------------------------------------------
+
+    def _reset(self, tensordict: TensorDictBase, tensordict_reset: TensorDictBase):
+        shape = tensordict_reset.batch_size
+        reset = None if tensordict is None else tensordict.get("_reset", None)
+        old = None if tensordict is None else tensordict.get(self.dialog_id_key, None)
+        if reset is None or old is None:  # every row starts a dialog
+            reset = torch.ones(shape, dtype=torch.bool)
+            ids = torch.zeros(shape, dtype=torch.long)
+        else:
+            reset, ids = reset.reshape(shape), old.reshape(shape).clone()
+        ids[reset] = torch.tensor(
+            [next(self._ids) for _ in range(int(reset.sum()))], dtype=torch.long
+        )
+        tensordict_reset.set(self.dialog_id_key, ids)
+        prompts = tensordict_reset.get(("tokens", "prompt"), None, as_list=True)
+        if prompts is not None:  # a reset row's mask is its new prompt's, not the last turn's
+            tensordict_reset = _as_rows(tensordict_reset)
+            masks = [torch.ones(p.shape[-1:], dtype=torch.bool) for p in prompts]
+            _set_rows(tensordict_reset, ("masks", "all_attention_mask"), masks)
+        return tensordict_reset
+
+    def transform_observation_spec(self, observation_spec: Composite) -> Composite:
+        # the prompt's mask is an observation: step_mdp then carries it to the next step in
+        # place of the sampler's mask of its whole output
+        masks = Masks.default_spec(shape=observation_spec.shape, keys=["all_attention_mask"])
+        observation_spec["masks"] = masks.to(observation_spec.device)
+        observation_spec[self.dialog_id_key] = Unbounded(
+            shape=observation_spec.shape, dtype=torch.int64, device=observation_spec.device
+        )
+        return observation_spec
+
+    # -- the stored turn --------------------------------------------------------------------
+
+    def _post_step_mdp_hooks(self, tensordict: TensorDictBase, tensordict_: TensorDictBase):
+        return self.exact_turn(tensordict), tensordict_
+
+    def exact_turn(self, tensordict: TensorDictBase) -> TensorDictBase:
+        """A sampled turn with its token sequences, masks and log-probs cut to its real tokens
+        (a lazy stack of ragged rows); a turn without padding is returned as it is."""
+        if not _is_padded(tensordict, self.pad_token_id):
+            return tensordict
+        full = tensordict.get(("tokens", "full"), as_list=True)
+        keep_full = [row != self.pad_token_id for row in full]
+        prompt = tensordict.get(("tokens", "prompt"), None, as_list=True)
+        keep_prompt = None if prompt is None else [row != self.pad_token_id for row in prompt]
+        response = tensordict.get(("tokens", "response"), None, as_list=True)
+        keep_response = None if response is None else [r != self.pad_token_id for r in response]
+        keeps = {"full": keep_full, "prompt": keep_prompt, "response": keep_response}
+        tensordict = _as_rows(tensordict)
+        for key, part in _ENTRIES.items():
+            rows = tensordict.get(key, None, as_list=True)
+            keep = keeps[part]
+            if rows is None or keep is None:
+                continue
+            if any(r.shape[:1] != k.shape for r, k in zip(rows, keep, strict=True)):
+                continue  # not per token of that part: left as it is
+            _set_rows(tensordict, key, [r[k] for r, k in zip(rows, keep, strict=True)])
+        return tensordict
+
+
+def _is_ragged(tensordict: TensorDictBase, key) -> bool:
+    rows = tensordict.get(key, None, as_list=True)
+    return rows is not None and len({row.shape for row in rows}) > 1
+
+
+def _is_padded(tensordict: TensorDictBase, pad: int) -> bool:
+    rows = tensordict.get(("tokens", "full"), None, as_list=True)
+    return rows is not None and any(bool((row == pad).any()) for row in rows)
+
+
+def _rows_of(tensordict: TensorDictBase, key, n: int) -> list[torch.Tensor | None]:
+    if key not in tensordict.keys(True, True):
+        return [None] * n
+    rows = tensordict.get(key, as_list=True)
+    return [None if row is None else row.reshape(-1).long() for row in rows]
+
+
+def _as_rows(tensordict: TensorDictBase) -> TensorDictBase:
+    """``tensordict`` as a lazy stack of its rows (where ragged entries fit)."""
+    if isinstance(tensordict, LazyStackedTensorDict) and tensordict.stack_dim == 0:
+        return tensordict
+    return tensordict.to_lazystack(0)
+
+
+def _set_rows(tensordict: LazyStackedTensorDict, key, rows: list[torch.Tensor]) -> None:
+    """Set ``key`` row by row in a lazy stack of rows (the rows may differ in length)."""
+    for row, value in zip(tensordict.tensordicts, rows, strict=True):
+        row.set(key, value)
