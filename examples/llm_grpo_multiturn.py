@@ -239,9 +239,17 @@ def make_env(tokenizer, loader, batch: int, cfg: Settings, repeats: int | None =
         template_kwargs={"chat_template": tokenizer.chat_template},
     )
     env.append_transform(AskOrAnswer(tokenizer))
-    env.append_transform(ExactTurns(tokenizer.pad_token_id, tokenizer.eos_token_id))
+    # a dialog that would outgrow the model's context raises, naming the row
+    max_length = context(cfg) - cfg.max_new_tokens
+    turns = ExactTurns(tokenizer.pad_token_id, tokenizer.eos_token_id, max_length=max_length)
+    env.append_transform(turns)
     env.append_transform(StepCounter(max_steps=cfg.max_turns))
     return env
+
+
+def context(cfg: Settings) -> int:
+    """The model's context: room for ``--max-turns`` turns of a prompt, an answer and a reply."""
+    return 2 * cfg.max_turns * (2 * cfg.digits + cfg.max_new_tokens)
 
 
 class GreedySuccess:
@@ -458,8 +466,7 @@ def main(argv=None) -> dict:
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     tokenizer = llm_grpo.make_tokenizer("0123456789 =" + HIDDEN + REPLY)
-    longest = 2 * cfg.max_turns * (2 * cfg.digits + cfg.max_new_tokens)
-    model = llm_grpo.make_model(cfg, tokenizer, longest).to(cfg.device)
+    model = llm_grpo.make_model(cfg, tokenizer, context(cfg)).to(cfg.device)
 
     eval_problems = draw(torch.Generator().manual_seed(1234), cfg.eval_prompts, cfg.digits)
     held_out = {p.prompt for p in eval_problems}

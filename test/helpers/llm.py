@@ -145,7 +145,14 @@ PLAIN_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor
 
 
 def dialog_env(
-    tokenizer, queries, *, turns: int = 2, reply: str = "1 2=", exact: bool = True, early=()
+    tokenizer,
+    queries,
+    *,
+    turns: int = 2,
+    reply: str = "1 2=",
+    exact: bool = True,
+    early=(),
+    tool=None,
 ):
     """A two-turn agent on torchrl's ``DatasetChatEnv`` in tokens mode, one dialog per query
     (every reset serves ``queries`` again).
@@ -154,7 +161,9 @@ def dialog_env(
         gives reward 0; ``StepCounter`` ends each dialog after ``turns`` answers, and the rows in
     ``early`` end after their first (a collector then resets them alone). ``exact``: with
         :class:`~torchrl_grpo.llm.ExactTurns` (else torchrl's ``ChatEnv`` alone, which makes the
-        sampler's whole padded output the next prompt and appends no reply).
+        sampler's whole padded output the next prompt and appends no reply). ``tool``: a reply
+    function ``(text, row) -> str | None`` for :class:`~torchrl_grpo.llm.ToolReply`, whose
+    replies then replace ``reply``.
     """
     from tensordict import TensorDict
     from torchrl.data import Unbounded
@@ -198,6 +207,10 @@ def dialog_env(
         template_kwargs={"chat_template": PLAIN_TEMPLATE},
     )
     env.append_transform(Reply())
+    if tool is not None:
+        from torchrl_grpo.llm import ToolReply
+
+        env.append_transform(ToolReply(tool, tokenizer))
     if exact:
         env.append_transform(ExactTurns(tokenizer.pad_token_id, tokenizer.eos_token_id))
     env.append_transform(StepCounter(max_steps=turns))

@@ -23,9 +23,10 @@ import tensordict
 from helpers.llm import dialog_env, dialog_sampler, llm_scorer
 from tensordict import TensorDict, lazy_stack
 from torchrl.envs.llm import RetrieveLogProb
+from torchrl.modules.llm import TransformersWrapper
 from torchrl.objectives.llm import GRPOLoss as TorchrlGRPOLoss
 
-from torchrl_grpo import GRPOLoss
+from torchrl_grpo import GRPOLoss, LeanTransformersWrapper
 from torchrl_grpo.loss.inputs import _get_input
 
 QUERIES = ["3 9 1 4=", "1 2 0 5=", "5 5 5 1=", "7 0 0 2=", "8 8 1 3=", "2 4 6 8="]
@@ -180,3 +181,70 @@ class TestInnerPads:
         with pytest.raises(ValueError, match=r"row 0 of \('tokens', 'full'\) holds 2 pad tokens"):
             loss(batch)
         loss(TensorDict({k: v[1:] for k, v in batch.items(True, True)}, batch_size=[1]))
+
+
+#: a chat template with the assistant's turn marked, for history input
+TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'assistant' %}{% generation %}"
+    "{{ m['content'] }}{% endgeneration %}{% else %}{{ m['content'] }}{% endif %}{% endfor %}"
+)
+
+
+class TestHistoryInput:
+    @pytest.mark.parametrize("loss_pad", [True, False])
+    @pytest.mark.parametrize("score_pad", [True, False])
+    @pytest.mark.parametrize("lean", [True, False], ids=["lean", "torchrl"])
+    def test_ratio_one(self, tiny_llm, score_pad, loss_pad, lean):
+        """Dialogs as torchrl ``History`` (the wrapper applies the chat template), answers of
+        different lengths, the assistant's tokens in the loss (``"rlhf"``): ESS 1, no KL."""
+        from torchrl.data.llm import History
+
+        model, tokenizer = tiny_llm
+        chats = [("3 9 1 4=", "17"), ("1 2=", "3"), ("5 5 5=", "15"), ("7 1 0 0 0=", "8")]
+        rows = [
+            TensorDict(
+                history=TensorDict(
+                    full=History.from_chats(
+                        [[{"role": "user", "content": q}, {"role": "assistant", "content": a}]]
+                    )[0]
+                )
+            )
+            for q, a in chats
+        ]
+        batch = lazy_stack(rows)
+
+        def wrapper(pad_output, **kw):
+            cls = LeanTransformersWrapper if lean else TransformersWrapper
+            return cls(
+                model,
+                tokenizer=tokenizer,
+                input_mode="history",
+                generate=False,
+                return_log_probs=True,
+                pad_output=pad_output,
+                chat_template=TEMPLATE,
+                **kw,
+            )
+
+        with torch.no_grad():
+            for key in ("log_probs", "ref_log_probs"):
+                scorer = wrapper(score_pad, log_probs_key=key)
+                batch = RetrieveLogProb(
+                    scorer,
+                    assistant_only=True,
+                    tokenizer=tokenizer,
+                    tokenizer_kwargs={"chat_template": TEMPLATE},
+                )(batch)
+        batch.set("advantage", torch.randn(len(batch), 1, 1))
+        loss = GRPOLoss(
+            wrapper(loss_pad),
+            masking_strategy="rlhf",
+            kl_to_ref_coeff=0.1,
+        )
+        loss.set_keys(
+            sample_log_prob=("log_probs", "full"), ref_log_prob=("ref_log_probs", "full")
+        )
+        out = loss(batch.copy())
+        assert float(out.ESS) == pytest.approx(1.0, abs=1e-5)
+        assert float(out.clip_fraction) == 0.0
+        assert abs(float(out.kl_approx)) < 1e-5 and abs(float(out.kl_to_ref)) < 1e-5

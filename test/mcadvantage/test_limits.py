@@ -140,3 +140,65 @@ class TestStuck:
             for seed in range(40):
                 stuck.inv(trajectory(seed, [1.0]))
         assert len([w for w in seen if "no group has completed" in str(w.message)]) == 1
+
+
+class TestMinGroupSize:
+    """``min_group_size``: a group still short ``max_pending_age`` insertions after it started
+    is released with what it holds (runs that failed or timed out never come), GRPO over its
+    members; shorter than ``min_group_size``, it is given up as before."""
+
+    def test_a_short_group_is_released_past_the_age(self):
+        t = MCAdvantage(
+            4, prompt_key="seed", trajectory_return="sum", max_pending_age=2, min_group_size=2
+        )
+        assert t.inv(torch.cat([trajectory(7, [1.0]), trajectory(7, [3.0, 2.0])])) is None
+        assert t.inv(trajectory(8, [1.0])) is None  # age 1: still waiting
+        out = t.inv(trajectory(9, [0.0]))  # age 2: group 7 goes, short, its own two returns
+        assert out["seed"].tolist() == [7, 7, 7]
+        # returns 1 and 5: +-1/sqrt(2) each, on every step of its trajectory
+        assert out["advantage"].reshape(-1).tolist() == pytest.approx(
+            [-0.7071, 0.7071, 0.7071], abs=1e-4
+        )
+        stats = t.get_stats()
+        assert stats["short_groups"] == 1 and stats["evicted_groups"] == 0
+        assert stats["group_return_mean"] == pytest.approx(3.0)
+        assert stats["group_return_std"] == pytest.approx(2.0**1.5, abs=1e-9)  # std of {1, 5}
+
+    def test_shorter_than_the_minimum_is_given_up(self):
+        t = MCAdvantage(
+            4, prompt_key="seed", trajectory_return="sum", max_pending_age=1, min_group_size=2
+        )
+        t.inv(trajectory(7, [1.0]))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            assert t.inv(trajectory(8, [1.0])) is None
+        assert t.get_stats()["evicted_groups"] == 1 and t.get_stats()["short_groups"] == 0
+
+    def test_a_group_of_one_gets_zero(self):
+        t = MCAdvantage(
+            3, prompt_key="seed", trajectory_return="sum", max_pending_age=1, min_group_size=1
+        )
+        t.inv(trajectory(7, [4.0]))
+        out = t.inv(trajectory(8, [1.0]))
+        assert out["seed"].tolist() == [7] and out["advantage"].reshape(-1).tolist() == [0.0]
+
+    @pytest.mark.parametrize(
+        ("kw", "words"),
+        [
+            ({"min_group_size": 0, "max_pending_age": 2}, "between 1 and grpo_size=4, got 0"),
+            ({"min_group_size": 5, "max_pending_age": 2}, "between 1 and grpo_size=4, got 5"),
+            ({"min_group_size": 2}, "set max_pending_age too"),
+            (
+                {
+                    "min_group_size": 2,
+                    "max_pending_age": 2,
+                    "candidate_group_size": 6,
+                    "trajectory_return": "sum",
+                },
+                "cannot be combined with candidate_group_size",
+            ),
+        ],
+    )
+    def test_validation(self, kw, words):
+        with pytest.raises(ValueError, match=words):
+            MCAdvantage(4, **kw)

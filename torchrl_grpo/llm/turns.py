@@ -85,7 +85,8 @@ class ExactTurns(Transform):
             1-D integer tensor of token ids per row (empty, or absent, for no reply).
         dialog_id_key: where the dialog id is written (``int64``, one per row).
         max_length: the most tokens a prompt may hold (the model's context less the tokens of
-            an answer); a longer dialog raises ``ValueError`` naming the row. ``None``: no bound.
+            an answer); a dialog that goes on longer raises ``ValueError`` naming the row (one
+            that ended is not checked: its next prompt is never read). ``None``: no bound.
 
     Raises:
         ValueError: ``pad_token_id`` is ``None`` or equal to ``eos_token_id``.
@@ -150,10 +151,13 @@ class ExactTurns(Transform):
     def _step(self, tensordict: TensorDictBase, next_tensordict: TensorDictBase):
         rows = self._real_rows(tensordict, ("tokens", "full"))
         replies = _rows_of(next_tensordict, self.reply_key, len(rows))
+        done = next_tensordict.get("done", None)
+        ended = [False] * len(rows) if done is None else done.reshape(len(rows), -1).any(-1)
         prompts = []
         for index, (row, reply) in enumerate(zip(rows, replies, strict=True)):
             prompt = row if reply is None or reply.numel() == 0 else torch.cat([row, reply])
-            if self.max_length is not None and prompt.numel() > self.max_length:
+            too_long = self.max_length is not None and prompt.numel() > self.max_length
+            if too_long and not bool(ended[index]):  # an ended dialog's next prompt is unused
                 raise ValueError(
                     f"ExactTurns: the dialog of row {index} holds {prompt.numel()} tokens after "
                     f"this turn, more than max_length={self.max_length} (the model's context "

@@ -16,7 +16,7 @@ from tensordict import TensorDict, lazy_stack
 from torchrl_grpo.mcadvantage import filters
 from torchrl_grpo.mcadvantage.options import GroupFilter, Selection
 from torchrl_grpo.mcadvantage.pending import trajectory
-from torchrl_grpo.mcadvantage.records import Insertion, Pending, Returns, Rounds
+from torchrl_grpo.mcadvantage.records import QUEUED_AT, Insertion, Pending, Returns, Rounds
 
 __all__ = ["NOTHING", "find_rounds", "select_candidates"]
 
@@ -27,19 +27,28 @@ _ZERO = torch.zeros(1, dtype=torch.long)
 NOTHING = Rounds(members=_NONE, member_round=_NONE, num_rounds=0, consumed=None)
 
 
-def find_rounds(pending: Pending, batch: Insertion, size: int) -> Rounds:
+def find_rounds(
+    pending: Pending, batch: Insertion, size: int, short: tuple[int, int, int] | None = None
+) -> Rounds:
     """Every complete round of ``size`` trajectories of one group, pending ones included.
 
     A group's trajectories, in arrival order, form rounds of ``size``; every full round is
     released, the rest stays pending.
+
+    Args:
+        short: ``(min_size, max_age, clock)`` (``min_group_size``): a group whose first pending
+            trajectory arrived ``max_age`` insertions or more before insertion ``clock`` and
+            that holds at least ``min_size`` trajectories (fewer than ``size``) is released as
+            one round of what it holds: the runs that failed or timed out never come.
     """
-    if batch.num_trajectories == 1:
+    if batch.num_trajectories == 1 and short is None:
         return _one_more(pending, batch, size)
     before = pending.ids if pending.num_pending else None
     codes, order = batch.group_ids.codes(before)  # (Q + n,)
     counts = torch.bincount(codes)  # (G,) trajectories of each group, pending included
+    aged = _aged_short(pending, codes, counts, size, short)  # (G,) released short, or None
     fewest, most = (int(c) for c in torch.aminmax(counts))
-    if most < size:  # nothing can complete
+    if most < size and aged is None:  # nothing can complete
         return NOTHING
     total = codes.shape[0]
     if fewest == most == size:  # every group present is exactly complete: one round each
@@ -50,12 +59,29 @@ def find_rounds(pending: Pending, batch: Insertion, size: int) -> Rounds:
     first = torch.cumsum(counts, 0) - counts  # (G,) position of each group's first in `order`
     rank = torch.empty_like(codes)
     rank[order] = torch.arange(total) - first[codes[order]]  # (Q + n,) arrival rank in its group
-    consumed = rank < (counts // size * size)[codes]
+    full = counts // size  # (G,) full rounds of each group
+    consumed = rank < (full * size)[codes]
+    per_group = full
+    if aged is not None:
+        consumed |= aged[codes]
+        per_group = full + aged.long()
     members = consumed.nonzero().squeeze(-1)
     # Rounds numbered by (group, round); members of a round share group and rank // size.
-    round_start = torch.cumsum(counts // size, 0) - counts // size  # (G,)
+    round_start = torch.cumsum(per_group, 0) - per_group  # (G,)
     member_round = round_start[codes[members]] + rank[members] // size
-    return Rounds(members, member_round, int((counts // size).sum()), consumed)
+    return Rounds(members, member_round, int(per_group.sum()), consumed)
+
+
+def _aged_short(pending: Pending, codes, counts, size: int, short) -> torch.Tensor | None:
+    """``(G,)`` the groups released short (see :func:`find_rounds`), or ``None`` if none is."""
+    if short is None or not pending.num_pending:
+        return None
+    min_size, max_age, clock = short
+    q = pending.num_pending
+    first = torch.full(counts.shape, clock, dtype=torch.long)  # (G,) first pending arrival
+    first = first.scatter_reduce(0, codes[:q], pending.spans[:, QUEUED_AT], reduce="amin")
+    aged = (clock - 1 - first >= max_age) & (counts >= min_size) & (counts < size)
+    return aged if bool(aged.any()) else None
 
 
 def _one_more(pending: Pending, batch: Insertion, size: int) -> Rounds:

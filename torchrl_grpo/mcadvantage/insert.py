@@ -25,7 +25,7 @@ from torchrl_grpo.mcadvantage import (
 from torchrl_grpo.mcadvantage.options import Options
 from torchrl_grpo.mcadvantage.records import NOTHING_RELEASED, Outcome, State
 from torchrl_grpo.mcadvantage.registry import ENDED, RUNNING
-from torchrl_grpo.mcadvantage.stats import count
+from torchrl_grpo.mcadvantage.stats import count, group_stats
 
 __all__ = ["commit", "insert"]
 
@@ -68,7 +68,11 @@ def insert(options: Options, state: State, tensordict: TensorDictBase) -> Outcom
             state.pending, batch, options.selection, options.grpo_size, both, group_filter
         )
     else:
-        rounds = groups.find_rounds(state.pending, batch, options.grpo_size)
+        limits = options.limits
+        short = None
+        if limits.min_group_size is not None:  # groups short past max_pending_age: released
+            short = (limits.min_group_size, limits.max_age, clock)
+        rounds = groups.find_rounds(state.pending, batch, options.grpo_size, short)
     released = NOTHING_RELEASED  # 5.
     if rounds.num_rounds:
         both = returns.concat(state.pending.returns, incoming) if both is None else both
@@ -82,6 +86,8 @@ def insert(options: Options, state: State, tensordict: TensorDictBase) -> Outcom
         trajectory_return=estimator.trajectory_return,
         group_size=options.grpo_size,
     )
+    if rounds.num_rounds and estimator.trajectory_return is not None:
+        stats = group_stats(stats, both.value, rounds, options.grpo_size)
     reference = staleness.reference(options, state.newest_version)
     stats = staleness.lag_stats(stats, state.pending, batch, rounds, reference)
     held = pending.remaining(state.pending, batch, rounds.consumed, incoming, state.insertions)

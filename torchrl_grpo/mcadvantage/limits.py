@@ -94,6 +94,8 @@ def evict_groups(limits: Limits, pending, clock: int):
     evicted = torch.zeros(num, dtype=torch.bool)
     if limits.max_age is not None:
         evicted |= clock - 1 - first >= limits.max_age
+        if limits.min_group_size is not None:  # released short by the next insertion instead
+            evicted &= torch.bincount(codes, minlength=num) < limits.min_group_size
     if limits.max_groups is not None:
         excess = int((~evicted).sum()) - limits.max_groups
         if excess > 0:  # the groups that started first go, ties by arrival of their ids

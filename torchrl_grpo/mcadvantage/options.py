@@ -110,6 +110,9 @@ class Limits(NamedTuple):
     max_groups: int | None
     max_age: int | None  # in insertions
     on_overflow: str  # "drop_oldest" or "raise"
+    # beyond torchrl: a group past max_age holding at least this many trajectories is released
+    # as it is (runs that failed or timed out left it short) instead of given up
+    min_group_size: int | None = None
 
 
 class Staleness(NamedTuple):
@@ -173,6 +176,7 @@ SETTINGS = {
     "max_pending_groups": ("limits", "max_groups"),
     "max_pending_age": ("limits", "max_age"),
     "on_overflow": ("limits", "on_overflow"),
+    "min_group_size": ("limits", "min_group_size"),
     "traj_key": ("trajectory_keys", "traj"),
     "step_count_key": ("trajectory_keys", "count"),
     "policy_version_key": ("keys", "version"),
@@ -241,7 +245,7 @@ def make_options(
         estimator=_estimator(kw, trajectory_return, bool(weights)),
         group_filter=_group_filter(kw, trajectory_return),
         selection=selection,
-        limits=_limits(kw),
+        limits=_limits(kw, grpo_size, selection),
         staleness=_staleness(kw),
     )
 
@@ -269,6 +273,7 @@ KEYWORDS = {
     "max_pending_groups": None,
     "max_pending_age": None,
     "on_overflow": "drop_oldest",
+    "min_group_size": None,
     "traj_key": ("collector", "traj_ids"),
     "step_count_key": "step_count",
     "policy_version_key": "policy_version",
@@ -377,7 +382,7 @@ def _group_filter(kw: dict, trajectory_return: str | None) -> GroupFilter:
     return GroupFilter(keep_return_bounds=bounds, std_threshold=threshold)
 
 
-def _limits(kw: dict) -> Limits:
+def _limits(kw: dict, grpo_size: int, selection: Selection) -> Limits:
     limits = {}
     for name in ("max_pending_groups", "max_pending_age"):
         limit = kw[name]
@@ -390,7 +395,26 @@ def _limits(kw: dict) -> Limits:
         raise ValueError(
             f"on_overflow must be 'drop_oldest' or 'raise', got {kw['on_overflow']!r}."
         )
-    return Limits(limits["max_pending_groups"], limits["max_pending_age"], kw["on_overflow"])
+    min_size = kw["min_group_size"]
+    if min_size is not None:
+        min_size = _integer("min_group_size", min_size)
+        if not 1 <= min_size <= grpo_size:
+            raise ValueError(
+                f"min_group_size must be between 1 and grpo_size={grpo_size}, got {min_size}."
+            )
+        if limits["max_pending_age"] is None:
+            raise ValueError(
+                "min_group_size releases the groups still short after max_pending_age "
+                "insertions: set max_pending_age too."
+            )
+        if selection.candidate_group_size > grpo_size:
+            raise ValueError(
+                "min_group_size cannot be combined with candidate_group_size > grpo_size: a "
+                "short group has no candidates to select among."
+            )
+    return Limits(
+        limits["max_pending_groups"], limits["max_pending_age"], kw["on_overflow"], min_size
+    )
 
 
 def _staleness(kw: dict) -> Staleness:

@@ -12,7 +12,15 @@ from torchrl_grpo.advantages import Segments
 from torchrl_grpo.mcadvantage.records import Insertion, Released, Rounds, State
 from torchrl_grpo.mcadvantage.store import LENGTH
 
-__all__ = ["LAG_STATS", "STAT_NAMES", "count", "fresh_stats", "snapshot"]
+__all__ = [
+    "GROUP_STATS",
+    "LAG_STATS",
+    "STAT_NAMES",
+    "count",
+    "fresh_stats",
+    "group_stats",
+    "snapshot",
+]
 
 STAT_NAMES = (
     "completed_trajectories",
@@ -33,10 +41,16 @@ STAT_NAMES = (
     "evicted_steps",
     # beyond torchrl: trajectories left out for lagging more than ``max_policy_lag`` versions
     "stale_trajectories",
+    # beyond torchrl: groups released with fewer than grpo_size trajectories (min_group_size)
+    "short_groups",
 )
 #: Beyond the counters: the policy lags of the groups the last insertion that completed any
 #: completed (see :mod:`~torchrl_grpo.mcadvantage.staleness`); absent until known.
 LAG_STATS = ("policy_lag_min", "policy_lag_max", "policy_lag_mean", "policy_version_spread")
+#: Beyond the counters, with a return mode: the groups the last insertion that completed any
+#: completed, their returns' mean and (Bessel) std averaged over the groups, as Trinity-RFT logs
+#: them; absent until known.
+GROUP_STATS = ("group_return_mean", "group_return_std")
 
 
 def fresh_stats() -> dict:
@@ -98,6 +112,28 @@ def count(
     stats["rescued_groups"] += rounds.rescued
     stats["unselected_trajectories"] += rounds.unselected
     return stats
+
+
+def group_stats(stats: dict, returns: Tensor, rounds: Rounds, group_size: int) -> dict:
+    """The counters with the completed groups' :data:`GROUP_STATS` and ``short_groups``.
+
+    Args:
+        returns: ``(Q + n,)`` float64, the returns of pending ++ incoming trajectories.
+        rounds: the groups the insertion completed.
+        group_size: ``grpo_size``: a round with fewer members is a short group.
+    """
+    groups = Segments(rounds.member_round, rounds.num_rounds)
+    values = returns[rounds.members]  # (M,)
+    size = groups.count  # (R,)
+    mean = groups.sum(values) / size
+    square = groups.sum((values - groups.expand(mean)).square())
+    std = (square / (size - 1).clamp_min(1)).sqrt()  # a group of one: 0
+    return {
+        **stats,
+        "short_groups": stats["short_groups"] + int((size < group_size).sum()),
+        "group_return_mean": float(mean.mean()),
+        "group_return_std": float(std.mean()),
+    }
 
 
 def snapshot(state: State) -> dict:

@@ -195,6 +195,14 @@ class MCAdvantage(Transform):
         on_overflow: what happens past a limit: ``"drop_oldest"`` (default) evicts the groups that
             started first, counts them in ``evicted_groups`` / ``evicted_trajectories`` and warns;
             ``"raise"`` rejects the insertion with a ``RuntimeError``, changing nothing.
+        min_group_size: with ``max_pending_age``, a group still short of ``grpo_size`` when it
+            reaches that age is released with the trajectories it holds if they are at least
+            ``min_group_size`` (the runs that failed or timed out never come: Trinity-RFT takes
+            such groups), its advantages computed over them as over any group (a group of one
+            gets ``0``, where Trinity-RFT and verl give it its raw return); shorter, it is
+            given up as before. It is released by the first insertion that brings a complete
+            trajectory once it is that old, and counted in ``short_groups``. ``None``
+            (default): groups are released full only.
         traj_key: key of the trajectory id of every step. When the input has it, trajectories
             may cross insertions: the unfinished ones are held (:attr:`held_trajectories`) and
             completed by later insertions, with the same advantages as inserting each whole
@@ -291,6 +299,7 @@ class MCAdvantage(Transform):
         max_pending_groups: int | None = None,
         max_pending_age: int | None = None,
         on_overflow: str = "drop_oldest",
+        min_group_size: int | None = None,
         traj_key: NestedKey | None = ("collector", "traj_ids"),
         step_count_key: NestedKey | None = "step_count",
         policy_version_key: NestedKey | None = "policy_version",
@@ -337,6 +346,7 @@ class MCAdvantage(Transform):
     max_pending_groups = Setting("Most incomplete groups held.")
     max_pending_age = Setting("Most insertions a group may wait.")
     on_overflow = Setting("``drop_oldest`` or ``raise``.")
+    min_group_size = Setting("Fewest trajectories a group past its age is released with.")
     traj_key = Setting("Key of the trajectory ids.")
     step_count_key = Setting("Key of the step counter.")
     policy_version_key = Setting("Key of each step's policy version.")
