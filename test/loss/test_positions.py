@@ -241,9 +241,7 @@ class TestHistoryInput:
             masking_strategy="rlhf",
             kl_to_ref_coeff=0.1,
         )
-        loss.set_keys(
-            sample_log_prob=("log_probs", "full"), ref_log_prob=("ref_log_probs", "full")
-        )
+        loss.set_keys(sample_log_prob=("log_probs", "full"), ref_log_prob=("ref_log_probs", "full"))
         out = loss(batch.copy())
         assert float(out.ESS) == pytest.approx(1.0, abs=1e-5)
         assert float(out.clip_fraction) == 0.0
