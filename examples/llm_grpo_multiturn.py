@@ -126,13 +126,9 @@ class Settings(llm_grpo.Settings):
             "(greedy, on validation tasks)"
         },
     )
-    lr: float = field(
-        default=2e-4,
-        metadata={
-            "help": "Adam learning rate: linear warm-up, then cosine decay to 0 at --steps "
-            "or at --time-limit, whichever comes first"
-        },
-    )
+    # lower than the single-turn example's 5e-4, which first unlearns the answer after the
+    # tool's while the model learns to ask (docs/tutorial_multiturn.rst)
+    lr: float = field(default=2e-4, metadata=llm_grpo.Settings.__dataclass_fields__["lr"].metadata)
     time_limit: float = field(
         default=220.0,
         metadata={"help": "stop GRPO once the run (imports included) has taken this long, in s"},
@@ -421,30 +417,13 @@ def plot(history: dict, path, before: dict, title: str) -> None:
         lw=1,
         label="sampled dialogs solved",
     )
-    ax.plot(
-        history["eval_step"],
-        history["success"],
-        "o-",
-        color="tab:red",
-        ms=3,
-        label="greedy success, held-out tasks",
-    )
-    ax.plot(
-        history["eval_step"],
-        history["turn1"],
-        "s--",
-        color="tab:orange",
-        ms=3,
-        label="... solved by a first-turn guess",
-    )
-    ax.plot(
-        history["eval_step"],
-        history["asked"],
-        "^:",
-        color="tab:green",
-        ms=3,
-        label="greedy first turn asks the tool",
-    )
+    curves = [  # (entry, style, colour, label), one point per evaluation
+        ("success", "o-", "tab:red", "greedy success, held-out tasks"),
+        ("turn1", "s--", "tab:orange", "... solved by a first-turn guess"),
+        ("asked", "^:", "tab:green", "greedy first turn asks the tool"),
+    ]
+    for key, style, colour, label in curves:
+        ax.plot(history["eval_step"], history[key], style, color=colour, ms=3, label=label)
     ax.axhline(before["success"], color="gray", ls="--", lw=1, label="after the warm start")
     ax.set_ylim(0, 1.02)
     ax.grid(alpha=0.3)
