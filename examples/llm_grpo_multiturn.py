@@ -11,9 +11,9 @@ same digits, ``--group-size`` dialogs), and the group-relative advantage of the 
 reward is given to every one of its turns (``MCAdvantage(trajectory_return="last")``). Built
 from torchrl's LLM stack, as ``examples/llm_grpo.py``, nothing downloaded:
 
-* a ``DatasetChatEnv`` in tokens mode whose transforms score each turn and write the reply
-  (``TurnFeedback``), keep each dialog's tokens exact across turns and give it an id
-  (``torchrl_grpo.llm.ExactTurns``), and end dialogs after ``--max-turns`` (``StepCounter``);
+* a ``DatasetChatEnv`` in tokens mode whose transforms score each turn and write the tool's
+  reply (``AskOrAnswer``), end dialogs after ``--max-turns`` (``StepCounter``), and keep each
+  dialog's tokens exact across turns and give it an id (``torchrl_grpo.llm.ExactTurns``);
 * an ``LLMCollector`` sampling with torchrl's ``TransformersWrapper``, writing each batch of
   turns into a ``ReplayBuffer`` whose ``torchrl_grpo.MCAdvantage`` joins the turns of a dialog
   cut by a batch (``traj_key="dialog_id"``), groups the dialogs by task (``task_id``) and
@@ -51,7 +51,7 @@ T0 = time.perf_counter()
 import copy
 import gc
 import sys
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import matplotlib
@@ -224,8 +224,16 @@ class AskOrAnswer(Transform):
         return reward_spec
 
 
-def make_env(tokenizer, loader, batch: int, cfg: Settings, repeats: int | None = None):
-    """The task as a torchrl LLM env: ``batch`` dialogs, each prompt ``repeats`` times in a row."""
+def make_env(
+    tokenizer,
+    loader,
+    batch: int,
+    cfg: Settings,
+    repeats: int | None = None,
+    max_turns: int | None = None,
+):
+    """The task as a torchrl LLM env: ``batch`` dialogs, each prompt ``repeats`` times in a row,
+    each of at most ``max_turns`` turns (default ``--max-turns``)."""
     env = DatasetChatEnv.from_dataloader(
         loader,
         batch_size=(batch,),
@@ -235,11 +243,12 @@ def make_env(tokenizer, loader, batch: int, cfg: Settings, repeats: int | None =
         template_kwargs={"chat_template": tokenizer.chat_template},
     )
     env.append_transform(AskOrAnswer(tokenizer))
-    # a dialog that would outgrow the model's context raises, naming the row
+    env.append_transform(StepCounter(max_steps=max_turns or cfg.max_turns))  # ends dialogs...
+    # ... before ExactTurns builds the next prompts: an ended dialog's is not checked, and one
+    # that goes on past the model's context raises, naming the row
     max_length = context(cfg) - cfg.max_new_tokens
     turns = ExactTurns(tokenizer.pad_token_id, tokenizer.eos_token_id, max_length=max_length)
     env.append_transform(turns)
-    env.append_transform(StepCounter(max_steps=cfg.max_turns))
     return env
 
 
@@ -257,12 +266,13 @@ class GreedySuccess:
     among those (``turn2_after_ask``), and the turns a dialog took (``turns_mean``).
     """
 
-    def __init__(self, tokenizer, problems: list[Problem], policy, cfg: Settings):
+    def __init__(self, tokenizer, problems: list[Problem], policy, cfg: Settings, max_turns=None):
         data = as_tensordict(problems, 0)
         loader = DataLoader([data], batch_size=None, collate_fn=lambda td: td)
-        self.env = make_env(tokenizer, loader, len(problems), cfg)
+        self.max_turns = max_turns or cfg.max_turns
+        self.env = make_env(tokenizer, loader, len(problems), cfg, max_turns=self.max_turns)
         self.start = self.env.reset()
-        self.policy, self.max_turns = policy, cfg.max_turns
+        self.policy = policy
         self.completions = llm_grpo.TaskReward(tokenizer, None).completions
 
     @torch.no_grad()
@@ -453,7 +463,7 @@ def main(argv=None) -> dict:
     val_problems = [p for p in draw(gen, 400, cfg.digits) if p.prompt not in held_out][:200]
     greedy = llm_grpo.make_sampler(model, tokenizer, cfg, greedy=True)
     # the warm start stops on the answer after the tool's: one turn of dialogs that asked
-    skill = GreedySuccess(tokenizer, asked(val_problems), greedy, replace(cfg, max_turns=1))
+    skill = GreedySuccess(tokenizer, asked(val_problems), greedy, cfg, max_turns=1)
     eval_success = GreedySuccess(tokenizer, eval_problems, greedy, cfg)
     sft_steps = warm_start(model, tokenizer, cfg, gen, held_out, skill)
     before = eval_success()

@@ -1,4 +1,4 @@
-"""examples/llm_grpo_multiturn.py: its task, the env's turns, the warm start's dialogs, a tiny run."""
+"""examples/llm_grpo_multiturn.py: its task, its env's turns, the warm start, a tiny run."""
 
 import csv
 import dataclasses

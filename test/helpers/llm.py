@@ -211,9 +211,9 @@ def dialog_env(
         from torchrl_grpo.llm import ToolReply
 
         env.append_transform(ToolReply(tool, tokenizer))
+    env.append_transform(StepCounter(max_steps=turns))
     if exact:
         env.append_transform(ExactTurns(tokenizer.pad_token_id, tokenizer.eos_token_id))
-    env.append_transform(StepCounter(max_steps=turns))
     return env
 
 

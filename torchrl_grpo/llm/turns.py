@@ -69,7 +69,8 @@ class ExactTurns(Transform):
     """The dialog so far as the next prompt, exactly as sampled, for a tokens-mode ``ChatEnv``.
 
     Append it to the env after the transforms that write the environment's reply (at
-    ``reply_key``) and before the reward's. At each step it makes the next
+    ``reply_key``) and that end dialogs (the reward's, ``StepCounter``): a dialog that ended
+    is not checked against ``max_length``. At each step it makes the next
     ``("tokens", "prompt")`` the row's real tokens (the sampler's ``("tokens", "full")``
     without its padding) followed by the reply's tokens, writes that prompt's attention mask, and
     keeps the row's dialog id; at each reset it gives the reset rows new dialog ids. Inside a
