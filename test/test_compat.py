@@ -312,3 +312,24 @@ class TestExactLogProbsTransformersWrapper:
                 then="is no longer needed: use torchrl's TransformersWrapper",
             )
         )
+
+
+class TestPostStepMdpHook:
+    """``ExactTurns`` cuts the turns a collector stores through torchrl's
+    ``Transform._post_step_mdp_hooks``; the turns' tests (``test/llm/test_turns.py``) check that
+    ``step_and_maybe_reset`` runs it."""
+
+    def test_torchrl_still_has_it(self):
+        from torchrl.envs import Transform
+
+        _compat.check_post_step_mdp_hook(Transform)
+
+    def test_a_changed_signature_is_a_clear_error(self):
+        from torchrl.envs import Transform
+
+        class Renamed(Transform):
+            def _post_step_mdp_hooks(self, tensordict):
+                raise AssertionError
+
+        with pytest.raises(RuntimeError, match="_post_step_mdp_hooks is missing or its param"):
+            _compat.check_post_step_mdp_hook(Renamed)

@@ -290,3 +290,29 @@ def check_log_probs_generate(cls: type = TransformersWrapper) -> None:
             f"{found}, not {LOG_PROBS_GENERATE_PARAMS}: ExactLogProbsTransformersWrapper's "
             "override of it would not run (see torchrl_grpo._compat)."
         )
+
+
+#: The parameters of torchrl's ``Transform._post_step_mdp_hooks`` that
+#: :class:`~torchrl_grpo.llm.ExactTurns` overrides to cut the stored turn to its tokens.
+POST_STEP_MDP_HOOK_PARAMS = ("self", "tensordict", "tensordict_")
+
+
+def check_post_step_mdp_hook(cls: type = Transform) -> None:
+    """Raise unless ``cls._post_step_mdp_hooks`` is still torchrl's hook of
+    ``step_and_maybe_reset``, with the parameters ``ExactTurns`` overrides.
+
+    Reliance (torchrl 0.14.1): ``EnvBase.step_and_maybe_reset`` calls the transforms'
+    ``_post_step_mdp_hooks(tensordict, tensordict_)`` with the turn a collector stores and the
+    next step's input, and uses what it returns. Documented as a hook to override, but private.
+
+    Raises:
+        RuntimeError: the hook is missing or its parameters changed (named in the message).
+    """
+    method = getattr(cls, "_post_step_mdp_hooks", None)
+    found = () if method is None else tuple(inspect.signature(method).parameters)
+    if found != POST_STEP_MDP_HOOK_PARAMS:
+        raise RuntimeError(
+            f"torchrl's {cls.__name__}._post_step_mdp_hooks is missing or its parameters are "
+            f"{found}, not {POST_STEP_MDP_HOOK_PARAMS}: ExactTurns could not cut the turns a "
+            "collector stores to their tokens (see torchrl_grpo._compat)."
+        )

@@ -37,7 +37,8 @@ its turns (``MCAdvantage(traj_key="dialog_id")`` joins them).
 Where this belongs, and why: an env transform, because the next prompt and its mask are the
 environment's output (a collector postproc or the loss would come after the sampler has read
 them), and because the env's ``step_and_maybe_reset`` hook is where the stored turn and the next
-prompt part (torchrl's ``Transform._post_step_mdp_hooks``).
+prompt part (torchrl's ``Transform._post_step_mdp_hooks``, checked in
+:mod:`torchrl_grpo._compat`).
 """
 
 from __future__ import annotations
@@ -49,6 +50,8 @@ from tensordict import LazyStackedTensorDict, TensorDictBase
 from torchrl.data import Composite, Unbounded
 from torchrl.envs import Transform
 from torchrl.modules.llm import Masks
+
+from torchrl_grpo import _compat
 
 __all__ = ["ExactTurns"]
 
@@ -125,6 +128,7 @@ class ExactTurns(Transform):
                 "tokenizer.add_special_tokens({'pad_token': '<pad>'}) and resize the model's "
                 "embeddings), as torchrl's wrappers also mask every pad id."
             )
+        _compat.check_post_step_mdp_hook()  # the stored turns are cut through it
         super().__init__(in_keys=[("tokens", "full")], out_keys=[("tokens", "prompt")])
         self.pad_token_id = int(pad_token_id)
         self.reply_key = reply_key
@@ -133,9 +137,10 @@ class ExactTurns(Transform):
         self._ids = itertools.count()
 
     @staticmethod
-    def dialog_tokens(full: torch.Tensor, mask: torch.Tensor) -> list[torch.Tensor]:
-        """The real tokens of each row of a padded ``[B, T]`` batch: ``full[b][mask[b]]``."""
-        return [row[keep] for row, keep in zip(full, mask.bool(), strict=True)]
+    def dialog_tokens(full, mask) -> list[torch.Tensor]:
+        """The real tokens of each row: ``full[b][mask[b]]``, for a padded ``[B, T]`` batch or
+        lists of rows."""
+        return [row[keep.bool()] for row, keep in zip(full, mask, strict=True)]
 
     # -- step -------------------------------------------------------------------------------
 
@@ -184,7 +189,7 @@ class ExactTurns(Transform):
         masks = tensordict.get(("masks", "all_attention_mask"), None, as_list=True)
         if masks is None or any(m.shape != t.shape for m, t in zip(masks, tokens, strict=True)):
             masks = [t != self.pad_token_id for t in tokens]
-        return [t[m.bool()] for t, m in zip(tokens, masks, strict=True)]
+        return self.dialog_tokens(tokens, masks)
 
     # -- reset ------------------------------------------------------------------------------
 
