@@ -282,13 +282,18 @@ def check_log_probs_generate(cls: type = TransformersWrapper) -> None:
     Raises:
         RuntimeError: the method is missing or its parameters changed (named in the message).
     """
-    method = getattr(cls, "_log_probs_generate", None)
+    why = "ExactLogProbsTransformersWrapper's override of it would not run"
+    _check_parameters(cls, "_log_probs_generate", LOG_PROBS_GENERATE_PARAMS, why)
+
+
+def _check_parameters(cls: type, name: str, expected: tuple[str, ...], why: str) -> None:
+    """Raise ``RuntimeError`` unless ``cls.<name>`` exists with the parameters ``expected``."""
+    method = getattr(cls, name, None)
     found = () if method is None else tuple(inspect.signature(method).parameters)
-    if found != LOG_PROBS_GENERATE_PARAMS:
+    if found != expected:
         raise RuntimeError(
-            f"torchrl's {cls.__name__}._log_probs_generate is missing or its parameters are "
-            f"{found}, not {LOG_PROBS_GENERATE_PARAMS}: ExactLogProbsTransformersWrapper's "
-            "override of it would not run (see torchrl_grpo._compat)."
+            f"torchrl's {cls.__name__}.{name} is missing or its parameters are {found}, not "
+            f"{expected}: {why} (see torchrl_grpo._compat)."
         )
 
 
@@ -308,11 +313,5 @@ def check_post_step_mdp_hook(cls: type = Transform) -> None:
     Raises:
         RuntimeError: the hook is missing or its parameters changed (named in the message).
     """
-    method = getattr(cls, "_post_step_mdp_hooks", None)
-    found = () if method is None else tuple(inspect.signature(method).parameters)
-    if found != POST_STEP_MDP_HOOK_PARAMS:
-        raise RuntimeError(
-            f"torchrl's {cls.__name__}._post_step_mdp_hooks is missing or its parameters are "
-            f"{found}, not {POST_STEP_MDP_HOOK_PARAMS}: ExactTurns could not cut the turns a "
-            "collector stores to their tokens (see torchrl_grpo._compat)."
-        )
+    why = "ExactTurns could not cut the turns a collector stores to their tokens"
+    _check_parameters(cls, "_post_step_mdp_hooks", POST_STEP_MDP_HOOK_PARAMS, why)

@@ -323,11 +323,13 @@ SCALES: dict[str, Callable[[Tensor, Segments, Tensor, Tensor], Tensor]] = {
 """Scales by name, each ``scale(x - mean_g, segments, mean, count) -> (G,)``."""
 
 
-def _check_names(baseline: str, scale_rewards: str) -> None:
+def _check_names(baseline: str, scale_rewards: str, time_step_scale: str = "pooled") -> None:
     if baseline not in BASELINES:
         raise ValueError(f"baseline must be one of {sorted(BASELINES)}, got {baseline!r}.")
     if scale_rewards not in SCALES:
         raise ValueError(f"scale_rewards must be one of {sorted(SCALES)}, got {scale_rewards!r}.")
+    if time_step_scale not in ("pooled", "cell"):
+        raise ValueError(f"time_step_scale must be 'pooled' or 'cell', got {time_step_scale!r}.")
 
 
 def _advantage(
@@ -377,15 +379,18 @@ class _TimeSteps(NamedTuple):
         return (m2 / dof.clamp_min(1)).sqrt()
 
 
-def _time_steps(seg: Segments) -> _TimeSteps:
+def _time_steps(seg: Segments, scale: str = "pooled") -> _TimeSteps:
     """The cells of ``seg``'s samples: runs (trajectories) of one group, samples in time order;
-    two samples share a cell when they have the same group and the same position in their run."""
+    two samples share a cell when they have the same group and the same position in their run.
+    ``scale``: ``"pooled"`` (each group's pooled spread) or ``"cell"`` (each cell's own)."""
     lengths = seg.lengths
     if lengths is None:
         raise ValueError("by_time_step needs the samples as runs: pass lengths.")
     if lengths.numel() == 0 or int(lengths.sum()) == 0:
         empty = torch.zeros(0, dtype=torch.long, device=lengths.device)
-        return _TimeSteps(Segments(empty, 0), torch.zeros(seg.num, dtype=torch.long))
+        return _TimeSteps(
+            Segments(empty, 0), torch.zeros(seg.num, dtype=torch.long), scale == "cell"
+        )
     runs = Segments(None, lengths=lengths)
     group = seg.expand(torch.arange(seg.num, device=lengths.device))  # (S,)
     start = runs.expand(torch.cumsum(lengths, 0) - lengths)  # (S,)
@@ -393,7 +398,8 @@ def _time_steps(seg: Segments) -> _TimeSteps:
     cell, num_cells = dense_codes(group * int(lengths.max()) + position)
     cell_group = torch.zeros(num_cells, dtype=torch.long, device=group.device)
     cell_group.scatter_(0, cell, group)  # (C,)
-    return _TimeSteps(Segments(cell, num_cells), torch.bincount(cell_group, minlength=seg.num))
+    per_group = torch.bincount(cell_group, minlength=seg.num)
+    return _TimeSteps(Segments(cell, num_cells), per_group, scale == "cell")
 
 
 def group_relative_advantage(
@@ -482,15 +488,11 @@ def group_relative_advantage(
         tensor([-0.5000, -0.5000, -0.5000,  0.5000,  0.5000,  0.5000,  0.0000],
                dtype=torch.float64)
     """
-    _check_names(baseline, scale_rewards)
+    _check_names(baseline, scale_rewards, time_step_scale)
     _check_samples("x", x)
     _check_index(x, group_index, lengths)
-    if time_step_scale not in ("pooled", "cell"):
-        raise ValueError(f"time_step_scale must be 'pooled' or 'cell', got {time_step_scale!r}.")
     seg = Segments(group_index, num_groups, lengths)
-    steps = (
-        _time_steps(seg)._replace(cell_scale=time_step_scale == "cell") if by_time_step else None
-    )
+    steps = _time_steps(seg, time_step_scale) if by_time_step else None
     adv = _advantage(seg.view(x.double()), seg, baseline, scale_rewards, epsilon, steps)  # (S,)
     return batch_whiten(adv, epsilon=epsilon) if whiten else adv
 
@@ -714,14 +716,10 @@ def multi_reward_advantage(
             f"weights must have one entry per reward, shape ({num_rewards},), got "
             f"{tuple(weights.shape)}."
         )
-    _check_names(baseline, scale_rewards)
+    _check_names(baseline, scale_rewards, time_step_scale)
     _check_index(x[:, 0], group_index, lengths)
-    if time_step_scale not in ("pooled", "cell"):
-        raise ValueError(f"time_step_scale must be 'pooled' or 'cell', got {time_step_scale!r}.")
     seg = Segments(group_index, num_groups, lengths)
-    steps = (
-        _time_steps(seg)._replace(cell_scale=time_step_scale == "cell") if by_time_step else None
-    )
+    steps = _time_steps(seg, time_step_scale) if by_time_step else None
     w = weights.double().tolist()
     x = x.double()
     adv = sum(  # a loop over the K rewards, each a pass over the samples

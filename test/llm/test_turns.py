@@ -78,6 +78,24 @@ class TestNextPrompt:
         with pytest.raises(ValueError, match=r"row 0 holds \d+ tokens .* max_length=12"):
             env.step(sampled)
 
+    def test_a_ragged_sampler_output_is_not_changed(self, tiny_llm):
+        """ChatEnv is handed a padded copy of a ragged ``("tokens", "full")``: the sampler's
+        own output (what a collector stores) keeps its rows."""
+        model, tokenizer = tiny_llm
+        env = dialog_env(tokenizer, QUERIES)
+        policy = dialog_sampler(model, tokenizer, pad_output=False, max_new_tokens=6)
+        for seed in range(50):  # sampled answers of different lengths
+            torch.manual_seed(seed)
+            td = policy(reset(env))
+            rows = td.get(("tokens", "full"), as_list=True)
+            if len({row.shape for row in rows}) > 1:
+                break
+        assert len({row.shape for row in rows}) > 1
+        before = [row.clone() for row in rows]
+        env.step(td)
+        after = td.get(("tokens", "full"), as_list=True)
+        assert [a.tolist() for a in after] == [b.tolist() for b in before]
+
 
 class TestStoredTurns:
     def test_each_turn_is_its_prompt_then_its_answer(self, tiny_llm):

@@ -146,8 +146,8 @@ class ExactTurns(Transform):
 
     def _inv_call(self, tensordict: TensorDictBase) -> TensorDictBase:
         # ChatEnv stacks ("tokens", "full"): give it a padded copy of a ragged sampler's output
+        # (torchrl's Transform.inv hands this method a copy of the step's input)
         if _is_ragged(tensordict, ("tokens", "full")):
-            tensordict = tensordict.copy()
             padded = tensordict.get(
                 ("tokens", "full"), as_padded_tensor=True, padding_value=self.pad_token_id
             )

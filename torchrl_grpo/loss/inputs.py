@@ -231,8 +231,7 @@ def read_llm(tensordict: TensorDictBase, dist, stored: Stored, plan: ReadPlan) -
     if answer is not None:  # each row's own answer (torchrl's "sft" mask errs on ragged rows)
         mask = mask & relayout(answer.to(device), index, False)
     mask = mask & relayout(_token_mask(tensordict, stored_shape, device, plan), index, False)
-    last_tokens = tokens[:, -1]
-    truncated = _truncated(tensordict, stored_shape, plan, last_tokens=last_tokens)
+    truncated = _truncated(tensordict, stored_shape, plan, last_tokens=tokens[:, -1])
     truncated = None if truncated is None else relayout(truncated.to(device), index, False)
     log_prob, entropy = _token_log_prob_entropy(dist, tokens.masked_fill(~mask, -100))
     entropy = entropy if plan.entropy else None

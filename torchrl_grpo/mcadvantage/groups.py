@@ -15,8 +15,8 @@ from tensordict import TensorDict, lazy_stack
 
 from torchrl_grpo.mcadvantage import filters
 from torchrl_grpo.mcadvantage.options import GroupFilter, Selection
-from torchrl_grpo.mcadvantage.pending import trajectory
-from torchrl_grpo.mcadvantage.records import QUEUED_AT, Insertion, Pending, Returns, Rounds
+from torchrl_grpo.mcadvantage.pending import first_arrivals, trajectory
+from torchrl_grpo.mcadvantage.records import Insertion, Pending, Returns, Rounds
 
 __all__ = ["NOTHING", "find_rounds", "select_candidates"]
 
@@ -77,9 +77,7 @@ def _aged_short(pending: Pending, codes, counts, size: int, short) -> torch.Tens
     if short is None or not pending.num_pending:
         return None
     min_size, max_age, clock = short
-    q = pending.num_pending
-    first = torch.full(counts.shape, clock, dtype=torch.long)  # (G,) first pending arrival
-    first = first.scatter_reduce(0, codes[:q], pending.spans[:, QUEUED_AT], reduce="amin")
+    first = first_arrivals(pending, codes[: pending.num_pending], counts.shape[0], clock)  # (G,)
     aged = (clock - 1 - first >= max_age) & (counts >= min_size) & (counts < size)
     return aged if bool(aged.any()) else None
 

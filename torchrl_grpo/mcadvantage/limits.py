@@ -18,7 +18,7 @@ import torch
 from torchrl_grpo.mcadvantage import pending as pending_
 from torchrl_grpo.mcadvantage import tails as tails_
 from torchrl_grpo.mcadvantage.options import Limits
-from torchrl_grpo.mcadvantage.records import QUEUED_AT, STARTED_AT, State
+from torchrl_grpo.mcadvantage.records import STARTED_AT, State
 from torchrl_grpo.mcadvantage.registry import GIVEN_UP
 from torchrl_grpo.mcadvantage.store import LENGTH
 from torchrl_grpo.mcadvantage.warn import warn
@@ -88,9 +88,7 @@ def evict_groups(limits: Limits, pending, clock: int):
         return pending, 0, 0
     codes, _ = pending.ids.codes()  # (Q,)
     num = int(codes.max()) + 1
-    first = torch.full((num,), clock, dtype=torch.long)
-    queued = pending.spans[:, QUEUED_AT]
-    first = first.scatter_reduce(0, codes, queued, reduce="amin")  # (G,) oldest arrival
+    first = pending_.first_arrivals(pending, codes, num, clock)  # (G,) oldest arrival
     evicted = torch.zeros(num, dtype=torch.bool)
     if limits.max_age is not None:
         evicted |= clock - 1 - first >= limits.max_age

@@ -29,7 +29,7 @@ from torchrl_grpo.mcadvantage.records import (
 from torchrl_grpo.mcadvantage.steps import Steps
 from torchrl_grpo.mcadvantage.store import CHUNK, LENGTH, OFFSET, ranges
 
-__all__ = ["append", "drop", "gather", "remaining", "trajectory"]
+__all__ = ["append", "drop", "first_arrivals", "gather", "remaining", "trajectory"]
 
 _NO_CHUNKS = torch.zeros(0, dtype=torch.long)
 
@@ -180,3 +180,15 @@ def _queue(
         queued_at=clock,
         versions=None if batch.versions is None else batch.versions[keep],
     )
+
+
+def first_arrivals(pending: Pending, codes: Tensor, num_groups: int, clock: int) -> Tensor:
+    """``(G,)`` the insertion that queued each group's first pending trajectory (``clock`` for
+    a group with none pending): where its age starts.
+
+    Args:
+        codes: ``(Q,)`` the group code of each pending trajectory, in ``[0, num_groups)``.
+        clock: the insertions so far, the current one included.
+    """
+    first = torch.full((num_groups,), clock, dtype=torch.long)
+    return first.scatter_reduce(0, codes, pending.spans[:, QUEUED_AT], reduce="amin")
