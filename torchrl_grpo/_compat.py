@@ -176,6 +176,8 @@ TRANSFORMERS_WRAPPER_SCORING = {
         "logits_only",
     ),
     "_pack_sequences": ("input_ids", "attention_mask"),
+    # the tokens path, whose input it reads for the response lengths (``log_probs_at``)
+    "_from_transformers_logprobs_tokens": ("td", "cfg", "out", "logits_only"),
     "repeat_interleave_causal": ("sequence_lengths",),
     # the builders of the masked distributions, which it overrides to return them over hidden
     # states (``_get_sft_dist`` and the others of LLM_MASKED_DIST_METHODS call them)

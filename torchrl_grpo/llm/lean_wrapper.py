@@ -23,12 +23,13 @@ from __future__ import annotations
 from numbers import Integral
 
 import torch
-from tensordict import TensorDictBase
+from tensordict import LazyStackedTensorDict, TensorDictBase
 from torch.distributions import Categorical
 from torchrl.modules.distributions import LLMMaskedCategorical
 from torchrl.modules.llm import TransformersWrapper
 
 from torchrl_grpo import _compat
+from torchrl_grpo.llm.prefix import PrefixSharing
 from torchrl_grpo.token_dist import (
     _HIDDEN_CHUNK_ELEMENTS,
     HiddenTokenCategorical,
@@ -119,8 +120,9 @@ class HiddenLLMMaskedCategorical(HiddenTokenCategorical):
     def log_prob_entropy(self, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-probs of ``value`` and entropies in one pass (one autograd node).
 
-        Masked positions and ``ignore_index`` tokens get a log-prob of ``0``; the entropy is
-        returned at every position, masked or not (a loss masks it itself).
+        The output layer runs at the positions of :attr:`mask` only (the positions a loss
+        reads); masked positions get a log-prob and an entropy of ``0`` (torchrl's entropy
+        there), as do ``ignore_index`` tokens' log-probs.
 
         Args:
             value (torch.Tensor): token ids ``[B, T]``.
@@ -128,8 +130,8 @@ class HiddenLLMMaskedCategorical(HiddenTokenCategorical):
         Returns:
             tuple[torch.Tensor, torch.Tensor]: ``(log_prob, entropy)``, each ``[B, T]``.
         """
-        log_prob, entropy = token_log_prob_entropy_from_hidden(
-            self.hidden, self.weight, self._tokens(value), self.bias, chunk_size=self.chunk_size
+        log_prob, entropy = _at_positions(
+            self.hidden, self._mask, self.weight, self._tokens(value), self.bias, self.chunk_size
         )
         self._entropy = (entropy, torch.is_grad_enabled())
         return log_prob, entropy
@@ -154,8 +156,10 @@ class HiddenLLMMaskedCategorical(HiddenTokenCategorical):
         Returns:
             torch.Tensor: ``[B, T]`` entropies (float32 at least).
         """
-        entropy = super().entropy()
-        return torch.where(self._mask, entropy, torch.zeros_like(entropy))
+        if self._entropy is not None and self._entropy[1] == torch.is_grad_enabled():
+            return self._entropy[0]
+        dummy = torch.zeros(self.batch_shape, dtype=torch.long, device=self.hidden.device)
+        return self.log_prob_entropy(dummy)[1]
 
     @property
     def mode(self) -> torch.Tensor:
@@ -174,6 +178,50 @@ class HiddenLLMMaskedCategorical(HiddenTokenCategorical):
         drawn = super().sample(sample_shape)
         uniform = torch.randint_like(drawn, self.weight.shape[0])
         return torch.where(self._mask, drawn, uniform)
+
+
+def _at_positions(hidden, where, weight, tokens, bias=None, chunk_size=None):
+    """Token log-probs and entropies ``[B, T]`` computed where ``where`` is set, ``0`` elsewhere.
+
+    The output layer runs on the selected hidden states only; the values there are those of
+    :func:`~torchrl_grpo.token_log_prob_entropy_from_hidden` on every position.
+    """
+    index = where.nonzero(as_tuple=True)
+    log_prob, entropy = token_log_prob_entropy_from_hidden(
+        hidden[index], weight, tokens[index], bias, chunk_size=chunk_size
+    )  # (N,), (N,)
+    zeros = log_prob.new_zeros(where.shape)
+    return zeros.index_put(index, log_prob), zeros.index_put(index, entropy)
+
+
+#: Where ``LeanTransformersWrapper`` computes the log-probs it writes.
+LOG_PROBS_AT = ("all", "response")
+
+
+def _checked_log_probs_at(log_probs_at) -> str:
+    if log_probs_at not in LOG_PROBS_AT:
+        raise ValueError(f"log_probs_at must be one of {LOG_PROBS_AT}, got {log_probs_at!r}.")
+    return log_probs_at
+
+
+def _response_lengths_of(td, input_key, tokens_key) -> torch.Tensor | None:
+    """Each row's response length ``L - P`` from ragged ``("tokens", "prompt")`` and the
+    scored tokens, or ``None`` (score every position) when the input has no prompt, is
+    padded, is not one row per sequence, or a prompt is not the start of its tokens."""
+    prompt_key = (tokens_key, "prompt")
+    ragged = isinstance(td, LazyStackedTensorDict) and td.stack_dim == 0
+    if not ragged or td.ndim != 1:
+        return None
+    prompts = td.get(prompt_key, None, as_list=True)
+    fulls = td.get(input_key, None, as_list=True)
+    if prompts is None or fulls is None or any(p is None for p in prompts):
+        return None
+    lengths = []
+    for prompt, full in zip(prompts, fulls, strict=True):
+        if prompt.shape[-1] > full.shape[-1] or not torch.equal(full[: prompt.shape[-1]], prompt):
+            return None
+        lengths.append(full.shape[-1] - prompt.shape[-1])
+    return torch.tensor(lengths, device=fulls[0].device)
 
 
 class _Head:
@@ -363,28 +411,42 @@ class LeanTransformersWrapper(TransformersWrapper):
         *,
         chunk_size: int | None = None,
         cast_head_to_float32: bool = False,
+        share_prefix: bool = True,
+        min_shared_length: int = 32,
+        log_probs_at: str = "all",
         **kwargs,
     ):
         chunk_size = _checked_chunk_size(chunk_size)
+        sharing = PrefixSharing(share_prefix, min_shared_length)
         _compat.check_transformers_wrapper_scoring()
         super().__init__(model, **kwargs)
         output_layer(self.model)  # fail now, not at the first batch
         self.chunk_size = chunk_size
         self.cast_head_to_float32 = bool(cast_head_to_float32)
+        self.sharing = sharing
+        self.log_probs_at = _checked_log_probs_at(log_probs_at)
+        self._response_lengths = None  # set while a tokens input is scored (log_probs_at)
 
     def get_new_version(self, **kwargs):
         """A new wrapper around the same model with some arguments changed (torchrl's method).
 
-        ``chunk_size`` and ``cast_head_to_float32`` are kept unless given.
+        The lean keywords (``chunk_size``, ``cast_head_to_float32``, ``share_prefix``,
+        ``min_shared_length``, ``log_probs_at``) are kept unless given.
 
         Returns:
             LeanTransformersWrapper: the new wrapper.
         """
         chunk_size = kwargs.pop("chunk_size", self.chunk_size)
         cast = kwargs.pop("cast_head_to_float32", self.cast_head_to_float32)
+        share = kwargs.pop("share_prefix", self.sharing.enabled)
+        min_shared = kwargs.pop("min_shared_length", self.sharing.min_shared)
+        log_probs_at = kwargs.pop("log_probs_at", self.log_probs_at)
         new = super().get_new_version(**kwargs)
         new.chunk_size = _checked_chunk_size(chunk_size)
         new.cast_head_to_float32 = bool(cast)
+        new.sharing = PrefixSharing(share, min_shared)
+        new.log_probs_at = _checked_log_probs_at(log_probs_at)
+        new._response_lengths = None
         return new
 
     # -- the head, as tensors ------------------------------------------------------------------
@@ -422,23 +484,24 @@ class LeanTransformersWrapper(TransformersWrapper):
 
     # -- scoring: torchrl's model calls, with hidden states in place of logits ------------------
 
-    def _score(self, hidden, input_ids, ignored, logits_only: bool):
+    def _score(self, hidden, input_ids, ignored, logits_only: bool, read=None):
         """torchrl's shift of ``_compute_log_probs_from_model_output``, on hidden states.
 
         Returns ``(log_probs [B, T] or None, shifted features [B, T, F])``: position ``t``
         holds the state that predicts token ``t`` (zeros at ``t = 0``, as torchrl's logits);
         the log-prob is ``0`` where ``ignored`` ``[B, T]`` is set (a sequence's first token,
-        padding).
+        padding) and, when ``read`` ``[B, T]`` is given, where it is not set: the output
+        layer runs only where a log-prob is kept.
         """
         features = self._features(hidden)  # (B, T, F)
         shifted = torch.cat([torch.zeros_like(features[:, :1]), features[:, :-1]], 1)
         if logits_only:
             return None, shifted
         tokens = torch.cat([torch.zeros_like(input_ids[:, :1]), input_ids[:, 1:]], 1)  # (B, T)
-        tokens = tokens.masked_fill(ignored, -100)
+        kept = ~ignored if read is None else read & ~ignored  # (B, T)
         weight = self._head()
-        rows = self._rows(weight.shape[0], tokens.numel(), shifted.device)
-        log_probs, _ = token_log_prob_entropy_from_hidden(shifted, weight, tokens, chunk_size=rows)
+        rows = self._rows(weight.shape[0], int(kept.sum()), shifted.device)
+        log_probs, _ = _at_positions(shifted, kept, weight, tokens, chunk_size=rows)
         return log_probs, shifted
 
     def _model_forward_with_padded_sequences(
@@ -467,14 +530,30 @@ class LeanTransformersWrapper(TransformersWrapper):
                 f"Input sequence length ({tokens_full_padded.shape[-1]}) exceeds the model's "
                 f"max_position_embeddings ({max_len})."
             )
-        body, _ = output_layer(self.model)
-        hidden = body(
-            input_ids=tokens_full_padded,
-            attention_mask=attention_mask_full_padded,
-            use_cache=False,
-        ).last_hidden_state
+        hidden = self._padded_hidden(tokens_full_padded, attention_mask_full_padded)
         ignored = _ignored_positions(attention_mask_full_padded)
-        return self._score(hidden, tokens_full_padded, ignored, logits_only)
+        read = self._read_positions(attention_mask_full_padded.shape, packed_lengths=None)
+        return self._score(hidden, tokens_full_padded, ignored, logits_only, read)
+
+    def _padded_hidden(self, tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """The body's last hidden states ``[B, T, H]`` of left-padded rows.
+
+        Rows sharing a prefix compute it once (:class:`~torchrl_grpo.llm.prefix.PrefixSharing`)
+        when each row's attended tokens are one block at its right end; otherwise, and when
+        nothing is shared, one dense pass. Padding positions hold zeros when shared.
+        """
+        body, _ = output_layer(self.model)
+        lengths = mask.long().sum(-1)  # (B,)
+        width = mask.shape[-1]
+        right_aligned = torch.arange(width, device=mask.device) >= (width - lengths)[:, None]
+        hidden = None
+        if bool((mask.bool() == right_aligned).all()):
+            rows = [row[width - n :] for row, n in zip(tokens, lengths.tolist())]
+            hidden = self.sharing.hidden(body, rows)
+        if hidden is None:
+            return body(input_ids=tokens, attention_mask=mask, use_cache=False).last_hidden_state
+        padded = torch.nn.utils.rnn.pad_sequence(hidden, batch_first=True, padding_side="left")
+        return torch.nn.functional.pad(padded, (0, 0, width - padded.shape[1], 0))
 
     def _model_forward_with_packed_sequences(
         self,
@@ -504,28 +583,76 @@ class LeanTransformersWrapper(TransformersWrapper):
         attended = (mask.values() if mask.is_nested else mask.reshape(-1)).bool()  # (L,)
         # same sequence, not ahead, and not padding (text input arrives padded by the
         # tokenizer); a padding position sees itself, so that no row is empty
-        causal = self.repeat_interleave_causal(lengths)  # (L, L)
-        causal &= attended[None, :] | torch.eye(
-            len(attended), dtype=torch.bool, device=attended.device
-        )
         body, _ = output_layer(self.model)
-        hidden = body(
-            input_ids=packed_ids,
-            attention_mask=causal[None, None],
-            position_ids=meta["position_ids"],
-            use_cache=False,
-        ).last_hidden_state
+        hidden = self._packed_shared_hidden(body, packed_ids[0], attended, lengths)
+        if hidden is None:
+            causal = self.repeat_interleave_causal(lengths)  # (L, L)
+            causal &= attended[None, :] | torch.eye(
+                len(attended), dtype=torch.bool, device=attended.device
+            )
+            hidden = body(
+                input_ids=packed_ids,
+                attention_mask=causal[None, None],
+                position_ids=meta["position_ids"],
+                use_cache=False,
+            ).last_hidden_state
         starts = torch.zeros_like(attended)  # (L,)
         starts[lengths.cumsum(0) - lengths] = True
         before = torch.cat([attended.new_zeros(1), attended[:-1]]) & ~starts
         ignored = ~attended | (attended & ~before)  # padding, and each sequence's first token
-        log_probs, shifted = self._score(hidden, packed_ids, ignored[None], logits_only)
+        read = self._read_positions((1, len(attended)), packed_lengths=lengths)
+        log_probs, shifted = self._score(hidden, packed_ids, ignored[None], logits_only, read)
 
         def unpack(x):  # (1, L, ...) -> nested (B, j, ...), or right-padded as torchrl's
             nested = torch.nested.nested_tensor_from_jagged(x.squeeze(0), lengths=lengths)
             return nested.to_padded_tensor(padding=0.0) if pad else nested
 
         return (None if log_probs is None else unpack(log_probs)), unpack(shifted)
+
+    def _packed_shared_hidden(self, body, ids, attended, lengths) -> torch.Tensor | None:
+        """Hidden states ``[1, L, H]`` of packed sequences with shared prefixes computed once,
+        zeros at padding; ``None`` (score densely) when nothing is shared or a sequence's
+        attended tokens are not one block."""
+        rows, blocks = [], []
+        for row, seen in zip(ids.split(lengths.tolist()), attended.split(lengths.tolist())):
+            where = seen.nonzero()[:, 0]
+            if len(where) and int(where[-1] - where[0]) + 1 != len(where):
+                return None
+            rows.append(row[seen])
+        shared = self.sharing.hidden(body, rows)
+        if shared is None:
+            return None
+        blocks = torch.cat(shared)  # (attended positions, H)
+        out = blocks.new_zeros(len(attended), blocks.shape[-1])
+        return out.index_put((attended.nonzero()[:, 0],), blocks)[None]
+
+    # -- log_probs_at="response": the positions whose log-prob is computed ----------------------
+
+    def _from_transformers_logprobs_tokens(self, td, cfg, out, logits_only=False):
+        """torchrl's tokens path; with ``log_probs_at="response"`` it first reads each row's
+        response length from the input (see ``_response_lengths_of``)."""
+        if self.log_probs_at == "response" and not logits_only:
+            self._response_lengths = _response_lengths_of(td, self.input_key, self.tokens_key)
+        try:
+            return super()._from_transformers_logprobs_tokens(td, cfg, out, logits_only)
+        finally:
+            self._response_lengths = None
+
+    def _read_positions(self, shape, packed_lengths) -> torch.Tensor | None:
+        """``[B, T]`` positions whose log-prob is computed (each row's response), or ``None``
+        (every position). Padded rows are right-aligned; packed ones (``packed_lengths``
+        given) laid end to end in one row."""
+        response = self._response_lengths
+        if response is None:
+            return None
+        if packed_lengths is None:
+            ends = torch.full((shape[0],), shape[1], device=response.device)
+        else:
+            ends = packed_lengths.to(response.device).cumsum(0)
+        starts = ends - response  # (B,)
+        columns = torch.arange(shape[1], device=response.device)
+        read = (columns >= starts[:, None]) & (columns < ends[:, None])  # (B, T)
+        return read if packed_lengths is None else read.any(0, keepdim=True)
 
     # -- distributions: torchrl's masks, over hidden states -------------------------------------
 

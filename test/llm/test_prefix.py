@@ -1,0 +1,352 @@
+"""Tests of torchrl_grpo/llm/prefix.py and the lean wrapper's scoring of what is read, once.
+
+Shared-prefix scoring is checked against the dense pass of the same model (hidden states and
+gradients) and, through ``LeanTransformersWrapper``, against torchrl's ``TransformersWrapper``
+and ``GRPOLoss`` on batches of groups (G completions of each prompt) and of dialog turns (each
+turn a prefix of the next).
+"""
+
+import os
+import warnings
+
+import pytest
+import torch
+
+try:
+    import transformers  # noqa: F401
+except ImportError:
+    if os.environ.get("CI"):
+        raise  # CI installs the `llm` extra (make test): without it this is a failure, not a skip
+    pytest.skip("needs the llm extra: pip install -e '.[llm]'", allow_module_level=True)
+
+import tensordict
+from tensordict import TensorDict, lazy_stack
+from torchrl.modules.llm.policies.common import Tokens
+from torchrl.objectives.llm import GRPOLoss as TorchrlGRPOLoss
+
+from torchrl_grpo import GRPOLoss
+from torchrl_grpo.llm import prefix as prefix_module
+from torchrl_grpo.llm.prefix import PrefixSharing, prefix_plan, shared_hidden
+from torchrl_grpo.loss_terms import AGGREGATIONS
+
+GROUP_PROMPTS = ["3 9 1 4 2 8=", "1 2 7 7 0=", "5 5 5 1="]
+
+
+def _family_model(family: str, layers: int = 2, dtype=torch.float32):
+    import transformers as tf
+
+    config_cls, model_cls = {
+        "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
+        "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
+        "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
+        "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
+    }[family]
+    config = config_cls(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=128,
+    )
+    torch.manual_seed(0)
+    return model_cls(config).eval().to(dtype)
+
+
+def _rows(seed: int = 0):
+    """Three prompts of 12 tokens, each with three completions, one row alone, and a turn that
+    extends another row (a dialog's next turn)."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(3):
+        prompt = torch.randint(64, (12,), generator=g)
+        rows += [torch.cat([prompt, torch.randint(64, (n,), generator=g)]) for n in (3, 6, 1)]
+    rows.append(torch.randint(64, (9,), generator=g))
+    rows.append(torch.cat([rows[1], torch.randint(64, (5,), generator=g)]))
+    return rows
+
+
+def _dense(body, rows):
+    return [body(input_ids=r[None], use_cache=False).last_hidden_state[0] for r in rows]
+
+
+class TestPrefixPlan:
+    def test_groups_runs_and_rows_alone(self):
+        rows = _rows()
+        plan = prefix_plan(rows, min_shared=4)
+        groups = sorted(sorted(g) for gs in plan.buckets.values() for g in gs)
+        assert groups == [[0, 1, 2, 10], [3, 4, 5], [6, 7, 8]]
+        assert set(plan.buckets) == {12} and plan.alone == [9]
+        assert plan.shared_tokens == 12 * (3 + 2 + 2)
+
+    def test_a_turn_that_extends_another_shares_all_of_it(self):
+        a = torch.arange(10)
+        plan = prefix_plan([torch.cat([a, torch.tensor([3, 4])]), a], min_shared=4)
+        assert plan.buckets == {10: [(1, 0)]} and plan.alone == []
+
+    def test_below_the_minimum_nothing_is_shared(self):
+        plan = prefix_plan(_rows(), min_shared=13)  # the prompts (12 tokens) are too short
+        assert plan.buckets == {18: [(1, 10)]}  # row 10 extends row 1 (12 + 6 tokens)
+        assert plan.alone == [0, 2, 3, 4, 5, 6, 7, 8, 9]
+
+    @pytest.mark.parametrize("bad", [0, -3, 2.5, True, "8", None])
+    def test_min_shared_length_must_be_a_positive_integer(self, bad):
+        with pytest.raises(ValueError, match="min_shared_length must be a positive integer"):
+            PrefixSharing(True, bad)
+
+
+class TestSharedHidden:
+    @pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama", "mistral"])
+    def test_equals_the_dense_pass_and_its_gradients(self, family):
+        model = _family_model(family)
+        body, rows = model.base_model, _rows()
+        plan = prefix_plan(rows, min_shared=4)
+        shared = shared_hidden(body, rows, plan)
+        dense = _dense(body, rows)
+        for s, d in zip(shared, dense, strict=True):
+            torch.testing.assert_close(s, d, rtol=1e-5, atol=1e-5)
+        weights = [torch.randn_like(d) for d in dense]
+        params = list(body.parameters())
+        grads = [
+            torch.autograd.grad(sum((h * w).sum() for h, w in zip(hs, weights)), params)
+            for hs in (shared_hidden(body, rows, plan), _dense(body, rows))
+        ]
+        for a, b in zip(*grads, strict=True):  # within 1e-4 of each parameter's gradient norm
+            assert float((a - b).norm()) <= 1e-4 * float(b.norm())
+
+    def test_bf16_is_within_its_precision(self):
+        model = _family_model("qwen2", dtype=torch.bfloat16).requires_grad_(False)
+        rows = _rows()
+        shared = shared_hidden(model.base_model, rows, prefix_plan(rows, min_shared=4))
+        for s, d in zip(shared, _dense(model.base_model, rows), strict=True):
+            assert float((s.float() - d.float()).norm() / d.float().norm()) < 3e-2
+
+    def test_rows_that_are_the_prefix_itself(self):
+        model = _family_model("qwen2")
+        prompt = torch.randint(64, (8,))
+        rows = [prompt, prompt.clone(), torch.cat([prompt, torch.tensor([1, 2])])]
+        plan = prefix_plan(rows, min_shared=4)
+        for s, d in zip(
+            shared_hidden(model.base_model, rows, plan), _dense(model.base_model, rows)
+        ):
+            torch.testing.assert_close(s, d, rtol=1e-5, atol=1e-5)
+
+
+class _NoCacheBody(torch.nn.Module):
+    """A body that takes no key/value cache (as some custom or older models)."""
+
+    def __init__(self, body):
+        super().__init__()
+        self.inner = body
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, use_cache=False):
+        return self.inner(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=False,
+        )
+
+
+class TestPrefixSharingFallback:
+    def test_a_body_without_a_cache_warns_once_and_goes_dense(self):
+        model, rows = _family_model("llama"), _rows()
+        sharing = PrefixSharing(True, 4)
+        body = _NoCacheBody(model.base_model)
+        with pytest.warns(UserWarning, match="Shared-prefix scoring is off.*no key/value cache"):
+            assert sharing.hidden(body, rows) is None
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert sharing.hidden(body, rows) is None  # no second warning
+        assert "cache" in sharing.off_reason
+
+    def test_a_wrong_shared_pass_is_caught_by_the_first_call_check(self, monkeypatch):
+        model, rows = _family_model("qwen2"), _rows()
+        honest = prefix_module.shared_hidden
+
+        def off_by_a_little(body, sequences, plan):
+            return [h + 1e-2 for h in honest(body, sequences, plan)]
+
+        monkeypatch.setattr(prefix_module, "shared_hidden", off_by_a_little)
+        sharing = PrefixSharing(True, 4)
+        with pytest.warns(UserWarning, match="differ from the dense pass"):
+            assert sharing.hidden(model.base_model, rows) is None
+        assert sharing.plan(rows) is None  # off for good
+
+    def test_switched_off_or_nothing_shared(self):
+        model, rows = _family_model("qwen2"), _rows()
+        assert PrefixSharing(False, 4).hidden(model.base_model, rows) is None
+        assert PrefixSharing(True, 100).hidden(model.base_model, rows) is None
+
+
+def _group_batch(model, tokenizer, make_llm_batch, group: int = 4):
+    """GRPO groups: each prompt of ``GROUP_PROMPTS`` sampled ``group`` times."""
+    prompts = [p for p in GROUP_PROMPTS for _ in range(group)]
+    return make_llm_batch(model, tokenizer, prompts)
+
+
+def _run(loss, batch, model):
+    model.zero_grad(set_to_none=True)
+    out = loss(batch.copy())
+    sum(value for key, value in out.items() if key.startswith("loss_")).backward()
+    return out, torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+
+
+def _scorers(model, tokenizer, make_llm_scorer, **kwargs):
+    """torchrl's wrapper (padded model input: torchrl 0.14.1's packed input lets a token see
+    the rest of its sequence) and the lean one, sharing prefixes of 2 tokens or more."""
+    plain = make_llm_scorer(model, tokenizer, **(kwargs | {"pad_model_input": True}))
+    lean = make_llm_scorer(model, tokenizer, lean=True, min_shared_length=2, **kwargs)
+    return plain, lean
+
+
+class TestLeanWrapperSharesPrefixes:
+    @pytest.mark.parametrize("pad_model_input", [True, False])
+    @pytest.mark.parametrize("pad_output", [False, True])
+    def test_log_probs_equal_torchrls(
+        self, tiny_llm, make_llm_batch, make_llm_scorer, pad_model_input, pad_output
+    ):
+        model, tokenizer = tiny_llm
+        batch = _group_batch(model, tokenizer, make_llm_batch)
+        if pad_output:  # as a sampler with pad_output=True stores it: left-padded, with a mask
+            full = batch.get(
+                ("tokens", "full"),
+                as_padded_tensor=True,
+                padding_side="left",
+                padding_value=tokenizer.pad_token_id,
+            )
+            mask = batch.get(
+                ("masks", "all_attention_mask"),
+                as_padded_tensor=True,
+                padding_side="left",
+                padding_value=False,
+            )
+            batch = TensorDict(
+                tokens=Tokens(full=full, batch_size=[len(full)]),
+                masks=TensorDict(all_attention_mask=mask, batch_size=[len(full)]),
+                batch_size=[len(full)],
+            )
+        kwargs = dict(pad_model_input=pad_model_input, pad_output=pad_output)
+        plain, lean = _scorers(model, tokenizer, make_llm_scorer, **kwargs)
+        calls = []
+        original = prefix_module.shared_hidden
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(
+                prefix_module,
+                "shared_hidden",
+                lambda *a: calls.append(a[2]) or original(*a),
+            )
+            with torch.no_grad():
+                ours = lean(batch.copy()).get(("log_probs", "full"), as_list=True)
+                theirs = plain(batch.copy()).get(("log_probs", "full"), as_list=True)
+        assert calls and calls[0].shared_tokens >= len(GROUP_PROMPTS) * 3 * 8  # it did share
+        for a, b in zip(ours, theirs, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+    @pytest.mark.parametrize("masking_strategy", ["sft", "rlhf"])
+    @pytest.mark.parametrize("aggregation", sorted(AGGREGATIONS))
+    def test_loss_and_gradients_equal_torchrls(
+        self, tiny_llm, make_llm_batch, make_llm_scorer, masking_strategy, aggregation
+    ):
+        model, tokenizer = tiny_llm
+        batch = _group_batch(model, tokenizer, make_llm_batch)
+        plain, lean = _scorers(model, tokenizer, make_llm_scorer)
+        kwargs = dict(masking_strategy=masking_strategy, clip_epsilon=(0.2, 0.28))
+        if aggregation == "seq_mean_token_sum_norm":  # Dr. GRPO's constant length
+            kwargs["max_length"] = 32
+        ref, ref_grad = _run(GRPOLoss(plain, aggregation=aggregation, **kwargs), batch, model)
+        out, grad = _run(GRPOLoss(lean, aggregation=aggregation, **kwargs), batch, model)
+        assert lean.sharing.checked and lean.sharing.off_reason is None
+        for key in ("loss_objective", "loss_entropy", "ESS"):
+            torch.testing.assert_close(out.get(key), ref.get(key), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(grad, ref_grad, rtol=1e-4, atol=1e-6)
+        if aggregation == "token_mean" and masking_strategy == "sft":  # torchrl's own loss too
+            kwargs.pop("max_length", None)
+            theirs, theirs_grad = _run(TorchrlGRPOLoss(plain, **kwargs), batch, model)
+            torch.testing.assert_close(
+                out.loss_objective, theirs.loss_objective, rtol=1e-5, atol=1e-6
+            )
+            torch.testing.assert_close(grad, theirs_grad, rtol=1e-4, atol=1e-6)
+
+    def test_dialog_turns_each_extending_the_last(self, tiny_llm, make_llm_scorer):
+        model, tokenizer = tiny_llm
+        g = torch.Generator().manual_seed(3)
+        turns, tokens = [], torch.tensor(tokenizer("3 9 1 4=")["input_ids"])
+        for _ in range(3):  # prompt, answer; the next prompt is it all plus a reply
+            answer = torch.randint(10, (3,), generator=g)
+            turns.append(TensorDict(tokens=Tokens(prompt=tokens, full=torch.cat([tokens, answer]))))
+            tokens = torch.cat([tokens, answer, torch.randint(10, (2,), generator=g)])
+        with tensordict.set_list_to_stack(True), torch.no_grad():
+            batch = lazy_stack(turns)
+            plain, lean = _scorers(model, tokenizer, make_llm_scorer)
+            ours = lean(batch.copy()).get(("log_probs", "full"), as_list=True)
+            theirs = plain(batch.copy()).get(("log_probs", "full"), as_list=True)
+        for a, b in zip(ours, theirs, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        assert lean.sharing.checked
+
+
+class TestLogProbsAtResponse:
+    def test_the_response_is_torchrls_and_the_prompt_is_zero(
+        self, tiny_llm, make_llm_batch, make_llm_scorer, monkeypatch
+    ):
+        model, tokenizer = tiny_llm
+        batch = _group_batch(model, tokenizer, make_llm_batch, group=2)
+        plain = make_llm_scorer(model, tokenizer)
+        lean = make_llm_scorer(model, tokenizer, lean=True, log_probs_at="response")
+        from torchrl_grpo.llm import lean_wrapper
+
+        scored = []
+        original = lean_wrapper.token_log_prob_entropy_from_hidden
+        monkeypatch.setattr(
+            lean_wrapper,
+            "token_log_prob_entropy_from_hidden",
+            lambda hidden, *a, **k: scored.append(hidden.shape[0]) or original(hidden, *a, **k),
+        )
+        with torch.no_grad():
+            ours = lean(batch.copy()).get(("log_probs", "full"), as_list=True)
+            theirs = plain(batch.copy()).get(("log_probs", "full"), as_list=True)
+        prompts = batch.get(("tokens", "prompt"), as_list=True)
+        for a, b, p in zip(ours, theirs, prompts, strict=True):
+            torch.testing.assert_close(a[len(p) :], b[len(p) :], rtol=1e-5, atol=1e-5)
+            assert not a[: len(p)].any()
+        assert scored == [sum(len(a) - len(p) for a, p in zip(ours, prompts))]
+
+    def test_without_a_prompt_every_position_is_scored(self, tiny_llm, make_llm_scorer):
+        model, tokenizer = tiny_llm
+        lean = make_llm_scorer(model, tokenizer, lean=True, log_probs_at="response")
+        plain = make_llm_scorer(model, tokenizer)
+        full = [torch.tensor(tokenizer(t)["input_ids"]) for t in ("1 2=3", "4 4 4=12")]
+        with tensordict.set_list_to_stack(True), torch.no_grad():
+            batch = lazy_stack([TensorDict(tokens=Tokens(full=f)) for f in full])
+            ours = lean(batch.copy()).get(("log_probs", "full"), as_list=True)
+            theirs = plain(batch.copy()).get(("log_probs", "full"), as_list=True)
+        for a, b in zip(ours, theirs, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+    def test_bad_value(self, tiny_llm, make_llm_scorer):
+        model, tokenizer = tiny_llm
+        with pytest.raises(ValueError, match="log_probs_at must be one of"):
+            make_llm_scorer(model, tokenizer, lean=True, log_probs_at="prompt")
+
+    def test_the_loss_runs_the_head_on_its_mask_only(
+        self, tiny_llm, make_llm_batch, make_llm_scorer, monkeypatch
+    ):
+        model, tokenizer = tiny_llm
+        batch = _group_batch(model, tokenizer, make_llm_batch, group=2)
+        lean = make_llm_scorer(model, tokenizer, lean=True)
+        from torchrl_grpo.llm import lean_wrapper
+
+        scored = []
+        original = lean_wrapper.token_log_prob_entropy_from_hidden
+        monkeypatch.setattr(
+            lean_wrapper,
+            "token_log_prob_entropy_from_hidden",
+            lambda hidden, *a, **k: scored.append(hidden.shape[0]) or original(hidden, *a, **k),
+        )
+        GRPOLoss(lean, masking_strategy="sft")(batch.copy())
+        prompts = batch.get(("tokens", "prompt"), as_list=True)
+        fulls = batch.get(("tokens", "full"), as_list=True)
+        assert scored == [sum(len(f) - len(p) for f, p in zip(fulls, prompts))]
