@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU row of the package in one call (docs/benchmarks.rst, "On a GPU"): the CUDA tests, the
-# token loss's memory and time in bf16 and float32 at Qwen's vocabulary, the loss on torchrl's LLM
+# token loss's memory and time in bf16 and float32 at Qwen's vocabulary, the scoring step (the head
+# on what is read, each prompt once: llm_scoring.py), the loss on torchrl's LLM
 # stack, the transform's throughput into a CUDA storage, and a profile of the lean loss. Each table
 # goes to its own file under $OUT (default runs/gpu). Within about 8 minutes on one H100/H200.
 #
@@ -19,11 +20,13 @@ if [ -n "${QUICK:-}" ]; then  # the dry run: every command, at sizes a CPU runs 
   TOKEN="--batch 2 --length 64 --vocab 4096 --hidden 64 --repeats 1"
   LLM="--batch 2 --length 64 --vocab 4096 --repeats 1"
   TRANSFORM="--quick"
+  SCORING="--shapes 64x16 --vocab 4096 --hidden 64 --mlp 128 --layers 1 --repeats 1"
   TESTS=(test/test_token_dist.py)
 else
   TOKEN="--batch 8 --length 1024 --vocab 151936 --hidden 1024 --repeats 5"
   LLM="--batch 8 --length 1024 --vocab 151936 --hidden 896 --repeats 5"
   TRANSFORM="--repeats 5"
+  SCORING="--shapes 1024x256 256x64 --layers 24 --repeats 3"  # Qwen2.5-0.5B's widths and depth
   TESTS=(test/test_advantages.py test/mcadvantage/test_read.py test/mcadvantage/test_transform.py
          test/test_checkpoint.py test/test_token_dist.py test/loss/test_grpo.py test/test_envs.py)
 fi
@@ -47,6 +50,10 @@ print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, \"torchrl\", t
 \"tensordict\", tensordict.__version__, \"transformers\", t.__version__)'"
 # In order of what matters most: a step cut off by the call's limit leaves what it printed.
 step tests 110 "$PY" -m pytest -q -p no:cacheprovider "${TESTS[@]}" -k "Devices or cuda"
+for dtype in bfloat16 float32; do
+  step "llm_scoring_$dtype" 90 "$PY" benchmarks/llm_scoring.py --device "$DEVICE" --dtype "$dtype" \
+    $SCORING
+done
 for dtype in bfloat16 float32; do
   step "loss_memory_$dtype" 70 "$PY" benchmarks/loss_memory.py --device "$DEVICE" --dtype "$dtype" \
     $TOKEN --paths plain lean head hidden

@@ -10,6 +10,8 @@
   chunk, without the logits.
 * :class:`LeanTransformersWrapper`: torchrl's ``TransformersWrapper`` that scores tokens from
   hidden states, so that a GRPO step on torchrl's LLM stack never builds the logits.
+* :class:`GroupSampler`: minibatches of whole groups, each stored row once per epoch, so that a
+  group's shared prompt is scored once per minibatch.
 * :class:`OverlongPenalty`: DAPO's soft overlong penalty, a reward transform.
 * :mod:`torchrl_grpo.advantages` and :mod:`torchrl_grpo.loss_terms`: the math, as pure functions.
 """
@@ -41,6 +43,7 @@ from torchrl_grpo.loss import (
 )
 from torchrl_grpo.mcadvantage import MCAdvantage, MCAdvantageSelector, RayMCAdvantage
 from torchrl_grpo.rewards import OverlongPenalty
+from torchrl_grpo.sampler import GroupSampler
 from torchrl_grpo.token_dist import (
     HiddenTokenCategorical,
     TokenCategorical,
@@ -58,6 +61,7 @@ __all__ = [
     "DAPOLossOutput",
     "DPPOLoss",
     "DrGRPOLoss",
+    "GroupSampler",
     "GRPOLoss",
     "GRPOLossOutput",
     "GSPOLoss",

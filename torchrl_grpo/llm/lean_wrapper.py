@@ -337,6 +337,10 @@ class LeanTransformersWrapper(TransformersWrapper):
     lets a token see the rest of its sequence). With ``generate=True`` it is torchrl's wrapper
     unchanged (generation samples token by token, one position at a time).
 
+    What is read, once: the distribution a loss gets runs the output layer on the loss's mask
+    only, ``log_probs_at="response"`` does the same for the log-probs the wrapper writes, and
+    rows that share a token prefix compute it once (``share_prefix``).
+
     It is an ``LLMWrapperBase`` and a ``TransformersWrapper``, so torchrl's ``GRPOLoss``,
     ``RetrieveLogProb``, ``GRPOTrainer`` and collectors accept it, as does this package's
     :class:`~torchrl_grpo.GRPOLoss`, which reads log-prob and entropy from one pass.
@@ -362,11 +366,27 @@ class LeanTransformersWrapper(TransformersWrapper):
             stream the head's weight fewer times (faster for a large ``H``), smaller ones hold
             less memory.
         cast_head_to_float32 (bool): compute the head in float32. Defaults to ``False``.
+        share_prefix (bool): compute a token prefix that several rows of a call share once
+            (the prompt of ``G`` completions, a dialog's earlier turns): the prefix through the
+            body with its key/value cache, the rows' suffixes against it
+            (:mod:`torchrl_grpo.llm.prefix`). A model that cannot do it, or whose shared states
+            differ from its dense ones on the first call, is scored densely with one warning.
+            Defaults to ``True``.
+        min_shared_length (int): the shortest shared prefix, in tokens, computed once.
+            Defaults to ``32``.
+        log_probs_at (str): where the ``("log_probs", "full")`` it writes are computed:
+            ``"all"`` (every position, torchrl's) or ``"response"`` (past each row's
+            ``("tokens", "prompt")``, ``0`` on the prompt: the output layer runs on the response
+            only). Use ``"response"`` for a scorer whose log-probs a loss reads on the response
+            only (``RetrieveLogProb`` before a loss with ``masking_strategy="sft"``). Input
+            without a ragged prompt that starts each row is scored everywhere. Defaults to
+            ``"all"``.
         **kwargs: every keyword of ``torchrl.modules.llm.TransformersWrapper``.
 
     Raises:
-        ValueError: ``chunk_size`` is not a positive integer, or the model has no body or
-            linear output layer this can find (the message names the attribute looked for).
+        ValueError: ``chunk_size`` or ``min_shared_length`` is not a positive integer,
+            ``log_probs_at`` is neither ``"all"`` nor ``"response"``, or the model has no body
+            or linear output layer this can find (the message names the attribute looked for).
         NotImplementedError: the model transforms its logits beyond the head.
         RuntimeError: the installed torchrl no longer scores through the methods this class
             overrides (see ``torchrl_grpo._compat``).
