@@ -66,7 +66,6 @@ from torchrl.data import (
     Composite,
     LazyStackStorage,
     ReplayBuffer,
-    SamplerWithoutReplacement,
     Unbounded,
 )
 from torchrl.envs import Compose, ExcludeTransform, StepCounter, Transform
@@ -78,7 +77,7 @@ from tqdm import tqdm
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 from transformers.utils import logging as hf_logging
 
-from torchrl_grpo import GRPOLoss, LeanTransformersWrapper, MCAdvantage
+from torchrl_grpo import GroupSampler, GRPOLoss, LeanTransformersWrapper, MCAdvantage
 
 set_list_to_stack(True).set()  # torchrl's LLM envs keep lists of strings as stacks
 
@@ -106,6 +105,14 @@ class Settings:
         metadata={
             "help": "score with LeanTransformersWrapper (log-probs without the logits); "
             "--no-lean: torchrl's TransformersWrapper"
+        },
+    )
+    min_shared: int = field(
+        default=32,
+        metadata={
+            "help": "the lean wrapper's min_shared_length: a token prefix that rows share (a "
+            "prompt's completions) is computed once from this length on (the digit prompts are "
+            "shorter than the default 32)"
         },
     )
     digits: int = field(
@@ -497,16 +504,28 @@ def make_sampler(
 
 
 def make_scorer(
-    model, tokenizer, cfg: Settings, log_probs_key: str = "log_probs", pad_output: bool = True
+    model,
+    tokenizer,
+    cfg: Settings,
+    log_probs_key: str = "log_probs",
+    pad_output: bool = True,
+    response_only: bool = False,
 ) -> TransformersWrapper:
     """Teacher-forced log-probs of ``("tokens", "full")``: written at ``(log_probs_key, "full")``.
 
     ``LeanTransformersWrapper`` (``cfg.lean``) is torchrl's wrapper computing them from the
-    model's hidden states chunk by chunk: the same numbers, without the ``[B, T, V]`` logits.
+    model's hidden states chunk by chunk: the same numbers, without the ``[B, T, V]`` logits,
+    each shared prompt once (``--min-shared``); ``response_only`` computes the log-probs it
+    writes on the response only (the prompt's are ``0``: the loss reads the response only).
     """
+    lean = {}
+    if cfg.lean:
+        lean = {"min_shared_length": cfg.min_shared}
+        lean["log_probs_at"] = "response" if response_only else "all"
     cls = LeanTransformersWrapper if cfg.lean else TransformersWrapper
     return cls(
         model,
+        **lean,
         tokenizer=tokenizer,
         input_mode="tokens",
         generate=False,
@@ -538,7 +557,7 @@ def make_collector(cfg: Settings, task: Task, model, ref_model, tokenizer, gen, 
     env = make_env(tokenizer, task, loader, batch=rows, repeats=cfg.group_size)
     rb = ReplayBuffer(
         storage=LazyStackStorage(rows),
-        sampler=SamplerWithoutReplacement(),
+        sampler=GroupSampler(("tokens", "prompt")),  # a prompt's completions in one minibatch
         batch_size=cfg.minibatch,
     )
     # extend() runs the inverse passes of the transforms last-appended first: MCAdvantage reads
@@ -555,11 +574,13 @@ def make_collector(cfg: Settings, task: Task, model, ref_model, tokenizer, gen, 
         )
     )
     unread = ("answer", "step_count", "terminated", "truncated")  # the loss reads none of them
-    ref_scorer = make_scorer(ref_model, tokenizer, cfg, "ref_log_probs")
+    ref_scorer = make_scorer(ref_model, tokenizer, cfg, "ref_log_probs", response_only=True)
     score = Compose(
         Contiguous(),
         ExcludeTransform(*unread, *[("next", key) for key in (*unread, "query", "tokens")]),
-        RetrieveLogProb(make_scorer(model, tokenizer, cfg), assistant_only=False),
+        RetrieveLogProb(
+            make_scorer(model, tokenizer, cfg, response_only=True), assistant_only=False
+        ),
         RetrieveLogProb(ref_scorer, assistant_only=False),
     )
     collector = LLMCollector(

@@ -257,13 +257,11 @@ class Trainer:
         self.cfg, self.model, self.rb, self.scheme = cfg, model, rb, scheme
         self.client = rb.client()  # forwards AdvantageBuffer's methods to the buffer's actor
         self.rows = cfg.prompts_per_step * cfg.group_size
-        self.score = Compose(
-            RetrieveLogProb(
-                sync.make_scorer(model, tokenizer, cfg, "proximal_log_probs"), assistant_only=False
-            ),
-            RetrieveLogProb(
-                sync.make_scorer(ref_model, tokenizer, cfg, "ref_log_probs"), assistant_only=False
-            ),
+        proximal = sync.make_scorer(model, tokenizer, cfg, "proximal_log_probs", response_only=True)
+        ref = sync.make_scorer(ref_model, tokenizer, cfg, "ref_log_probs", response_only=True)
+        self.score = Compose(  # on the response only: the loss ("sft") reads nothing else
+            RetrieveLogProb(proximal, assistant_only=False),
+            RetrieveLogProb(ref, assistant_only=False),
         )
         self.loss_fn = make_loss(sync.make_scorer(model, tokenizer, cfg), cfg)
         self.optim = torch.optim.Adam(model.parameters(), lr=cfg.lr)

@@ -75,6 +75,7 @@ import llm_grpo  # noqa: E402  (the single-turn example: tokenizer, model, wrapp
 
 from torchrl_grpo import GRPOLoss, MCAdvantage
 from torchrl_grpo.llm import ExactTurns
+from torchrl_grpo.sampler import group_minibatches
 
 set_list_to_stack(True).set()
 
@@ -474,13 +475,14 @@ def main(argv=None) -> dict:
     ref_model = copy.deepcopy(model).requires_grad_(False)
 
     collector, rb, advantage = make_collector(cfg, model, tokenizer, gen, held_out)
-    scorer = llm_grpo.make_scorer(model, tokenizer, cfg, pad_output=False)
+    # the old and reference log-probs on each turn's answer only (the loss reads nothing else)
+    scorer = llm_grpo.make_scorer(model, tokenizer, cfg, pad_output=False, response_only=True)
+    ref_scorer = llm_grpo.make_scorer(
+        ref_model, tokenizer, cfg, "ref_log_probs", pad_output=False, response_only=True
+    )
     score = [
         RetrieveLogProb(scorer, assistant_only=False),
-        RetrieveLogProb(
-            llm_grpo.make_scorer(ref_model, tokenizer, cfg, "ref_log_probs", pad_output=False),
-            assistant_only=False,
-        ),
+        RetrieveLogProb(ref_scorer, assistant_only=False),
     ]
     loss_fn = GRPOLoss(
         scorer,
@@ -510,10 +512,10 @@ def main(argv=None) -> dict:
             for transform in score:
                 batch = transform(batch)
         metrics = {"turns": len(batch)}
-        for epoch in range(cfg.epochs):
-            order = torch.randperm(len(batch))
-            for first in range(0, len(batch), cfg.minibatch):
-                out = loss_fn(batch[order[first : first + cfg.minibatch]])
+        tasks = batch["task_id"].reshape(len(batch), -1).tolist()
+        for epoch in range(cfg.epochs):  # a task's dialogs in one minibatch: its prompt shared
+            for first, rows in enumerate(group_minibatches(tasks, cfg.minibatch)):
+                out = loss_fn(batch[rows])
                 if epoch == 0 and first == 0:
                     ess_min = min(ess_min, float(out.ESS))
                     metrics.update(ess_first=float(out.ESS), clip_first=float(out.clip_fraction))

@@ -314,6 +314,39 @@ class TestLogProbsAtResponse:
             assert not a[: len(p)].any()
         assert scored == [sum(len(a) - len(p) for a, p in zip(ours, prompts))]
 
+    def test_padded_as_a_sampler_pads(self, tiny_llm, make_llm_batch, make_llm_scorer):
+        model, tokenizer = tiny_llm
+        ragged = _group_batch(model, tokenizer, make_llm_batch, group=2)
+        pad = tokenizer.pad_token_id
+        prompts = ragged.get(("tokens", "prompt"), as_list=True)
+        responses = [
+            f[len(p) :] for f, p in zip(ragged.get(("tokens", "full"), as_list=True), prompts)
+        ]
+        left = torch.nn.utils.rnn.pad_sequence(prompts, True, pad, padding_side="left")
+        right = torch.nn.utils.rnn.pad_sequence(responses, True, pad)
+        masks = [
+            torch.nn.utils.rnn.pad_sequence(
+                [torch.ones(len(x), dtype=torch.bool) for x in xs], True, False, padding_side=side
+            )
+            for xs, side in ((prompts, "left"), (responses, "right"))
+        ]
+        n = len(prompts)
+        batch = TensorDict(
+            tokens=Tokens(prompt=left, full=torch.cat([left, right], 1), batch_size=[n]),
+            masks=TensorDict(all_attention_mask=torch.cat(masks, 1), batch_size=[n]),
+            batch_size=[n],
+        )
+        plain = make_llm_scorer(model, tokenizer, pad_output=True)
+        lean = make_llm_scorer(
+            model, tokenizer, lean=True, pad_output=True, log_probs_at="response"
+        )
+        with torch.no_grad():
+            ours = lean(batch.copy()).get(("log_probs", "full"))
+            theirs = plain(batch.copy()).get(("log_probs", "full"))
+        width = left.shape[1]
+        torch.testing.assert_close(ours[:, width:], theirs[:, width:], rtol=1e-5, atol=1e-5)
+        assert not ours[:, :width].any() and theirs[:, 1:width].any()
+
     def test_without_a_prompt_every_position_is_scored(self, tiny_llm, make_llm_scorer):
         model, tokenizer = tiny_llm
         lean = make_llm_scorer(model, tokenizer, lean=True, log_probs_at="response")

@@ -23,7 +23,7 @@ from __future__ import annotations
 from numbers import Integral
 
 import torch
-from tensordict import LazyStackedTensorDict, TensorDictBase
+from tensordict import TensorDictBase
 from torch.distributions import Categorical
 from torchrl.modules.distributions import LLMMaskedCategorical
 from torchrl.modules.llm import TransformersWrapper
@@ -205,12 +205,13 @@ def _checked_log_probs_at(log_probs_at) -> str:
 
 
 def _response_lengths_of(td, input_key, tokens_key) -> torch.Tensor | None:
-    """Each row's response length ``L - P`` from ragged ``("tokens", "prompt")`` and the
-    scored tokens, or ``None`` (score every position) when the input has no prompt, is
-    padded, is not one row per sequence, or a prompt is not the start of its tokens."""
+    """Each row's response length ``L - P`` from ``("tokens", "prompt")`` and the scored
+    tokens, each row as stored (ragged rows, or rows padded to the batch's widths, whose
+    padded prompt then starts the padded tokens), or ``None`` (score every position) when the
+    input has no prompt, is not one row per sequence, or a prompt is not the start of its
+    tokens."""
     prompt_key = (tokens_key, "prompt")
-    ragged = isinstance(td, LazyStackedTensorDict) and td.stack_dim == 0
-    if not ragged or td.ndim != 1:
+    if td.ndim != 1:
         return None
     prompts = td.get(prompt_key, None, as_list=True)
     fulls = td.get(input_key, None, as_list=True)
@@ -379,8 +380,8 @@ class LeanTransformersWrapper(TransformersWrapper):
             ``("tokens", "prompt")``, ``0`` on the prompt: the output layer runs on the response
             only). Use ``"response"`` for a scorer whose log-probs a loss reads on the response
             only (``RetrieveLogProb`` before a loss with ``masking_strategy="sft"``). Input
-            without a ragged prompt that starts each row is scored everywhere. Defaults to
-            ``"all"``.
+            whose stored prompt does not start each stored row of tokens (ragged, or padded
+            as a sampler pads them) is scored everywhere. Defaults to ``"all"``.
         **kwargs: every keyword of ``torchrl.modules.llm.TransformersWrapper``.
 
     Raises:
