@@ -122,13 +122,16 @@ class TestRun:
     def test_tiny_run(self, ex, tmp_path, turns):
         """End to end on a tiny budget: one RESULT line; the first minibatch of every step is
         scored by the weights that train on it, so its ESS is 1 (nothing misaligned); the turns
-        stored are the turns sampled (asserted inside); logs, plot and model written."""
+        stored are the turns sampled (asserted inside); logs, plot and model written. Prefixes
+        of 4 tokens or more are computed once (a task's prompt, a dialog's earlier turns), in the
+        old log-probs and in the loss: ESS 1 says both agree."""
         args = [*TINY, "--steps", "4", "--eval-every", "2", "--sft-max-steps", "20"]
-        args += ["--max-turns", str(turns), "--out", str(tmp_path)]
+        args += ["--max-turns", str(turns), "--out", str(tmp_path), "--min-shared", "4"]
         proc = subprocess.run(
             [sys.executable, str(EXAMPLE), *args], capture_output=True, text=True, timeout=300
         )
         assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "Shared-prefix scoring is off" not in proc.stderr
         lines = proc.stdout.strip().splitlines()
         assert sum(line.startswith("RESULT") for line in lines) == 1
         before, after, turns_mean, wall_s, ess_min = map(
