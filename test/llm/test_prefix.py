@@ -245,7 +245,7 @@ class TestLeanWrapperSharesPrefixes:
         for a, b in zip(ours, theirs, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
-    @pytest.mark.parametrize("masking_strategy", ["sft", "rlhf"])
+    @pytest.mark.parametrize("masking_strategy", ["sft", "rlhf", "generic"])
     @pytest.mark.parametrize("aggregation", sorted(AGGREGATIONS))
     def test_loss_and_gradients_equal_torchrls(
         self, tiny_llm, make_llm_batch, make_llm_scorer, masking_strategy, aggregation
@@ -269,6 +269,19 @@ class TestLeanWrapperSharesPrefixes:
                 out.loss_objective, theirs.loss_objective, rtol=1e-5, atol=1e-6
             )
             torch.testing.assert_close(grad, theirs_grad, rtol=1e-4, atol=1e-6)
+
+    def test_bf16_model(self, tiny_llm, make_llm_batch, make_llm_scorer):
+        model, tokenizer = tiny_llm
+        batch = _group_batch(model, tokenizer, make_llm_batch)
+        model = model.to(torch.bfloat16)
+        shared = make_llm_scorer(model, tokenizer, lean=True, min_shared_length=2)
+        dense = make_llm_scorer(model, tokenizer, lean=True, share_prefix=False)
+        with torch.no_grad():
+            ours = shared(batch.copy()).get(("log_probs", "full"), as_list=True)
+            theirs = dense(batch.copy()).get(("log_probs", "full"), as_list=True)
+        assert shared.sharing.checked and shared.sharing.off_reason is None
+        for a, b in zip(ours, theirs, strict=True):  # bf16 hidden states, float32 log-probs
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-2)
 
     def test_dialog_turns_each_extending_the_last(self, tiny_llm, make_llm_scorer):
         model, tokenizer = tiny_llm
