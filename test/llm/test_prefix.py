@@ -301,6 +301,41 @@ class TestLeanWrapperSharesPrefixes:
         assert lean.sharing.checked
 
 
+class TestMultiTurnBatch:
+    def test_exact_turns_of_an_agent_score_as_torchrl(self, tiny_llm, make_llm_scorer):
+        """Two turns of four dialogs through ``ExactTurns`` (each second turn starts with its
+        whole first turn), stored as a collector stores them: the loss on the shared path
+        equals torchrl's loss on torchrl's wrapper, gradients included."""
+        from helpers.llm import dialog_env, dialog_sampler
+
+        model, tokenizer = tiny_llm
+        queries = ["3 9 1 4=", "1 2 0 5=", "5 5 5 1=", "7 0 0 2="]
+        env, policy = dialog_env(tokenizer, queries), dialog_sampler(model, tokenizer)
+        g = torch.Generator().manual_seed(0)
+        torch.manual_seed(0)
+        with tensordict.set_list_to_stack(True):
+            td = env.reset(TensorDict(query=queries, batch_size=[len(queries)]))
+            turns = []
+            for _ in range(2):
+                stored, td = env.step_and_maybe_reset(policy(td))
+                turns += list(stored.unbind(0))
+            batch = lazy_stack(turns)
+            plain, lean = _scorers(model, tokenizer, make_llm_scorer)
+            with torch.no_grad():
+                scored = plain(batch.copy()).get(("log_probs", "full"), as_list=True)
+            for row, lp in zip(batch.tensordicts, scored, strict=True):
+                row.set(("log_probs", "full"), lp + 0.3 * torch.randn(lp.shape, generator=g))
+                row.set("advantage", torch.randn(1, 1, generator=g))
+            ref, ref_grad = _run(TorchrlGRPOLoss(plain, masking_strategy="sft"), batch, model)
+            out, grad = _run(GRPOLoss(lean, masking_strategy="sft"), batch, model)
+        fulls = batch.get(("tokens", "full"), as_list=True)
+        assert all(torch.equal(fulls[i + 4][: len(fulls[i])], fulls[i]) for i in range(4))
+        assert lean.sharing.checked and lean.sharing.off_reason is None
+        torch.testing.assert_close(out.loss_objective, ref.loss_objective, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(out.ESS, ref.ESS, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(grad, ref_grad, rtol=1e-4, atol=1e-6)
+
+
 class TestLogProbsAtResponse:
     def test_the_response_is_torchrls_and_the_prompt_is_zero(
         self, tiny_llm, make_llm_batch, make_llm_scorer, monkeypatch
@@ -372,10 +407,15 @@ class TestLogProbsAtResponse:
         for a, b in zip(ours, theirs, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
-    def test_bad_value(self, tiny_llm, make_llm_scorer):
+    def test_bad_values(self, tiny_llm, make_llm_scorer):
         model, tokenizer = tiny_llm
         with pytest.raises(ValueError, match="log_probs_at must be one of"):
             make_llm_scorer(model, tokenizer, lean=True, log_probs_at="prompt")
+        with pytest.raises(ValueError, match="min_shared_length must be a positive integer"):
+            make_llm_scorer(model, tokenizer, lean=True, min_shared_length=0)
+        lean = make_llm_scorer(model, tokenizer, lean=True, min_shared_length=8)
+        new = lean.get_new_version(log_probs_at="response")  # the lean keywords carried over
+        assert (new.sharing.min_shared, new.log_probs_at) == (8, "response")
 
     def test_the_loss_runs_the_head_on_its_mask_only(
         self, tiny_llm, make_llm_batch, make_llm_scorer, monkeypatch
