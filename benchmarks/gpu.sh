@@ -26,7 +26,7 @@ else
   TOKEN="--batch 8 --length 1024 --vocab 151936 --hidden 1024 --repeats 5"
   LLM="--batch 8 --length 1024 --vocab 151936 --hidden 896 --repeats 5"
   TRANSFORM="--repeats 5"
-  SCORING="--shapes 1024x256 256x64 --layers 24 --repeats 3"  # Qwen2.5-0.5B's widths and depth
+  SCORING="--shapes 1024x256 --layers 24 --repeats 3"  # Qwen2.5-0.5B's widths and depth
   TESTS=(test/test_advantages.py test/mcadvantage/test_read.py test/mcadvantage/test_transform.py
          test/test_checkpoint.py test/test_token_dist.py test/loss/test_grpo.py test/test_envs.py)
 fi
@@ -51,7 +51,7 @@ print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, \"torchrl\", t
 # In order of what matters most: a step cut off by the call's limit leaves what it printed.
 step tests 110 "$PY" -m pytest -q -p no:cacheprovider "${TESTS[@]}" -k "Devices or cuda"
 for dtype in bfloat16 float32; do
-  step "llm_scoring_$dtype" 90 "$PY" benchmarks/llm_scoring.py --device "$DEVICE" --dtype "$dtype" \
+  step "llm_scoring_$dtype" 100 "$PY" benchmarks/llm_scoring.py --device "$DEVICE" --dtype "$dtype" \
     $SCORING
 done
 for dtype in bfloat16 float32; do

@@ -96,7 +96,9 @@ def make_model(args):
         pad_token_id=args.vocab - 1,
         tie_word_embeddings=True,
     )
-    model = Qwen2ForCausalLM(config).to(args.device, getattr(torch, args.dtype)).eval()
+    with torch.device(args.device):  # initialised where it runs (24 layers take a while on a CPU)
+        model = Qwen2ForCausalLM(config)
+    model = model.to(args.device, getattr(torch, args.dtype)).eval()
     return model, tokenizer
 
 
@@ -254,7 +256,7 @@ def table(shape: str, results: dict, args) -> None:
             print(f"{NAMES[path]:<40} did not run: {r['error']}")
             continue
 
-        def ratio(ref, key):
+        def ratio(ref, key, r=r):
             return f"{r[key] / ref[key]:.2f}" if key in ref else "-"
 
         print(
