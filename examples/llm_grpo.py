@@ -66,6 +66,7 @@ from torchrl.data import (
     Composite,
     LazyStackStorage,
     ReplayBuffer,
+    SamplerWithoutReplacement,
     Unbounded,
 )
 from torchrl.envs import Compose, ExcludeTransform, StepCounter, Transform
@@ -105,6 +106,14 @@ class Settings:
         metadata={
             "help": "score with LeanTransformersWrapper (log-probs without the logits); "
             "--no-lean: torchrl's TransformersWrapper"
+        },
+    )
+    group_minibatches: bool = field(
+        default=True,
+        metadata={
+            "help": "minibatches of whole groups (GroupSampler: a prompt's completions together, "
+            "so that a shared prompt is computed once); --no-group-minibatches: torchrl's "
+            "SamplerWithoutReplacement"
         },
     )
     min_shared: int = field(
@@ -557,7 +566,11 @@ def make_collector(cfg: Settings, task: Task, model, ref_model, tokenizer, gen, 
     env = make_env(tokenizer, task, loader, batch=rows, repeats=cfg.group_size)
     rb = ReplayBuffer(
         storage=LazyStackStorage(rows),
-        sampler=GroupSampler(("tokens", "prompt")),  # a prompt's completions in one minibatch
+        sampler=(  # a prompt's completions in one minibatch, or spread over the epoch
+            GroupSampler(("tokens", "prompt"))
+            if cfg.group_minibatches
+            else SamplerWithoutReplacement()
+        ),
         batch_size=cfg.minibatch,
     )
     # extend() runs the inverse passes of the transforms last-appended first: MCAdvantage reads

@@ -514,7 +514,11 @@ def main(argv=None) -> dict:
         metrics = {"turns": len(batch)}
         tasks = batch["task_id"].reshape(len(batch), -1).tolist()
         for epoch in range(cfg.epochs):  # a task's dialogs in one minibatch: its prompt shared
-            for first, rows in enumerate(group_minibatches(tasks, cfg.minibatch)):
+            if cfg.group_minibatches:
+                minibatches = group_minibatches(tasks, cfg.minibatch)
+            else:
+                minibatches = torch.randperm(len(batch)).split(cfg.minibatch)
+            for first, rows in enumerate(minibatches):
                 out = loss_fn(batch[rows])
                 if epoch == 0 and first == 0:
                     ess_min = min(ess_min, float(out.ESS))

@@ -202,6 +202,20 @@ def shared_hidden(body, sequences: list[torch.Tensor], plan: PrefixPlan) -> list
 
     Raises:
         SharingUnsupported: the body does not take a key/value cache this way.
+
+    Examples:
+        >>> import torch
+        >>> from transformers import Qwen2Config, Qwen2ForCausalLM
+        >>> _ = torch.manual_seed(0)
+        >>> body = Qwen2ForCausalLM(Qwen2Config(vocab_size=50, hidden_size=16,
+        ...     intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        ...     num_key_value_heads=2)).eval().base_model
+        >>> prompt = torch.randint(50, (12,))
+        >>> rows = [torch.cat([prompt, torch.randint(50, (n,))]) for n in (3, 5)]
+        >>> hidden = shared_hidden(body, rows, prefix_plan(rows, min_shared=8))
+        >>> dense = [body(input_ids=r[None]).last_hidden_state[0] for r in rows]
+        >>> all(torch.allclose(h, d, atol=1e-5) for h, d in zip(hidden, dense))
+        True
     """
     hidden: list[torch.Tensor | None] = [None] * len(sequences)
     for length, groups in plan.buckets.items():
@@ -240,6 +254,20 @@ class PrefixSharing:
     Args:
         enabled (bool): share prefixes at all.
         min_shared (int): shortest shared prefix (tokens) worth computing once.
+
+    Raises:
+        ValueError: ``min_shared`` is not a positive integer.
+
+    Examples:
+        >>> sharing = PrefixSharing(True, 32)
+        >>> sharing.plan([torch.arange(40), torch.arange(40)]).buckets
+        {40: [(0, 1)]}
+        >>> sharing.plan([torch.arange(10), torch.arange(10)]) is None  # shorter than 32
+        True
+        >>> PrefixSharing(True, 0)
+        Traceback (most recent call last):
+        ...
+        ValueError: min_shared_length must be a positive integer ... got 0.
     """
 
     def __init__(self, enabled: bool, min_shared: int):
@@ -270,7 +298,8 @@ class PrefixSharing:
             if error > tolerance:
                 return self._turn_off(
                     f"its shared-prefix hidden states differ from the dense pass by {error:.2e} "
-                    f"(relative; at most {tolerance:.0e} accepted)"
+                    f"(relative; at most {tolerance:.0e} accepted; a model in training mode "
+                    "with dropout differs on every pass: score in eval mode)"
                 )
             self.checked = True
         return hidden
