@@ -37,10 +37,25 @@ class TestAdd:
 
 
 class TestCapacity:
-    def test_a_release_larger_than_the_storage_is_refused(self):
+    def test_a_release_larger_than_the_storage_overwrites_as_torchrl_said_once(self):
         rb = buffer(3)
         rb.extend(trajectory(0, [1.0, 1.0]))
-        with pytest.raises(ValueError, match=r"releases 4 steps, more than .*max_size=3"):
+        with pytest.warns(RuntimeWarning, match=r"releases 4 steps, more .*max_size=3.*last 3"):
+            rb.extend(trajectory(0, [1.0, 2.0]))
+        released = MCAdvantage(2, prompt_key="seed")  # the same release, outside a buffer
+        released.inv(trajectory(0, [1.0, 1.0]))
+        out = released.inv(trajectory(0, [1.0, 2.0]))["advantage"].flatten()
+        assert len(rb) == 3 and rb.transform[0].written_groups == 1
+        # torchrl's ring buffer wrote the 4 steps at slots 0, 1, 2, 0: the last 3 are kept
+        assert rb[:]["advantage"].flatten().tolist() == out[[3, 1, 2]].tolist()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            rb.extend(torch.cat([trajectory(1, [1.0, 1.0]), trajectory(1, [2.0, 2.0])]))
+
+    def test_a_release_larger_than_the_storage_is_refused_on_request(self):
+        rb = buffer(3, on_overflow="raise")
+        rb.extend(trajectory(0, [1.0, 1.0]))
+        with pytest.raises(ValueError, match=r"releases 4 steps, more than .*max_size=3.*raise"):
             rb.extend(trajectory(0, [1.0, 2.0]))
         assert len(rb) == 0 and rb.transform[0].queued_trajectories == 1
 
@@ -68,7 +83,7 @@ class TestCapacity:
 class TestShared:
     def test_a_refused_release_leaves_the_owner_as_it_was(self):
         rb = ReplayBuffer(storage=LazyTensorStorage(3), shared=True)
-        rb.append_transform(MCAdvantage(2, prompt_key="seed"))
+        rb.append_transform(MCAdvantage(2, prompt_key="seed", on_overflow="raise"))
         rb.extend(trajectory(0, [1.0, 1.0]))
         with pytest.raises(ValueError, match="more than the storage holds"):
             rb.extend(trajectory(0, [1.0, 2.0]))

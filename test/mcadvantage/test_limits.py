@@ -202,3 +202,26 @@ class TestMinGroupSize:
     def test_validation(self, kw, words):
         with pytest.raises(ValueError, match=words):
             MCAdvantage(4, **kw)
+
+
+class TestOverRepeatedGroups:
+    def test_more_trajectories_of_an_id_than_grpo_size_in_one_insertion_warn(self):
+        t = MCAdvantage(2, prompt_key="seed")
+        four = torch.cat([trajectory(0, [float(r)]) for r in range(4)])
+        with pytest.warns(RuntimeWarning, match=r"4 trajectories of one group id.*grpo_size=4"):
+            out = t.inv(torch.cat([four, trajectory(1, [1.0]), trajectory(1, [2.0])]))
+        assert out.numel() == 6  # two groups of seed 0 and one of seed 1, as before
+
+    def test_exactly_grpo_size_or_candidate_selection_say_nothing(self):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            t = MCAdvantage(2, prompt_key="seed")
+            t.inv(torch.cat([trajectory(0, [1.0]), trajectory(0, [2.0])]))
+            s = MCAdvantage(2, prompt_key="seed", candidate_group_size=4, trajectory_return="sum")
+            s.inv(torch.cat([trajectory(0, [float(r)]) for r in range(4)]))
+
+    def test_string_prompts(self):
+        t = MCAdvantage(2)
+        prompts = torch.cat([trajectory("a", [float(r)], key="query") for r in range(3)])
+        with pytest.warns(RuntimeWarning, match=r"3 trajectories of one group id"):
+            t.inv(prompts)

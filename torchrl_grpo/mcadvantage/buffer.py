@@ -1,12 +1,14 @@
 """What the transform checks of the replay buffer it releases into, before an insertion commits.
 
 A released group must reach storage as the steps it is: ``rb.add`` stores one element, so a
-group of several steps released through it would be stored as one element of shape ``[G]``; and
-a group larger than the storage would overwrite its own first steps. Both are refused before the
-insertion commits, so that nothing is lost: the trajectories stay pending, and the same steps
-can be inserted again with ``rb.extend`` (or into a larger storage). A release that overwrites
-older steps of a full storage is a FIFO buffer working as designed, but an unsampled group
-overwritten is lost for training: it is said once per transform.
+group of several steps released through it would be stored as one element of shape ``[G]``: that
+is refused before the insertion commits, so that nothing is lost (the trajectories stay pending,
+and the same steps can be inserted again with ``rb.extend``). A release that overwrites older
+steps of a full storage is a FIFO buffer working as designed, but an unsampled group overwritten
+is lost for training: it is said once per transform. A release larger than the whole storage
+overwrites its own first steps; torchrl's ``MCAdvantage`` lets the ring buffer do it, and so does
+this one by default (``on_overflow="drop_oldest"``), saying so once; with ``on_overflow="raise"``
+it is refused before the insertion commits, the trajectories still pending.
 """
 
 from __future__ import annotations
@@ -28,8 +30,8 @@ def check_release(transform, out: TensorDictBase, *, warned: bool) -> bool:
         Whether the overwrite warning has been given (``warned``, or now).
 
     Raises:
-        ValueError: ``rb.add`` releases several steps, or the release is larger than the
-            storage; the insertion is then not committed.
+        ValueError: ``rb.add`` releases several steps, or (``on_overflow="raise"``) the
+            release is larger than the storage; the insertion is then not committed.
     """
     buffer, method = _compat.buffer_call(transform)
     if buffer is None:  # transform.inv called directly: nothing to check against
@@ -41,21 +43,31 @@ def check_release(transform, out: TensorDictBase, *, warned: bool) -> bool:
             "stores one element: use rb.extend (rb.extend(step.unsqueeze(0)) for a single step). "
             "Nothing was inserted; the steps of the group are still pending."
         )
-    return _check_capacity(buffer, steps, warned)
+    return _check_capacity(buffer, steps, warned, strict=transform.on_overflow == "raise")
 
 
-def _check_capacity(buffer: ReplayBuffer, steps: int, warned: bool) -> bool:
+def _check_capacity(buffer: ReplayBuffer, steps: int, warned: bool, strict: bool) -> bool:
     storage = buffer.storage
     capacity = getattr(storage, "max_size", None)
     if capacity is None:
         return warned
-    if steps > capacity:
+    if steps > capacity and strict:
         raise ValueError(
             f"MCAdvantage: this insertion releases {steps} steps, more than the storage holds "
             f"(max_size={capacity}): its last steps would overwrite its first. Give the storage "
             f"room for at least {steps} steps. Nothing was inserted; the trajectories are still "
-            "pending."
+            "pending (on_overflow='raise')."
         )
+    if steps > capacity:
+        if not warned:
+            warn(
+                f"MCAdvantage: this insertion releases {steps} steps, more than the storage "
+                f"holds (max_size={capacity}): the ring buffer keeps the last {capacity}, the "
+                f"first {steps - capacity} released steps and every stored one are overwritten "
+                "(torchrl's behaviour). Give the storage room for a release, or pass "
+                "on_overflow='raise' to refuse it with nothing lost. Said once per transform."
+            )
+        return True
     held = len(storage)
     if not warned and held + steps > capacity:
         warn(

@@ -58,6 +58,8 @@ def insert(options: Options, state: State, tensordict: TensorDictBase) -> Outcom
     if batch is None:  # nothing completes, no step, or only stale trajectories
         return _finish(options, None, state._replace(insertions=clock), marks)
     _check_ragged(options, batch)
+    if not options.selects:  # candidate selection takes more on purpose
+        limits.warn_if_over_repeated(options.grpo_size, batch.group_ids)
     estimator, group_filter = options.estimator, options.group_filter  # 3.
     exact = options.selects or group_filter.keep_return_bounds is not None
     incoming = returns.insertion_returns(batch, estimator.trajectory_return, exact=exact)
@@ -68,10 +70,10 @@ def insert(options: Options, state: State, tensordict: TensorDictBase) -> Outcom
             state.pending, batch, options.selection, options.grpo_size, both, group_filter
         )
     else:
-        limits = options.limits
+        bounds = options.limits
         short = None
-        if limits.min_group_size is not None:  # groups short past max_pending_age: released
-            short = (limits.min_group_size, limits.max_age, clock)
+        if bounds.min_group_size is not None:  # groups short past max_pending_age: released
+            short = (bounds.min_group_size, bounds.max_age, clock)
         rounds = groups.find_rounds(state.pending, batch, options.grpo_size, short)
     released = NOTHING_RELEASED  # 5.
     if rounds.num_rounds:

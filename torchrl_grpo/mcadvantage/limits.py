@@ -131,3 +131,22 @@ def warn_if_stuck(grpo_size: int, state: State) -> None:
         "what is held (max_pending_groups, max_pending_age). If the trajectories of many groups "
         "just arrive interleaved, their groups complete later: nothing is wrong."
     )
+
+
+def warn_if_over_repeated(grpo_size: int, group_ids) -> None:
+    """Warn if one insertion brings more trajectories of one group than ``grpo_size``: they
+    make several groups of that id (prompts repeated more times than the group size, a
+    ``SameStartGroups(group_size)`` above ``grpo_size``), whose advantages are then relative to
+    a part of the samples only."""
+    counts = group_ids.counts()
+    most = max(counts) if counts else 0
+    if most <= grpo_size:
+        return
+    over = sum(c > grpo_size for c in counts)
+    warn(
+        f"MCAdvantage: this insertion brings {most} trajectories of one group id, more than "
+        f"grpo_size={grpo_size} ({over} id(s) above it): each id forms several groups of "
+        f"{grpo_size}, each normalised on its own. If every prompt is repeated {most} times "
+        f"(DatasetChatEnv's repeats, SameStartGroups' group_size), set grpo_size={most}; if "
+        "an id is reused on purpose, nothing is wrong."
+    )

@@ -194,7 +194,10 @@ class MCAdvantage(Transform):
             trajectory arrived is given up. ``None`` (default): no limit.
         on_overflow: what happens past a limit: ``"drop_oldest"`` (default) evicts the groups that
             started first, counts them in ``evicted_groups`` / ``evicted_trajectories`` and warns;
-            ``"raise"`` rejects the insertion with a ``RuntimeError``, changing nothing.
+            ``"raise"`` rejects the insertion with a ``RuntimeError``, changing nothing. The
+            storage's size is such a limit: a release larger than the buffer's storage
+            overwrites its own first steps by default (torchrl's ring buffer; said once), and
+            is refused with a ``ValueError`` under ``"raise"``, the trajectories still pending.
         min_group_size: with ``max_pending_age``, a group still short of ``grpo_size`` when it
             reaches that age is released with the trajectories it holds if they are at least
             ``min_group_size`` (the runs that failed or timed out never come: Trinity-RFT takes
