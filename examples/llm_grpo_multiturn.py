@@ -119,6 +119,14 @@ class Settings(llm_grpo.Settings):
         default=32, metadata={"help": "tasks whose dialogs start in one collector batch"}
     )
     minibatch: int = field(default=64, metadata={"help": "turns per optimizer step"})
+    group_minibatches: bool = field(
+        default=True,
+        metadata={
+            "help": "minibatches of whole tasks (a task's dialogs share its prompt, a dialog's "
+            "turns their history: computed once from --min-shared tokens); "
+            "--no-group-minibatches: turns drawn one by one"
+        },
+    )
     steps: int = field(default=150, metadata={"help": "GRPO steps (one collector batch each)"})
     sft_target: float = field(
         default=0.45,

@@ -498,6 +498,36 @@ class TestReadLLM:
         assert sft.loss_objective.shape == (len(full), max(t.numel() for t in full))
         assert (sft.loss_objective != 0).sum(-1).tolist() == response
 
+    def test_two_candidate_sampling_log_probs_warn(self, tiny_llm, make_llm_batch, make_llm_scorer):
+        """The sampler's log-probs at the default key and RetrieveLogProb's under "next": the
+        default is read, with a warning naming set_keys; nothing when they agree or when the
+        key was set."""
+        import warnings
+
+        model, tokenizer = tiny_llm
+        batch = make_llm_batch(model, tokenizer)
+        zeroed = [lp.clone() for lp in batch.get(("log_probs", "full"), as_list=True)]
+        retrieved = lazy_stack(
+            [
+                s.clone().set(("next", "log_probs", "full"), lp + 0.1)
+                for s, lp in zip(batch.unbind(0), zeroed)
+            ]
+        )
+        loss = GRPOLoss(make_llm_scorer(model, tokenizer))
+        with pytest.warns(UserWarning, match=r"two different sampling log-probs.*set_keys"):
+            loss(retrieved.copy())
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            same = lazy_stack(
+                [
+                    s.clone().set(("next", "log_probs", "full"), lp)
+                    for s, lp in zip(batch.unbind(0), zeroed)
+                ]
+            )
+            loss(same.copy())
+            loss.set_keys(sample_log_prob=("next", "log_probs", "full"))
+            loss(retrieved.copy())
+
     def test_nan_placeholders_are_not_tokens(self, tiny_llm, make_llm_batch, make_llm_scorer):
         """vLLM writes NaN for the prompt slice of LogProbs.full: those tokens are not real."""
         model, tokenizer = tiny_llm

@@ -14,6 +14,7 @@ What a call reads is decided by the loss's settings at call time; the loss passe
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, NamedTuple
 
 import torch
@@ -108,6 +109,8 @@ def read_stored(tensordict: TensorDictBase, plan: ReadPlan) -> Stored:
     else:
         why = "the sampling log-probs"
         old = _get_input(tensordict, keys.sample_log_prob, why, plan, per_token=True)
+        if plan.padded:
+            _warn_two_candidates(tensordict, keys.sample_log_prob, plan.owner)
     ref = inference = proximal = None
     if plan.ref:
         why = "for kl_to_ref_coeff"
@@ -123,6 +126,33 @@ def read_stored(tensordict: TensorDictBase, plan: ReadPlan) -> Stored:
         why = "for decoupled=True"
         proximal = _get_input(tensordict, keys.proximal_log_prob, why, plan, per_token=True)
     return Stored(advantage=advantage, old=old, ref=ref, inference=inference, proximal=proximal)
+
+
+#: Where torchrl's LLM stack writes a batch's sampling log-probs: the sampler's own (torchrl's
+#: default key, whose first generated token torchrl 0.14.1 zeroes) and ``RetrieveLogProb``'s.
+_CANDIDATES = (("log_probs", "full"), ("next", "log_probs", "full"))
+
+
+def _warn_two_candidates(tensordict: TensorDictBase, key, owner: str) -> None:
+    """Warn if the batch holds both of torchrl's sampling log-probs, they differ, and the loss
+    reads the default one: ``set_keys`` was probably forgotten."""
+    key = unravel_key(key)
+    if key != _CANDIDATES[0]:  # set on purpose
+        return
+    other = _CANDIDATES[1]
+    found = tensordict.get(other, None, as_list=True)
+    if found is None:
+        return
+    read = tensordict.get(key, None, as_list=True)
+    if all(a.shape == b.shape and torch.equal(a, b) for a, b in zip(read, found, strict=True)):
+        return
+    warnings.warn(
+        f"{owner}: the batch holds two different sampling log-probs, {key} (read: the sampler's "
+        f"own, whose first generated token torchrl 0.14.1 zeroes) and {other} (RetrieveLogProb's "
+        f"under 'next'). To read the latter, loss.set_keys(sample_log_prob={other}); to read the "
+        f"former without this warning, drop {other} from the batch.",
+        stacklevel=4,
+    )
 
 
 def llm_masked_dist(actor: Any, tensordict: TensorDictBase, masking_strategy: str):
