@@ -56,7 +56,7 @@ test-next:
 	test -x $(NEXT)/bin/python || $(PYTHON) -m venv $(NEXT)
 	$(NEXTPIP) install $(TORCH) torchrl-nightly tensordict-nightly
 	$(NEXTPIP) install gymnasium "pytest>=8" "hypothesis>=6" tqdm matplotlib "transformers>=5" \
-		tokenizers "ray[default]"
+		tokenizers peft "ray[default]"
 	$(NEXTPIP) install --no-deps -e .
 	$(NEXT)/bin/python -c "import torchrl, tensordict; print('torchrl', torchrl.__version__, \
 		'tensordict', tensordict.__version__)"

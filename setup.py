@@ -5,8 +5,9 @@ from setuptools import find_packages, setup
 EXTRAS = {
     "test": ["pytest>=8", "hypothesis>=6"],
     "examples": ["tqdm", "matplotlib"],
-    # the LLM example builds its tokenizer with tokenizers (a dependency of transformers too)
-    "llm": ["transformers>=5", "tokenizers"],
+    # the LLM example builds its tokenizer with tokenizers (a dependency of transformers too);
+    # peft: LoRA models on LeanTransformersWrapper
+    "llm": ["transformers>=5", "tokenizers", "peft"],
     "dist": ["ray[default]"],
     "docs": ["sphinx>=7.2", "furo"],
     # the examples' optional loggers (--logger tensorboard / wandb; csv needs nothing)

@@ -20,6 +20,7 @@ hidden states.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from numbers import Integral
 
 import torch
@@ -29,6 +30,7 @@ from torchrl.modules.distributions import LLMMaskedCategorical
 from torchrl.modules.llm import TransformersWrapper
 
 from torchrl_grpo import _compat
+from torchrl_grpo.llm.head import causal_lm, check_logits, head_tensors
 from torchrl_grpo.llm.prefix import PrefixSharing
 from torchrl_grpo.token_dist import (
     _HIDDEN_CHUNK_ELEMENTS,
@@ -40,8 +42,17 @@ from torchrl_grpo.token_dist import (
 __all__ = ["HiddenLLMMaskedCategorical", "LeanTransformersWrapper", "output_layer"]
 
 #: Config attributes of models whose logits are not ``lm_head(last hidden state)`` (Gemma 2's
-#: soft cap, Cohere's scale, Granite's divisor), with the value that means "none".
-_LOGIT_TRANSFORMS = {"final_logit_softcapping": None, "logit_scale": 1.0, "logits_scaling": 1.0}
+#: and RecurrentGemma's soft caps, Cohere's scale, Granite's divisor, FalconH1's multiplier), with
+#: the value that means "none". A soft cap barely moves small logits, so that the check of the
+#: logits on a few tokens (:func:`~torchrl_grpo.llm.head.check_logits`, for what this list does
+#: not know) may not see it on an untrained model: the known ones are refused by name.
+_LOGIT_TRANSFORMS = {
+    "final_logit_softcapping": None,
+    "logits_soft_cap": None,
+    "logit_scale": 1.0,
+    "logits_scaling": 1.0,
+    "lm_head_multiplier": 1.0,
+}
 
 
 class HiddenLLMMaskedCategorical(HiddenTokenCategorical):
@@ -204,6 +215,15 @@ def _checked_log_probs_at(log_probs_at) -> str:
     return log_probs_at
 
 
+def _checked_disable_adapters(disable_adapters, model) -> bool:
+    if disable_adapters and not callable(getattr(model, "disable_adapter", None)):
+        raise ValueError(
+            f"disable_adapters=True needs a model with adapters (a peft PeftModel's "
+            f"disable_adapter()); {type(model).__name__} has none."
+        )
+    return bool(disable_adapters)
+
+
 def _response_lengths_of(td, input_key, tokens_key) -> torch.Tensor | None:
     """Each row's response length ``L - P`` from ``("tokens", "prompt")`` and the scored
     tokens, each row as stored (ragged rows, or rows padded to the batch's widths, whose
@@ -274,6 +294,7 @@ def output_layer(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Line
         ...
         ValueError: LeanTransformersWrapper needs the model's output layer: LlamaModel...
     """
+    model = causal_lm(model)  # a peft PeftModel: the causal LM with its adapters injected
     name = type(model).__name__
     get_head = getattr(model, "get_output_embeddings", None)
     head = get_head() if callable(get_head) else None
@@ -283,12 +304,7 @@ def output_layer(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Line
             "get_output_embeddings() is missing or returned None. Pass the causal LM "
             "(e.g. Qwen2ForCausalLM), not its base model."
         )
-    weight = getattr(head, "weight", None)
-    if not isinstance(weight, torch.Tensor) or weight.ndim != 2:
-        raise ValueError(
-            f"LeanTransformersWrapper needs a linear output layer with a [V, H] weight; "
-            f"{name}.get_output_embeddings() is a {type(head).__name__}."
-        )
+    head_tensors(head)  # a [V, H] weight (adapters included), or a ValueError naming the head
     body = getattr(model, "base_model", None)
     if not isinstance(body, torch.nn.Module) or body is model:
         prefix = getattr(model, "base_model_prefix", None)
@@ -348,8 +364,11 @@ class LeanTransformersWrapper(TransformersWrapper):
 
     Supported models: causal LMs whose logits are ``lm_head(base_model(...).last_hidden_state)``,
     such as the Qwen2 / Qwen2.5 / Qwen3, Llama and Mistral families, with tied or untied
-    embeddings and a head with or without a bias. Models that transform their logits further
-    (Gemma 2's soft cap, Cohere's scale) are rejected at construction.
+    embeddings and a head with or without a bias, and ``peft`` LoRA models of them (a
+    ``PeftModel``; adapters on the output layer included, as the weight they apply). Models that
+    transform their logits further (Gemma 2's and RecurrentGemma's soft caps, Cohere's scale,
+    FalconH1's multiplier) are rejected at construction, and so is any model whose logits, on a
+    few tokens, are not what the lean path computes (the error names its class).
 
     Precision: the log-sum-exp is accumulated in float32 at least (bf16 and fp16 logits are
     upcast a chunk at a time), so the log-probs of a bf16 model are float32 where torchrl's
@@ -382,6 +401,9 @@ class LeanTransformersWrapper(TransformersWrapper):
             only (``RetrieveLogProb`` before a loss with ``masking_strategy="sft"``). Input
             whose stored prompt does not start each stored row of tokens (ragged, or padded
             as a sampler pads them) is scored everywhere. Defaults to ``"all"``.
+        disable_adapters (bool): score with the model's adapters disabled (a ``peft``
+            ``PeftModel``'s ``disable_adapter()``): the base model, as a LoRA policy's reference,
+            without a second copy of the weights. Defaults to ``False``.
         **kwargs: every keyword of ``torchrl.modules.llm.TransformersWrapper``.
 
     Raises:
@@ -435,6 +457,7 @@ class LeanTransformersWrapper(TransformersWrapper):
         share_prefix: bool = True,
         min_shared_length: int = 32,
         log_probs_at: str = "all",
+        disable_adapters: bool = False,
         **kwargs,
     ):
         chunk_size = _checked_chunk_size(chunk_size)
@@ -447,12 +470,26 @@ class LeanTransformersWrapper(TransformersWrapper):
         self.sharing = sharing
         self.log_probs_at = _checked_log_probs_at(log_probs_at)
         self._response_lengths = None  # set while a tokens input is scored (log_probs_at)
+        self.disable_adapters = _checked_disable_adapters(disable_adapters, self.model)
+        if not self.generate:  # the model's own logits on a few tokens are what it computes
+            with self._adapters():
+                check_logits(self.model, self._check_log_probs)
+
+    def forward(self, tensordict: TensorDictBase, *args, **kwargs) -> TensorDictBase:
+        """torchrl's ``forward``; with ``disable_adapters=True``, under the model's
+        ``disable_adapter()`` (the base model: a LoRA policy's reference, without a copy)."""
+        with self._adapters():
+            return super().forward(tensordict, *args, **kwargs)
+
+    def _adapters(self):
+        """The context the model runs in: its adapters disabled, or as they are."""
+        return self.model.disable_adapter() if self.disable_adapters else nullcontext()
 
     def get_new_version(self, **kwargs):
         """A new wrapper around the same model with some arguments changed (torchrl's method).
 
         The lean keywords (``chunk_size``, ``cast_head_to_float32``, ``share_prefix``,
-        ``min_shared_length``, ``log_probs_at``) are kept unless given.
+        ``min_shared_length``, ``log_probs_at``, ``disable_adapters``) are kept unless given.
 
         Returns:
             LeanTransformersWrapper: the new wrapper.
@@ -462,7 +499,9 @@ class LeanTransformersWrapper(TransformersWrapper):
         share = kwargs.pop("share_prefix", self.sharing.enabled)
         min_shared = kwargs.pop("min_shared_length", self.sharing.min_shared)
         log_probs_at = kwargs.pop("log_probs_at", self.log_probs_at)
+        disable_adapters = kwargs.pop("disable_adapters", self.disable_adapters)
         new = super().get_new_version(**kwargs)
+        new.disable_adapters = _checked_disable_adapters(disable_adapters, new.model)
         new.chunk_size = _checked_chunk_size(chunk_size)
         new.cast_head_to_float32 = bool(cast)
         new.sharing = PrefixSharing(share, min_shared)
@@ -472,6 +511,12 @@ class LeanTransformersWrapper(TransformersWrapper):
 
     # -- the head, as tensors ------------------------------------------------------------------
 
+    def _check_log_probs(self, ids: torch.Tensor) -> torch.Tensor:
+        """``[1, T, V]`` log-softmax of the lean path's logits on ``ids`` (for ``check_logits``)."""
+        body, _ = output_layer(self.model)
+        hidden = body(input_ids=ids, use_cache=False).last_hidden_state
+        return torch.nn.functional.linear(self._features(hidden), self._head()).log_softmax(-1)
+
     def _head(self) -> torch.Tensor:
         """The output layer's weight ``[V, F]``, its bias (if any) folded in as a last column.
 
@@ -480,7 +525,7 @@ class LeanTransformersWrapper(TransformersWrapper):
         logits, with or without a bias.
         """
         _, head = output_layer(self.model)
-        weight, bias = head.weight, head.bias
+        weight, bias = head_tensors(head)  # LoRA adapters on the output layer included
         if self.cast_head_to_float32:
             weight = weight.float()
             bias = None if bias is None else bias.float()
@@ -494,7 +539,7 @@ class LeanTransformersWrapper(TransformersWrapper):
         _, head = output_layer(self.model)
         if self.cast_head_to_float32:
             hidden = hidden.float()
-        if head.bias is not None:
+        if head_tensors(head)[1] is not None:
             hidden = torch.cat([hidden, torch.ones_like(hidden[..., :1])], -1)
         return hidden
 

@@ -1,0 +1,122 @@
+"""The output layer as the lean path computes it: tensors, adapters included, and a check.
+
+``LeanTransformersWrapper`` never calls the causal LM's head: it multiplies the last hidden
+states by the head's weight chunk by chunk. That is exact only if the head is what its weight
+says. Two things here keep it so:
+
+* :func:`head_tensors` reads the weight and bias the head applies, LoRA adapters included: a
+  ``peft`` LoRA layer on the output layer applies ``W + s B A`` (its ``get_delta_weight``), so
+  that is the weight used, and the adapters' parameters get their gradients through it.
+* :func:`check_logits` compares, on a few tokens, the log-softmax of the model's own logits with
+  the lean path's, and refuses a model whose logits are something else (a soft cap, a
+  multiplier, an adapter variant), naming its class.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["causal_lm", "check_logits", "head_tensors"]
+
+#: Largest difference of log-probabilities accepted by :func:`check_logits`, by precision.
+_TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-6}
+_LOW_PRECISION = 0.1
+
+
+def causal_lm(model: torch.nn.Module) -> torch.nn.Module:
+    """The causal LM inside ``model``: a ``peft`` ``PeftModel``'s base model (its adapters
+    injected in place), or ``model`` itself."""
+    get_base = getattr(model, "get_base_model", None)
+    if callable(get_base) and hasattr(model, "peft_config"):
+        return get_base()
+    return model
+
+
+def _active_head(head: torch.nn.Module) -> torch.nn.Module:
+    """A ``peft`` ``modules_to_save`` copy of the head, as its wrapper applies it."""
+    copies = getattr(head, "modules_to_save", None)
+    if copies is None or getattr(head, "disable_adapters", False):
+        return getattr(head, "original_module", head)
+    name = getattr(head, "active_adapter", None)
+    name = name[0] if isinstance(name, (list, tuple)) else name
+    return copies[name] if name in copies else head.original_module
+
+
+def head_tensors(head: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The ``(weight [V, H], bias [V] or None)`` that ``head`` applies to a hidden state.
+
+    A linear layer's own; for a ``peft`` LoRA layer, the base layer's plus each active
+    adapter's ``get_delta_weight`` (and its ``lora_B`` bias, times the scaling), unless the
+    adapters are disabled or merged.
+
+    Raises:
+        NotImplementedError: a LoRA variant (DoRA and the like) whose output is not a weight
+            delta.
+        ValueError: a head without a ``[V, H]`` weight.
+    """
+    head = _active_head(head)
+    base = getattr(head, "base_layer", None)
+    if base is None or not hasattr(head, "lora_A"):
+        weight = getattr(head, "weight", None)
+        if not isinstance(weight, torch.Tensor) or weight.ndim != 2:
+            raise ValueError(
+                f"LeanTransformersWrapper needs a linear output layer with a [V, H] weight; the "
+                f"model's get_output_embeddings() is a {type(head).__name__}."
+            )
+        return weight, getattr(head, "bias", None)
+    weight, bias = head_tensors(base)
+    if getattr(head, "disable_adapters", False) or getattr(head, "merged", False):
+        return weight, bias
+    for name in head.active_adapters:
+        if name not in head.lora_A:
+            continue
+        if name in getattr(head, "lora_variant", {}):
+            raise NotImplementedError(
+                f"The output layer's adapter {name!r} is a LoRA variant "
+                f"({type(head.lora_variant[name]).__name__}) whose output is not a weight delta; "
+                "LeanTransformersWrapper computes head(hidden) from a weight. Use torchrl's "
+                "TransformersWrapper, or leave the output layer out of target_modules."
+            )
+        weight = weight + head.get_delta_weight(name).to(weight.dtype)
+        extra = getattr(head.lora_B[name], "bias", None)
+        if extra is not None:
+            extra = extra * head.scaling[name]
+            bias = extra if bias is None else bias + extra
+    return weight, bias
+
+
+@torch.no_grad()
+def check_logits(model: torch.nn.Module, log_probs_fn, tokens: int = 8) -> None:
+    """Refuse ``model`` unless the lean path's log-probs are its own logits' log-softmax.
+
+    Runs the causal LM on ``tokens`` token ids (in eval mode, then back to its mode) and
+    compares ``log_softmax(model(ids).logits)`` with ``log_probs_fn(ids)`` (``[1, T, V]``).
+
+    Raises:
+        ValueError: they differ by more than the precision allows; the message names the model
+            class and what usually causes it.
+    """
+    parameter = next(model.parameters())
+    vocab = (
+        model.get_output_embeddings().weight.shape[0]
+        if hasattr(model, "get_output_embeddings")
+        else None
+    )
+    ids = torch.arange(tokens, device=parameter.device)[None] % (vocab or tokens)
+    training = model.training
+    model.eval()
+    try:
+        expected = model(input_ids=ids, use_cache=False).logits.float().log_softmax(-1)
+        ours = log_probs_fn(ids).float()
+    finally:
+        model.train(training)
+    gap = float((ours - expected).abs().max())
+    tolerance = _TOLERANCE.get(parameter.dtype, _LOW_PRECISION)
+    if not gap <= tolerance:
+        raise ValueError(
+            f"LeanTransformersWrapper cannot score {type(model).__name__}: its logits are not "
+            f"the output layer applied to the last hidden state (log-probs differ by {gap:.3g} "
+            f"on {tokens} tokens, at most {tolerance:g} accepted). Models that scale, soft-cap "
+            "or otherwise transform their logits (RecurrentGemma's logits_soft_cap, FalconH1's "
+            "lm_head_multiplier, ...) need torchrl's TransformersWrapper."
+        )
