@@ -53,6 +53,17 @@ def head_tensors(head: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | No
         NotImplementedError: a LoRA variant (DoRA and the like) whose output is not a weight
             delta.
         ValueError: a head without a ``[V, H]`` weight.
+
+    Examples:
+        >>> import peft, torch
+        >>> model = torch.nn.Sequential(torch.nn.Linear(8, 50, bias=False))
+        >>> lora = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["0"]))
+        >>> head = lora.base_model.model[0]
+        >>> _ = torch.nn.init.ones_(head.lora_B["default"].weight)  # as after training
+        >>> weight, bias = head_tensors(head)
+        >>> h = torch.randn(3, 8)
+        >>> torch.allclose(h @ weight.T, head(h), atol=1e-5), bias is None
+        (True, True)
     """
     head = _active_head(head)
     base = getattr(head, "base_layer", None)
@@ -95,14 +106,24 @@ def check_logits(model: torch.nn.Module, log_probs_fn, tokens: int = 8) -> None:
     Raises:
         ValueError: they differ by more than the precision allows; the message names the model
             class and what usually causes it.
+
+    Examples:
+        >>> import torch
+        >>> from transformers import Qwen2Config, Qwen2ForCausalLM
+        >>> model = Qwen2ForCausalLM(Qwen2Config(vocab_size=50, hidden_size=16,
+        ...     intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        ...     num_key_value_heads=2))
+        >>> def lean(ids):  # head(hidden), as the lean path computes it
+        ...     hidden = model.model(input_ids=ids).last_hidden_state
+        ...     return (hidden @ model.lm_head.weight.T).log_softmax(-1)
+        >>> check_logits(model, lean)  # passes
+        >>> check_logits(model, lambda ids: (2 * lean(ids)).log_softmax(-1))
+        Traceback (most recent call last):
+        ...
+        ValueError: LeanTransformersWrapper cannot score Qwen2ForCausalLM: its logits are not...
     """
     parameter = next(model.parameters())
-    vocab = (
-        model.get_output_embeddings().weight.shape[0]
-        if hasattr(model, "get_output_embeddings")
-        else None
-    )
-    ids = torch.arange(tokens, device=parameter.device)[None] % (vocab or tokens)
+    ids = torch.arange(tokens, device=parameter.device)[None]  # a few ids (any vocabulary has)
     training = model.training
     model.eval()
     try:
