@@ -75,7 +75,7 @@ def test_writers_in_ray_tasks_complete_one_set_of_groups(make):
 
 def test_a_release_the_storage_cannot_hold_is_refused_and_kept_pending(make):
     rb = ReplayBuffer(storage=LazyTensorStorage(4), batch_size=2)
-    rb.append_transform(t := make(2, prompt_key="seed"))
+    rb.append_transform(t := make(2, prompt_key="seed", on_overflow="raise"))
     rb.extend(trajectory(0, [1.0, 2.0, 3.0]))
     before = t.get_stats()
     with pytest.raises(ValueError, match="storage"):

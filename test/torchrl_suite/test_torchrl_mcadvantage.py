@@ -3,8 +3,8 @@
 # This source code is licensed under the MIT license found in the
 # LICENSE file in the root directory of this source tree.
 #
-# torchrl's own TestMCAdvantage, copied unchanged from pytorch/rl (test/llm/test_llm_objectives.py
-# at commit ae9719f17, the 0.14 line: its imports, module fixture and helpers, then the class),
+# torchrl's own TestMCAdvantage, copied unchanged from pytorch/rl (its tests of the LLM
+# objectives at commit ae9719f17, the 0.14 line: the imports, fixture, helpers and the class),
 # run here against torchrl_grpo.MCAdvantage: conftest.py puts this package's transform where
 # torchrl's is imported from. The one test that reads a private attribute of torchrl's class
 # (``_queue_list``) is marked there as an expected failure.

@@ -123,7 +123,8 @@ def check_logits(model: torch.nn.Module, log_probs_fn, tokens: int = 8) -> None:
         ValueError: LeanTransformersWrapper cannot score Qwen2ForCausalLM: its logits are not...
     """
     parameter = next(model.parameters())
-    ids = torch.arange(tokens, device=parameter.device)[None]  # a few ids (any vocabulary has)
+    vocab = head_tensors(causal_lm(model).get_output_embeddings())[0].shape[0]
+    ids = torch.arange(tokens, device=parameter.device)[None] % vocab  # (1, T)
     training = model.training
     model.eval()
     try:
