@@ -51,6 +51,7 @@ def group_minibatches(
         list[torch.Tensor]: the row indices of each minibatch.
 
     Examples:
+        >>> from torchrl_grpo.sampler import group_minibatches
         >>> [b.tolist() for b in group_minibatches([0, 1, 0, 2, 1, 2, 0], 4, shuffle=False)]
         [[0, 2, 6], [1, 4, 3, 5]]
     """

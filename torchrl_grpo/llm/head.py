@@ -56,6 +56,7 @@ def head_tensors(head: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | No
 
     Examples:
         >>> import peft, torch
+        >>> from torchrl_grpo.llm.head import head_tensors
         >>> model = torch.nn.Sequential(torch.nn.Linear(8, 50, bias=False))
         >>> lora = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["0"]))
         >>> head = lora.base_model.model[0]
@@ -110,6 +111,7 @@ def check_logits(model: torch.nn.Module, log_probs_fn, tokens: int = 8) -> None:
     Examples:
         >>> import torch
         >>> from transformers import Qwen2Config, Qwen2ForCausalLM
+        >>> from torchrl_grpo.llm.head import check_logits
         >>> model = Qwen2ForCausalLM(Qwen2Config(vocab_size=50, hidden_size=16,
         ...     intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
         ...     num_key_value_heads=2))

@@ -97,6 +97,7 @@ def prefix_plan(sequences: list[torch.Tensor], min_shared: int) -> PrefixPlan:
 
     Examples:
         >>> import torch
+        >>> from torchrl_grpo.llm.prefix import prefix_plan
         >>> rows = [torch.tensor(t) for t in ([1, 2, 3, 4], [9, 9], [1, 2, 3, 5, 6], [1, 2, 3])]
         >>> plan = prefix_plan(rows, min_shared=2)
         >>> plan.buckets, plan.alone
@@ -206,6 +207,7 @@ def shared_hidden(body, sequences: list[torch.Tensor], plan: PrefixPlan) -> list
     Examples:
         >>> import torch
         >>> from transformers import Qwen2Config, Qwen2ForCausalLM
+        >>> from torchrl_grpo.llm.prefix import prefix_plan, shared_hidden
         >>> _ = torch.manual_seed(0)
         >>> body = Qwen2ForCausalLM(Qwen2Config(vocab_size=50, hidden_size=16,
         ...     intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
@@ -259,6 +261,8 @@ class PrefixSharing:
         ValueError: ``min_shared`` is not a positive integer.
 
     Examples:
+        >>> import torch
+        >>> from torchrl_grpo.llm.prefix import PrefixSharing
         >>> sharing = PrefixSharing(True, 32)
         >>> sharing.plan([torch.arange(40), torch.arange(40)]).buckets
         {40: [(0, 1)]}
