@@ -117,6 +117,14 @@ class Settings:
             "more than 8 of 8 (the tutorial); the multi-turn example turns it on"
         },
     )
+    lora_rank: int = field(
+        default=0,
+        metadata={
+            "help": "train LoRA adapters of this rank (peft, every linear layer but the output "
+            "one) instead of every weight, after the warm start; with the lean wrapper the "
+            "reference is the same model with its adapters disabled (no copy). 0: every weight"
+        },
+    )
     min_shared: int = field(
         default=32,
         metadata={
@@ -226,6 +234,8 @@ def parse_args(argv=None, task: "Task | None" = None, settings_cls: type = Setti
     cfg = settings_cls(**vars(parser.parse_args(argv)))
     if cfg.steps < 1 or cfg.group_size < 2:
         parser.error("--steps must be at least 1 and --group-size at least 2")
+    if cfg.lora_rank < 0 or (cfg.lora_rank and settings_cls is not Settings):
+        parser.error("--lora-rank: a positive rank, for examples/llm_grpo.py only")
     if cfg.max_new_tokens is None:
         task = task or digit_sum_task(cfg.digits)
         cfg.max_new_tokens = task.answer_length + 1
@@ -520,6 +530,7 @@ def make_scorer(
     log_probs_key: str = "log_probs",
     pad_output: bool = True,
     response_only: bool = False,
+    disable_adapters: bool = False,
 ) -> TransformersWrapper:
     """Teacher-forced log-probs of ``("tokens", "full")``: written at ``(log_probs_key, "full")``.
 
@@ -532,6 +543,7 @@ def make_scorer(
     if cfg.lean:
         lean = {"min_shared_length": cfg.min_shared}
         lean["log_probs_at"] = "response" if response_only else "all"
+        lean["disable_adapters"] = disable_adapters
     cls = LeanTransformersWrapper if cfg.lean else TransformersWrapper
     return cls(
         model,
@@ -544,6 +556,15 @@ def make_scorer(
         log_probs_key=log_probs_key,
         device=_device(cfg.device),
     )
+
+
+def with_lora(model, rank: int):
+    """``model`` as a ``peft`` LoRA model: adapters of ``rank`` (alpha ``2 * rank``) on every
+    linear layer but the output one, the other weights frozen."""
+    import peft
+
+    config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear")
+    return peft.get_peft_model(model, config)
 
 
 def make_collector(cfg: Settings, task: Task, model, ref_model, tokenizer, gen, exclude: set[str]):
@@ -588,7 +609,14 @@ def make_collector(cfg: Settings, task: Task, model, ref_model, tokenizer, gen, 
         )
     )
     unread = ("answer", "step_count", "terminated", "truncated")  # the loss reads none of them
-    ref_scorer = make_scorer(ref_model, tokenizer, cfg, "ref_log_probs", response_only=True)
+    ref_scorer = make_scorer(  # ref_model None: the LoRA policy with its adapters disabled
+        model if ref_model is None else ref_model,
+        tokenizer,
+        cfg,
+        "ref_log_probs",
+        response_only=True,
+        disable_adapters=ref_model is None,
+    )
     score = Compose(
         Contiguous(),
         ExcludeTransform(*unread, *[("next", key) for key in (*unread, "query", "tokens")]),
@@ -749,12 +777,17 @@ def main(argv=None, *, task: Task | None = None, model_and_tokenizer=None) -> di
         f"warm start: {sft_steps} supervised steps, greedy accuracy {acc_before:.3f} "
         f"on {cfg.eval_prompts} held-out prompts ({time.perf_counter() - T0:.0f} s)"
     )
-    ref_model = copy.deepcopy(model).requires_grad_(False)  # the frozen reference policy
+    ref_model = None  # LoRA on the lean wrapper: the policy itself, its adapters disabled
+    if not (cfg.lora_rank and cfg.lean):
+        ref_model = copy.deepcopy(model).requires_grad_(False)  # the frozen reference policy
+    if cfg.lora_rank:
+        model = with_lora(model, cfg.lora_rank)  # adapters injected in place: the samplers see them
 
     rows = cfg.prompts_per_step * cfg.group_size
     collector, rb = make_collector(cfg, task, model, ref_model, tokenizer, train_gen, held_out)
     loss_fn = make_loss(make_scorer(model, tokenizer, cfg), cfg)
-    optim = torch.optim.Adam(model.parameters(), lr=cfg.lr)
+    trained = [p for p in model.parameters() if p.requires_grad]  # the adapters, with LoRA
+    optim = torch.optim.Adam(trained, lr=cfg.lr)
     schedule = lr_schedule(optim, cfg, deadline=T0 + cfg.time_limit)
 
     logger = CSVLogger(generate_exp_name(task.name, f"seed{cfg.seed}"), log_dir=cfg.out)

@@ -347,3 +347,29 @@ def test_tiny_run_prints_a_result_line(ex, tmp_path, device):
     assert all(0.0 < v <= 1.0 + 1e-6 for _, v in logged["ESS"])
     assert all(0.0 <= v <= 1.0 for _, v in logged["clip_fraction"] + logged["reward"])
     assert all(math.isfinite(v) for _, v in logged["kl_to_ref"] + logged["entropy"])
+
+
+def test_lora_rank_trains_adapters_against_the_base_model(ex, tmp_path):
+    """``--lora-rank``: after the warm start the policy gets LoRA adapters (peft) and only they
+    train; the reference is the same model with its adapters disabled, so the first step's KL to
+    it is 0 (the adapters start at zero); the adapters are saved."""
+    built = []
+
+    def keep(cfg, task):
+        model, tokenizer = ex.tiny_qwen2(cfg, task)
+        built.append(model)
+        return model, tokenizer
+
+    args = ["--steps", "2", "--eval-every", "2", *TINY, "--sft-max-steps", "20"]
+    args += ["--lora-rank", "4", "--lr", "1e-3", "--time-limit", "1e6", "--out", str(tmp_path)]
+    result = ex.main(args, model_and_tokenizer=keep)
+    run_dir = result["run_dir"]
+    assert (run_dir / "model" / "adapter_config.json").is_file()
+    (model,) = built  # the adapters were injected into it in place
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trained and all("lora_" in n for n in trained)
+    with open(run_dir / "scalars" / "kl_to_ref.csv") as f:
+        kl = [float(v) for _, v in csv.reader(f)]
+    assert abs(kl[0]) < 1e-6 and len(kl) == 2
+    with pytest.raises(SystemExit):
+        ex.parse_args(["--lora-rank", "-1"])
