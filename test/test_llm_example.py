@@ -373,3 +373,24 @@ def test_lora_rank_trains_adapters_against_the_base_model(ex, tmp_path):
     assert abs(kl[0]) < 1e-6 and len(kl) == 2
     with pytest.raises(SystemExit):
         ex.parse_args(["--lora-rank", "-1"])
+
+
+def test_a_model_whose_special_ids_disagree_with_the_tokenizer_is_refused(ex):
+    """LlamaConfig's default eos id (2) is the digit "2" of this tokenizer: generation would stop
+    at every "2". Refused, both ids named."""
+    cfg, task = ex.parse_args(TINY), ex.digit_sum_task()
+    model, tokenizer = ex.tiny_qwen2(cfg, task)
+    ex.check_special_ids(model, tokenizer)  # the example's own model agrees
+    model.generation_config.eos_token_id = 2
+    with pytest.raises(ValueError, match=r"generation_config.eos_token_id=2 but the tokenizer's"):
+        ex.check_special_ids(model, tokenizer)
+
+
+def test_main_twice_in_one_process_each_has_its_own_clock(ex, tmp_path):
+    """A second main() call starts its own clock (the first one's counts the imports)."""
+    args = ["--steps", "1", "--eval-every", "1", *TINY, "--sft-max-steps", "2"]
+    args += ["--time-limit", "1e6", "--out", str(tmp_path)]
+    ex.main(args)
+    start = time.perf_counter()
+    second = ex.main(args)
+    assert second["wall_s"] <= time.perf_counter() - start
