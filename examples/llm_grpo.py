@@ -117,6 +117,24 @@ class Settings:
             "more than 8 of 8 (the tutorial); the multi-turn example turns it on"
         },
     )
+    model: str = field(
+        default="",
+        metadata={
+            "help": "start from this saved model folder (a run's model/, or any Hugging Face "
+            "causal LM folder) instead of a new tiny Qwen2; its tokenizer from --tokenizer"
+        },
+    )
+    tokenizer: str = field(
+        default="",
+        metadata={
+            "help": "the tokenizer folder of --model (default: a tokenizer/ folder beside it, as "
+            "runs save it, else the model folder itself)"
+        },
+    )
+    eval_only: bool = field(
+        default=False,
+        metadata={"help": "evaluate the model (greedy, held-out prompts), print RESULT, stop"},
+    )
     lora_rank: int = field(
         default=0,
         metadata={
@@ -234,8 +252,11 @@ def parse_args(argv=None, task: "Task | None" = None, settings_cls: type = Setti
     cfg = settings_cls(**vars(parser.parse_args(argv)))
     if cfg.steps < 1 or cfg.group_size < 2:
         parser.error("--steps must be at least 1 and --group-size at least 2")
-    if cfg.lora_rank < 0 or (cfg.lora_rank and settings_cls is not Settings):
-        parser.error("--lora-rank: a positive rank, for examples/llm_grpo.py only")
+    if cfg.lora_rank < 0:
+        parser.error("--lora-rank: a positive rank (0: every weight trains)")
+    single_turn = (cfg.lora_rank, cfg.model, cfg.tokenizer, cfg.eval_only)
+    if settings_cls is not Settings and any(single_turn):
+        parser.error("--lora-rank, --model, --tokenizer and --eval-only: examples/llm_grpo.py only")
     if cfg.max_new_tokens is None:
         task = task or digit_sum_task(cfg.digits)
         cfg.max_new_tokens = task.answer_length + 1
@@ -463,6 +484,17 @@ def tiny_qwen2(cfg: Settings, task: Task) -> tuple[Qwen2ForCausalLM, PreTrainedT
     message)."""
     tokenizer = make_tokenizer(task.alphabet)
     return make_model(cfg, tokenizer, task.prompt_length + cfg.max_new_tokens), tokenizer
+
+
+def from_folder(cfg: Settings, task: Task):
+    """The model of ``--model`` and its tokenizer (``--tokenizer``, else ``tokenizer/`` beside
+    the model folder, as this example saves a run, else the model folder)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = Path(cfg.model)
+    tokenizer = Path(cfg.tokenizer) if cfg.tokenizer else folder.parent / "tokenizer"
+    tokenizer = tokenizer if tokenizer.is_dir() else folder
+    return AutoModelForCausalLM.from_pretrained(folder), AutoTokenizer.from_pretrained(tokenizer)
 
 
 def check_special_ids(model, tokenizer) -> None:
@@ -756,9 +788,18 @@ def plot_progress(ax, history: dict, acc_before: float, title: str) -> None:
     ax.set_title(title, fontsize=10)
 
 
-def plot(history: dict, path: str, acc_before: float) -> None:
+def evaluate_only(eval_accuracy, cfg: Settings, start: float) -> dict:
+    """``--eval-only``: the greedy accuracy on the held-out prompts, as a RESULT line whose
+    before and after are the same number."""
+    acc = eval_accuracy()
+    wall_s = time.perf_counter() - start
+    print(f"greedy accuracy {acc:.3f} on {cfg.eval_prompts} held-out prompts")
+    print(f"RESULT acc_before={acc:.4f} acc_after={acc:.4f} wall_s={wall_s:.1f}")
+    return {"acc_before": acc, "acc_after": acc, "wall_s": wall_s, "run_dir": None}
+
+
+def plot(history: dict, path: str, acc_before: float, title: str) -> None:
     fig, ax = plt.subplots(figsize=(6.4, 3.6), dpi=100)
-    title = "GRPO on digit sums: tiny Qwen2, torchrl's LLM stack, CPU"
     plot_progress(ax, history, acc_before, title)
     ax.set_xlabel("GRPO step")
     fig.tight_layout()
@@ -780,7 +821,9 @@ def main(argv=None, *, task: Task | None = None, model_and_tokenizer=None) -> di
     torch.manual_seed(cfg.seed)
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()  # save_pretrained's "Writing model shards" bar
-    model, tokenizer = (model_and_tokenizer or tiny_qwen2)(cfg, task)
+    if model_and_tokenizer is None:
+        model_and_tokenizer = from_folder if cfg.model else tiny_qwen2
+    model, tokenizer = model_and_tokenizer(cfg, task)
     check_special_ids(model, tokenizer)
     model = model.to(cfg.device)
 
@@ -795,6 +838,8 @@ def main(argv=None, *, task: Task | None = None, model_and_tokenizer=None) -> di
     greedy = make_sampler(model, tokenizer, cfg, greedy=True)
     val_accuracy = GreedyAccuracy(tokenizer, task, val_problems, greedy)
     eval_accuracy = GreedyAccuracy(tokenizer, task, eval_problems, greedy)
+    if cfg.eval_only:
+        return evaluate_only(eval_accuracy, cfg, start)
     sft_steps = warm_start(model, tokenizer, cfg, task, train_gen, held_out, val_accuracy)
     acc_before = eval_accuracy()
     print(
@@ -872,7 +917,10 @@ def main(argv=None, *, task: Task | None = None, model_and_tokenizer=None) -> di
 
     acc_after = history["accuracy"][-1]
     run_dir = Path(logger.log_dir) / logger.exp_name
-    plot(history, run_dir / "llm_grpo.png", acc_before)
+    name = type(model.get_base_model() if cfg.lora_rank else model).__name__
+    plot(
+        history, run_dir / "llm_grpo.png", acc_before, f"GRPO on {task.name}: {name}, {cfg.device}"
+    )
     model.save_pretrained(run_dir / "model")
     # Apart: transformers 5 loads the tokenizer of a Qwen2 model's folder as Qwen2Tokenizer,
     # whatever tokenizer_config.json says, and that one drops this tokenizer's spaces.

@@ -394,3 +394,16 @@ def test_main_twice_in_one_process_each_has_its_own_clock(ex, tmp_path):
     start = time.perf_counter()
     second = ex.main(args)
     assert second["wall_s"] <= time.perf_counter() - start
+
+
+def test_a_saved_run_evaluated_with_model_and_eval_only(ex, tmp_path):
+    """``--model <run>/model --eval-only``: the saved model and tokenizer (found beside it) give
+    the run's final greedy accuracy again; nothing trains, no run folder."""
+    args = ["--steps", "2", "--eval-every", "2", *TINY, "--sft-max-steps", "20"]
+    result = ex.main([*args, "--time-limit", "1e6", "--out", str(tmp_path)])
+    model_dir = result["run_dir"] / "model"
+    again = ex.main([*TINY, "--model", str(model_dir), "--eval-only", "--out", str(tmp_path)])
+    assert again["acc_before"] == again["acc_after"] == pytest.approx(result["acc_after"], abs=1e-4)
+    assert again["run_dir"] is None and len(list(tmp_path.iterdir())) == 1
+    with pytest.raises(SystemExit):  # the multi-turn and async examples do not take them
+        ex.parse_args(["--eval-only"], settings_cls=type("Other", (ex.Settings,), {}))
