@@ -473,7 +473,7 @@ class LeanTransformersWrapper(TransformersWrapper):
         self.disable_adapters = _checked_disable_adapters(disable_adapters, self.model)
         if not self.generate:  # the model's own logits on a few tokens are what it computes
             with self._adapters():
-                check_logits(self.model, self._check_log_probs)
+                check_logits(self.model, self._check_logits)
 
     def forward(self, tensordict: TensorDictBase, *args, **kwargs) -> TensorDictBase:
         """torchrl's ``forward``; with ``disable_adapters=True``, under the model's
@@ -511,11 +511,11 @@ class LeanTransformersWrapper(TransformersWrapper):
 
     # -- the head, as tensors ------------------------------------------------------------------
 
-    def _check_log_probs(self, ids: torch.Tensor) -> torch.Tensor:
-        """``[1, T, V]`` log-softmax of the lean path's logits on ``ids`` (for ``check_logits``)."""
+    def _check_logits(self, ids: torch.Tensor) -> torch.Tensor:
+        """``[1, T, V]`` logits of the lean path on ``ids`` (for ``check_logits``)."""
         body, _ = output_layer(self.model)
         hidden = body(input_ids=ids, use_cache=False).last_hidden_state
-        return torch.nn.functional.linear(self._features(hidden), self._head()).log_softmax(-1)
+        return torch.nn.functional.linear(self._features(hidden), self._head())
 
     def _head(self) -> torch.Tensor:
         """The output layer's weight ``[V, F]``, its bias (if any) folded in as a last column.
