@@ -28,7 +28,8 @@ completions differ). Run (needs the ``llm`` and ``examples`` extras:
     .venv/bin/python examples/llm_grpo.py --help               # every setting
 
 It prints the greedy accuracy on 500 held-out prompts after the warm start and during GRPO, logs
-every metric with torchrl's ``CSVLogger`` under ``--out`` (through the trainer), saves
+every metric with torchrl's ``CSVLogger`` (``--logger``: tensorboard, wandb, none) under
+``--out`` (through the trainer), saves
 ``llm_grpo.png`` and the trained model and tokenizer (``model/``, ``tokenizer/``) there, and
 ends with one line::
 
@@ -72,7 +73,7 @@ from torchrl.data import (
 from torchrl.envs import Compose, ExcludeTransform, StepCounter, Transform
 from torchrl.envs.llm import DatasetChatEnv, RetrieveLogProb
 from torchrl.modules.llm import TransformersWrapper
-from torchrl.record.loggers import CSVLogger, generate_exp_name
+from torchrl.record.loggers import generate_exp_name, get_logger
 from torchrl.trainers.algorithms.grpo import GRPOTrainer
 from tqdm import tqdm
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
@@ -115,6 +116,14 @@ class Settings:
             "so that a shared prompt is computed once); off by default here: the digit prompts "
             "are too short to share, and 64 completions of 64 prompts per minibatch learned "
             "more than 8 of 8 (the tutorial); the multi-turn example turns it on"
+        },
+    )
+    logger: str = field(
+        default="csv",
+        metadata={
+            "choices": ["csv", "tensorboard", "wandb", "none"],
+            "help": "torchrl logger of the metrics; tensorboard and wandb need their extras: "
+            "pip install -e '.[tensorboard]'",
         },
     )
     model: str = field(
@@ -248,15 +257,21 @@ def parse_args(argv=None, task: "Task | None" = None, settings_cls: type = Setti
             parser.add_argument(flag, action=action, default=f.default, help=f.metadata["help"])
         else:
             kind = f.metadata.get("type", type(f.default))
-            parser.add_argument(flag, type=kind, default=f.default, help=f.metadata["help"])
+            choices = f.metadata.get("choices")
+            parser.add_argument(
+                flag, type=kind, default=f.default, choices=choices, help=f.metadata["help"]
+            )
     cfg = settings_cls(**vars(parser.parse_args(argv)))
     if cfg.steps < 1 or cfg.group_size < 2:
         parser.error("--steps must be at least 1 and --group-size at least 2")
     if cfg.lora_rank < 0:
         parser.error("--lora-rank: a positive rank (0: every weight trains)")
-    single_turn = (cfg.lora_rank, cfg.model, cfg.tokenizer, cfg.eval_only)
+    single_turn = (cfg.lora_rank, cfg.model, cfg.tokenizer, cfg.eval_only, cfg.logger != "csv")
     if settings_cls is not Settings and any(single_turn):
-        parser.error("--lora-rank, --model, --tokenizer and --eval-only: examples/llm_grpo.py only")
+        parser.error(
+            "--lora-rank, --model, --tokenizer, --eval-only and --logger: examples/llm_grpo.py "
+            "only (this example logs to CSV)"
+        )
     if cfg.max_new_tokens is None:
         task = task or digit_sum_task(cfg.digits)
         cfg.max_new_tokens = task.answer_length + 1
@@ -859,7 +874,7 @@ def main(argv=None, *, task: Task | None = None, model_and_tokenizer=None) -> di
     optim = torch.optim.Adam(trained, lr=cfg.lr)
     schedule = lr_schedule(optim, cfg, deadline=start + cfg.time_limit)
 
-    logger = CSVLogger(generate_exp_name(task.name, f"seed{cfg.seed}"), log_dir=cfg.out)
+    logger, run_dir = make_logger(cfg, task)
     trainer = GRPOTrainer(
         collector=collector,
         total_frames=cfg.steps * rows,
@@ -916,7 +931,6 @@ def main(argv=None, *, task: Task | None = None, model_and_tokenizer=None) -> di
     step = history["eval_step"][-1]
 
     acc_after = history["accuracy"][-1]
-    run_dir = Path(logger.log_dir) / logger.exp_name
     name = type(model.get_base_model() if cfg.lora_rank else model).__name__
     plot(
         history, run_dir / "llm_grpo.png", acc_before, f"GRPO on {task.name}: {name}, {cfg.device}"
@@ -934,6 +948,26 @@ def main(argv=None, *, task: Task | None = None, model_and_tokenizer=None) -> di
     )
     print(f"RESULT acc_before={acc_before:.4f} acc_after={acc_after:.4f} wall_s={wall_s:.1f}")
     return {"acc_before": acc_before, "acc_after": acc_after, "wall_s": wall_s, "run_dir": run_dir}
+
+
+def make_logger(cfg: Settings, task: Task):
+    """``(torchrl logger or None, run folder)``: ``--logger`` writing under ``--out/<run>``, where
+    the plot, the model and the tokenizer go too."""
+    exp_name = generate_exp_name(task.name, f"seed{cfg.seed}")
+    run_dir = Path(cfg.out) / exp_name
+    try:
+        logger = get_logger(
+            None if cfg.logger == "none" else cfg.logger,
+            logger_name=cfg.out,
+            experiment_name=exp_name,
+        )
+    except ImportError as error:  # tensorboard / wandb missing: say what to install
+        raise SystemExit(
+            f"--logger {cfg.logger} needs the {cfg.logger} package: "
+            f"pip install -e '.[{cfg.logger}]' (or --logger csv). ({error})"
+        ) from error
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return logger, run_dir
 
 
 def remove_empty_folders(root: Path) -> None:

@@ -407,3 +407,19 @@ def test_a_saved_run_evaluated_with_model_and_eval_only(ex, tmp_path):
     assert again["run_dir"] is None and len(list(tmp_path.iterdir())) == 1
     with pytest.raises(SystemExit):  # the multi-turn and async examples do not take them
         ex.parse_args(["--eval-only"], settings_cls=type("Other", (ex.Settings,), {}))
+
+
+def test_logger_choice(ex, tmp_path, monkeypatch):
+    """``--logger none`` runs without metrics files (the plot and model still saved); a logger
+    whose package is missing is a clear error naming the extra to install."""
+    args = ["--steps", "1", "--eval-every", "1", *TINY, "--sft-max-steps", "2"]
+    result = ex.main([*args, "--logger", "none", "--time-limit", "1e6", "--out", str(tmp_path)])
+    assert (result["run_dir"] / "llm_grpo.png").is_file()
+    assert not (result["run_dir"] / "scalars").exists()
+
+    def no_tensorboard(*args, **kwargs):
+        raise ImportError("No module named 'tensorboard'")
+
+    monkeypatch.setattr(ex, "get_logger", no_tensorboard)
+    with pytest.raises(SystemExit, match=r"--logger tensorboard needs .*\[tensorboard\]"):
+        ex.main([*args, "--logger", "tensorboard", "--out", str(tmp_path)])
