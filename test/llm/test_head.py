@@ -217,3 +217,19 @@ def test_disable_adapters_scores_the_base_model(tiny_llm, make_llm_batch, make_l
     assert ref.get_new_version(return_log_probs=True).disable_adapters
     with pytest.raises(ValueError, match="disable_adapters=True needs a model with adapters"):
         make_llm_scorer(model, tokenizer, lean=True, disable_adapters=True)
+
+
+def test_a_trained_copy_of_the_output_layer(tiny_llm, make_llm_batch, make_llm_scorer):
+    """``modules_to_save=["lm_head"]``: peft trains a copy of the head; its weight is the one
+    scored (after a change only the copy has)."""
+    model, tokenizer = tiny_llm
+    batch = make_llm_batch(model, tokenizer)
+    lora = _lora(model, ("q_proj",), modules_to_save=["lm_head"])
+    head = causal_lm(lora).get_output_embeddings()
+    with torch.no_grad():
+        for p in head.modules_to_save.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+        ours = make_llm_scorer(lora, tokenizer, lean=True)(batch.copy())
+        theirs = make_llm_scorer(lora, tokenizer)(batch.copy())
+    for a, b in zip(*(t.get(("log_probs", "full"), as_list=True) for t in (ours, theirs))):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

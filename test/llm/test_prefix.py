@@ -337,13 +337,16 @@ class TestMultiTurnBatch:
 
 
 class TestLogProbsAtResponse:
+    @pytest.mark.parametrize("pad_model_input", [True, False], ids=["padded", "packed"])
     def test_the_response_is_torchrls_and_the_prompt_is_zero(
-        self, tiny_llm, make_llm_batch, make_llm_scorer, monkeypatch
+        self, tiny_llm, make_llm_batch, make_llm_scorer, monkeypatch, pad_model_input
     ):
         model, tokenizer = tiny_llm
         batch = _group_batch(model, tokenizer, make_llm_batch, group=2)
         plain = make_llm_scorer(model, tokenizer)
-        lean = make_llm_scorer(model, tokenizer, lean=True, log_probs_at="response")
+        lean = make_llm_scorer(
+            model, tokenizer, lean=True, log_probs_at="response", pad_model_input=pad_model_input
+        )
         from torchrl_grpo.llm import lean_wrapper
 
         scored = []
