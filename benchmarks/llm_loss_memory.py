@@ -92,14 +92,22 @@ def max_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
-def make_model(args):
+def word_tokenizer(vocab: int):
+    """A word-level tokenizer of ``vocab`` tokens ``t0 ...``, the last one ``<pad>`` (built here:
+    nothing is downloaded)."""
     from tokenizers import Tokenizer, models
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+    from transformers import PreTrainedTokenizerFast
 
-    vocab = args.vocab
     words = {f"t{i}": i for i in range(vocab - 1)} | {"<pad>": vocab - 1}
     core = Tokenizer(models.WordLevel(vocab=words, unk_token="<pad>"))
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>")
+    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>")
+
+
+def make_model(args):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    vocab = args.vocab
+    tokenizer = word_tokenizer(vocab)
     torch.manual_seed(0)
     config = Qwen2Config(
         vocab_size=vocab,

@@ -44,6 +44,7 @@ import time
 import warnings
 
 import torch
+from llm_loss_memory import max_rss_bytes, rss_bytes, sync, word_tokenizer  # this folder's
 
 PATHS = ("torchrl", "everywhere", "response", "shared")
 NAMES = {
@@ -78,12 +79,9 @@ def parse_args(argv=None):
 
 
 def make_model(args):
-    from tokenizers import Tokenizer, models
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    words = {f"t{i}": i for i in range(args.vocab - 1)} | {"<pad>": args.vocab - 1}
-    core = Tokenizer(models.WordLevel(vocab=words, unk_token="<pad>"))
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>")
+    tokenizer = word_tokenizer(args.vocab)
     torch.manual_seed(0)
     config = Qwen2Config(
         vocab_size=args.vocab,
@@ -159,11 +157,6 @@ def head_everywhere() -> None:
     lean_wrapper._at_positions = every_position
 
 
-def sync(device: torch.device) -> None:
-    if device.type != "cpu":
-        torch.accelerator.synchronize(device)
-
-
 def worker(args) -> None:
     import tensordict
 
@@ -191,7 +184,7 @@ def worker(args) -> None:
         if accelerator:
             sync(device)
             torch.cuda.reset_peak_memory_stats(device)
-        before = torch.cuda.memory_allocated(device) if accelerator else _rss()
+        before = torch.cuda.memory_allocated(device) if accelerator else rss_bytes()
         start = time.perf_counter()
         try:
             values = step(batch)
@@ -202,7 +195,7 @@ def worker(args) -> None:
             return
         sync(device)
         times = [time.perf_counter() - start]
-        peak = torch.cuda.max_memory_allocated(device) if accelerator else _max_rss()
+        peak = torch.cuda.max_memory_allocated(device) if accelerator else max_rss_bytes()
         grads = [p.grad.flatten()[::997] for p in model.parameters() if p.grad is not None]
         grads = torch.cat(grads).float().tolist()
         for _ in range(args.repeats):
@@ -216,15 +209,6 @@ def worker(args) -> None:
     shared = bool(sharing and sharing.checked and sharing.off_reason is None)
     result = {"extra": peak - before, "s": median, "values": values, "grads": grads}
     print(json.dumps(result | {"shared": shared}))
-
-
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * resource.getpagesize()
-
-
-def _max_rss() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
 def run_path(path: str, shape: str, args) -> dict:

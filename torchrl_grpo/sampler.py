@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import warnings
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -214,15 +215,11 @@ class GroupSampler(Sampler):
 
     def dumps(self, path) -> None:
         """Write :meth:`state_dict` as ``sampler_metadata.json`` under ``path``."""
-        from pathlib import Path
-
         Path(path).mkdir(parents=True, exist_ok=True)
         (Path(path) / "sampler_metadata.json").write_text(json.dumps(self.state_dict()))
 
     def loads(self, path) -> None:
         """Read what :meth:`dumps` wrote."""
-        from pathlib import Path
-
         self.load_state_dict(json.loads((Path(path) / "sampler_metadata.json").read_text()))
 
     def __repr__(self) -> str:

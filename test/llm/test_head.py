@@ -25,7 +25,7 @@ from torchrl.modules.llm.policies.common import Tokens
 from torchrl.objectives.llm import GRPOLoss as TorchrlGRPOLoss
 
 from torchrl_grpo import GRPOLoss
-from torchrl_grpo.llm.head import causal_lm, head_tensors
+from torchrl_grpo.llm.head import causal_lm, head_bias, head_tensors
 
 
 def _lora(model, targets=("q_proj", "v_proj", "lm_head"), seed=0, **kwargs):
@@ -67,10 +67,25 @@ class TestHeadTensors:
             weight, _ = head_tensors(head)
             torch.testing.assert_close(weight, head.base_layer.weight)
 
+    def test_an_adapter_with_its_own_bias(self):
+        """``lora_bias=True`` on a head with a bias: the weight and the bias it applies."""
+        model = torch.nn.Sequential(torch.nn.Linear(8, 50))
+        lora = peft.get_peft_model(
+            model, peft.LoraConfig(r=2, target_modules=["0"], lora_bias=True)
+        )
+        head = lora.base_model.model[0]
+        with torch.no_grad():
+            for p in head.lora_B.parameters():
+                p.normal_()
+        weight, bias = head_tensors(head)
+        h = torch.randn(3, 8)
+        torch.testing.assert_close(torch.nn.functional.linear(h, weight, bias), head(h))
+        assert not torch.equal(bias, head.base_layer.bias)
+
     def test_a_plain_linear_head(self, tiny_llm):
         model, _ = tiny_llm
         weight, bias = head_tensors(model.lm_head)
-        assert weight is model.lm_head.weight and bias is None
+        assert weight is model.lm_head.weight and bias is None is head_bias(model.lm_head)
 
 
 class TestLeanWrapperOnLoRA:

@@ -336,6 +336,21 @@ class TestMultiTurnBatch:
         torch.testing.assert_close(grad, ref_grad, rtol=1e-4, atol=1e-6)
 
 
+def _head_positions(monkeypatch) -> list:
+    """The number of positions the lean wrapper runs its output layer on, call by call."""
+    from torchrl_grpo.llm import lean_wrapper
+
+    scored = []
+    original = lean_wrapper.token_log_prob_entropy_from_hidden
+
+    def counting(hidden, *args, **kwargs):
+        scored.append(hidden.shape[0])
+        return original(hidden, *args, **kwargs)
+
+    monkeypatch.setattr(lean_wrapper, "token_log_prob_entropy_from_hidden", counting)
+    return scored
+
+
 class TestLogProbsAtResponse:
     @pytest.mark.parametrize("pad_model_input", [True, False], ids=["padded", "packed"])
     def test_the_response_is_torchrls_and_the_prompt_is_zero(
@@ -347,15 +362,7 @@ class TestLogProbsAtResponse:
         lean = make_llm_scorer(
             model, tokenizer, lean=True, log_probs_at="response", pad_model_input=pad_model_input
         )
-        from torchrl_grpo.llm import lean_wrapper
-
-        scored = []
-        original = lean_wrapper.token_log_prob_entropy_from_hidden
-        monkeypatch.setattr(
-            lean_wrapper,
-            "token_log_prob_entropy_from_hidden",
-            lambda hidden, *a, **k: scored.append(hidden.shape[0]) or original(hidden, *a, **k),
-        )
+        scored = _head_positions(monkeypatch)
         with torch.no_grad():
             ours = lean(batch.copy()).get(("log_probs", "full"), as_list=True)
             theirs = plain(batch.copy()).get(("log_probs", "full"), as_list=True)
@@ -426,15 +433,7 @@ class TestLogProbsAtResponse:
         model, tokenizer = tiny_llm
         batch = _group_batch(model, tokenizer, make_llm_batch, group=2)
         lean = make_llm_scorer(model, tokenizer, lean=True)
-        from torchrl_grpo.llm import lean_wrapper
-
-        scored = []
-        original = lean_wrapper.token_log_prob_entropy_from_hidden
-        monkeypatch.setattr(
-            lean_wrapper,
-            "token_log_prob_entropy_from_hidden",
-            lambda hidden, *a, **k: scored.append(hidden.shape[0]) or original(hidden, *a, **k),
-        )
+        scored = _head_positions(monkeypatch)
         GRPOLoss(lean, masking_strategy="sft")(batch.copy())
         prompts = batch.get(("tokens", "prompt"), as_list=True)
         fulls = batch.get(("tokens", "full"), as_list=True)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["causal_lm", "check_logits", "head_tensors"]
+__all__ = ["causal_lm", "check_logits", "head_bias", "head_tensors"]
 
 #: Largest relative difference of the logits (norm of the difference over the norm) accepted by
 #: :func:`check_logits`, by precision: rounding, not a transform (bf16 rounds at 4e-3).
@@ -68,8 +68,7 @@ def head_tensors(head: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | No
         (True, True)
     """
     head = _active_head(head)
-    base = getattr(head, "base_layer", None)
-    if base is None or not hasattr(head, "lora_A"):
+    if not _is_lora(head):
         weight = getattr(head, "weight", None)
         if not isinstance(weight, torch.Tensor) or weight.ndim != 2:
             raise ValueError(
@@ -77,12 +76,50 @@ def head_tensors(head: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | No
                 f"model's get_output_embeddings() is a {type(head).__name__}."
             )
         return weight, getattr(head, "bias", None)
-    weight, bias = head_tensors(base)
+    weight, _ = head_tensors(head.base_layer)
+    for name in _adapters(head):
+        weight = weight + head.get_delta_weight(name).to(weight.dtype)
+    return weight, head_bias(head)
+
+
+def head_bias(head: torch.nn.Module) -> torch.Tensor | None:
+    """The bias ``[V]`` that ``head`` adds (a LoRA adapter's ``lora_B`` bias, times its
+    scaling, included), or ``None``; the weight is not computed.
+
+    Examples:
+        >>> import torch
+        >>> from torchrl_grpo.llm.head import head_bias
+        >>> head_bias(torch.nn.Linear(8, 50, bias=False)) is None
+        True
+        >>> head_bias(torch.nn.Linear(8, 50)).shape
+        torch.Size([50])
+    """
+    head = _active_head(head)
+    if not _is_lora(head):
+        return getattr(head, "bias", None)
+    bias = head_bias(head.base_layer)
+    for name in _adapters(head):
+        extra = getattr(head.lora_B[name], "bias", None)
+        if extra is not None:
+            extra = extra * head.scaling[name]
+            bias = extra if bias is None else bias + extra
+    return bias
+
+
+def _is_lora(head: torch.nn.Module) -> bool:
+    return getattr(head, "base_layer", None) is not None and hasattr(head, "lora_A")
+
+
+def _adapters(head: torch.nn.Module) -> list[str]:
+    """The LoRA adapters ``head`` applies on top of its base layer (none if disabled or merged).
+
+    Raises:
+        NotImplementedError: one is a LoRA variant whose output is not a weight delta.
+    """
     if getattr(head, "disable_adapters", False) or getattr(head, "merged", False):
-        return weight, bias
-    for name in head.active_adapters:
-        if name not in head.lora_A:
-            continue
+        return []
+    names = [name for name in head.active_adapters if name in head.lora_A]
+    for name in names:
         if name in getattr(head, "lora_variant", {}):
             raise NotImplementedError(
                 f"The output layer's adapter {name!r} is a LoRA variant "
@@ -90,12 +127,7 @@ def head_tensors(head: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | No
                 "LeanTransformersWrapper computes head(hidden) from a weight. Use torchrl's "
                 "TransformersWrapper, or leave the output layer out of target_modules."
             )
-        weight = weight + head.get_delta_weight(name).to(weight.dtype)
-        extra = getattr(head.lora_B[name], "bias", None)
-        if extra is not None:
-            extra = extra * head.scaling[name]
-            bias = extra if bias is None else bias + extra
-    return weight, bias
+    return names
 
 
 @torch.no_grad()

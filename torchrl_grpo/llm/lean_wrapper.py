@@ -30,7 +30,7 @@ from torchrl.modules.distributions import LLMMaskedCategorical
 from torchrl.modules.llm import TransformersWrapper
 
 from torchrl_grpo import _compat
-from torchrl_grpo.llm.head import causal_lm, check_logits, head_tensors
+from torchrl_grpo.llm.head import causal_lm, check_logits, head_bias, head_tensors
 from torchrl_grpo.llm.prefix import PrefixSharing
 from torchrl_grpo.token_dist import (
     _HIDDEN_CHUNK_ELEMENTS,
@@ -539,7 +539,7 @@ class LeanTransformersWrapper(TransformersWrapper):
         _, head = output_layer(self.model)
         if self.cast_head_to_float32:
             hidden = hidden.float()
-        if head_tensors(head)[1] is not None:
+        if head_bias(head) is not None:  # the bias alone: no adapter's weight is built
             hidden = torch.cat([hidden, torch.ones_like(hidden[..., :1])], -1)
         return hidden
 

@@ -149,10 +149,11 @@ def _body_call(body, cache=None, **kwargs):
         ) from err
 
 
-def _right_padded(rows: list[torch.Tensor], start: int | torch.Tensor, pad: int = 0):
-    """``(ids [n, S], mask [n, S], positions [n, S])`` of rows padded on the right."""
+def _right_padded(rows: list[torch.Tensor], start: int):
+    """``(ids [n, S], mask [n, S], positions [n, S])`` of rows padded on the right (with id 0,
+    masked out)."""
     width = max(len(r) for r in rows)
-    ids = rows[0].new_full((len(rows), width), pad)
+    ids = rows[0].new_zeros((len(rows), width))
     mask = torch.zeros(len(rows), width, dtype=torch.long, device=ids.device)
     for k, r in enumerate(rows):
         ids[k, : len(r)] = r
@@ -175,9 +176,7 @@ def _suffixes(body, sequences, groups, length, prefix_out):
             f"{type(cache).__name__}; gradient checkpointing turns the cache off)"
         )
     cache.reorder_cache(owner)  # (groups, ...) -> (rows, ...): the prefix's gradients gather here
-    ids, mask, positions = _right_padded([t if len(t) else t.new_zeros(1) for t in tails], length)
-    for k, t in enumerate(tails):
-        mask[k, len(t) :] = 0
+    ids, mask, positions = _right_padded(tails, length)  # a row that is the prefix: all padding
     attention = torch.cat([mask.new_ones(len(rows), length), mask], 1)  # (rows, P + S)
     out = _body_call(
         body,
