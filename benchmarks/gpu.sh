@@ -2,8 +2,9 @@
 # Every GPU row of the package in one call (docs/benchmarks.rst, "On a GPU"): the CUDA tests, the
 # token loss's memory and time in bf16 and float32 at Qwen's vocabulary, the scoring step (the head
 # on what is read, each prompt once: llm_scoring.py), the loss on torchrl's LLM
-# stack, the transform's throughput into a CUDA storage, and a profile of the lean loss. Each table
-# goes to its own file under $OUT (default runs/gpu). Within about 8 minutes on one H100/H200.
+# stack, the transform's throughput into a CUDA storage, and a profile of the lean loss, in order
+# of what is least measured. Every table goes to $OUT/gpu.txt (default runs/gpu): a device call
+# brings back at most 8 files. About 9 minutes on one H200 (2026-11-27; the call's limit is 10).
 #
 #   bash benchmarks/gpu.sh                # on a machine with a GPU
 #   DEVICE=cpu QUICK=1 bash benchmarks/gpu.sh   # the same script on the CPU, small shapes (a dry run)
@@ -31,7 +32,8 @@ else
          test/test_checkpoint.py test/test_token_dist.py test/loss/test_grpo.py test/test_envs.py)
 fi
 
-# step NAME SECONDS COMMAND...: runs it with a time limit, its output to $OUT/NAME.txt and here.
+# step NAME SECONDS COMMAND...: runs it with a time limit, its output appended to $OUT/gpu.txt
+# (one file: a device call brings back at most 8) and shown here.
 step() {
   local name=$1 limit=$2 word
   shift 2
@@ -39,9 +41,9 @@ step() {
     for word in $ONLY; do [[ $name == "$word"* ]] && break; word=; done
     [ -z "$word" ] && return
   fi
-  echo "== $name: $*" | tee "$OUT/$name.txt"
-  timeout "$limit" "$@" 2>&1 | tee -a "$OUT/$name.txt"
-  echo "== $name: exit ${PIPESTATUS[0]}" | tee -a "$OUT/$name.txt"
+  echo "== $name: $*" | tee -a "$OUT/gpu.txt"
+  timeout "$limit" "$@" 2>&1 | tee -a "$OUT/gpu.txt"
+  echo "== $name: exit ${PIPESTATUS[0]}" | tee -a "$OUT/gpu.txt"
 }
 
 step env 60 bash -c "date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv \
@@ -50,15 +52,16 @@ print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, \"torchrl\", t
 \"tensordict\", tensordict.__version__, \"transformers\", t.__version__)'"
 # In order of what matters most: a step cut off by the call's limit leaves what it printed.
 step tests 110 "$PY" -m pytest -q -p no:cacheprovider "${TESTS[@]}" -k "Devices or cuda"
-for dtype in bfloat16 float32; do
-  step "llm_scoring_$dtype" 100 "$PY" benchmarks/llm_scoring.py --device "$DEVICE" --dtype "$dtype" \
-    $SCORING
-done
-for dtype in bfloat16 float32; do
-  step "loss_memory_$dtype" 70 "$PY" benchmarks/loss_memory.py --device "$DEVICE" --dtype "$dtype" \
-    $TOKEN --paths plain lean head hidden
-done
+# bf16 with --profile: operators and kernels launched by each path (is the GPU waiting on the host?)
+step llm_scoring_bfloat16 150 "$PY" benchmarks/llm_scoring.py --device "$DEVICE" --dtype bfloat16 \
+  $SCORING --profile
+step llm_scoring_float32 100 "$PY" benchmarks/llm_scoring.py --device "$DEVICE" --dtype float32 \
+  $SCORING
 step transform_throughput 80 "$PY" benchmarks/transform_throughput.py --device "$DEVICE" $TRANSFORM
+for dtype in bfloat16 float32; do  # four processes each, each importing torch and torchrl
+  step "loss_memory_$dtype" 120 "$PY" benchmarks/loss_memory.py --device "$DEVICE" \
+    --dtype "$dtype" $TOKEN --paths plain lean head hidden
+done
 for dtype in bfloat16 float32; do
   step "llm_loss_memory_$dtype" 100 "$PY" benchmarks/llm_loss_memory.py --device "$DEVICE" \
     --dtype "$dtype" $LLM --paths torchrl ours lean

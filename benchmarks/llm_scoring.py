@@ -5,6 +5,7 @@ Run (about 8 minutes on this 2-core CPU; the first shape is the target's)::
     .venv/bin/python benchmarks/llm_scoring.py                      # P=1024 R=256, P=256 R=64
     .venv/bin/python benchmarks/llm_scoring.py --shapes 64x16 --vocab 4096 --layers 1  # quick
     .venv/bin/python benchmarks/llm_scoring.py --device cuda --dtype bfloat16  # on a GPU
+    .venv/bin/python benchmarks/llm_scoring.py --profile ...   # operators and kernels launched
 
 One GRPO group: ``G`` completions of ``R`` tokens sampled from one prompt of ``P`` tokens, as a
 ragged lazy stack (``("tokens", "prompt")``, ``("tokens", "full")``, stored log-probs, one
@@ -74,6 +75,12 @@ def parse_args(argv=None):
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--memory-gib", type=float, default=20.0, help="address space per path")
     parser.add_argument("--paths", nargs="+", choices=PATHS, default=list(PATHS))
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="one more pass under torch.profiler: operators and device kernels launched, and "
+        "each path's costliest operators (on stderr)",
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # "path:PxR"
     return parser.parse_args(argv)
 
@@ -204,11 +211,34 @@ def worker(args) -> None:
             step(batch)
             sync(device)
             times.append(time.perf_counter() - start)
+        launched = profiled(step, batch, model, device, path) if args.profile else {}
     median = statistics.median(times[1:] if len(times) > 1 else times)
     sharing = getattr(loss.actor_network, "sharing", None)
     shared = bool(sharing and sharing.checked and sharing.off_reason is None)
     result = {"extra": peak - before, "s": median, "values": values, "grads": grads}
+    result |= launched
     print(json.dumps(result | {"shared": shared}))
+
+
+def profiled(step, batch, model, device, path: str) -> dict:
+    """One more pass under ``torch.profiler``: the operators dispatched (``aten::`` calls, each
+    a kernel launch or more on a GPU) and the device kernels run; the costliest operators go to
+    stderr. Where a GPU waits on the host, the launches are the time."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    accelerator = device.type != "cpu"
+    if accelerator:
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    model.zero_grad(set_to_none=True)
+    with torch.profiler.profile(activities=activities) as prof:
+        step(batch)
+        sync(device)
+    events = prof.events()
+    ops = sum(1 for e in events if e.name.startswith("aten::"))
+    kernels = sum(1 for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+    sort = "self_cuda_time_total" if accelerator else "self_cpu_time_total"
+    print(f"profile of {path}:", file=sys.stderr)
+    print(prof.key_averages().table(sort_by=sort, row_limit=12), file=sys.stderr)
+    return {"ops": ops, "kernels": kernels}
 
 
 def run_path(path: str, shape: str, args) -> dict:
@@ -216,7 +246,10 @@ def run_path(path: str, shape: str, args) -> dict:
     for name in ("group", "vocab", "hidden", "mlp", "layers", "dtype", "repeats", "threads"):
         cmd += [f"--{name}", str(getattr(args, name))]
     cmd += ["--device", args.device, "--memory-gib", str(args.memory_gib)]
+    cmd += ["--profile"] if args.profile else []
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if args.profile:
+        sys.stderr.write(proc.stderr)
     lines = proc.stdout.strip().splitlines()
     if proc.returncode != 0 or not lines:
         return {"error": f"exit {proc.returncode}: {proc.stderr.strip().splitlines()[-1:]}"}
@@ -248,6 +281,9 @@ def table(shape: str, results: dict, args) -> None:
             f"{r['extra'] / MIB:>9.0f} {ratio(before, 'extra'):>9}"
             + ("  (prompt computed once)" if r.get("shared") else "")
         )
+    launches = [(NAMES[p], r) for p, r in results.items() if "ops" in r]
+    for name, r in launches:
+        print(f"  {name}: {r['ops']} operators dispatched, {r['kernels']} device kernels")
     if "values" not in before:
         return
     for path, r in results.items():

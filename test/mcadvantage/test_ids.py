@@ -56,6 +56,12 @@ class TestTensorIds:
             4,
         ]
 
+    @pytest.mark.parametrize("values", [[5, -3, 5, 2**40, 5, -3], [0.5, -0.0, 0.5, 1e30, 0.5, 0.0]])
+    def test_counts_of_single_values(self, values):
+        ids = TensorIds(torch.tensor(values).reshape(-1, 1))
+        expected = torch.unique(ids.values, dim=0, return_counts=True)[1].tolist()
+        assert sorted(ids.counts()) == sorted(expected) == [1, 2, 3]
+
     def test_nothing_pending_counts_nothing(self):
         assert TensorIds(torch.zeros(0, 1, dtype=torch.long)).counts() == []
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from tensordict import TensorDict, lazy_stack
 
-from torchrl_grpo.mcadvantage import filters
+from torchrl_grpo.mcadvantage import filters, limits
 from torchrl_grpo.mcadvantage.options import GroupFilter, Selection
 from torchrl_grpo.mcadvantage.pending import first_arrivals, trajectory
 from torchrl_grpo.mcadvantage.records import Insertion, Pending, Returns, Rounds
@@ -46,6 +46,9 @@ def find_rounds(
     before = pending.ids if pending.num_pending else None
     codes, order = batch.group_ids.codes(before)  # (Q + n,)
     counts = torch.bincount(codes)  # (G,) trajectories of each group, pending included
+    n = batch.num_trajectories
+    if n > size:  # candidate selection (not here) takes more on purpose
+        limits.warn_if_over_repeated(size, torch.bincount(codes[-n:]))
     aged = _aged_short(pending, codes, counts, size, short)  # (G,) released short, or None
     fewest, most = (int(c) for c in torch.aminmax(counts))
     if most < size and aged is None:  # nothing can complete

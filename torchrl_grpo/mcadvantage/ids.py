@@ -90,7 +90,7 @@ class TensorIds(GroupIds):
         """Trajectories per distinct id."""
         if not len(self):
             return []
-        return torch.unique(self.values, dim=0, return_counts=True)[1].tolist()
+        return torch.bincount(self.codes()[0]).tolist()  # unique(dim=0) is 10x slower
 
     def python(self) -> list:
         """Each id as torchrl's queues key it: a number, or a tuple for several values."""

@@ -58,8 +58,6 @@ def insert(options: Options, state: State, tensordict: TensorDictBase) -> Outcom
     if batch is None:  # nothing completes, no step, or only stale trajectories
         return _finish(options, None, state._replace(insertions=clock), marks)
     _check_ragged(options, batch)
-    if not options.selects:  # candidate selection takes more on purpose
-        limits.warn_if_over_repeated(options.grpo_size, batch.group_ids)
     estimator, group_filter = options.estimator, options.group_filter  # 3.
     exact = options.selects or group_filter.keep_return_bounds is not None
     incoming = returns.insertion_returns(batch, estimator.trajectory_return, exact=exact)

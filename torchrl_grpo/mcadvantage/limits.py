@@ -133,16 +133,15 @@ def warn_if_stuck(grpo_size: int, state: State) -> None:
     )
 
 
-def warn_if_over_repeated(grpo_size: int, group_ids) -> None:
-    """Warn if one insertion brings more trajectories of one group than ``grpo_size``: they
-    make several groups of that id (prompts repeated more times than the group size, a
-    ``SameStartGroups(group_size)`` above ``grpo_size``), whose advantages are then relative to
-    a part of the samples only."""
-    counts = group_ids.counts()
-    most = max(counts) if counts else 0
+def warn_if_over_repeated(grpo_size: int, incoming_counts: torch.Tensor) -> None:
+    """Warn if one insertion brings more trajectories of one group than ``grpo_size`` (its
+    trajectories per group code, ``incoming_counts``): they make several groups of that id
+    (prompts repeated more times than the group size, a ``SameStartGroups(group_size)`` above
+    ``grpo_size``), whose advantages are then relative to a part of the samples only."""
+    most = int(incoming_counts.max())
     if most <= grpo_size:
         return
-    over = sum(c > grpo_size for c in counts)
+    over = int((incoming_counts > grpo_size).sum())
     warn(
         f"MCAdvantage: this insertion brings {most} trajectories of one group id, more than "
         f"grpo_size={grpo_size} ({over} id(s) above it): each id forms several groups of "
