@@ -139,6 +139,8 @@ def import_time(repeats: int = 3) -> tuple[float, float]:
 def run_script(script: Path, seed: int, output_dir: str, args: list[str]) -> dict:
     cmd = [sys.executable, str(script), "--seed", str(seed), "--output-dir", output_dir]
     cmd += ["--no-progress", *args]
+    if script == EXAMPLE:  # many runs: no checkpoint of each (15 MB, the buffer's storage)
+        cmd.append("--no-checkpoint")
     start = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     process_s = time.perf_counter() - start

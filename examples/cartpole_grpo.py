@@ -35,8 +35,10 @@ Run::
     python examples/cartpole_grpo.py --help
 
 Each run writes a fresh folder ``<output-dir>/seed<seed>-<date>-<time>/``: the logger's files,
-``returns.png`` (return against environment steps and wall time) and ``policy.pt`` (the actor's
-``state_dict``). See ``docs/tutorial_cartpole.rst`` for the design choices and measurements.
+``returns.png`` (return against environment steps and wall time), ``policy.pt`` (the actor's
+``state_dict``) and ``checkpoint/``, everything the run needs to go on:
+``--resume <that folder>`` continues it in a new folder (``docs/resume.rst``). See
+``docs/tutorial_cartpole.rst`` for the design choices and measurements.
 """
 
 # ruff: noqa: E402  (the clock starts before the imports: wall_s covers the whole run)
@@ -47,6 +49,7 @@ START = time.perf_counter()  # the time budget and wall_s count from here, impor
 import argparse
 import dataclasses
 import logging
+import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -142,6 +145,26 @@ class Settings:
     )
     max_env_steps: int | None = field(
         default=None, metadata={"help": "also stop after this many env steps", "type": int}
+    )
+    max_iterations: int | None = field(
+        default=None,
+        metadata={
+            "help": "also stop after this many training batches (a resumed run counts those "
+            "before its checkpoint)",
+            "type": int,
+        },
+    )
+    resume: str | None = field(
+        default=None,
+        metadata={
+            "help": "continue the run saved in this folder (a run folder, or its checkpoint/): "
+            "every run saves one when it stops; the time budget starts again",
+            "type": str,
+        },
+    )
+    no_checkpoint: bool = field(
+        default=False,
+        metadata={"help": "save no checkpoint/ when the run stops (it takes ~15 MB)"},
     )
     output_dir: str = field(default="runs/cartpole", metadata={"help": "logs and plot go here"})
     logger: str = field(
@@ -264,8 +287,14 @@ class EvalEpisodes:
 
     def __init__(self, num_episodes: int, seeds: range, device="cpu"):
         self.env = CartPoles(num_episodes)
-        self.seeds = iter(seeds)
+        self.seeds = seeds
+        self.used = 0  # seeds taken so far: a checkpoint saves it, so no seed is played twice
         self.device = torch.device(device)
+
+    def next_seeds(self) -> list[int]:
+        """The seeds of the next ``num_episodes`` fresh episodes."""
+        self.used += self.env.num_envs
+        return list(self.seeds[self.used - self.env.num_envs : self.used])
 
     def close(self) -> None:
         self.env.close()
@@ -281,7 +310,7 @@ def episode_returns(episodes: EvalEpisodes, actor: ProbabilisticActor) -> torch.
     """
     env, device = episodes.env, episodes.device
     net = actor.module[0].module  # the MLP of make_actor: observation -> logits
-    obs, _ = env.reset(seed=[next(episodes.seeds) for _ in range(env.num_envs)])
+    obs, _ = env.reset(seed=episodes.next_seeds())
     running = torch.ones(env.num_envs, dtype=torch.bool)
     returns = torch.zeros(env.num_envs)
     while running.any():
@@ -396,6 +425,69 @@ def finish_run(
     return {"solved": solved, "wall_s": wall, "env_steps": env_steps, "eval_return": eval_return}
 
 
+CHECKPOINT = "checkpoint"  # the folder of a run that --resume continues
+#: Settings a resumed run must share with its checkpoint: they shape the data or the network.
+SAME_ON_RESUME = ("seed", "group_size", "num_envs", "layout", "advantage", "gamma", "hidden")
+
+
+def save_checkpoint(folder: Path, cfg: Settings, parts: dict, progress: dict) -> None:
+    """Everything a stopped run needs to go on, in ``folder``: the replay buffer (its released
+    steps and its transform's pending groups and held episode pieces, ``rb.dumps``), the seed
+    queue and running episodes of :class:`~torchrl_grpo.SameStartGroups`, the policy, the
+    loss's state and the optimizer, the evaluation seeds used, the random number generators and
+    the run's progress (env steps, batches, the curves, the logger's step)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    parts["buffer"].dumps(folder / "buffer")
+    evals = [e.used if e is not None else 0 for e in (parts["eval_env"], parts["confirm_env"])]
+    state = {
+        "settings": dataclasses.asdict(cfg),
+        "loss": parts["loss"].state_dict(),  # the actor's parameters and the loss's own state
+        "optimizer": parts["optimizer"].state_dict(),
+        "env": parts["env"].transform.state_dict(),
+        "eval_seeds_used": evals,
+        "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state()},
+        "progress": progress,
+    }
+    state["rng"]["python"] = random.getstate()
+    torch.save(state, folder / "state.pt")
+
+
+def load_checkpoint(cfg: Settings, parts: dict) -> tuple[dict, dict]:
+    """Restore what :func:`save_checkpoint` wrote into freshly built ``parts`` (before the
+    collector exists: it resets the env). Returns ``(progress, replays)``: the run's progress
+    and the episodes :meth:`~torchrl_grpo.SameStartGroups.resume` plays again, ``{seed: count}``.
+
+    Raises:
+        SystemExit: no checkpoint there, or settings that change the data or the network.
+    """
+    folder = Path(cfg.resume)
+    folder = folder if (folder / "state.pt").exists() else folder / CHECKPOINT
+    if not (folder / "state.pt").exists():
+        raise SystemExit(f"--resume {cfg.resume}: no checkpoint there (state.pt).")
+    state = torch.load(folder / "state.pt", weights_only=False)  # our own file: numpy's state
+    saved = state["settings"]
+    changed = [k for k in SAME_ON_RESUME if saved[k] != getattr(cfg, k)]
+    if changed:
+        raise SystemExit(
+            "--resume: the checkpoint was made with "
+            + ", ".join(f"--{k.replace('_', '-')} {saved[k]}" for k in changed)
+            + "; pass the same (they shape the data or the network)."
+        )
+    parts["loss"].load_state_dict(state["loss"])
+    parts["optimizer"].load_state_dict(state["optimizer"])
+    parts["buffer"].loads(folder / "buffer")
+    parts["env"].transform.load_state_dict(state["env"])
+    for episodes, used in zip((parts["eval_env"], parts["confirm_env"]), state["eval_seeds_used"]):
+        if episodes is not None:
+            episodes.used = used
+    # the episodes running at the checkpoint are lost with the collector: play their seeds again
+    replays = parts["env"].transform.resume(parts["advantage"])
+    torch.set_rng_state(state["rng"]["torch"])
+    np.random.set_state(state["rng"]["numpy"])
+    random.setstate(state["rng"]["python"])
+    return state["progress"], replays
+
+
 def main(argv: list[str] | None = None) -> dict:
     cfg = parse_args(argv)
     if not cfg.verbose:  # torchrl reports specs it infers and storages it allocates at INFO
@@ -478,17 +570,6 @@ def main(argv: list[str] | None = None) -> dict:
             traj_format="cat",
         )
         incoming = episodes_per_batch * MAX_EPISODE_STEPS
-    polled = []  # env steps of every poll of the sub-envs
-    collector = Collector(
-        env,
-        actor,
-        total_frames=-1,
-        exploration_type=ExplorationType.RANDOM,
-        post_collect_hook=lambda steps: polled.append(steps.numel()),
-        auto_register_policy_transforms=False,  # an MLP policy: no InitTracker, no primer
-        **layout,
-    )
-    batches = iter(collector)
     # One extend releases at most the episodes that end in this batch and those that ended
     # earlier in groups still pending: a pending group has a member still running on a sub-env
     # (or is the group the seeds are at), and holds at most G - 1 ended episodes.
@@ -499,15 +580,47 @@ def main(argv: list[str] | None = None) -> dict:
         batch_size=cfg.minibatch_size,
     )
     buffer.append_transform(advantage)
+    parts = dict(
+        loss=loss_module,
+        optimizer=optimizer,
+        buffer=buffer,
+        env=env,
+        advantage=advantage,
+        eval_env=eval_env,
+        confirm_env=confirm_env,
+    )
+    progress = dict(env_steps=0, iterations=0, trained=0, history=[], evals=[], wall_s=0.0)
+    if cfg.resume:  # before the collector, which resets the env
+        progress, replays = load_checkpoint(cfg, parts)
+        print(
+            f"resumed {cfg.resume}: {progress['iterations']} batches, {progress['env_steps']} env "
+            f"steps; {advantage.queued_groups} group(s) pending; episodes played again (they "
+            f"were running): {replays}",
+            flush=True,
+        )
+    polled = [progress["env_steps"]]  # env steps of every poll of the sub-envs
+    collector = Collector(
+        env,
+        actor,
+        total_frames=-1,
+        exploration_type=ExplorationType.RANDOM,
+        post_collect_hook=lambda steps: polled.append(steps.numel()),
+        auto_register_policy_transforms=False,  # an MLP policy: no InitTracker, no primer
+        **layout,
+    )
+    batches = iter(collector)
 
-    history, evals, out, trained = [], [], None, 0  # trained: episodes trained on so far
-    eval_return = float("nan")
+    history, evals, out = progress["history"], progress["evals"], None
+    trained = progress["trained"]  # episodes trained on so far
+    eval_return = evals[-1]["return"] if evals else float("nan")
     seconds = {"setup": time.perf_counter() - START, "play": 0.0, "optimize": 0.0, "evaluate": 0.0}
     bar = tqdm(unit=" steps", unit_scale=True, disable=cfg.no_progress, dynamic_ncols=True)
     solved = False
     while not solved:
-        if time.perf_counter() - START >= cfg.time_budget or (
-            cfg.max_env_steps is not None and sum(polled) >= cfg.max_env_steps
+        if (
+            time.perf_counter() - START >= cfg.time_budget
+            or (cfg.max_env_steps is not None and sum(polled) >= cfg.max_env_steps)
+            or (cfg.max_iterations is not None and len(history) >= cfg.max_iterations)
         ):
             break
         # 1. play a batch: `frames_per_batch` steps (stream), or until enough episodes ended
@@ -540,7 +653,7 @@ def main(argv: list[str] | None = None) -> dict:
         seconds["optimize"] += tick - tock
         eval_return, solved = greedy_return(actor, eval_env, confirm_env, cfg.target_return)
         seconds["evaluate"] += time.perf_counter() - tick
-        env_steps, wall = sum(polled), time.perf_counter() - START
+        env_steps, wall = sum(polled), progress["wall_s"] + time.perf_counter() - START
         history.append({"env_steps": env_steps, "wall_s": wall, "return": train_return})
         evals.append({"env_steps": env_steps, "wall_s": wall, "return": eval_return})
         if logger is not None:
@@ -571,6 +684,10 @@ def main(argv: list[str] | None = None) -> dict:
     if not evals:  # the budget ran out before the first batch: report the untrained policy
         eval_return, solved = greedy_return(actor, eval_env, confirm_env, cfg.target_return)
         evals.append({"env_steps": 0, "wall_s": time.perf_counter() - START, "return": eval_return})
+    wall = progress["wall_s"] + time.perf_counter() - START
+    progress = dict(progress, env_steps=env_steps, iterations=len(history), trained=trained)
+    if not cfg.no_checkpoint:
+        save_checkpoint(run_dir / CHECKPOINT, cfg, parts, dict(progress, wall_s=wall))
 
     return finish_run(
         run_dir,

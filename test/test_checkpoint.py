@@ -128,3 +128,82 @@ class TestDevices:
         assert sorted(released(got)) == sorted(want)
         for uid, adv in released(got).items():
             torch.testing.assert_close(adv.cpu(), want[uid])
+
+
+def llm_rows(prompts, seed=0):
+    """LLM rows as torchrl's LLM collectors store them: ragged tokens, text, a prompt key."""
+    from torchrl.modules.llm.policies.common import Text, Tokens
+
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for prompt in prompts:
+        n = int(torch.randint(3, 9, (), generator=g))
+        rows.append(
+            TensorDict(
+                tokens=Tokens(full=torch.randint(50, (n,), generator=g), prompt=torch.arange(2)),
+                text=Text(prompt=prompt, full=prompt + " answer"),
+                query=prompt,
+                next=TensorDict(
+                    reward=torch.rand(1, 1, generator=g),
+                    done=torch.ones(1, 1, dtype=torch.bool),
+                    terminated=torch.ones(1, 1, dtype=torch.bool),
+                ),
+            ).unsqueeze(0)  # one step each
+        )
+    return rows
+
+
+class TestListStorages:
+    """torchrl 0.14.1 cannot save a ListStorage / LazyStackStorage; through MCAdvantage's buffer
+    (or allow_empty_dumps) it can, the transform's pending text groups included."""
+
+    def make(self):
+        from torchrl.data import LazyStackStorage
+
+        transform = MCAdvantage(2, prompt_key="query", trajectory_return="sum")
+        return ReplayBuffer(storage=LazyStackStorage(100)).append_transform(transform), transform
+
+    def test_plain_torchrl_refuses(self, tmp_path):
+        from torchrl.data import LazyStackStorage
+
+        rb = ReplayBuffer(storage=LazyStackStorage(10))
+        with pytest.raises(NotImplementedError):
+            rb.dumps(tmp_path)
+
+    def test_restart_with_stored_and_pending_groups(self, tmp_path):
+        from tensordict import lazy_stack, set_list_to_stack
+
+        with set_list_to_stack(True):
+            rows = llm_rows(["a", "b", "a", "c", "b", "c"])
+            reference, _ = self.make()
+            for row in rows:
+                reference.extend(row)
+            rb, transform = self.make()
+            for row in rows[:4]:  # "a" complete (stored); "b" and "c" pending
+                rb.extend(row)
+            assert len(rb) == 2 and transform.queued_trajectories == 2
+            rb.dumps(tmp_path / "checkpoint")
+            restored, restored_transform = self.make()
+            restored.loads(tmp_path / "checkpoint")
+            assert len(restored) == 2 and restored_transform.queued_trajectories == 2
+            for row in rows[4:]:
+                restored.extend(row)
+            assert len(restored) == len(reference) == 6
+            got, want = restored[:], reference[:]
+            assert got["query"] == want["query"]
+            assert torch.equal(got["advantage"].flatten(), want["advantage"].flatten())
+            for a, b in zip(got.unbind(0), want.unbind(0)):
+                assert torch.equal(a["tokens", "full"], b["tokens", "full"])
+                assert a["text", "full"] == b["text", "full"]
+            assert lazy_stack(list(got.unbind(0))).batch_size == got.batch_size
+
+    def test_loading_into_a_filled_storage_is_refused(self, tmp_path):
+        from tensordict import set_list_to_stack
+
+        with set_list_to_stack(True):
+            rb, _ = self.make()
+            for row in llm_rows(["a", "a"]):
+                rb.extend(row)
+            rb.dumps(tmp_path / "checkpoint")
+            with pytest.raises(RuntimeError, match="loads into an empty storage"):
+                rb.loads(tmp_path / "checkpoint")

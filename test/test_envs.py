@@ -328,3 +328,95 @@ class TestSeedsOutsideTheCollector:
             fresh = vector_env(2, gym.vector.AutoresetMode.SAME_STEP)
             fresh.append_transform(SameStartGroups(1))
             fresh.reset()  # an evaluation's whole reset: no word
+
+
+class TestResume:
+    """A checkpoint between two collector batches, a fresh process's objects, ``resume()``: every
+    group pending at the checkpoint completes, with exactly ``G`` episodes of its seed."""
+
+    LAYOUTS = {
+        "stream": dict(frames_per_batch=60),
+        "episodes": dict(frames_per_batch=30, trajs_per_batch=6, traj_format="cat"),
+    }
+
+    def build(self, layout, state=None, checkpoint=None, resume=True):
+        """Env, buffer and collector as a user builds them; the checkpoint loaded (and
+        ``resume`` called) before the collector exists, since it resets the env."""
+        env = TransformedEnv(vector_env(5), SameStartGroups(3, seeds=range(1000)))
+        advantage = MCAdvantage(3, prompt_key="reset_seed", trajectory_return="sum")
+        rb = ReplayBuffer(storage=LazyTensorStorage(50_000)).append_transform(advantage)
+        replays = None
+        if checkpoint is not None:
+            rb.loads(checkpoint)
+            env.transform.load_state_dict(state)
+            if resume:
+                replays = env.transform.resume(advantage)
+            else:  # what the transform's error asks for, and no more
+                advantage.forget_trajectory_ids()
+        collector = Collector(env, None, total_frames=-1, **self.LAYOUTS[layout])
+        return env, rb, advantage, collector, replays
+
+    def episodes_stored(self, rb) -> Counter:
+        stored = rb[:]
+        done = stored["next", "done"].squeeze(-1)
+        first = torch.cat([torch.tensor([True]), done[:-1]])
+        return Counter(stored["reset_seed"][first].tolist())
+
+    def run(self, tmp_path, layout, resume=True):
+        torch.manual_seed(0)
+        env, rb, advantage, collector, _ = self.build(layout)
+        batches = iter(collector)
+        for _ in range(3):
+            rb.extend(next(batches))
+        collector.shutdown()
+        pending = {seed: len(held) for seed, held in advantage.queues.items()}
+        running = env.transform.running_seeds
+        rb.dumps(tmp_path / "buffer")
+        state = env.transform.state_dict()
+        env, rb, advantage, collector, replays = self.build(
+            layout, state, tmp_path / "buffer", resume
+        )
+        batches = iter(collector)
+        for _ in range(12):
+            rb.extend(next(batches))
+        collector.shutdown()
+        return pending, running, replays, self.episodes_stored(rb)
+
+    @pytest.mark.parametrize("layout", ["stream", "episodes"])
+    def test_every_pending_group_completes(self, tmp_path, layout):
+        pending, running, replays, stored = self.run(tmp_path, layout)
+        assert pending and running  # groups waited, episodes were being played
+        assert set(replays) <= set(pending) | set(running)
+        assert set(pending) <= set(stored)  # every group pending at the checkpoint released
+        assert all(n == 3 for n in stored.values())  # each with exactly G episodes
+
+    def test_without_resume_pending_groups_wait_forever(self, tmp_path):
+        pending, _, _, stored = self.run(tmp_path, "stream", resume=False)
+        assert not set(pending) <= set(stored)  # what resume() is for
+
+    def test_replays_are_served_first_and_saved(self):
+        env = TransformedEnv(vector_env(2), SameStartGroups(2, seeds=range(50)))
+        env.transform.replay({7: 1, 3: 2})
+        assert env.transform.replays == [7, 3, 3]
+        fresh = SameStartGroups(2, seeds=range(50))
+        fresh.load_state_dict(env.transform.state_dict())
+        assert fresh.replays == [7, 3, 3] and fresh.episodes_started == 0
+        env = TransformedEnv(vector_env(2), fresh)
+        td = env.reset()
+        assert td["reset_seed"].tolist() == [7, 3] and fresh.replays == [3]
+        env.step(env.rand_action(td))
+        td = env.reset()
+        assert td["reset_seed"].tolist() == [3, 0] and fresh.episodes_started == 1
+
+    def test_bad_replays_are_refused(self):
+        transform = SameStartGroups(2, seeds=range(10))
+        with pytest.raises(ValueError, match="seed 12"):
+            transform.replay({12: 1})
+        with pytest.raises(ValueError, match="non-negative count"):
+            transform.replay({1: -1})
+        assert transform.replays == []
+
+    def test_an_older_state_dict_loads(self):
+        transform = SameStartGroups(2)
+        transform.load_state_dict({"_episodes_started": torch.tensor(5)})
+        assert transform.episodes_started == 5 and transform.running_seeds == []

@@ -165,6 +165,18 @@ class TestGreedyReturn:
         assert example.greedy_return(None, [475.0] * 20, None, 475.0) == (475.0, True)
 
 
+def pending_seeds(transform_state: dict) -> set:
+    """The ids of the groups pending in a buffer's saved transform state (``transform.t``)."""
+    from torchrl.data import LazyTensorStorage, ReplayBuffer
+
+    from torchrl_grpo import MCAdvantage
+
+    advantage = MCAdvantage(4, prompt_key="reset_seed", reward_to_go_gamma=0.99)
+    rb = ReplayBuffer(storage=LazyTensorStorage(10)).append_transform(advantage)
+    rb.transform.load_state_dict(transform_state)
+    return set(advantage.queues)
+
+
 class TestCartPoleDemo:
     def test_tiny_budget_run(self, example, tmp_path):
         # one small batch (8 episodes: 2 seeds x 4, on 8 sub-envs), then the step budget stops it
@@ -209,6 +221,47 @@ class TestCartPoleDemo:
         with open(run_dir / "scalars" / "eval" / "return.csv") as f:
             assert f"{float(next(csv.reader(f))[1]):.1f}" == eval_return  # as RESULT rounds it
         assert (run_dir / "scalars" / "train" / "loss_objective.csv").exists()
+
+    def test_resume_goes_on_from_the_checkpoint(self, example, tmp_path):
+        """N batches, a checkpoint, a fresh main() resuming it: the counters, curves and logs go
+        on, every group pending at the checkpoint is released, a resume with nothing more to do
+        leaves the policy exactly as saved, and settings that shape the data are refused."""
+        small = ["--num-envs", "16", "--groups", "4", "--group-size", "4"]
+        small += ["--frames-per-batch", "256", "--minibatch-size", "256", "--eval-episodes", "4"]
+        small += ["--confirm-episodes", "0", "--time-budget", "1e9", "--target-return", "1e9"]
+        small += ["--logger", "csv", "--no-progress"]
+
+        def run(out, *args):
+            example.main([*small, "--output-dir", str(tmp_path / out), *args])
+            (run_dir,) = (tmp_path / out).glob("seed0-*")
+            return run_dir
+
+        first = run("first", "--max-iterations", "2")
+        saved = torch.load(first / "checkpoint" / "state.pt", weights_only=False)
+        assert saved["progress"]["iterations"] == 2
+        second = run("second", "--max-iterations", "4", "--resume", str(first))
+        state = torch.load(second / "checkpoint" / "state.pt", weights_only=False)
+        progress = state["progress"]
+        assert progress["iterations"] == 4 and len(progress["evals"]) == 4
+        assert progress["env_steps"] > saved["progress"]["env_steps"]
+        assert progress["history"][:2] == saved["progress"]["history"]
+        with open(second / "scalars" / "train" / "return.csv") as f:  # the logger's steps go on
+            steps = [int(row[0]) for row in csv.reader(f)]
+        assert len(steps) == 2 and steps[0] > saved["progress"]["env_steps"]
+        # each group pending at the checkpoint was released after the resume, or still has an
+        # episode being played (its seed replayed, an episode of up to 500 steps)
+        pending = pending_seeds(torch.load(first / "checkpoint" / "buffer" / "transform.t"))
+        waiting = pending_seeds(torch.load(second / "checkpoint" / "buffer" / "transform.t"))
+        playing = state["env"]["_extra_state"]
+        assert pending and pending - waiting  # some released since
+        assert pending & waiting <= set(playing["running"]) | set(playing["replays"])
+
+        same = run("same", "--max-iterations", "2", "--resume", str(first))
+        policy, resumed = torch.load(first / "policy.pt"), torch.load(same / "policy.pt")
+        assert all(torch.equal(policy[k], resumed[k]) for k in policy)  # nothing trained: exact
+
+        with pytest.raises(SystemExit, match="--group-size 4"):
+            example.main([*small, "--group-size", "8", "--resume", str(first)])
 
     def test_zero_epochs_plays_and_logs_without_a_loss(self, example, tmp_path):
         # issue 13: --epochs 0 died with a NameError when logging the loss it never computed

@@ -58,7 +58,8 @@ Decisions, in one place:
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Mapping, Sequence
 
 import torch
 from tensordict import NestedKey, TensorDictBase
@@ -139,6 +140,8 @@ class SameStartGroups(Transform):
         self.out_key = out_key
         self.register_buffer("_episodes_started", torch.zeros((), dtype=torch.long))
         self._unplayed = None  # (batch,) the seed each sub-env was reset with, -1 once it stepped
+        self._running = None  # (batch,) the seed of each sub-env's episode, -1 before any reset
+        self._replays: list[int] = []  # seeds to start again before the queue goes on (resume)
         self._parent_checked = False
 
     # --- what a user reads ------------------------------------------------------------------
@@ -177,6 +180,119 @@ class SameStartGroups(Transform):
         """
         self._episodes_started.zero_()
         self._unplayed = None
+        self._running = None
+        self._replays = []
+
+    # --- resuming from a checkpoint ---------------------------------------------------------
+
+    @property
+    def running_seeds(self) -> list[int]:
+        """The seed of each (sub-)environment's current episode, in index order (none before the
+        first reset): the episodes a checkpoint taken now cannot hold, since they are still
+        being played."""
+        return (
+            []
+            if self._running is None
+            else [s for s in self._running.reshape(-1).tolist() if s >= 0]
+        )
+
+    @property
+    def replays(self) -> list[int]:
+        """The seeds queued by :meth:`resume` (or :meth:`replay`) and not yet started again."""
+        return list(self._replays)
+
+    def replay(self, seeds: Mapping[int, int]) -> None:
+        """Start each seed ``seeds[s]`` more times before the queue goes on (in the order given).
+
+        Raises:
+            ValueError: a seed not among :attr:`seeds`, or a count below 0.
+        """
+        extra = []
+        for seed, count in seeds.items():
+            if count < 0 or self._rank(seed) is None:
+                raise ValueError(
+                    f"{type(self).__name__}.replay: seed {seed!r} x {count!r} is not a "
+                    f"non-negative count of one of {self.seeds!r}."
+                )
+            extra += [int(seed)] * int(count)
+        self._replays += extra
+
+    def resume(self, pending) -> dict[int, int]:
+        """After a checkpoint is loaded: play again every episode the checkpoint could not hold.
+
+        The episodes running at the checkpoint (:attr:`running_seeds`) and those that ended but
+        never reached the buffer (held by a collector's ``trajs_per_batch``) are lost with the
+        collector. For every seed that was running or whose group is pending, this queues the
+        episodes it started that the buffer does not hold: each such group gets its ``G``
+        episodes. Also forgets what ran: the next reset starts from the queue.
+
+        Args:
+            pending: the transform's pending groups, ``{group id: trajectories held}``, or the
+                :class:`~torchrl_grpo.MCAdvantage` itself, whose unfinished trajectories (the
+                running episodes' first steps) are then given up
+                (:meth:`~torchrl_grpo.MCAdvantage.forget_trajectory_ids`).
+
+        Returns:
+            ``{seed: episodes queued again}``, the groups completed by the replays.
+
+        Examples:
+            >>> from torchrl.envs import GymEnv, TransformedEnv
+            >>> from torchrl_grpo import SameStartGroups
+            >>> env = TransformedEnv(GymEnv("CartPole-v1"), SameStartGroups(4))
+            >>> _ = env.rollout(3, break_when_any_done=False)  # one episode of seed 0 running
+            >>> state = env.transform.state_dict()  # ... a checkpoint; a fresh process:
+            >>> fresh = TransformedEnv(GymEnv("CartPole-v1"), SameStartGroups(4))
+            >>> _ = fresh.transform.load_state_dict(state)
+            >>> fresh.transform.resume({})  # nothing of seed 0 reached the buffer
+            {0: 1}
+            >>> int(fresh.reset()["reset_seed"]), fresh.transform.episodes_started
+            (0, 1)
+        """
+        if hasattr(pending, "forget_trajectory_ids"):  # an MCAdvantage
+            pending.forget_trajectory_ids()
+            pending = {group: len(held) for group, held in pending.queues.items()}
+        queued = Counter(self._replays)
+        seeds = dict.fromkeys([*self.running_seeds, *pending])  # in order, each once
+        replays = {}
+        for seed in seeds:
+            rank = self._rank(seed)
+            if rank is None:  # a pending group of another id: not this transform's
+                continue
+            missing = self._started(rank) - pending.get(seed, 0) - queued[seed]
+            if missing > 0:
+                replays[int(seed)] = missing
+        self._running, self._unplayed = None, None
+        self.replay(replays)
+        return replays
+
+    def _rank(self, seed) -> int | None:
+        """The position of ``seed`` in :attr:`seeds`, ``None`` if it is not there."""
+        try:
+            return self.seeds.index(seed)
+        except (ValueError, TypeError):
+            return None
+
+    def _started(self, rank: int) -> int:
+        """Episodes the queue started from the seed of ``rank`` (replays not counted)."""
+        whole, part = divmod(self.episodes_started, self.group_size)
+        return self.group_size if rank < whole else part if rank == whole else 0
+
+    def get_extra_state(self) -> dict:
+        """What ``state_dict()`` holds beside the count: the running seeds and the replays."""
+        return {"running": self.running_seeds, "replays": list(self._replays)}
+
+    def set_extra_state(self, state: dict) -> None:
+        running = state.get("running", [])
+        self._running = torch.tensor(running, dtype=torch.long) if running else None
+        self._replays = [int(s) for s in state.get("replays", [])]
+        self._unplayed = None
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        missing = args[2] if len(args) > 2 else kwargs.get("missing_keys")
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        extra = prefix + "_extra_state"
+        if missing is not None and extra in missing:  # a checkpoint from before resume()
+            missing.remove(extra)
 
     def __repr__(self) -> str:
         return (
@@ -187,7 +303,15 @@ class SameStartGroups(Transform):
     # --- the seed queue ---------------------------------------------------------------------
 
     def _next_seeds(self, count: int) -> torch.Tensor:
-        """The seeds of the next ``count`` episodes, shape ``(count,)``; the queue stays put."""
+        """The seeds of the next ``count`` episodes, shape ``(count,)``: the replays first, then
+        the queue; both stay put."""
+        replayed = torch.tensor(self._replays[:count], dtype=torch.long)
+        if count == len(replayed):
+            return replayed
+        return torch.cat([replayed, self._queued_seeds(count - len(replayed))])
+
+    def _queued_seeds(self, count: int) -> torch.Tensor:
+        """The next ``count`` seeds of the queue, shape ``(count,)``; the queue stays put."""
         first = self.episodes_started
         ranks = range(first // self.group_size, (first + count - 1) // self.group_size + 1)
         if ranks.stop > len(self.seeds):
@@ -227,9 +351,13 @@ class SameStartGroups(Transform):
         seeds, new = self._seeds_for(mask)
         kwargs = _seed_kwargs(parent, mask, seeds)
         tensordict_reset = parent.reset(None if full else tensordict.select("_reset"), **kwargs)
-        self._episodes_started += new  # only once the seeded reset went through
-        self._unplayed = self._unplayed_seeds(batch)
+        replayed = min(new, len(self._replays))  # only once the seeded reset went through:
+        del self._replays[:replayed]
+        self._episodes_started += new - replayed  # the replays first, then the queue
+        self._unplayed = self._per_env(self._unplayed, batch)
         self._unplayed[mask] = seeds
+        self._running = self._per_env(self._running, batch)
+        self._running[mask] = seeds
         seed = torch.full(batch, -1, dtype=torch.long, device=tensordict_reset.device)
         seed[mask.to(seed.device)] = seeds.to(seed.device)
         return tensordict_reset.set(self.out_key, seed)
@@ -263,10 +391,12 @@ class SameStartGroups(Transform):
         seeds[fresh] = self._next_seeds(int(fresh.sum()))
         return seeds, int(fresh.sum())
 
-    def _unplayed_seeds(self, batch: torch.Size) -> torch.Tensor:
-        if self._unplayed is None or self._unplayed.shape != batch:
+    @staticmethod
+    def _per_env(seeds: torch.Tensor | None, batch: torch.Size) -> torch.Tensor:
+        """``seeds`` if it holds one seed per sub-env of ``batch``, else ``-1`` for each."""
+        if seeds is None or seeds.shape != batch:
             return torch.full(batch, -1, dtype=torch.long)
-        return self._unplayed
+        return seeds
 
     def _reset_on_native_autoreset(
         self, tensordict: TensorDictBase, tensordict_reset: TensorDictBase
@@ -285,6 +415,11 @@ class SameStartGroups(Transform):
                 "tensordict that env.reset() returned (or the previous step's, after step_mdp), "
                 "as collectors and env.rollout do."
             )
+        done = next_tensordict.get("done", None)
+        if done is not None and self._running is not None:  # an ended episode runs no more
+            batch = self._running.shape
+            ended = done.reshape(*batch, -1).any(-1) if batch else done.any()
+            self._running = self._running.masked_fill(ended.cpu(), -1)
         return next_tensordict.set(self.out_key, seed.clone())
 
     def transform_observation_spec(self, observation_spec: Composite) -> Composite:

@@ -100,7 +100,9 @@ def join(tails: Tails, tensordict: TensorDictBase, keys: TrajectoryKeys, clock: 
             "reused (the ids of several collectors writing one buffer must not overlap). After "
             "a restart whose collector numbers trajectories from 0 again, give the steps a step "
             "counter (torchrl's StepCounter: a trajectory that starts at step 0 is taken for a "
-            "new one), or call transform.forget_trajectory_ids() once the checkpoint is loaded."
+            "new one), or call transform.forget_trajectory_ids() once the checkpoint is loaded "
+            "(with SameStartGroups: env.transform.resume(transform), which also plays again "
+            "the episodes that were running)."
         )
     given_up = status == GIVEN_UP  # continuations of evicted tails: left out, counted
     completes = pieces.last_done & ~given_up  # (p,)
