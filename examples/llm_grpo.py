@@ -144,6 +144,15 @@ class Settings:
         default=False,
         metadata={"help": "evaluate the model (greedy, held-out prompts), print RESULT, stop"},
     )
+    resume: str = field(
+        default="",
+        metadata={
+            "help": "continue the run saved in this run folder (its checkpoint/, written when "
+            "a run stops): the policy and reference, optimizer, schedule, loss, buffer, prompt "
+            "stream, random state, curves and logger step; --steps counts the steps before it, "
+            "the time limit starts again"
+        },
+    )
     lora_rank: int = field(
         default=0,
         metadata={
@@ -267,10 +276,10 @@ def parse_args(argv=None, task: "Task | None" = None, settings_cls: type = Setti
     if cfg.lora_rank < 0:
         parser.error("--lora-rank: a positive rank (0: every weight trains)")
     single_turn = (cfg.lora_rank, cfg.model, cfg.tokenizer, cfg.eval_only, cfg.logger != "csv")
-    if settings_cls is not Settings and any(single_turn):
+    if settings_cls is not Settings and any((*single_turn, cfg.resume)):
         parser.error(
-            "--lora-rank, --model, --tokenizer, --eval-only and --logger: examples/llm_grpo.py "
-            "only (this example logs to CSV)"
+            "--lora-rank, --model, --tokenizer, --eval-only, --logger and --resume: "
+            "examples/llm_grpo.py only (this example logs to CSV)"
         )
     if cfg.max_new_tokens is None:
         task = task or digit_sum_task(cfg.digits)
@@ -361,19 +370,25 @@ def make_tokenizer(chars: str = "0123456789 =") -> PreTrainedTokenizerFast:
     return tokenizer
 
 
-def draw_problems(task: Task, gen: torch.Generator, n: int, exclude: set[str]) -> TensorDict:
+def draw_problems(
+    task: Task, gen: torch.Generator, n: int, exclude: set[str], distinct: bool = False
+) -> TensorDict:
     """``n`` problems of ``task`` whose prompts are not in ``exclude``, as the env's data: the
-    prompt (``"query"``) and the expected answer."""
+    prompt (``"query"``) and the expected answer; ``distinct``: no prompt twice (a GRPO step's
+    prompts, each one group: a prompt drawn twice would make two groups of one id)."""
     rows: list[tuple[str, str]] = []
     for _ in range(100):
-        rows += [row for row in task.draw(gen, 2 * (n - len(rows))) if row[0] not in exclude]
+        for row in task.draw(gen, 2 * (n - len(rows))):
+            if row[0] not in exclude and not (distinct and row[0] in {r[0] for r in rows}):
+                rows.append(row)
         if len(rows) >= n:
             break
     else:
         raise ValueError(
-            f"task {task.name!r}: drew only {len(rows)} of {n} problems outside the "
-            f"{len(exclude)} held-out prompts in 100 tries: the task has too few distinct "
-            "prompts for this --eval-prompts (training never sees an evaluation prompt)."
+            f"task {task.name!r}: drew only {len(rows)} of {n} {'distinct ' * distinct}"
+            f"problems outside the {len(exclude)} held-out prompts in 100 tries: the task has "
+            "too few distinct prompts for this --eval-prompts and --prompts-per-step "
+            "(training never sees an evaluation prompt)."
         )
     queries, answers = zip(*rows[:n])
     return TensorDict(query=list(queries), answer=list(answers), batch_size=[n])
@@ -387,7 +402,7 @@ class Problems(IterableDataset):
 
     def __iter__(self):
         while True:
-            yield draw_problems(self.task, self.gen, self.batch, self.exclude)
+            yield draw_problems(self.task, self.gen, self.batch, self.exclude, distinct=True)
 
 
 class TaskReward(Transform):
@@ -813,6 +828,72 @@ def evaluate_only(eval_accuracy, cfg: Settings, start: float) -> dict:
     return {"acc_before": acc, "acc_after": acc, "wall_s": wall_s, "run_dir": None}
 
 
+CHECKPOINT = "checkpoint"  # the folder of a run that --resume continues
+#: Settings a resumed run must share with its checkpoint: they shape the model or the data.
+SAME_ON_RESUME = ("seed", "digits", "n_layer", "n_embd", "n_head", "lora_rank", "lean", "model")
+SAME_ON_RESUME += ("group_size", "prompts_per_step")
+
+
+def save_reference(folder: Path, model) -> None:
+    """The warm-started weights, once per run: the reference policy, and where a resumed run
+    starts before its adapters or its trained weights are loaded."""
+    folder.mkdir(parents=True, exist_ok=True)
+    torch.save(model.state_dict(), folder / "reference.pt")
+
+
+def save_checkpoint(folder: Path, cfg: Settings, parts: dict, progress: dict) -> None:
+    """What a stopped run needs to go on, beside ``reference.pt``: the replay buffer with its
+    transform's pending groups (``rb.dumps``; ``LazyStackStorage`` through the package's
+    checkpointer), the policy's weights, the optimizer, the schedule, the loss's own state, the
+    prompt generator, torch's random state and the run's progress."""
+    parts["rb"].dumps(folder / "buffer")
+    actor = "actor_network"  # the policy's weights are saved once, as "policy"
+    state = {
+        "settings": dataclasses.asdict(cfg),
+        "policy": parts["model"].state_dict(),
+        "optimizer": parts["optim"].state_dict(),
+        "schedule": parts["schedule"].state_dict(),
+        "loss": {k: v for k, v in parts["loss"].state_dict().items() if not k.startswith(actor)},
+        "prompts": parts["gen"].get_state(),
+        "rng": torch.get_rng_state(),
+        "progress": progress,
+    }
+    torch.save(state, folder / "state.pt")
+
+
+def load_checkpoint(cfg: Settings) -> dict:
+    """The state :func:`save_checkpoint` wrote in the run folder ``cfg.resume``.
+
+    Raises:
+        SystemExit: no checkpoint there, or settings that change the model or the data.
+    """
+    folder = Path(cfg.resume) / CHECKPOINT
+    if not (folder / "state.pt").exists():
+        raise SystemExit(f"--resume {cfg.resume}: no checkpoint there ({folder / 'state.pt'}).")
+    state = torch.load(folder / "state.pt", weights_only=False)
+    saved = state["settings"]
+    changed = [k for k in SAME_ON_RESUME if saved[k] != getattr(cfg, k)]
+    if changed:
+        raise SystemExit(
+            "--resume: the checkpoint was made with "
+            + ", ".join(f"--{k.replace('_', '-')} {saved[k]!r}" for k in changed)
+            + "; pass the same (they shape the model or the data)."
+        )
+    state["reference"] = torch.load(folder / "reference.pt", weights_only=True)
+    state["buffer"] = folder / "buffer"
+    return state
+
+
+def restore(parts: dict, state: dict) -> None:
+    """Load a checkpoint's training state into freshly built ``parts`` (before training)."""
+    parts["model"].load_state_dict(state["policy"])
+    parts["optim"].load_state_dict(state["optimizer"])
+    parts["schedule"].load_state_dict(state["schedule"])
+    parts["loss"].load_state_dict(state["loss"], strict=False)  # the policy: loaded above
+    parts["rb"].loads(state["buffer"])
+    torch.set_rng_state(state["rng"])
+
+
 def plot(history: dict, path: str, acc_before: float, title: str) -> None:
     fig, ax = plt.subplots(figsize=(6.4, 3.6), dpi=100)
     plot_progress(ax, history, acc_before, title)
@@ -841,6 +922,7 @@ def main(argv=None, *, task: Task | None = None, model_and_tokenizer=None) -> di
     model, tokenizer = model_and_tokenizer(cfg, task)
     check_special_ids(model, tokenizer)
     model = model.to(cfg.device)
+    state = load_checkpoint(cfg) if cfg.resume else None  # refused before any work
 
     # held-out evaluation set: the same prompts for every seed, excluded from all training
     eval_problems = draw_problems(
@@ -855,12 +937,19 @@ def main(argv=None, *, task: Task | None = None, model_and_tokenizer=None) -> di
     eval_accuracy = GreedyAccuracy(tokenizer, task, eval_problems, greedy)
     if cfg.eval_only:
         return evaluate_only(eval_accuracy, cfg, start)
-    sft_steps = warm_start(model, tokenizer, cfg, task, train_gen, held_out, val_accuracy)
-    acc_before = eval_accuracy()
-    print(
-        f"warm start: {sft_steps} supervised steps, greedy accuracy {acc_before:.3f} "
-        f"on {cfg.eval_prompts} held-out prompts ({time.perf_counter() - start:.0f} s)"
-    )
+    logger, run_dir = make_logger(cfg, task)
+    if state is None:
+        sft_steps = warm_start(model, tokenizer, cfg, task, train_gen, held_out, val_accuracy)
+        acc_before = eval_accuracy()
+        print(
+            f"warm start: {sft_steps} supervised steps, greedy accuracy {acc_before:.3f} "
+            f"on {cfg.eval_prompts} held-out prompts ({time.perf_counter() - start:.0f} s)"
+        )
+    else:  # the warm start's weights: the reference, and where the policy's are loaded
+        model.load_state_dict(state["reference"])
+        acc_before = state["progress"]["acc_before"]
+        print(f"resumed {cfg.resume} after {state['progress']['seen']['step']} GRPO steps")
+    save_reference(run_dir / CHECKPOINT, model)
     ref_model = None  # LoRA on the lean wrapper: the policy itself, its adapters disabled
     if not (cfg.lora_rank and cfg.lean):
         ref_model = copy.deepcopy(model).requires_grad_(False)  # the frozen reference policy
@@ -868,13 +957,17 @@ def main(argv=None, *, task: Task | None = None, model_and_tokenizer=None) -> di
         model = with_lora(model, cfg.lora_rank)  # adapters injected in place: the samplers see them
 
     rows = cfg.prompts_per_step * cfg.group_size
+    if state is not None:  # the prompt stream goes on (the collector draws at its start)
+        train_gen.set_state(state["prompts"])
     collector, rb = make_collector(cfg, task, model, ref_model, tokenizer, train_gen, held_out)
     loss_fn = make_loss(make_scorer(model, tokenizer, cfg), cfg)
     trained = [p for p in model.parameters() if p.requires_grad]  # the adapters, with LoRA
     optim = torch.optim.Adam(trained, lr=cfg.lr)
     schedule = lr_schedule(optim, cfg, deadline=start + cfg.time_limit)
+    parts = dict(model=model, optim=optim, schedule=schedule, loss=loss_fn, rb=rb, gen=train_gen)
+    if state is not None:  # the buffer's write count carries the trainer's frames and steps on
+        restore(parts, state)
 
-    logger, run_dir = make_logger(cfg, task)
     trainer = GRPOTrainer(
         collector=collector,
         total_frames=cfg.steps * rows,
@@ -891,6 +984,8 @@ def main(argv=None, *, task: Task | None = None, model_and_tokenizer=None) -> di
     history = {"step": [], "reward": [], "eval_step": [0], "accuracy": [acc_before]}
     advantage = next(t for t in rb.transform if isinstance(t, MCAdvantage))  # counts completions
     seen = {"step": 0, "completions": 0, "reward_sum": 0.0}
+    if state is not None:
+        history, seen = state["progress"]["history"], state["progress"]["seen"]
 
     def batch_reward(_batch) -> dict:
         """Once per collected batch: the mean reward of its completions, and the share stored
@@ -927,8 +1022,11 @@ def main(argv=None, *, task: Task | None = None, model_and_tokenizer=None) -> di
     trainer.register_op("post_steps", schedule.step)
     trainer.register_op("post_steps_log", evaluate)
     gc.freeze()  # the model and the pipeline live all run: keep them out of the GC's scans
-    trainer.train()
+    if seen["step"] < cfg.steps:  # a resumed run that already did --steps: nothing to train
+        trainer.train()
     step = history["eval_step"][-1]
+    progress = {"history": history, "seen": seen, "acc_before": acc_before}
+    save_checkpoint(run_dir / CHECKPOINT, cfg, parts, progress)
 
     acc_after = history["accuracy"][-1]
     name = type(model.get_base_model() if cfg.lora_rank else model).__name__

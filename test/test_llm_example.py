@@ -423,3 +423,35 @@ def test_logger_choice(ex, tmp_path, monkeypatch):
     monkeypatch.setattr(ex, "get_logger", no_tensorboard)
     with pytest.raises(SystemExit, match=r"--logger tensorboard needs .*\[tensorboard\]"):
         ex.main([*args, "--logger", "tensorboard", "--out", str(tmp_path)])
+
+
+@pytest.mark.parametrize("lora", [[], ["--lora-rank", "2"]], ids=["weights", "lora"])
+def test_resume_goes_on_from_the_checkpoint(ex, tmp_path, lora):
+    """A run of 2 steps, then ``--resume`` to 3: the steps, curves, logger steps and the
+    transform's counters go on from the checkpoint, the reference is the first run's warm start,
+    a resume with no step left changes no weight, and a setting that shapes the model is
+    refused."""
+    args = ["--eval-every", "1", *TINY, "--sft-max-steps", "3", "--time-limit", "1e6", *lora]
+    first = ex.main([*args, "--steps", "2", "--out", str(tmp_path / "first")])["run_dir"]
+    saved = torch.load(first / "checkpoint" / "state.pt", weights_only=False)
+    assert saved["progress"]["seen"]["step"] == 2
+    second = ex.main([*args, "--steps", "3", "--resume", str(first), "--out", str(tmp_path / "b")])
+    state = torch.load(second["run_dir"] / "checkpoint" / "state.pt", weights_only=False)
+    progress = state["progress"]
+    assert progress["seen"]["step"] == 3 and progress["history"]["step"] == [1, 2, 3]
+    assert progress["seen"]["completions"] == 3 * 16  # the transform's counters went on
+    assert second["acc_before"] == saved["progress"]["acc_before"]
+    reference = torch.load(first / "checkpoint" / "reference.pt")
+    again = torch.load(second["run_dir"] / "checkpoint" / "reference.pt")
+    assert all(torch.equal(reference[k], again[k]) for k in reference)
+    with open(second["run_dir"] / "scalars" / "reward.csv") as f:  # the trainer's frames go on
+        steps = [int(row[0]) for row in csv.reader(f)]
+    with open(first / "scalars" / "reward.csv") as f:
+        before = [int(row[0]) for row in csv.reader(f)]
+    assert len(steps) == 1 and steps[0] > before[-1]
+
+    same = ex.main([*args, "--steps", "2", "--resume", str(first), "--out", str(tmp_path / "c")])
+    kept = torch.load(same["run_dir"] / "checkpoint" / "state.pt", weights_only=False)
+    assert all(torch.equal(saved["policy"][k], kept["policy"][k]) for k in saved["policy"])
+    with pytest.raises(SystemExit, match="--group-size 4"):
+        ex.main([*args, "--group-size", "2", "--resume", str(first), "--out", str(tmp_path)])
