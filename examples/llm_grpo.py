@@ -80,6 +80,7 @@ from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 from transformers.utils import logging as hf_logging
 
 from torchrl_grpo import GroupSampler, GRPOLoss, LeanTransformersWrapper, MCAdvantage
+from torchrl_grpo.llm import ragged_prompts
 
 set_list_to_stack(True).set()  # torchrl's LLM envs keep lists of strings as stacks
 
@@ -313,6 +314,10 @@ class Task:
             a ``ValueError`` when it finds none outside them).
         reward: ``reward(completion, answer)``: the score of a completion, the decoded response
             up to its first end-of-sequence token, followed by ``EOS`` if it has one.
+        metric: what the mean greedy reward on the held-out prompts is called in the output
+            and the plot: ``"mean reward"`` unless the task names it (the digit sum's reward
+            is 1 for the exact answer, 0 otherwise: its mean is the ``"accuracy"``). The
+            ``RESULT`` line's ``acc_before`` / ``acc_after`` are this number.
     """
 
     name: str
@@ -321,6 +326,7 @@ class Task:
     answer_length: int
     draw: Callable[[torch.Generator, int], list[tuple[str, str]]]
     reward: Callable[[str, str], float]
+    metric: str = "mean reward"
 
 
 def digit_sum_task(digits: int = 4) -> Task:
@@ -338,6 +344,7 @@ def digit_sum_task(digits: int = 4) -> Task:
         answer_length=len(str(9 * digits)),
         draw=draw,
         reward=reward,
+        metric="accuracy",  # the reward is 1 for the exact sum, else 0
     )
 
 
@@ -443,20 +450,31 @@ class Contiguous(Transform):
     """Turns torchrl's lazily stacked LLM data into one ``TensorDict``.
 
     torchrl's LLM env and wrappers stack one ``TensorDict`` per completion (``to_lazystack``),
-    the layout for ragged text. Here every row has the same shapes (the wrappers pad,
-    ``pad_output=True``), and the lazy layout only costs time: each copy, clone, key lookup and
-    write walks the 512 rows. Used on the env's output, on the collected batch before it is
-    scored, and on the minibatches sampled from the buffer (see the tutorial's profile).
+    the layout for ragged text. Where every row has the same shapes (the wrappers pad,
+    ``pad_output=True``; prompts of one length) the lazy layout only costs time: each copy,
+    clone, key lookup and write walks the 512 rows. Rows of different shapes (a task whose
+    prompts differ in length) stay lazily stacked. Used on the env's output, on the collected
+    batch before it is scored, and on the minibatches sampled from the buffer (see the
+    tutorial's profile).
     """
 
+    @staticmethod
+    def _contiguous(tensordict):
+        try:
+            return tensordict.contiguous()
+        except RuntimeError as error:  # rows of different shapes: nothing to stack
+            if "Failed to stack" not in str(error):
+                raise
+            return tensordict
+
     def forward(self, tensordict):
-        return tensordict.contiguous()
+        return self._contiguous(tensordict)
 
     def _reset(self, tensordict, tensordict_reset):
-        return tensordict_reset.contiguous()
+        return self._contiguous(tensordict_reset)
 
     def _step(self, tensordict, next_tensordict):
-        return next_tensordict.contiguous()
+        return self._contiguous(next_tensordict)
 
 
 def make_env(
@@ -475,6 +493,7 @@ def make_env(
         input_mode="tokens",
         template_kwargs={"chat_template": tokenizer.chat_template},
     )
+    ragged_prompts(env)  # prompts of different token lengths (torchrl 0.14.1 cannot stack them)
     env.append_transform(Contiguous())
     env.append_transform(StepCounter(max_steps=1))
     env.append_transform(TaskReward(tokenizer, task))
@@ -792,9 +811,12 @@ def warm_start(model, tokenizer, cfg: Settings, task: Task, gen, exclude, val_ac
     return cfg.sft_max_steps
 
 
-def plot_progress(ax, history: dict, acc_before: float, title: str) -> None:
-    """The samples' mean reward and the greedy accuracy per GRPO step, on ``ax`` (the
-    asynchronous example draws the same panel above its lags)."""
+def plot_progress(
+    ax, history: dict, acc_before: float, title: str, metric: str = "accuracy"
+) -> None:
+    """The samples' mean reward and the greedy ``metric`` (the task's name for its mean greedy
+    reward) per GRPO step, on ``ax`` (the asynchronous example draws the same panel above its
+    lags)."""
     ax.plot(
         history["step"],
         history["reward"],
@@ -809,7 +831,7 @@ def plot_progress(ax, history: dict, acc_before: float, title: str) -> None:
         "o-",
         color="tab:red",
         ms=3,
-        label="greedy accuracy, held-out prompts",
+        label=f"greedy {metric}, held-out prompts",
     )
     ax.axhline(acc_before, color="gray", ls="--", lw=1, label="after the warm start")
     ax.set_ylim(0, 1)
@@ -818,12 +840,12 @@ def plot_progress(ax, history: dict, acc_before: float, title: str) -> None:
     ax.set_title(title, fontsize=10)
 
 
-def evaluate_only(eval_accuracy, cfg: Settings, start: float) -> dict:
+def evaluate_only(eval_accuracy, cfg: Settings, start: float, metric: str) -> dict:
     """``--eval-only``: the greedy accuracy on the held-out prompts, as a RESULT line whose
     before and after are the same number."""
     acc = eval_accuracy()
     wall_s = time.perf_counter() - start
-    print(f"greedy accuracy {acc:.3f} on {cfg.eval_prompts} held-out prompts")
+    print(f"greedy {metric} {acc:.3f} on {cfg.eval_prompts} held-out prompts")
     print(f"RESULT acc_before={acc:.4f} acc_after={acc:.4f} wall_s={wall_s:.1f}")
     return {"acc_before": acc, "acc_after": acc, "wall_s": wall_s, "run_dir": None}
 
@@ -894,9 +916,9 @@ def restore(parts: dict, state: dict) -> None:
     torch.set_rng_state(state["rng"])
 
 
-def plot(history: dict, path: str, acc_before: float, title: str) -> None:
+def plot(history: dict, path: str, acc_before: float, title: str, metric: str) -> None:
     fig, ax = plt.subplots(figsize=(6.4, 3.6), dpi=100)
-    plot_progress(ax, history, acc_before, title)
+    plot_progress(ax, history, acc_before, title, metric)
     ax.set_xlabel("GRPO step")
     fig.tight_layout()
     fig.savefig(path)
@@ -936,13 +958,13 @@ def main(argv=None, *, task: Task | None = None, model_and_tokenizer=None) -> di
     val_accuracy = GreedyAccuracy(tokenizer, task, val_problems, greedy)
     eval_accuracy = GreedyAccuracy(tokenizer, task, eval_problems, greedy)
     if cfg.eval_only:
-        return evaluate_only(eval_accuracy, cfg, start)
+        return evaluate_only(eval_accuracy, cfg, start, task.metric)
     logger, run_dir = make_logger(cfg, task)
     if state is None:
         sft_steps = warm_start(model, tokenizer, cfg, task, train_gen, held_out, val_accuracy)
         acc_before = eval_accuracy()
         print(
-            f"warm start: {sft_steps} supervised steps, greedy accuracy {acc_before:.3f} "
+            f"warm start: {sft_steps} supervised steps, greedy {task.metric} {acc_before:.3f} "
             f"on {cfg.eval_prompts} held-out prompts ({time.perf_counter() - start:.0f} s)"
         )
     else:  # the warm start's weights: the reference, and where the policy's are loaded
@@ -1014,7 +1036,7 @@ def main(argv=None, *, task: Task | None = None, model_and_tokenizer=None) -> di
         history["eval_step"].append(step)
         history["accuracy"].append(acc)
         tqdm.write(
-            f"step {step:4d}  greedy accuracy {acc:.3f}  ({time.perf_counter() - start:.0f} s)"
+            f"step {step:4d}  greedy {task.metric} {acc:.3f}  ({time.perf_counter() - start:.0f} s)"
         )
         return {"accuracy": acc, "log_pbar": True}
 
@@ -1030,9 +1052,8 @@ def main(argv=None, *, task: Task | None = None, model_and_tokenizer=None) -> di
 
     acc_after = history["accuracy"][-1]
     name = type(model.get_base_model() if cfg.lora_rank else model).__name__
-    plot(
-        history, run_dir / "llm_grpo.png", acc_before, f"GRPO on {task.name}: {name}, {cfg.device}"
-    )
+    title = f"GRPO on {task.name}: {name}, {cfg.device}"
+    plot(history, run_dir / "llm_grpo.png", acc_before, title, task.metric)
     model.save_pretrained(run_dir / "model")
     # Apart: transformers 5 loads the tokenizer of a Qwen2 model's folder as Qwen2Tokenizer,
     # whatever tokenizer_config.json says, and that one drops this tokenizer's spaces.
@@ -1040,7 +1061,7 @@ def main(argv=None, *, task: Task | None = None, model_and_tokenizer=None) -> di
     remove_empty_folders(run_dir)  # CSVLogger makes videos/ and texts/ whether used or not
     wall_s = time.perf_counter() - start
     print(
-        f"greedy accuracy {acc_before:.3f} -> {acc_after:.3f} after {step} GRPO steps; "
+        f"greedy {task.metric} {acc_before:.3f} -> {acc_after:.3f} after {step} GRPO steps; "
         f"in {run_dir}: metrics (scalars/), plot (llm_grpo.png), model (model/), "
         "tokenizer (tokenizer/)"
     )

@@ -333,3 +333,51 @@ class TestPostStepMdpHook:
 
         with pytest.raises(RuntimeError, match="_post_step_mdp_hooks is missing or its param"):
             _compat.check_post_step_mdp_hook(Renamed)
+
+
+def _chat_env():
+    """A torchrl ``ChatEnv`` in tokens mode over a word-level tokenizer (a, b, c)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from torchrl.envs.llm import ChatEnv
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate(["<pad>", "a", "b", "c"])}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>")
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    template = {"chat_template": tokenizer.chat_template}
+    return ChatEnv(
+        batch_size=(3,),
+        tokenizer=tokenizer,
+        input_mode="tokens",
+        system_prompt=None,
+        template_kwargs=template,
+    )
+
+
+class TestRaggedPrompts:
+    """torchrl's ChatEnv (tokens mode) cannot reset prompts of different lengths; the instance
+    patch can. If the first test fails, torchrl reads them itself now: drop the patch."""
+
+    def test_torchrl_alone_fails_on_prompts_of_different_lengths(self):
+        with pytest.raises(RuntimeError, match="stack"):
+            _chat_env().reset(TensorDict(query=["a b", "a b c", "c"], batch_size=[3]))
+
+    def test_ragged_prompts_reset(self):
+        env = _compat.ragged_prompts(_chat_env())
+        td = env.reset(TensorDict(query=["a b", "a b c", "c"], batch_size=[3]))
+        prompts = td.get(("tokens", "prompt"), as_list=True)
+        assert [p.tolist() for p in prompts] == [[1, 2], [1, 2, 3], [3]]
+
+    def test_equal_lengths_as_torchrl(self):
+        query = TensorDict(query=["a b", "b c", "c a"], batch_size=[3])
+        ours = _compat.ragged_prompts(_chat_env()).reset(query.clone())
+        theirs = _chat_env().reset(query.clone())
+        assert torch.equal(ours["tokens", "prompt"], theirs["tokens", "prompt"])
+
+    def test_other_envs(self):
+        from torchrl.envs import GymEnv
+
+        with pytest.raises(TypeError, match="no torchrl ChatEnv"):
+            _compat.ragged_prompts(GymEnv("CartPole-v1"))

@@ -185,6 +185,63 @@ class TestPipeline:
         assert 0.0 < out.entropy.item() < math.log(len(tokenizer))
 
 
+def copy_letters(ex):
+    """A task whose prompts differ in length: ``"cab>"`` is answered ``"cab"`` (1 to 4 letters)."""
+
+    def draw(gen, n):
+        rows = []
+        for _ in range(n):
+            length = int(torch.randint(1, 5, (), generator=gen))
+            word = "".join("abcd"[i] for i in torch.randint(0, 4, (length,), generator=gen))
+            rows.append((word + ">", word))
+        return rows
+
+    return ex.Task(
+        name="copy_letters",
+        alphabet="abcd>",
+        prompt_length=5,
+        answer_length=4,
+        draw=draw,
+        reward=lambda completion, answer: float(completion == answer + ex.EOS),
+    )
+
+
+def test_prompts_of_different_lengths(ex):
+    """A task whose prompts differ in token length (torchrl 0.14.1's ChatEnv failed to stack
+    them at the first reset): the batch keeps each prompt's own tokens, groups by prompt, and
+    the loss starts on-policy (ratio 1, no KL to the copied reference)."""
+    task = copy_letters(ex)
+    tokenizer = ex.make_tokenizer(task.alphabet)
+    cfg = ex.parse_args([*TINY, "--max-new-tokens", "5"], task)
+    torch.manual_seed(0)
+    model = ex.make_model(cfg, tokenizer, task.prompt_length + cfg.max_new_tokens)
+    gen = torch.Generator().manual_seed(0)
+    collector, rb = ex.make_collector(cfg, task, model, copy.deepcopy(model), tokenizer, gen, set())
+    next(iter(collector))
+    batch = rb[:]
+    prompts = batch["tokens", "prompt"]  # (B, P): the sampler pads the prompts on the left
+    real = prompts != tokenizer.pad_token_id
+    assert len(set(real.sum(-1).tolist())) > 1  # prompts of different lengths
+    assert torch.equal(real, real.cumsum(-1) > 0) or torch.equal(real, real.flip(-1).cumprod(-1))
+    texts = [tokenizer.decode(p[r]) for p, r in zip(prompts, real)]
+    groups = [texts[i : i + cfg.group_size] for i in range(0, len(texts), cfg.group_size)]
+    assert all(len(set(g)) == 1 for g in groups)  # a group: one prompt
+    # the stored log-probs are the model's on each row without its pads
+    full, stored = batch["tokens", "full"], batch["next", "log_probs", "full"]
+    answered = (batch["tokens", "response"] != tokenizer.pad_token_id).sum(-1)  # up to EOS
+    width = prompts.shape[1]
+    with torch.no_grad():
+        for row, mask, logp, n in zip(full, real, stored, answered):
+            ids = row[(~mask).sum() : width + n]  # the row without its pads
+            truth = model(ids[None]).logits[0, :-1].log_softmax(-1)
+            truth = truth.gather(-1, ids[1:, None]).squeeze(-1)[mask.sum() - 1 :]
+            torch.testing.assert_close(logp[width : width + n], truth, atol=1e-5, rtol=0)
+    loss_fn = ex.make_loss(ex.make_scorer(model, tokenizer, cfg), cfg)
+    out = loss_fn(batch)
+    torch.testing.assert_close(out.ESS, torch.tensor(1.0))
+    assert abs(out.kl_to_ref.item()) < 1e-5
+
+
 class TestLearningRateSchedule:
     class Clock:  # one second per GRPO step
         now = 0.0
@@ -264,7 +321,7 @@ def copy_two_letters(ex):
     )
 
 
-def test_another_task_and_model(ex, tmp_path):
+def test_another_task_and_model(ex, tmp_path, capsys):
     """``main(task=..., model_and_tokenizer=...)``: copy two letters, on a one-layer Qwen2 built by
     the caller; the run trains, evaluates and saves that model and its tokenizer."""
 
@@ -280,6 +337,8 @@ def test_another_task_and_model(ex, tmp_path):
     args = ["--steps", "2", "--eval-every", "1", *TINY, "--eval-prompts", "4"]
     args += ["--sft-max-steps", "2", "--time-limit", "1e6", "--out", str(tmp_path)]
     result = ex.main(args, task=copy_task, model_and_tokenizer=one_layer)
+    printed = capsys.readouterr().out  # the task names no metric: its mean reward
+    assert "greedy mean reward" in printed and "greedy accuracy" not in printed
     (model,) = built
     assert result["run_dir"].parent == tmp_path and result["run_dir"].name.startswith("copy")
     assert 0.0 <= result["acc_after"] <= 1.0

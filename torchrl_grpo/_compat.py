@@ -317,3 +317,76 @@ def check_post_step_mdp_hook(cls: type = Transform) -> None:
     """
     why = "ExactTurns could not cut the turns a collector stores to their tokens"
     _check_parameters(cls, "_post_step_mdp_hooks", POST_STEP_MDP_HOOK_PARAMS, why)
+
+
+def ragged_prompts(env):
+    """Let torchrl's ``ChatEnv`` in tokens mode reset with prompts of different token lengths.
+
+    Reliance (torchrl 0.14.1, and its nightly of 2026-10-27): ``ChatEnv._reset_tokens`` reads
+    the tokenized prompts of a reset as ``tokens["input_ids"]``, which stacks them, so a batch
+    whose prompts differ in length fails at its first reset ("Failed to stack tensors within a
+    tensordict"). This replaces that method on ``env``'s ``ChatEnv`` instance (not on the class)
+    with one that reads them as a list and writes the same ragged ``("tokens", "prompt")``.
+    Envs in another input mode are left as they are.
+
+    Args:
+        env: a ``ChatEnv``, or a ``TransformedEnv`` over one (``DatasetChatEnv``).
+
+    Returns:
+        ``env``.
+
+    Raises:
+        TypeError: no ``ChatEnv`` under ``env``.
+
+    Examples:
+        >>> import torch
+        >>> from tensordict import TensorDict
+        >>> from tokenizers import Tokenizer, models, pre_tokenizers
+        >>> from torchrl.envs.llm import ChatEnv
+        >>> from transformers import PreTrainedTokenizerFast
+        >>> from torchrl_grpo.llm import ragged_prompts
+        >>> vocab = {w: i for i, w in enumerate(["<pad>", "a", "b", "c"])}
+        >>> backend = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+        >>> backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+        >>> tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>")
+        >>> tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+        >>> env = ChatEnv(batch_size=(2,), tokenizer=tokenizer, input_mode="tokens",
+        ...               system_prompt=None,
+        ...               template_kwargs={"chat_template": tokenizer.chat_template})
+        >>> env = ragged_prompts(env)  # torchrl alone: "Failed to stack tensors" below
+        >>> td = env.reset(TensorDict(query=["a b", "a b c"], batch_size=[2]))
+        >>> [t.tolist() for t in td.get(("tokens", "prompt"), as_list=True)]
+        [[1, 2], [1, 2, 3]]
+    """
+    from tensordict import LazyStackedTensorDict
+    from torchrl.envs import TransformedEnv
+    from torchrl.envs.llm import ChatEnv
+    from torchrl.modules.llm.policies.common import Tokens
+
+    chat = env
+    while isinstance(chat, TransformedEnv):
+        chat = chat.base_env
+    if not isinstance(chat, ChatEnv):
+        raise TypeError(f"ragged_prompts: no torchrl ChatEnv under {type(env).__name__}.")
+    if chat.input_mode != "tokens":
+        return env
+
+    def _reset_tokens(tensordict: TensorDictBase, history) -> TensorDictBase:
+        tokens = history.apply_chat_template(
+            tokenizer=chat.tokenizer,
+            add_generation_prompt=True,
+            return_tensors="pt",
+            return_dict=True,
+            **chat.template_kwargs,
+        )
+        if isinstance(tokens, LazyStackedTensorDict):  # rows of different lengths
+            ids = tokens.get("input_ids", as_list=True)
+        else:
+            ids = tokens["input_ids"].unbind(0)
+        prompts = Tokens._from_tensordict(tensordict.empty().to_lazystack(0))
+        for row, prompt in zip(prompts.unbind(0), ids, strict=True):
+            row.prompt = prompt
+        return tensordict.empty(device=chat.device).set("tokens", prompts)
+
+    chat._reset_tokens = _reset_tokens
+    return env

@@ -12,12 +12,14 @@
 * :class:`ExactTurns`: an env transform for multi-turn dialogs on torchrl's ``ChatEnv`` in tokens
   mode: the next prompt is the dialog's tokens exactly as sampled, with the environment's reply,
   its own attention mask, a dialog id, and the stored turns cut to their real tokens.
+* :func:`ragged_prompts`: torchrl's ``ChatEnv`` in tokens mode resets with prompts of different
+  token lengths (torchrl 0.14.1 fails to stack them), also defined in :mod:`torchrl_grpo._compat`.
 * :class:`ToolReply`: the environment's reply to each turn from a Python function (a tool,
   feedback on a wrong answer), in tokens, for :class:`ExactTurns`; a function that raises
   replies with its error and the dialog goes on.
 """
 
-from torchrl_grpo._compat import ExactLogProbsTransformersWrapper
+from torchrl_grpo._compat import ExactLogProbsTransformersWrapper, ragged_prompts
 from torchrl_grpo.llm.lean_wrapper import HiddenLLMMaskedCategorical, LeanTransformersWrapper
 from torchrl_grpo.llm.replies import ToolReply
 from torchrl_grpo.llm.turns import ExactTurns
@@ -28,4 +30,5 @@ __all__ = [
     "HiddenLLMMaskedCategorical",
     "LeanTransformersWrapper",
     "ToolReply",
+    "ragged_prompts",
 ]
