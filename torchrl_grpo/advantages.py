@@ -48,6 +48,7 @@ __all__ = [
     "BASELINES",
     "RETURN_REDUCTIONS",
     "SCALES",
+    "Scale",
     "Segments",
     "anchor_step_groups",
     "batch_whiten",
@@ -315,12 +316,46 @@ def _no_scale(dev: Tensor, seg: Segments, mean: Tensor, count: Tensor) -> Tensor
     return torch.ones_like(mean)
 
 
-SCALES: dict[str, Callable[[Tensor, Segments, Tensor, Tensor], Tensor]] = {
-    "group": _group_scale,
-    "batch": _batch_scale,
-    "none": _no_scale,
+# the same, pooled over each group's time-step cells: from each group's squared deviations from
+# its cells' means ``m2`` and its degrees of freedom ``dof`` (samples less cells), both (G,)
+
+
+def _group_pooled(m2: Tensor, dof: Tensor) -> Tensor:
+    return (m2 / dof.clamp_min(1)).sqrt()
+
+
+def _batch_pooled(m2: Tensor, dof: Tensor) -> Tensor:
+    return (m2.sum() / dof.sum().clamp_min(1)).sqrt().expand(m2.shape)
+
+
+def _no_pooled(m2: Tensor, dof: Tensor) -> Tensor:
+    return torch.ones_like(m2)
+
+
+class Scale(NamedTuple):
+    """A scale of :data:`SCALES`: what the centred samples are divided by (before the floor).
+
+    ``per_group(x - mean_g, segments, mean, count) -> (G,)`` for samples compared with their
+    group (calling the scale calls it); ``pooled(m2, dof) -> (G,)`` for samples compared with
+    their group's samples at the same time step (``reward_to_go_baseline="time_step"``), from
+    each group's sum of squared deviations from its cells' means and its degrees of freedom
+    (samples less cells); ``None`` if the scale has no such form (then that baseline refuses it).
+    """
+
+    per_group: Callable[[Tensor, Segments, Tensor, Tensor], Tensor]
+    pooled: Callable[[Tensor, Tensor], Tensor] | None = None
+
+    def __call__(self, dev: Tensor, seg: Segments, mean: Tensor, count: Tensor) -> Tensor:
+        return self.per_group(dev, seg, mean, count)
+
+
+SCALES: dict[str, Scale] = {
+    "group": Scale(_group_scale, _group_pooled),
+    "batch": Scale(_batch_scale, _batch_pooled),
+    "none": Scale(_no_scale, _no_pooled),
 }
-"""Scales by name, each ``scale(x - mean_g, segments, mean, count) -> (G,)``."""
+"""Scales by name (:class:`Scale`): ``scale(x - mean_g, segments, mean, count) -> (G,)``, and its
+form pooled over time-step cells."""
 
 
 def _check_names(baseline: str, scale_rewards: str, time_step_scale: str = "pooled") -> None:
@@ -367,16 +402,18 @@ class _TimeSteps(NamedTuple):
     cell_scale: bool = False  # scale each cell by its own spread (else the group's pooled one)
 
     def scale(self, scale_rewards: str, dev: Tensor, seg: Segments) -> Tensor:
-        r"""``(G,)`` the pooled std of the deviations ``dev`` ``(S,)`` from their cells' means:
-        :math:`\sqrt{\sum (x - \mu_{g,t})^2 / (n_g - T_g)}` (``"group"``, the degrees of freedom
-        of a one-way layout), the same over every group (``"batch"``), or ``1``."""
-        if scale_rewards == "none":
-            return torch.ones(seg.num, dtype=torch.float64, device=dev.device)
+        r"""``(G,)`` the scale ``scale_rewards`` of :data:`SCALES` pooled over each group's
+        cells, from the deviations ``dev`` ``(S,)`` from their cells' means: for ``"group"``
+        :math:`\sqrt{\sum (x - \mu_{g,t})^2 / (n_g - T_g)}` (the degrees of freedom of a
+        one-way layout), for ``"batch"`` the same over every group, for ``"none"`` ``1``."""
+        pooled = getattr(SCALES[scale_rewards], "pooled", None)
+        if pooled is None:
+            raise ValueError(
+                f"scale_rewards={scale_rewards!r} has no form pooled over time steps (a Scale "
+                "of SCALES with pooled=...): the time-step baseline cannot use it."
+            )
         m2 = seg.sum(dev.square())  # (G,)
-        dof = seg.count - self.per_group  # (G,)
-        if scale_rewards == "batch":
-            return (m2.sum() / dof.sum().clamp_min(1)).sqrt().expand(seg.num)
-        return (m2 / dof.clamp_min(1)).sqrt()
+        return pooled(m2, seg.count - self.per_group)  # degrees of freedom: (G,)
 
 
 def _time_steps(seg: Segments, scale: str = "pooled") -> _TimeSteps:

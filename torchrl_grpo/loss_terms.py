@@ -66,6 +66,7 @@ import torch
 
 __all__ = [
     "AGGREGATIONS",
+    "AGGREGATION_SUMS",
     "INFERENCE_CORRECTIONS",
     "KL_ESTIMATORS",
     "MAX_LOG_RATIO",
@@ -79,6 +80,7 @@ __all__ = [
     "aggregate_seq_mean_token_sum_norm",
     "aggregate_token_mean",
     "aggregation_sum",
+    "register_aggregation",
     "cispo_loss",
     "clip_fractions",
     "decoupled_behaviour_weight",
@@ -321,26 +323,106 @@ def aggregate_token_sum(loss: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.where(mask, loss, 0.0).sum()
 
 
+def _token_mean_sum(loss: torch.Tensor, mask: torch.Tensor):
+    return torch.where(mask, loss, 0.0).sum(), mask.sum()
+
+
+def _seq_mean_token_mean_sum(loss: torch.Tensor, mask: torch.Tensor):
+    seq_sum, seq_len, nonempty = _sequence_sums(loss, mask)
+    return torch.where(nonempty, seq_sum / seq_len.clamp_min(1), 0.0).sum(), nonempty.sum()
+
+
+def _seq_mean_token_sum_sum(loss: torch.Tensor, mask: torch.Tensor):
+    seq_sum, _, nonempty = _sequence_sums(loss, mask)
+    return seq_sum.sum(), nonempty.sum()
+
+
+def _seq_mean_token_sum_norm_sum(loss: torch.Tensor, mask: torch.Tensor, *, max_length: int):
+    seq_sum, _, nonempty = _sequence_sums(loss, mask)
+    return seq_sum.sum() / max_length, nonempty.sum()
+
+
+def _token_sum_sum(loss: torch.Tensor, mask: torch.Tensor):
+    raise ValueError(
+        "aggregation 'token_sum' is a sum already: the losses of micro-batches add up with "
+        "no count to divide by. Call the loss outside summed(); with "
+        "DistributedDataParallel, multiply the gradients by the world size: "
+        "GRPOLoss.normalize_gradients(params, 1, ranks=world_size)."
+    )
+
+
+#: Aggregations by name, for ``GRPOLoss(aggregation=...)``. Each maps a per-token loss and its
+#: mask, both ``(B, T)``, to a scalar; ``"seq_mean_token_sum_norm"`` also needs ``max_length``.
+#: Add one with :func:`register_aggregation`, which records its sum and count beside it.
+AGGREGATIONS: dict[str, Callable[..., torch.Tensor]] = {}
+#: Each aggregation of :data:`AGGREGATIONS` -> its ``(sum, count)`` function
+#: (:func:`aggregation_sum`): the loss is ``sum / count``.
+AGGREGATION_SUMS: dict[Callable[..., torch.Tensor], Callable[..., tuple]] = {}
+
+
+def register_aggregation(
+    name: str, aggregate: Callable[..., torch.Tensor], sum_and_count: Callable[..., tuple]
+) -> None:
+    """Add an aggregation under ``name``: its value ``aggregate(loss, mask)`` and its
+    ``sum_and_count(loss, mask) -> (S, N)`` with ``aggregate == S / N`` (extra keywords, such as
+    Dr. GRPO's ``max_length``, reach both). ``GRPOLoss(aggregation=name)`` then takes it, and
+    :meth:`~torchrl_grpo.GRPOLoss.summed` adds its sums over micro-batches exactly.
+
+    Raises:
+        ValueError: ``name`` is taken.
+
+    Examples:
+        >>> import torch
+        >>> from torchrl_grpo.loss_terms import AGGREGATIONS, aggregation_sum, register_aggregation
+        >>> def longest_mean(loss, mask):  # each row's token mean over the longest row's length
+        ...     return sum_longest(loss, mask)[0] / sum_longest(loss, mask)[1]
+        >>> def sum_longest(loss, mask):
+        ...     return (torch.where(mask, loss, 0.0).sum(-1) / mask.sum(-1).max()).sum(), (
+        ...         mask.any(-1).sum())
+        >>> register_aggregation("seq_mean_token_sum_longest", longest_mean, sum_longest)
+        >>> loss, mask = torch.ones(2, 3), torch.tensor([[True, True, True], [True, False, False]])
+        >>> AGGREGATIONS["seq_mean_token_sum_longest"](loss, mask)  # (3/3 + 1/3) / 2
+        tensor(0.6667)
+        >>> aggregation_sum(longest_mean, loss, mask)
+        (tensor(1.3333), tensor(2))
+        >>> del AGGREGATIONS["seq_mean_token_sum_longest"], AGGREGATION_SUMS[longest_mean]
+    """
+    if name in AGGREGATIONS:
+        raise ValueError(f"aggregation {name!r} is registered already.")
+    AGGREGATIONS[name] = aggregate
+    AGGREGATION_SUMS[aggregate] = sum_and_count
+
+
+register_aggregation("token_mean", aggregate_token_mean, _token_mean_sum)
+register_aggregation("seq_mean_token_mean", aggregate_seq_mean_token_mean, _seq_mean_token_mean_sum)
+register_aggregation("seq_mean_token_sum", aggregate_seq_mean_token_sum, _seq_mean_token_sum_sum)
+register_aggregation(
+    "seq_mean_token_sum_norm", aggregate_seq_mean_token_sum_norm, _seq_mean_token_sum_norm_sum
+)
+register_aggregation("token_sum", aggregate_token_sum, _token_sum_sum)
+
+
 def aggregation_sum(
     aggregate: Callable[..., torch.Tensor], loss: torch.Tensor, mask: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A built-in aggregation as a sum and a count: ``aggregate(loss, mask) == sum / count``.
+    """An aggregation as a sum and a count: ``aggregate(loss, mask) == sum / count``.
 
     .. math:: L = \\frac{S}{N}, \\qquad S = \\sum_i s_i, \\qquad N = \\text{tokens or
         sequences}
 
-    where ``s_i`` is sequence ``i``'s share: its token sum (``"token_mean"``,
-    ``"seq_mean_token_sum"``), its token mean (``"seq_mean_token_mean"``) or its token sum over
-    ``L_max`` (``"seq_mean_token_sum_norm"``), and ``N`` counts the real tokens
-    (``"token_mean"``) or the sequences holding one (the others). Both are sums over the batch,
-    so the sums of ``K`` micro-batches (and of ``R`` ranks) add up to the whole batch's: divided
-    by the whole batch's count, their gradients are the whole batch's. Averaging each
+    where, for the built-in ones, ``s_i`` is sequence ``i``'s share: its token sum
+    (``"token_mean"``, ``"seq_mean_token_sum"``), its token mean (``"seq_mean_token_mean"``)
+    or its token sum over ``L_max`` (``"seq_mean_token_sum_norm"``), and ``N`` counts the real
+    tokens (``"token_mean"``) or the sequences holding one (the others). Both are sums over the
+    batch, so the sums of ``K`` micro-batches (and of ``R`` ranks) add up to the whole batch's:
+    divided by the whole batch's count, their gradients are the whole batch's. Averaging each
     micro-batch's own mean instead weighs a token by the size of its micro-batch (TRL issues
-    3021 and 5619). :meth:`torchrl_grpo.GRPOLoss.summed` uses this.
+    3021 and 5619). :meth:`torchrl_grpo.GRPOLoss.summed` uses this. The sum and count of an
+    aggregation are those :func:`register_aggregation` recorded beside it.
 
     Args:
-        aggregate (callable): one of :data:`AGGREGATIONS` (Dr. GRPO's with its ``max_length``
-            bound by ``functools.partial``, as ``GRPOLoss`` binds it).
+        aggregate (callable): an aggregation of :data:`AGGREGATIONS` (Dr. GRPO's with its
+            ``max_length`` bound by ``functools.partial``, as ``GRPOLoss`` binds it).
         loss (torch.Tensor): per-token loss ``(B, T)``.
         mask (torch.Tensor): boolean ``(B, T)``, ``True`` on real tokens.
 
@@ -349,8 +431,9 @@ def aggregation_sum(
         count ``N`` (an int64 scalar).
 
     Raises:
-        ValueError: ``aggregate`` is not a built-in aggregation (a callable's sum is unknown),
-            or is :func:`aggregate_token_sum`: a sum already, its parts add up with no count.
+        ValueError: ``aggregate`` was registered without its sum (a plain callable's sum is
+            unknown), or is :func:`aggregate_token_sum`: a sum already, its parts add up with
+            no count.
 
     Examples:
         >>> import torch
@@ -364,39 +447,14 @@ def aggregation_sum(
     fn, keywords = aggregate, {}
     if isinstance(aggregate, functools.partial):
         fn, keywords = aggregate.func, aggregate.keywords
-    if fn is aggregate_token_mean:
-        return torch.where(mask, loss, 0.0).sum(), mask.sum()
-    if fn is aggregate_token_sum:
+    sum_and_count = AGGREGATION_SUMS.get(fn)
+    if sum_and_count is None:
         raise ValueError(
-            "aggregation 'token_sum' is a sum already: the losses of micro-batches add up with "
-            "no count to divide by. Call the loss outside summed(); with "
-            "DistributedDataParallel, multiply the gradients by the world size: "
-            "GRPOLoss.normalize_gradients(params, 1, ranks=world_size)."
+            f"aggregation {getattr(fn, '__name__', fn)!r} has no registered sum and count, so "
+            "it cannot be summed over micro-batches exactly: add it with "
+            "torchrl_grpo.loss_terms.register_aggregation(name, aggregate, sum_and_count)."
         )
-    seq_sum, seq_len, nonempty = _sequence_sums(loss, mask)
-    if fn is aggregate_seq_mean_token_mean:
-        total = torch.where(nonempty, seq_sum / seq_len.clamp_min(1), 0.0).sum()
-    elif fn is aggregate_seq_mean_token_sum:
-        total = seq_sum.sum()
-    elif fn is aggregate_seq_mean_token_sum_norm:
-        total = seq_sum.sum() / keywords["max_length"]
-    else:
-        raise ValueError(
-            f"aggregation {getattr(fn, '__name__', fn)!r} is not one of AGGREGATIONS: its sum "
-            "and count are unknown, so it cannot be summed over micro-batches exactly."
-        )
-    return total, nonempty.sum()
-
-
-#: Aggregations by name, for ``GRPOLoss(aggregation=...)``. Each maps a per-token loss and its
-#: mask, both ``(B, T)``, to a scalar; ``"seq_mean_token_sum_norm"`` also needs ``max_length``.
-AGGREGATIONS: dict[str, Callable[..., torch.Tensor]] = {
-    "token_mean": aggregate_token_mean,
-    "seq_mean_token_mean": aggregate_seq_mean_token_mean,
-    "seq_mean_token_sum": aggregate_seq_mean_token_sum,
-    "seq_mean_token_sum_norm": aggregate_seq_mean_token_sum_norm,
-    "token_sum": aggregate_token_sum,
-}
+    return sum_and_count(loss, mask, **keywords)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -94,7 +94,7 @@ def test_aggregation_sum_of_every_aggregation():
 
 def test_what_cannot_be_summed_is_refused():
     custom = GRPOLoss(token_policy(), aggregation=lambda loss, mask: loss[mask].mean())
-    with pytest.raises(ValueError, match="not one of AGGREGATIONS"):
+    with pytest.raises(ValueError, match="no registered sum and count.*register_aggregation"):
         with custom.summed():
             pass
     per_token = GRPOLoss(token_policy(), reduction="none")
@@ -109,6 +109,42 @@ def test_what_cannot_be_summed_is_refused():
         GRPOLoss.normalize_gradients(token_policy().parameters(), 0)
     out = GRPOLoss(token_policy())(token_batch())
     assert out.normalization_count is None
+
+
+def test_a_registered_aggregation_is_summed_exactly():
+    """The registry is the whole contract: an aggregation added with its sum and count works in
+    the loss and in summed(), and micro-batches add up to the whole batch's gradient."""
+    from torchrl_grpo.loss_terms import AGGREGATION_SUMS, register_aggregation
+
+    def sum_and_count(loss, mask):  # each row's token sum over its length + 1
+        per_row = torch.where(mask, loss, 0.0).sum(-1) / (mask.sum(-1) + 1)
+        return per_row.sum(), mask.any(-1).sum()
+
+    def padded_mean(loss, mask):
+        total, count = sum_and_count(loss, mask)
+        return total / count
+
+    register_aggregation("seq_mean_token_mean_plus_one", padded_mean, sum_and_count)
+    try:
+        with pytest.raises(ValueError, match="registered already"):
+            register_aggregation("seq_mean_token_mean_plus_one", padded_mean, sum_and_count)
+        policy = token_policy()
+        loss = GRPOLoss(policy, aggregation="seq_mean_token_mean_plus_one")
+        batch = token_batch()
+        loss(batch).total_loss().backward()
+        whole = [p.grad.clone() for p in policy.parameters()]
+        policy.zero_grad()
+        count = 0
+        with loss.summed():
+            for part in batch.split(3):
+                out = loss(part)
+                out.total_loss().backward()
+                count += out.normalization_count
+        GRPOLoss.normalize_gradients(policy.parameters(), count)
+        for a, b in zip(whole, (p.grad for p in policy.parameters())):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    finally:
+        del AGGREGATIONS["seq_mean_token_mean_plus_one"], AGGREGATION_SUMS[padded_mean]
 
 
 DDP_CASES = [0, 1, 4]  # token_mean, seq_mean_token_mean, token_sum (no count: ranks only)
