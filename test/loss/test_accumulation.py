@@ -174,3 +174,24 @@ def test_two_ddp_ranks_give_the_whole_batch_gradient(kwargs, tmp_path):
         got = torch.load(tmp_path / f"rank{rank}.pt")
         for g, w in zip(got, want, strict=True):
             torch.testing.assert_close(g, w, rtol=0, atol=1e-6)
+
+
+def test_verl_0_9_1_denominator_by_the_rows_of_the_mini_batch():
+    """verl 0.9.1 divides ``seq-mean-token-mean`` by the mini-batch's rows
+    (``ppo_mini_batch_size * n``), an empty or vetoed row counted; this package by the rows
+    holding a token. ``summed()`` with ``normalize_gradients(params, rows)`` is verl's: its
+    gradient is the default's times ``nonempty / rows``."""
+    batch = token_batch(b=4, seed=5)
+    batch["mask"][2] = False  # an empty row
+    rows, nonempty = 4, 3
+    policy = token_policy()
+    loss = GRPOLoss(policy, aggregation="seq_mean_token_mean", entropy_coeff=0.0)
+    loss(batch).total_loss().backward()
+    default = [p.grad.clone() for p in policy.parameters()]
+    policy.zero_grad()
+    with loss.summed():
+        for part in batch.split(2):
+            loss(part).total_loss().backward()
+    GRPOLoss.normalize_gradients(policy.parameters(), rows)
+    for want, p in zip(default, policy.parameters()):
+        torch.testing.assert_close(p.grad, want * nonempty / rows, atol=1e-7, rtol=1e-5)

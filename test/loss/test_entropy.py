@@ -84,6 +84,23 @@ class TestInGRPOLoss:
         assert loss.entropy_coeff.item() == pytest.approx(final)
         assert {m <= 1.8 for m in measured} == {True, False}  # both branches were taken
 
+    def test_with_top_entropy_quantile_the_kept_tokens_are_measured(self):
+        """TRL 1.16 measures the entropy of the tokens ``top_entropy_quantile`` keeps (its bonus
+        and its controller): the window holds those tokens' entropy and count only."""
+        from torchrl_grpo.loss_terms import high_entropy_token_mask
+
+        policy = token_policy()
+        loss = GRPOLoss(policy, entropy_coeff=0.02, entropy_target=1.8, top_entropy_quantile=0.2)
+        batch = token_batch(b=4, seed=3)
+        loss(batch)
+        with torch.no_grad():  # the policy's per-token entropy, as the loss computes it
+            logits = policy.module[0](batch.copy())["logits"]
+            entropy = torch.distributions.Categorical(logits=logits).entropy()
+        kept = high_entropy_token_mask(entropy, batch["mask"], 0.2)
+        assert 0 < kept.sum() < batch["mask"].sum()
+        want = [float(entropy[kept].double().sum()), float(kept.sum())]
+        assert loss.adaptive_entropy.window.tolist() == pytest.approx(want)
+
     def test_state_dict_round_trip(self):
         loss = GRPOLoss(token_policy(), entropy_target=5.0)
         loss(token_batch())

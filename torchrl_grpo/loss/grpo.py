@@ -875,7 +875,11 @@ class GRPOLoss(ClipPPOLoss):
             out["entropy"] = masked_mean(x.entropy, x.mask).detach()
             coeff = self.entropy_coeff
             if self.adaptive_entropy is not None:
-                applied = self.adaptive_entropy.applied(coeff, x.entropy, x.mask)
+                measured = x.mask  # the tokens the controller measures: TRL's, those the
+                if self.top_entropy_quantile is not None:  # entropy quantile keeps
+                    q = self.top_entropy_quantile
+                    measured = high_entropy_token_mask(x.entropy, x.mask, q)
+                applied = self.adaptive_entropy.applied(coeff, x.entropy, measured)
                 coeff = out["entropy_coeff"] = applied
             out["loss_entropy"] = -coeff * reduce(x.entropy)
             if x.head_entropy is not None:  # a multi-head policy's, as ClipPPOLoss reports it
