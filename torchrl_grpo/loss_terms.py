@@ -555,7 +555,8 @@ def truncated_is_weight(
     The inference engine (e.g. vLLM) that sampled the tokens computes slightly different
     probabilities than the trainer, so the samples are off-policy even for a "fresh" batch. Yao
     et al. (2025) reweight each token's loss by the trainer-to-sampler ratio, truncated at ``C``
-    (they use ``C = 2``) to bound the variance. The weight carries no gradient.
+    (they use ``C = 2``) to bound the variance. The weight carries no gradient. The token level
+    of :func:`truncate_importance_weight` with no lower bound, on any shape (``tis_cap``'s).
 
     Args:
         log_prob (torch.Tensor): trainer log-probs of the sampled tokens (the proximal, "old"
@@ -573,7 +574,8 @@ def truncated_is_weight(
         >>> truncated_is_weight(old, inference, 2.0)  # ratios 3, 1, 0.2
         tensor([2.0000, 1.0000, 0.2000])
     """
-    return (log_prob - inference_log_prob).detach().exp().clamp(max=cap)
+    real = torch.ones_like(log_prob, dtype=torch.bool)
+    return truncate_importance_weight(log_prob - inference_log_prob, real, None, cap)[0]
 
 
 def _sequence_level(log_weight: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

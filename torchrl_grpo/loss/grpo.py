@@ -800,11 +800,11 @@ class GRPOLoss(ClipPPOLoss):
         mask, lp = x.mask, x.log_prob
         # the policy the ratio and its clip are taken against: the proximal one (decoupled PPO)
         # or the one that sampled the data
-        anchor = x.old_log_prob if x.proximal_log_prob is None else x.proximal_log_prob
-        loss_mask, out = self._loss_mask(x, anchor)
+        ratio_base = x.old_log_prob if x.proximal_log_prob is None else x.proximal_log_prob
+        loss_mask, out = self._loss_mask(x, ratio_base)
         reduce = functools.partial(self._reduce, loss_mask=loss_mask, shape=x.shape)
         log_clip_low, log_clip_high = self.clip_bounds
-        log_ratio = self._ratio_level(lp - anchor, mask)  # (B, T)
+        log_ratio = self._ratio_level(lp - ratio_base, mask)  # (B, T)
         if self.delta is not None:  # the two-sided clip replaces PPO's surrogate
             args = (log_ratio, x.advantage, log_clip_low, log_clip_high, self.delta)
             per_token = two_sided_clip_loss(*args)
@@ -813,7 +813,7 @@ class GRPOLoss(ClipPPOLoss):
         if self.clip_ratio_c is not None:
             per_token = dual_clip_loss(per_token, x.advantage, self.clip_ratio_c)
         # tokens weighted or zeroed in the objective (they stay in the aggregation's denominator)
-        weight, keep, fractions = self._objective_factors(x, loss_mask, anchor)
+        weight, keep, fractions = self._objective_factors(x, loss_mask, ratio_base)
         if weight is not None:
             per_token = per_token * weight
         if keep is not None:
@@ -826,7 +826,7 @@ class GRPOLoss(ClipPPOLoss):
             clip_fraction=clip_fraction,
             clip_fraction_low=clip_low,
             clip_fraction_high=clip_high,
-            kl_approx=masked_mean(anchor - lp, mask).detach(),
+            kl_approx=masked_mean(ratio_base - lp, mask).detach(),
             **_ratio_metrics(log_ratio, mask),
             **fractions,
         )
@@ -840,13 +840,13 @@ class GRPOLoss(ClipPPOLoss):
             out["normalization_count"] = aggregation_sum(self._aggregate, lp.detach(), loss_mask)[1]
         return {**out, **self._regularisers(x, reduce)}
 
-    def _loss_mask(self, x: Inputs, anchor: torch.Tensor):
+    def _loss_mask(self, x: Inputs, ratio_base: torch.Tensor):
         """``(loss_mask, metrics)``: the tokens the loss terms cover (and the aggregation counts),
         the real ones less those outside the KL trust region, those of truncated completions and
         those of vetoed sequences; the metrics describe every real token."""
         loss_mask, out = x.mask, {}
         if self.kl_mask_threshold is not None:
-            in_region = kl_trust_region_mask(x.log_prob - anchor, self.kl_mask_threshold)
+            in_region = kl_trust_region_mask(x.log_prob - ratio_base, self.kl_mask_threshold)
             loss_mask = loss_mask & in_region
         if x.truncated is not None:
             loss_mask = loss_mask & ~x.truncated
@@ -926,7 +926,7 @@ class GRPOLoss(ClipPPOLoss):
         self.entropy_coeff.fill_(coeff)
         return coeff
 
-    def _objective_factors(self, x: Inputs, loss_mask: torch.Tensor, anchor: torch.Tensor):
+    def _objective_factors(self, x: Inputs, loss_mask: torch.Tensor, ratio_base: torch.Tensor):
         """What multiplies each token's objective: ``(weight, keep, masked fractions)``.
 
         Each enabled variant gives a detached weight and/or the tokens it keeps (one function
@@ -952,7 +952,7 @@ class GRPOLoss(ClipPPOLoss):
             factors.append((None, k, "off_policy_masked_fraction"))
         if self._trust_region is not None:  # DPPO: around the policy the ratio is taken against
             low, high = self.trust_region_low, self.trust_region_high
-            k = self._trust_region(x.log_prob, anchor, x.advantage, x.mask, low, high)
+            k = self._trust_region(x.log_prob, ratio_base, x.advantage, x.mask, low, high)
             factors.append((None, k, "trust_region_masked_fraction"))
         if self.top_entropy_quantile is not None:
             k = high_entropy_token_mask(x.entropy, loss_mask, self.top_entropy_quantile)

@@ -61,11 +61,11 @@ def insert(options: Options, state: State, tensordict: TensorDictBase) -> Outcom
     estimator, group_filter = options.estimator, options.group_filter  # 3.
     exact = options.selects or group_filter.keep_return_bounds is not None
     incoming = returns.insertion_returns(batch, estimator.trajectory_return, exact=exact)
-    both = None  # pending ++ incoming: only where a group is chosen by return or released
+    all_returns = None  # pending's then incoming's: where a group is chosen by them or released
     if options.selects:  # 4.
-        both = returns.concat(state.pending.returns, incoming)
+        all_returns = returns.concat(state.pending.returns, incoming)
         rounds = groups.select_candidates(
-            state.pending, batch, options.selection, options.grpo_size, both, group_filter
+            state.pending, batch, options.selection, options.grpo_size, all_returns, group_filter
         )
     else:
         bounds = options.limits
@@ -75,8 +75,10 @@ def insert(options: Options, state: State, tensordict: TensorDictBase) -> Outcom
         rounds = groups.find_rounds(state.pending, batch, options.grpo_size, short)
     released = NOTHING_RELEASED  # 5.
     if rounds.num_rounds:
-        both = returns.concat(state.pending.returns, incoming) if both is None else both
-        released = release.release(state.pending, batch, rounds, both, options)
+        all_returns = (
+            returns.concat(state.pending.returns, incoming) if all_returns is None else all_returns
+        )
+        released = release.release(state.pending, batch, rounds, all_returns, options)
     stats = count(  # 6.
         state.stats,
         batch,
@@ -87,7 +89,7 @@ def insert(options: Options, state: State, tensordict: TensorDictBase) -> Outcom
         group_size=options.grpo_size,
     )
     if rounds.num_rounds and estimator.trajectory_return is not None:
-        stats = group_stats(stats, both.value, rounds, options.grpo_size)
+        stats = group_stats(stats, all_returns.value, rounds, options.grpo_size)
     reference = staleness.reference(options, state.newest_version)
     stats = staleness.lag_stats(stats, state.pending, batch, rounds, reference)
     held = pending.remaining(state.pending, batch, rounds.consumed, incoming, state.insertions)

@@ -58,7 +58,7 @@ class Setting(_Named):
         transform._set_options(with_setting(transform._options, self.name, value))
 
 
-class Counter(_Named):
+class Statistic(_Named):
     """One of torchrl's counters (see :meth:`MCAdvantage.get_stats`), readable and settable."""
 
     def __init__(self, doc: str):
@@ -372,21 +372,21 @@ class MCAdvantage(Transform):
 
     # --- torchrl's counters ----------------------------------------------------------------------
 
-    completed_trajectories = Counter("Trajectories inserted whole (or completed by their tail).")
-    completed_decisions = Counter("Their steps.")
-    trajectory_return_sum = Counter("Sum of their summed rewards (with a return mode).")
-    trajectory_return_max = Counter("Largest summed reward (with a return mode).")
-    successful_trajectories = Counter("Trajectories whose summed reward is positive.")
-    completed_groups = Counter("Groups complete (written or dropped).")
-    written_groups = Counter("Groups written to storage.")
-    dropped_groups = Counter("Groups dropped by the filters or given up by selection.")
-    rescued_groups = Counter("Groups accepted only thanks to oversampling.")
-    selected_trajectories = Counter("Trajectories of the groups that passed selection.")
-    unselected_trajectories = Counter("Candidates of selected groups left out.")
-    evicted_groups = Counter("Incomplete groups given up by the memory limits.")
-    evicted_trajectories = Counter("Their trajectories, and unfinished ones given up.")
-    evicted_steps = Counter("Steps of unfinished trajectories given up, held or arriving.")
-    stale_trajectories = Counter("Trajectories dropped for lagging past ``max_policy_lag``.")
+    completed_trajectories = Statistic("Trajectories inserted whole (or completed by their tail).")
+    completed_decisions = Statistic("Their steps.")
+    trajectory_return_sum = Statistic("Sum of their summed rewards (with a return mode).")
+    trajectory_return_max = Statistic("Largest summed reward (with a return mode).")
+    successful_trajectories = Statistic("Trajectories whose summed reward is positive.")
+    completed_groups = Statistic("Groups complete (written or dropped).")
+    written_groups = Statistic("Groups written to storage.")
+    dropped_groups = Statistic("Groups dropped by the filters or given up by selection.")
+    rescued_groups = Statistic("Groups accepted only thanks to oversampling.")
+    selected_trajectories = Statistic("Trajectories of the groups that passed selection.")
+    unselected_trajectories = Statistic("Candidates of selected groups left out.")
+    evicted_groups = Statistic("Incomplete groups given up by the memory limits.")
+    evicted_trajectories = Statistic("Their trajectories, and unfinished ones given up.")
+    evicted_steps = Statistic("Steps of unfinished trajectories given up, held or arriving.")
+    stale_trajectories = Statistic("Trajectories dropped for lagging past ``max_policy_lag``.")
 
     # --- where the state lives ---------------------------------------------------------------
 
