@@ -381,7 +381,62 @@ def token_log_prob_entropy_from_hidden(
     return log_prob.view(tokens.shape), entropy.view(tokens.shape)
 
 
-class TokenCategorical(Distribution):
+class _TokenDistribution(Distribution):
+    """What :class:`TokenCategorical` and :class:`HiddenTokenCategorical` share: token ids
+    ``0 .. V - 1``; the log-prob and the entropy from one fused autograd node
+    (:meth:`_log_prob_entropy`), the entropy of the last :meth:`log_prob` reused when asked for
+    in the same grad mode; the deterministic sample is the mode."""
+
+    has_rsample = False
+
+    def __init__(self, batch_shape: torch.Size, vocab_size: int, device: torch.device):
+        self._vocab_size, self._device, self._entropy = vocab_size, device, None
+        super().__init__(batch_shape=batch_shape, validate_args=False)
+
+    def _log_prob_entropy(self, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    @property
+    def support(self):
+        """Token ids ``0 .. V - 1``."""
+        return constraints.integer_interval(0, self._vocab_size - 1)
+
+    @property
+    def deterministic_sample(self) -> torch.Tensor:
+        """Same as :attr:`mode` (torchrl's deterministic exploration)."""
+        return self.mode
+
+    def log_prob(self, value: torch.Tensor) -> torch.Tensor:
+        """Log-probability of token ids (negative ids are padding and score 0).
+
+        Args:
+            value (torch.Tensor): token ids of the batch shape.
+
+        Returns:
+            torch.Tensor: log-probs of the batch shape (float32 or float64).
+        """
+        log_prob, entropy = self._log_prob_entropy(value)
+        # kept for entropy() only if it is what entropy() would compute now (same grad mode)
+        self._entropy = (entropy, torch.is_grad_enabled())
+        return log_prob
+
+    def entropy(self) -> torch.Tensor:
+        """Entropy at each position.
+
+        Shares the autograd node of the last :meth:`log_prob` when that call ran in the same
+        grad mode (one backward visit of the logits); otherwise it is computed again, so that
+        ``entropy()`` has a gradient whenever the logits do, as ``Categorical.entropy()``.
+
+        Returns:
+            torch.Tensor: entropies of the batch shape (float32 or float64).
+        """
+        if self._entropy is not None and self._entropy[1] == torch.is_grad_enabled():
+            return self._entropy[0]
+        dummy = torch.zeros(self.batch_shape, dtype=torch.long, device=self._device)
+        return self._log_prob_entropy(dummy)[1]
+
+
+class TokenCategorical(_TokenDistribution):
     """Categorical over a token vocabulary with memory-lean log-prob and entropy.
 
     A drop-in for ``torch.distributions.Categorical(logits=...)`` as the ``distribution_class``
@@ -421,20 +476,13 @@ class TokenCategorical(Distribution):
     """
 
     arg_constraints = {"logits": constraints.real_vector}
-    has_rsample = False
 
     def __init__(self, logits: torch.Tensor, chunk_size: int | None = None, validate_args=None):
         if logits.ndim < 1:
             raise ValueError("logits must have at least one dimension (the vocabulary).")
         self.logits = logits
         self.chunk_size = chunk_size
-        self._entropy = None
-        super().__init__(batch_shape=logits.shape[:-1], validate_args=False)
-
-    @property
-    def support(self):
-        """Token ids ``0 .. V - 1``."""
-        return constraints.integer_interval(0, self.logits.shape[-1] - 1)
+        super().__init__(logits.shape[:-1], logits.shape[-1], logits.device)
 
     @property
     def probs(self) -> torch.Tensor:
@@ -445,11 +493,6 @@ class TokenCategorical(Distribution):
     def mode(self) -> torch.Tensor:
         """The most likely token at each position."""
         return self.logits.argmax(-1)
-
-    @property
-    def deterministic_sample(self) -> torch.Tensor:
-        """Same as :attr:`mode` (torchrl's deterministic exploration)."""
-        return self.mode
 
     def sample(self, sample_shape: torch.Size | tuple[int, ...] = ()) -> torch.Tensor:
         """Sample token ids (without gradient).
@@ -464,38 +507,11 @@ class TokenCategorical(Distribution):
             dist = torch.distributions.Categorical(logits=self.logits)
             return dist.sample(torch.Size(sample_shape))
 
-    def log_prob(self, value: torch.Tensor) -> torch.Tensor:
-        """Log-probability of token ids (negative ids are padding and score 0).
-
-        Args:
-            value (torch.Tensor): token ids of the batch shape.
-
-        Returns:
-            torch.Tensor: log-probs of the batch shape (float32 or float64).
-        """
-        log_prob, entropy = token_log_prob_entropy(self.logits, value, chunk_size=self.chunk_size)
-        # kept for entropy() only if it is what entropy() would compute now (same grad mode)
-        self._entropy = (entropy, torch.is_grad_enabled())
-        return log_prob
-
-    def entropy(self) -> torch.Tensor:
-        """Entropy at each position.
-
-        Shares the autograd node of the last :meth:`log_prob` when that call ran in the same
-        grad mode (one backward visit of the logits); otherwise it is computed again, so that
-        ``entropy()`` has a gradient whenever the logits do, as ``Categorical.entropy()``.
-
-        Returns:
-            torch.Tensor: entropies of the batch shape (float32 or float64).
-        """
-        if self._entropy is not None and self._entropy[1] == torch.is_grad_enabled():
-            return self._entropy[0]
-        dummy = torch.zeros(self.batch_shape, dtype=torch.long, device=self.logits.device)
-        _, entropy = token_log_prob_entropy(self.logits, dummy, chunk_size=self.chunk_size)
-        return entropy
+    def _log_prob_entropy(self, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return token_log_prob_entropy(self.logits, value, chunk_size=self.chunk_size)
 
 
-class HiddenTokenCategorical(Distribution):
+class HiddenTokenCategorical(_TokenDistribution):
     """Categorical over a vocabulary, given the last hidden states and the output layer.
 
     The distribution of :class:`TokenCategorical` with ``logits = head(hidden)``, but the
@@ -542,7 +558,6 @@ class HiddenTokenCategorical(Distribution):
     """
 
     arg_constraints = {}
-    has_rsample = False
 
     def __init__(
         self,
@@ -566,13 +581,7 @@ class HiddenTokenCategorical(Distribution):
         self.weight = weight
         self.bias = getattr(head, "bias", None)
         self.chunk_size = chunk_size
-        self._entropy = None
-        super().__init__(batch_shape=hidden.shape[:-1], validate_args=False)
-
-    @property
-    def support(self):
-        """Token ids ``0 .. V - 1``."""
-        return constraints.integer_interval(0, self.weight.shape[0] - 1)
+        super().__init__(hidden.shape[:-1], weight.shape[0], hidden.device)
 
     @property
     def logits(self) -> torch.Tensor:
@@ -595,11 +604,6 @@ class HiddenTokenCategorical(Distribution):
         """The most likely token at each position."""
         return self._per_chunk(lambda x: x.argmax(-1)).view(self.batch_shape)
 
-    @property
-    def deterministic_sample(self) -> torch.Tensor:
-        """Same as :attr:`mode` (torchrl's deterministic exploration)."""
-        return self.mode
-
     def sample(self, sample_shape: torch.Size | tuple[int, ...] = ()) -> torch.Tensor:
         """Sample token ids (without gradient), chunk by chunk.
 
@@ -616,31 +620,7 @@ class HiddenTokenCategorical(Distribution):
 
         return self._per_chunk(draw).view(shape + self.batch_shape)
 
-    def log_prob(self, value: torch.Tensor) -> torch.Tensor:
-        """Log-probability of token ids (negative ids are padding and score 0).
-
-        Args:
-            value (torch.Tensor): token ids of the batch shape.
-
-        Returns:
-            torch.Tensor: log-probs of the batch shape (float32 or float64).
-        """
-        log_prob, entropy = token_log_prob_entropy_from_hidden(
+    def _log_prob_entropy(self, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return token_log_prob_entropy_from_hidden(
             self.hidden, self.weight, value, self.bias, chunk_size=self.chunk_size
         )
-        self._entropy = (entropy, torch.is_grad_enabled())
-        return log_prob
-
-    def entropy(self) -> torch.Tensor:
-        """Entropy at each position; shares the node of the last :meth:`log_prob` (same grad mode).
-
-        Returns:
-            torch.Tensor: entropies of the batch shape (float32 or float64).
-        """
-        if self._entropy is not None and self._entropy[1] == torch.is_grad_enabled():
-            return self._entropy[0]
-        dummy = torch.zeros(self.batch_shape, dtype=torch.long, device=self.hidden.device)
-        _, entropy = token_log_prob_entropy_from_hidden(
-            self.hidden, self.weight, dummy, self.bias, chunk_size=self.chunk_size
-        )
-        return entropy
