@@ -164,7 +164,10 @@ class Settings:
     )
     no_checkpoint: bool = field(
         default=False,
-        metadata={"help": "save no checkpoint/ when the run stops (it takes ~15 MB)"},
+        metadata={
+            "help": "save no checkpoint/ when the run stops (up to ~15 MB: the buffer's "
+            "storage, when released steps wait there)"
+        },
     )
     output_dir: str = field(default="runs/cartpole", metadata={"help": "logs and plot go here"})
     logger: str = field(
@@ -446,6 +449,7 @@ def save_checkpoint(folder: Path, cfg: Settings, parts: dict, progress: dict) ->
         "env": parts["env"].transform.state_dict(),
         "eval_seeds_used": evals,
         "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state()},
+        "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
         "progress": progress,
     }
     state["rng"]["python"] = random.getstate()
@@ -483,6 +487,8 @@ def load_checkpoint(cfg: Settings, parts: dict) -> tuple[dict, dict]:
     # the episodes running at the checkpoint are lost with the collector: play their seeds again
     replays = parts["env"].transform.resume(parts["advantage"])
     torch.set_rng_state(state["rng"]["torch"])
+    if state.get("cuda_rng") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda_rng"])
     np.random.set_state(state["rng"]["numpy"])
     random.setstate(state["rng"]["python"])
     return state["progress"], replays

@@ -384,10 +384,12 @@ def draw_problems(
     prompt (``"query"``) and the expected answer; ``distinct``: no prompt twice (a GRPO step's
     prompts, each one group: a prompt drawn twice would make two groups of one id)."""
     rows: list[tuple[str, str]] = []
+    seen: set[str] = set()
     for _ in range(100):
         for row in task.draw(gen, 2 * (n - len(rows))):
-            if row[0] not in exclude and not (distinct and row[0] in {r[0] for r in rows}):
+            if row[0] not in exclude and not (distinct and row[0] in seen):
                 rows.append(row)
+                seen.add(row[0])
         if len(rows) >= n:
             break
     else:
@@ -853,7 +855,7 @@ def evaluate_only(eval_accuracy, cfg: Settings, start: float, metric: str) -> di
 CHECKPOINT = "checkpoint"  # the folder of a run that --resume continues
 #: Settings a resumed run must share with its checkpoint: they shape the model or the data.
 SAME_ON_RESUME = ("seed", "digits", "n_layer", "n_embd", "n_head", "lora_rank", "lean", "model")
-SAME_ON_RESUME += ("group_size", "prompts_per_step")
+SAME_ON_RESUME += ("tokenizer", "group_size", "prompts_per_step", "eval_prompts")
 
 
 def save_reference(folder: Path, model) -> None:
@@ -877,7 +879,8 @@ def save_checkpoint(folder: Path, cfg: Settings, parts: dict, progress: dict) ->
         "schedule": parts["schedule"].state_dict(),
         "loss": {k: v for k, v in parts["loss"].state_dict().items() if not k.startswith(actor)},
         "prompts": parts["gen"].get_state(),
-        "rng": torch.get_rng_state(),
+        "rng": torch.get_rng_state(),  # the sampler's (numpy and random are not used)
+        "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
         "progress": progress,
     }
     torch.save(state, folder / "state.pt")
@@ -889,7 +892,8 @@ def load_checkpoint(cfg: Settings) -> dict:
     Raises:
         SystemExit: no checkpoint there, or settings that change the model or the data.
     """
-    folder = Path(cfg.resume) / CHECKPOINT
+    folder = Path(cfg.resume)
+    folder = folder if (folder / "state.pt").exists() else folder / CHECKPOINT
     if not (folder / "state.pt").exists():
         raise SystemExit(f"--resume {cfg.resume}: no checkpoint there ({folder / 'state.pt'}).")
     state = torch.load(folder / "state.pt", weights_only=False)
@@ -911,9 +915,13 @@ def restore(parts: dict, state: dict) -> None:
     parts["model"].load_state_dict(state["policy"])
     parts["optim"].load_state_dict(state["optimizer"])
     parts["schedule"].load_state_dict(state["schedule"])
-    parts["loss"].load_state_dict(state["loss"], strict=False)  # the policy: loaded above
+    missing, unexpected = parts["loss"].load_state_dict(state["loss"], strict=False)
+    if unexpected or any(not k.startswith("actor_network") for k in missing):
+        raise SystemExit(f"--resume: the loss's state does not match: {missing + unexpected}")
     parts["rb"].loads(state["buffer"])
     torch.set_rng_state(state["rng"])
+    if state.get("cuda_rng") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda_rng"])
 
 
 def plot(history: dict, path: str, acc_before: float, title: str, metric: str) -> None:

@@ -443,7 +443,7 @@ def main(argv=None) -> dict:
         model, tokenizer, held_out, eval_accuracy, sft_steps = warm_started(cfg, task)
         acc_before = eval_accuracy()
         print(
-            f"warm start: {sft_steps} supervised steps, greedy accuracy {acc_before:.3f} on "
+            f"warm start: {sft_steps} supervised steps, greedy {task.metric} {acc_before:.3f} on "
             f"{cfg.eval_prompts} held-out prompts ({time.perf_counter() - CLOCK['start']:.0f} s)"
         )
         ref_model = copy.deepcopy(model).requires_grad_(False)

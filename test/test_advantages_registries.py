@@ -43,3 +43,13 @@ def test_a_scale_without_a_pooled_form_is_refused_by_the_time_step_baseline(half
             lengths=torch.tensor([2, 2, 2, 2]),
             by_time_step=True,
         )
+
+
+def test_mcadvantage_refuses_it_at_construction(half_group):
+    from torchrl_grpo import MCAdvantage
+
+    with pytest.raises(ValueError, match="'plain' has no form pooled over time steps"):
+        MCAdvantage(
+            4, scale_rewards="plain", reward_to_go_gamma=1.0, reward_to_go_baseline="time_step"
+        )
+    MCAdvantage(4, scale_rewards="half", reward_to_go_gamma=1.0, reward_to_go_baseline="time_step")

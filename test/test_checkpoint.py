@@ -207,3 +207,32 @@ class TestListStorages:
             rb.dumps(tmp_path / "checkpoint")
             with pytest.raises(RuntimeError, match="loads into an empty storage"):
                 rb.loads(tmp_path / "checkpoint")
+
+    def test_a_plain_list_storage_of_objects(self, tmp_path):
+        from torchrl.data import ListStorage
+
+        rb = allow_empty_dumps(ReplayBuffer(storage=ListStorage(10)))
+        rb.extend([{"a": 1}, "text", 3.5])
+        rb.dumps(tmp_path / "checkpoint")
+        restored = allow_empty_dumps(ReplayBuffer(storage=ListStorage(10)))
+        restored.loads(tmp_path / "checkpoint")
+        assert [restored[i] for i in range(3)] == [{"a": 1}, "text", 3.5]
+
+
+def test_an_emptied_tensor_storage_is_saved_as_empty(tmp_path):
+    """Filled, then emptied (rb.empty() after training): saved as the empty record, without
+    torchrl's warning about its unset cursor, and loaded as empty."""
+    import warnings
+
+    rb, _ = make_buffer()
+    first, second = halves()
+    rb.extend(first.clone())
+    rb.extend(second.clone())
+    assert len(rb) > 0
+    rb.empty()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        rb.dumps(tmp_path / "checkpoint")
+    restored, _ = make_buffer()
+    restored.loads(tmp_path / "checkpoint")
+    assert len(restored) == 0

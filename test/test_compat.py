@@ -376,6 +376,15 @@ class TestRaggedPrompts:
         theirs = _chat_env().reset(query.clone())
         assert torch.equal(ours["tokens", "prompt"], theirs["tokens", "prompt"])
 
+    def test_a_copy_of_the_env_keeps_reading_its_own(self):
+        import copy
+        import pickle
+
+        env = _compat.ragged_prompts(_chat_env())
+        for twin in (copy.deepcopy(env), pickle.loads(pickle.dumps(env))):
+            td = twin.reset(TensorDict(query=["a b", "a b c", "c"], batch_size=[3]))
+            assert [len(p) for p in td.get(("tokens", "prompt"), as_list=True)] == [2, 3, 1]
+
     def test_other_envs(self):
         from torchrl.envs import GymEnv
 

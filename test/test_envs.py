@@ -420,3 +420,68 @@ class TestResume:
         transform = SameStartGroups(2)
         transform.load_state_dict({"_episodes_started": torch.tensor(5)})
         assert transform.episodes_started == 5 and transform.running_seeds == []
+
+    def test_a_restored_state_in_a_live_env_then_a_step(self):
+        """The checkpoint's running seeds are not this env's sub-envs: stepping after a load
+        neither fails nor masks the wrong sub-envs, and the next reset takes over."""
+        env = TransformedEnv(vector_env(4), SameStartGroups(2, seeds=range(50)))
+        td = env.reset()
+        saved = SameStartGroups(2, seeds=range(50))
+        saved.load_state_dict(
+            {
+                "_episodes_started": torch.tensor(6),
+                "_extra_state": {"running": [1, 2, 2], "replays": []},
+            }
+        )
+        env.transform.load_state_dict(saved.state_dict())
+        assert env.transform.running_seeds == [1, 2, 2]
+        env.step(env.rand_action(td))  # no shape error
+        env.reset()
+        assert len(env.transform.running_seeds) == 4  # the live sub-envs' seeds
+
+    def test_resume_twice_counts_the_replays_still_queued(self):
+        """Seed 3 (G=2) was replayed twice by a first resume; one replay runs, one is queued at
+        the second checkpoint: only the running one is played again."""
+        transform = SameStartGroups(2, seeds=range(50))
+        transform.load_state_dict(
+            {
+                "_episodes_started": torch.tensor(10),
+                "_extra_state": {"running": [3], "replays": [3]},
+            }
+        )
+        assert transform.resume({}) == {3: 1}
+        assert transform.replays == [3, 3]
+
+    def test_a_group_released_short_is_not_started_again(self):
+        """With min_group_size a group can leave the transform short: a running seed whose
+        group is not pending may be gone, and is not replayed (a warning names it)."""
+        advantage = MCAdvantage(
+            4,
+            prompt_key="reset_seed",
+            trajectory_return="sum",
+            min_group_size=2,
+            max_pending_age=1,
+        )
+        rb = ReplayBuffer(storage=LazyTensorStorage(100)).append_transform(advantage)
+
+        def episodes(seed, n):
+            done = torch.ones(n, 1, dtype=torch.bool)
+            return TensorDict(
+                reset_seed=torch.full((n,), seed),
+                observation=torch.zeros(n, 4),
+                next=TensorDict(
+                    reward=torch.ones(n, 1), done=done, terminated=done, batch_size=[n]
+                ),
+                batch_size=[n],
+            )
+
+        rb.extend(episodes(0, 3))  # three of seed 0's four ended; the fourth is running
+        rb.extend(episodes(1, 1))  # seed 0's group is released short (3 >= min_group_size)
+        assert advantage.get_stats()["short_groups"] == 1 and 0 not in advantage.queues
+        transform = SameStartGroups(4, seeds=range(50))
+        transform.load_state_dict(
+            {"_episodes_started": torch.tensor(6), "_extra_state": {"running": [0, 1]}}
+        )
+        with pytest.warns(RuntimeWarning, match=r"running seeds \[0\]"):
+            replays = transform.resume(advantage)
+        assert replays == {1: 1}  # seed 1: two started, one held; seed 0 not again

@@ -325,9 +325,10 @@ def ragged_prompts(env):
     Reliance (torchrl 0.14.1, and its nightly of 2026-10-27): ``ChatEnv._reset_tokens`` reads
     the tokenized prompts of a reset as ``tokens["input_ids"]``, which stacks them, so a batch
     whose prompts differ in length fails at its first reset ("Failed to stack tensors within a
-    tensordict"). This replaces that method on ``env``'s ``ChatEnv`` instance (not on the class)
-    with one that reads them as a list and writes the same ragged ``("tokens", "prompt")``.
-    Envs in another input mode are left as they are.
+    tensordict"). This gives ``env``'s ``ChatEnv`` instance a subclass of its class
+    (:data:`RaggedChatEnv` for ``ChatEnv``) whose ``_reset_tokens`` reads them as a list and
+    writes the same ragged ``("tokens", "prompt")``; other instances are untouched, and copies
+    and pickles of the env keep it. Envs in another input mode are left as they are.
 
     Args:
         env: a ``ChatEnv``, or a ``TransformedEnv`` over one (``DatasetChatEnv``).
@@ -358,10 +359,8 @@ def ragged_prompts(env):
         >>> [t.tolist() for t in td.get(("tokens", "prompt"), as_list=True)]
         [[1, 2], [1, 2, 3]]
     """
-    from tensordict import LazyStackedTensorDict
     from torchrl.envs import TransformedEnv
     from torchrl.envs.llm import ChatEnv
-    from torchrl.modules.llm.policies.common import Tokens
 
     chat = env
     while isinstance(chat, TransformedEnv):
@@ -371,22 +370,60 @@ def ragged_prompts(env):
     if chat.input_mode != "tokens":
         return env
 
-    def _reset_tokens(tensordict: TensorDictBase, history) -> TensorDictBase:
-        tokens = history.apply_chat_template(
-            tokenizer=chat.tokenizer,
-            add_generation_prompt=True,
-            return_tensors="pt",
-            return_dict=True,
-            **chat.template_kwargs,
-        )
-        if isinstance(tokens, LazyStackedTensorDict):  # rows of different lengths
-            ids = tokens.get("input_ids", as_list=True)
-        else:
-            ids = tokens["input_ids"].unbind(0)
-        prompts = Tokens._from_tensordict(tensordict.empty().to_lazystack(0))
-        for row, prompt in zip(prompts.unbind(0), ids, strict=True):
-            row.prompt = prompt
-        return tensordict.empty(device=chat.device).set("tokens", prompts)
-
-    chat._reset_tokens = _reset_tokens
+    if not isinstance(chat, _RaggedChatEnv):  # its class, so that copies and pickles keep it
+        chat.__class__ = _ragged_class(type(chat))
     return env
+
+
+class _RaggedChatEnv:
+    """Mixed into a ``ChatEnv`` class by :func:`ragged_prompts`: its ``_reset_tokens`` reads
+    the prompts as a list."""
+
+    def _reset_tokens(self, tensordict: TensorDictBase, history) -> TensorDictBase:
+        return _ragged_reset_tokens(self, tensordict, history)
+
+
+_RAGGED_CLASSES: dict[type, type] = {}
+
+
+def _ragged_class(cls: type) -> type:
+    """``cls`` with :class:`_RaggedChatEnv` mixed in, one class per ``cls``; a module-level name
+    (``Ragged<cls>``) so that pickle finds it."""
+    if cls not in _RAGGED_CLASSES:
+        name = f"Ragged{cls.__name__}"
+        ragged = type(name, (_RaggedChatEnv, cls), {"__module__": __name__})
+        globals()[name] = _RAGGED_CLASSES[cls] = ragged
+    return _RAGGED_CLASSES[cls]
+
+
+def _ragged_reset_tokens(self, tensordict: TensorDictBase, history) -> TensorDictBase:
+    """torchrl's ``ChatEnv._reset_tokens``, the prompts read as a list (:func:`ragged_prompts`)."""
+    from tensordict import LazyStackedTensorDict
+    from torchrl.modules.llm.policies.common import Tokens
+
+    tokens = history.apply_chat_template(
+        tokenizer=self.tokenizer,
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
+        **self.template_kwargs,
+    )
+    if isinstance(tokens, LazyStackedTensorDict):  # rows of different lengths
+        ids = tokens.get("input_ids", as_list=True)
+    else:
+        ids = tokens["input_ids"].unbind(0)
+    prompts = Tokens._from_tensordict(tensordict.empty().to_lazystack(0))
+    for row, prompt in zip(prompts.unbind(0), ids, strict=True):
+        row.prompt = prompt
+    return tensordict.empty(device=self.device).set("tokens", prompts)
+
+
+def _ragged_chat_env() -> type:
+    from torchrl.envs.llm import ChatEnv
+
+    return _ragged_class(ChatEnv)
+
+
+#: torchrl's ``ChatEnv`` with ragged prompts, named at import so that a pickle of a patched env
+#: loads in a fresh process (a worker of a parallel env, a Ray actor).
+RaggedChatEnv = _ragged_chat_env()

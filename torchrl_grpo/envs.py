@@ -58,6 +58,7 @@ Decisions, in one place:
 from __future__ import annotations
 
 import operator
+import warnings
 from collections import Counter
 from collections.abc import Mapping, Sequence
 
@@ -141,6 +142,7 @@ class SameStartGroups(Transform):
         self.register_buffer("_episodes_started", torch.zeros((), dtype=torch.long))
         self._unplayed = None  # (batch,) the seed each sub-env was reset with, -1 once it stepped
         self._running = None  # (batch,) the seed of each sub-env's episode, -1 before any reset
+        self._restored_running: list[int] = []  # the running seeds a checkpoint held
         self._replays: list[int] = []  # seeds to start again before the queue goes on (resume)
         self._parent_checked = False
 
@@ -180,7 +182,7 @@ class SameStartGroups(Transform):
         """
         self._episodes_started.zero_()
         self._unplayed = None
-        self._running = None
+        self._running, self._restored_running = None, []
         self._replays = []
 
     # --- resuming from a checkpoint ---------------------------------------------------------
@@ -190,11 +192,9 @@ class SameStartGroups(Transform):
         """The seed of each (sub-)environment's current episode, in index order (none before the
         first reset): the episodes a checkpoint taken now cannot hold, since they are still
         being played."""
-        return (
-            []
-            if self._running is None
-            else [s for s in self._running.reshape(-1).tolist() if s >= 0]
-        )
+        if self._running is None:  # none yet, or a checkpoint's, restored
+            return list(self._restored_running)
+        return [s for s in self._running.reshape(-1).tolist() if s >= 0]
 
     @property
     def replays(self) -> list[int]:
@@ -226,10 +226,17 @@ class SameStartGroups(Transform):
         episodes it started that the buffer does not hold: each such group gets its ``G``
         episodes. Also forgets what ran: the next reset starts from the queue.
 
+        A group can also have left the transform short of ``G`` (released short with
+        ``min_group_size``, evicted by a limit, stale trajectories dropped): a running seed whose
+        group is not pending is then ambiguous (its group may be gone, or none of its episodes
+        had reached the buffer), and it is not played again, with one warning naming those
+        seeds, so that no seed is started for a second group. Given a mapping, groups are taken
+        to have left the transform complete only.
+
         Args:
-            pending: the transform's pending groups, ``{group id: trajectories held}``, or the
-                :class:`~torchrl_grpo.MCAdvantage` itself, whose unfinished trajectories (the
-                running episodes' first steps) are then given up
+            pending: the transform's pending groups, ``{group id: number of trajectories
+                held}``, or the :class:`~torchrl_grpo.MCAdvantage` itself, whose unfinished
+                trajectories (the running episodes' first steps) are then given up
                 (:meth:`~torchrl_grpo.MCAdvantage.forget_trajectory_ids`).
 
         Returns:
@@ -248,20 +255,34 @@ class SameStartGroups(Transform):
             >>> int(fresh.reset()["reset_seed"]), fresh.transform.episodes_started
             (0, 1)
         """
+        short = False  # whether a group may have left the transform short of G
         if hasattr(pending, "forget_trajectory_ids"):  # an MCAdvantage
+            stats = pending.get_stats()
+            short = any(stats[k] for k in ("evicted_groups", "short_groups", "stale_trajectories"))
             pending.forget_trajectory_ids()
             pending = {group: len(held) for group, held in pending.queues.items()}
-        queued = Counter(self._replays)
-        seeds = dict.fromkeys([*self.running_seeds, *pending])  # in order, each once
-        replays = {}
-        for seed in seeds:
+        queued, running = Counter(self._replays), Counter(self.running_seeds)
+        replays, ambiguous = {}, []
+        for seed in dict.fromkeys([*running, *pending]):  # in order, each once
             rank = self._rank(seed)
             if rank is None:  # a pending group of another id: not this transform's
                 continue
             missing = self._started(rank) - pending.get(seed, 0) - queued[seed]
+            if short and seed not in pending:  # its group may be gone: never a second one
+                ambiguous.append(seed)
+                continue
             if missing > 0:
                 replays[int(seed)] = missing
-        self._running, self._unplayed = None, None
+        if ambiguous:
+            warnings.warn(
+                f"{type(self).__name__}.resume: groups left the transform short of group_size "
+                "before the checkpoint (released short, evicted or stale), so the running seeds "
+                f"{ambiguous}, whose groups are not pending, are not played again (their group "
+                "may be gone; a replay could start a second one): their episodes are lost.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        self._running, self._restored_running, self._unplayed = None, [], None
         self.replay(replays)
         return replays
 
@@ -282,8 +303,8 @@ class SameStartGroups(Transform):
         return {"running": self.running_seeds, "replays": list(self._replays)}
 
     def set_extra_state(self, state: dict) -> None:
-        running = state.get("running", [])
-        self._running = torch.tensor(running, dtype=torch.long) if running else None
+        self._restored_running = [int(s) for s in state.get("running", [])]
+        self._running = None  # the restored seeds are not this env's sub-envs
         self._replays = [int(s) for s in state.get("replays", [])]
         self._unplayed = None
 
@@ -358,6 +379,7 @@ class SameStartGroups(Transform):
         self._unplayed[mask] = seeds
         self._running = self._per_env(self._running, batch)
         self._running[mask] = seeds
+        self._restored_running = []  # this env's own episodes now
         seed = torch.full(batch, -1, dtype=torch.long, device=tensordict_reset.device)
         seed[mask.to(seed.device)] = seeds.to(seed.device)
         return tensordict_reset.set(self.out_key, seed)
@@ -416,9 +438,9 @@ class SameStartGroups(Transform):
                 "as collectors and env.rollout do."
             )
         done = next_tensordict.get("done", None)
-        if done is not None and self._running is not None:  # an ended episode runs no more
-            batch = self._running.shape
-            ended = done.reshape(*batch, -1).any(-1) if batch else done.any()
+        batch = self.parent.batch_size if self.parent is not None else None
+        if done is not None and self._running is not None and self._running.shape == batch:
+            ended = done.reshape(*batch, -1).any(-1) if batch else done.any()  # runs no more
             self._running = self._running.masked_fill(ended.cpu(), -1)
         return next_tensordict.set(self.out_key, seed.clone())
 

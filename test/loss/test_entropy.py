@@ -85,8 +85,9 @@ class TestInGRPOLoss:
         assert {m <= 1.8 for m in measured} == {True, False}  # both branches were taken
 
     def test_with_top_entropy_quantile_the_kept_tokens_are_measured(self):
-        """TRL 1.16 measures the entropy of the tokens ``top_entropy_quantile`` keeps (its bonus
-        and its controller): the window holds those tokens' entropy and count only."""
+        """TRL 1.16's controller measures the entropy of the tokens ``top_entropy_quantile``
+        keeps (the objective's, one mask for both): the window holds those tokens' entropy and
+        count only."""
         from torchrl_grpo.loss_terms import high_entropy_token_mask
 
         policy = token_policy()

@@ -812,8 +812,11 @@ class GRPOLoss(ClipPPOLoss):
             per_token = self._objective(log_ratio, x.advantage, lp, log_clip_low, log_clip_high)
         if self.clip_ratio_c is not None:
             per_token = dual_clip_loss(per_token, x.advantage, self.clip_ratio_c)
+        kept = None  # the high-entropy tokens the objective keeps, and the controller measures
+        if self.top_entropy_quantile is not None:
+            kept = high_entropy_token_mask(x.entropy, loss_mask, self.top_entropy_quantile)
         # tokens weighted or zeroed in the objective (they stay in the aggregation's denominator)
-        weight, keep, fractions = self._objective_factors(x, loss_mask, ratio_base)
+        weight, keep, fractions = self._objective_factors(x, loss_mask, ratio_base, kept)
         if weight is not None:
             per_token = per_token * weight
         if keep is not None:
@@ -838,7 +841,7 @@ class GRPOLoss(ClipPPOLoss):
             out["truncated_fraction"] = (truncated.sum() / mask.any(-1).sum()).to(lp.dtype)
         if self._summed:  # what the sums are to be divided by, over the whole batch
             out["normalization_count"] = aggregation_sum(self._aggregate, lp.detach(), loss_mask)[1]
-        return {**out, **self._regularisers(x, reduce)}
+        return {**out, **self._regularisers(x, reduce, x.mask if kept is None else kept)}
 
     def _loss_mask(self, x: Inputs, ratio_base: torch.Tensor):
         """``(loss_mask, metrics)``: the tokens the loss terms cover (and the aggregation counts),
@@ -868,17 +871,17 @@ class GRPOLoss(ClipPPOLoss):
             return aggregation_sum(self._aggregate, per_token, loss_mask)[0]
         return self._aggregate(per_token, loss_mask)
 
-    def _regularisers(self, x: Inputs, reduce: Callable) -> dict[str, torch.Tensor]:
-        """The entropy bonus and the KL penalties: their metrics and their loss terms."""
+    def _regularisers(
+        self, x: Inputs, reduce: Callable, measured: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
+        """The entropy bonus and the KL penalties: their metrics and their loss terms;
+        ``measured``: the tokens whose entropy the adaptive coefficient's controller measures
+        (TRL's: the real ones, or those ``top_entropy_quantile`` keeps)."""
         out = {}
         if self.entropy_bonus:
             out["entropy"] = masked_mean(x.entropy, x.mask).detach()
             coeff = self.entropy_coeff
             if self.adaptive_entropy is not None:
-                measured = x.mask  # the tokens the controller measures: TRL's, those the
-                if self.top_entropy_quantile is not None:  # entropy quantile keeps
-                    q = self.top_entropy_quantile
-                    measured = high_entropy_token_mask(x.entropy, x.mask, q)
                 applied = self.adaptive_entropy.applied(coeff, x.entropy, measured)
                 coeff = out["entropy_coeff"] = applied
             out["loss_entropy"] = -coeff * reduce(x.entropy)
@@ -926,7 +929,9 @@ class GRPOLoss(ClipPPOLoss):
         self.entropy_coeff.fill_(coeff)
         return coeff
 
-    def _objective_factors(self, x: Inputs, loss_mask: torch.Tensor, ratio_base: torch.Tensor):
+    def _objective_factors(
+        self, x: Inputs, loss_mask: torch.Tensor, ratio_base: torch.Tensor, kept=None
+    ):
         """What multiplies each token's objective: ``(weight, keep, masked fractions)``.
 
         Each enabled variant gives a detached weight and/or the tokens it keeps (one function
@@ -954,9 +959,8 @@ class GRPOLoss(ClipPPOLoss):
             low, high = self.trust_region_low, self.trust_region_high
             k = self._trust_region(x.log_prob, ratio_base, x.advantage, x.mask, low, high)
             factors.append((None, k, "trust_region_masked_fraction"))
-        if self.top_entropy_quantile is not None:
-            k = high_entropy_token_mask(x.entropy, loss_mask, self.top_entropy_quantile)
-            factors.append((None, k, None))
+        if kept is not None:  # the high-entropy tokens (top_entropy_quantile)
+            factors.append((None, kept, None))
         weight = keep = None
         fractions = {}
         for w, k, name in factors:

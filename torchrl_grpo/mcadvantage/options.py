@@ -499,6 +499,12 @@ def _reward_to_go_baseline(kw: dict) -> str:
         raise ValueError(
             f"reward_to_go_baseline={value!r} compares rewards-to-go: it needs reward_to_go_gamma."
         )
+    scale = kw["scale_rewards"]
+    if value == "time_step" and getattr(SCALES[scale], "pooled", None) is None:
+        raise ValueError(
+            f"scale_rewards={scale!r} has no form pooled over time steps (a Scale of SCALES "
+            "with pooled=...): reward_to_go_baseline='time_step' cannot use it."
+        )
     return value
 
 
