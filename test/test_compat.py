@@ -385,6 +385,30 @@ class TestRaggedPrompts:
             td = twin.reset(TensorDict(query=["a b", "a b c", "c"], batch_size=[3]))
             assert [len(p) for p in td.get(("tokens", "prompt"), as_list=True)] == [2, 3, 1]
 
+    def test_a_pickle_loads_in_a_fresh_process(self, tmp_path):
+        import pickle
+        import subprocess
+        import sys
+
+        path = tmp_path / "env.pkl"
+        path.write_bytes(pickle.dumps(_compat.ragged_prompts(_chat_env())))
+        code = (
+            "import pickle, sys; env = pickle.load(open(sys.argv[1], 'rb')); "
+            "print(type(env).__name__)"
+        )
+        out = subprocess.run(
+            [sys.executable, "-c", code, str(path)], capture_output=True, text=True, check=True
+        )
+        assert out.stdout.strip() == "RaggedChatEnv"
+
+    def test_importing_the_package_imports_no_llm_env(self):
+        import subprocess
+        import sys
+
+        code = "import sys, torchrl_grpo; print('torchrl.envs.llm' in sys.modules)"
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+        assert out.stdout.strip() == "False", out.stderr[-2000:]
+
     def test_other_envs(self):
         from torchrl.envs import GymEnv
 

@@ -326,7 +326,7 @@ def ragged_prompts(env):
     the tokenized prompts of a reset as ``tokens["input_ids"]``, which stacks them, so a batch
     whose prompts differ in length fails at its first reset ("Failed to stack tensors within a
     tensordict"). This gives ``env``'s ``ChatEnv`` instance a subclass of its class
-    (:data:`RaggedChatEnv` for ``ChatEnv``) whose ``_reset_tokens`` reads them as a list and
+    (``RaggedChatEnv`` for ``ChatEnv``) whose ``_reset_tokens`` reads them as a list and
     writes the same ragged ``("tokens", "prompt")``; other instances are untouched, and copies
     and pickles of the env keep it. Envs in another input mode are left as they are.
 
@@ -418,12 +418,12 @@ def _ragged_reset_tokens(self, tensordict: TensorDictBase, history) -> TensorDic
     return tensordict.empty(device=self.device).set("tokens", prompts)
 
 
-def _ragged_chat_env() -> type:
-    from torchrl.envs.llm import ChatEnv
+def __getattr__(name: str):
+    """``RaggedChatEnv`` (torchrl's ``ChatEnv`` with ragged prompts) made on first use, so that a
+    pickle of an env :func:`ragged_prompts` changed loads in a fresh process (a parallel env's
+    worker, a Ray actor) without importing torchrl's LLM envs with this module."""
+    if name == "RaggedChatEnv":
+        from torchrl.envs.llm import ChatEnv
 
-    return _ragged_class(ChatEnv)
-
-
-#: torchrl's ``ChatEnv`` with ragged prompts, named at import so that a pickle of a patched env
-#: loads in a fresh process (a worker of a parallel env, a Ray actor).
-RaggedChatEnv = _ragged_chat_env()
+        return _ragged_class(ChatEnv)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
