@@ -46,6 +46,7 @@ def test_tiny_run(ex, tmp_path, capsys):
     """Three GRPO steps with one Ray collector: one RESULT line matching what main returns,
     batches stamped with policy versions, weights moved, every metric logged."""
     args = ["--steps", "3", "--eval-every", "3", *TINY, "--sft-max-steps", "40"]
+    args += ["--prompts-per-step", "8"]  # more groups: one with a reward spread, near surely
     args += ["--time-limit", "1e6", "--out", str(tmp_path)]
     start = time.perf_counter()
     result = ex.main(args)
@@ -59,7 +60,7 @@ def test_tiny_run(ex, tmp_path, capsys):
     assert float(acc_after) == pytest.approx(result["acc_after"], abs=1e-4)
     assert 0.0 <= result["acc_after"] <= 1.0
     assert int(max_lag) == result["max_lag"] >= 0  # the rows carried policy versions
-    assert result["steps"] == 3 and result["weights_moved"] > 0.0
+    assert result["steps"] == 3
     assert elapsed < 90
     assert any(line.startswith("profile, trainer") for line in lines)
     assert any(line.startswith("profile, collector 0") for line in lines)
@@ -72,3 +73,8 @@ def test_tiny_run(ex, tmp_path, capsys):
         assert [s for s, _ in logged] == ([3] if name == "accuracy" else [1, 2, 3]), name
     with open(run_dir / "scalars" / "sample_lag_max.csv") as f:
         assert all(float(v) >= 0 for _, v in csv.reader(f))
+    with open(run_dir / "scalars" / "reward.csv") as f:
+        rewards = [float(v) for _, v in csv.reader(f)]
+    # the weights move unless every completion failed (no group with a spread: no gradient,
+    # which the weak 40-step warm start makes possible)
+    assert result["weights_moved"] > 0.0 or not any(rewards), rewards
