@@ -340,6 +340,18 @@ class Scale(NamedTuple):
     their group's samples at the same time step (``reward_to_go_baseline="time_step"``), from
     each group's sum of squared deviations from its cells' means and its degrees of freedom
     (samples less cells); ``None`` if the scale has no such form (then that baseline refuses it).
+
+    Examples:
+        >>> import torch
+        >>> from torchrl_grpo.advantages import SCALES, Scale, group_relative_advantage
+        >>> group = SCALES["group"]
+        >>> SCALES["half"] = Scale(
+        ...     lambda *a: 0.5 * group(*a), lambda m2, dof: 0.5 * group.pooled(m2, dof)
+        ... )
+        >>> x, g = torch.tensor([0.0, 2.0, 1.0, 5.0]), torch.tensor([0, 0, 1, 1])
+        >>> group_relative_advantage(x, g, scale_rewards="half")
+        tensor([-1.4142,  1.4142, -1.4142,  1.4142], dtype=torch.float64)
+        >>> del SCALES["half"]
     """
 
     per_group: Callable[[Tensor, Segments, Tensor, Tensor], Tensor]

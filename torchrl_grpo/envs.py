@@ -206,6 +206,13 @@ class SameStartGroups(Transform):
 
         Raises:
             ValueError: a seed not among :attr:`seeds`, or a count below 0.
+
+        Examples:
+            >>> from torchrl_grpo import SameStartGroups
+            >>> transform = SameStartGroups(2, seeds=range(10))
+            >>> transform.replay({7: 1, 3: 2})
+            >>> transform.replays
+            [7, 3, 3]
         """
         extra = []
         for seed, count in seeds.items():
