@@ -2,7 +2,7 @@
 
 A *segment* is a trajectory or a group. Samples are mapped to segments either by one index per
 sample or as contiguous runs (see :class:`Segments`); every reduction is one pass over the samples,
-never a Python loop over segments. Private: the public math lives in ``advantages.py``.
+never a Python loop over segments. Private: the public math lives in ``torchrl_grpo.advantages``.
 """
 
 from __future__ import annotations

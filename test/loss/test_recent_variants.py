@@ -2,7 +2,7 @@
 LUSPO, token-sum aggregation, the mismatch statistics and the veto. Hand values on the running
 example of helpers.loss (known_batch), what moves them off their neutral setting, and the
 errors. Their neutral settings are in helpers.loss.NEUTRAL; the reference formulas of verl and
-TRL in test_loss_terms_references.py; the adaptive entropy coefficient in test_entropy.py."""
+TRL in loss_terms/test_references.py; the adaptive entropy coefficient in test_entropy.py."""
 
 import math
 

@@ -1,4 +1,4 @@
-"""Step-wise GRPO on an agent's turns: the estimators of torchrl_grpo/advantages.py and
+"""Step-wise GRPO on an agent's turns: the estimators of torchrl_grpo.advantages and
 mcadvantage/release.py on ragged steps (token sequences of different lengths per turn).
 
 * broadcast (Trinity-RFT's ``step_wise_grpo``, rLLM's ``broadcast``): ``trajectory_return="last"``;

@@ -1,6 +1,6 @@
 """GRPOLoss: the torchrl-facing loss module. Its keys, its wiring, and one call::
 
-    forward(batch) = read (inputs.py) -> terms (loss_terms.py) -> output (output.py)
+    forward(batch) = read (inputs.py) -> terms (loss_terms) -> output (output.py)
 
 The settings are checked and resolved by :func:`~torchrl_grpo.loss.options.loss_options` before
 anything is built; the batch is read into aligned ``(B, T)`` tensors by the functions of
