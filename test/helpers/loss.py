@@ -379,3 +379,13 @@ def _ddp_rank(rank, world, out_dir, kwargs):
         loss, policy, mine.split([3, len(mine) - 3]), ranks=world, all_reduce=dist.all_reduce
     )
     torch.save(grads, f"{out_dir}/rank{rank}.pt")
+
+
+def every_entry_batch(b=6, t=6, seed=2, drift=0.5) -> TensorDict:
+    """A token batch with every entry a variant reads: the sampler's, the reference's and the
+    proximal policy's log-probs, and the truncated flags (two rows of six)."""
+    batch = token_batch(b=b, t=t, seed=seed, drift=drift)
+    g = torch.Generator().manual_seed(seed + 1)
+    batch["proximal_log_prob"] = batch["tokens_log_prob"] + 0.2 * torch.randn(b, t, generator=g)
+    batch["truncated"] = torch.arange(b) % 3 == 0
+    return batch

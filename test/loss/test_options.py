@@ -21,6 +21,7 @@ from torchrl.objectives import ClipPPOLoss, PPOLoss
 
 from torchrl_grpo.loss import DAPOLoss, GRPOLoss
 from torchrl_grpo.loss.options import LossOptions, loss_options
+from torchrl_grpo.loss.variants import SAPO, TIS, Clip
 from torchrl_grpo.loss_terms import AGGREGATIONS, KL_ESTIMATORS, OBJECTIVES, RATIO_LEVELS
 
 #: GRPOLoss's keyword-only arguments and their defaults, as loss_options receives them.
@@ -39,26 +40,28 @@ def options(**keywords) -> LossOptions:
 class TestLossOptions:
     def test_defaults_are_the_registries_entries(self):
         record = options()
-        assert record.objective is OBJECTIVES["clip"]
+        assert record.objective == Clip()  # PPO's clip, OBJECTIVES["clip"], no dual clip
         assert record.ratio_level is RATIO_LEVELS["token"]
         assert record.aggregate is AGGREGATIONS["token_mean"]
-        assert record.kl_to_ref_estimator is record.kl_to_inference_estimator is KL_ESTIMATORS["k3"]
-        assert record.inference_correction is None
+        assert record.variants == ()  # no correction, no penalty
+        kl = options(kl_to_ref_coeff=0.1, kl_to_inference_coeff=0.1).variants
+        assert [v.estimator for v in kl] == ["k3", "k3"]
+        assert KL_ESTIMATORS["k3"] is KL_ESTIMATORS[kl[0].estimator]
         assert record.masking_strategy == "sft" and record.functional and not record.is_llm
         assert record.reduction is None and record.clip_epsilon == 0.2
         assert dict(record.coefficients) == dict.fromkeys(record.coefficients)  # every one off
 
     def test_the_record_is_frozen(self):
         record = options()
-        with pytest.raises(AttributeError, match="cannot assign to field 'decoupled'"):
-            record.decoupled = True
+        with pytest.raises(AttributeError, match="cannot assign to field 'variants'"):
+            record.variants = ()
         with pytest.raises(TypeError, match="does not support item assignment"):
             record.coefficients["tis_cap"] = 2.0
 
     def test_variants_bind_their_settings(self):
         sapo = options(objective="sapo", sapo_temperature_neg=2.0).objective
-        assert sapo.func is OBJECTIVES["sapo"]
-        assert sapo.keywords == {"temperature_pos": 1.0, "temperature_neg": 2.0}
+        assert sapo == SAPO(temperature_pos=1.0, temperature_neg=2.0)
+        assert "sapo" in OBJECTIVES
         dr_grpo = options(aggregation="seq_mean_token_sum_norm", max_length=16).aggregate
         assert dr_grpo.func is AGGREGATIONS["seq_mean_token_sum_norm"]
         assert dr_grpo.keywords == {"max_length": 16}
@@ -69,7 +72,7 @@ class TestLossOptions:
         assert record.coefficients["inference_correction_high"] == 3.0  # TRL's default
         assert record.coefficients["kl_to_ref_coeff"] == 0.1
         capped = options(tis_cap=2.0)  # the tis_cap buffer is the band: none of its own
-        assert capped.inference_correction is None and capped.coefficients["tis_cap"] == 2.0
+        assert capped.variants == (TIS(2.0),) and capped.coefficients["tis_cap"] == 2.0
         assert capped.coefficients["inference_correction_high"] is None
 
     def test_torchrl_aggregation_names(self):

@@ -25,6 +25,7 @@ from torchrl_grpo.loss import (
     GSPOLoss,
     SAPOLoss,
 )
+from torchrl_grpo.loss.variants import SAPO
 
 PRESETS = [DAPOLoss, DrGRPOLoss, GSPOLoss, CISPOLoss, SAPOLoss]
 
@@ -104,10 +105,10 @@ class TestCISPOLoss:
 class TestSAPOLoss:
     def test_sapo_preset(self):
         loss = SAPOLoss(token_policy())
-        assert loss._objective.keywords == {"temperature_pos": 1.0, "temperature_neg": 1.05}
+        assert loss.objective == SAPO(temperature_pos=1.0, temperature_neg=1.05)
         assert loss.entropy_coeff.item() == 0.0
         custom = SAPOLoss(token_policy(), sapo_temperature_neg=2.0)
-        assert custom._objective.keywords["temperature_neg"] == 2.0
+        assert custom.objective.temperature_neg == 2.0
 
     def test_sapo_from_the_scorer_log_probs(self, tiny_llm, make_llm_batch, make_llm_scorer):
         model, tokenizer = tiny_llm

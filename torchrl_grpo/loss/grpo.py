@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +21,6 @@ from tensordict.utils import NestedKey
 from torchrl.modules.llm import LLMWrapperBase
 from torchrl.objectives import ClipPPOLoss
 
-from torchrl_grpo.loss.entropy import AdaptiveEntropy
 from torchrl_grpo.loss.inputs import (
     LLM_KEYS,
     Inputs,
@@ -40,38 +39,35 @@ from torchrl_grpo.loss.options import (
     check_scheduled,
     loss_options,
 )
-from torchrl_grpo.loss.output import GRPOLossOutput
+from torchrl_grpo.loss.output import GRPOLossOutput, output_with
+from torchrl_grpo.loss.variants import Objective, Step, Variant
+from torchrl_grpo.loss.variants.base import RANGES
+from torchrl_grpo.loss.variants.flat import FlatAttributes
 from torchrl_grpo.loss_terms import (
-    INFERENCE_CORRECTIONS,
-    Objective,
     RatioLevel,
     aggregation_sum,
     clip_fractions,
-    decoupled_behaviour_weight,
-    dual_clip_loss,
     effective_sample_size,
-    high_entropy_token_mask,
-    importance_weighted_kl,
     inference_mismatch,
-    kl_trust_region_mask,
     masked_mean,
-    off_policy_sequence_mask,
-    sequence_veto_mask,
-    two_sided_clip_loss,
+    perplexity_metrics,
 )
 
 __all__ = ["GRPOLoss"]
 
 #: Names in ``locals()`` at the top of ``GRPOLoss.__init__`` that are not its settings.
 _NOT_SETTINGS = ("self", "__class__", "actor_network", "critic", "replaced")
+#: The entries a variant reads, in the order of the loss's in-keys.
+_READS = ("ref_log_prob", "inference_log_prob", "proximal_log_prob", "truncated")
 #: The statistics of :func:`~torchrl_grpo.loss_terms.inference_mismatch`, reported as
 #: ``inference_<name>`` whenever the loss reads inference log-probs.
 _MISMATCH_STATS = ("chi2_token", "chi2_sequence", "seq_max_k3_mean", "seq_max_k3_max")
-#: The buffers a scheduler sets (``loss.name = value``), checked as at construction.
-_SCHEDULED = frozenset((*CLIP_EPSILON_BUFFERS, *COEFFICIENTS))
+#: verl's perplexities of :func:`~torchrl_grpo.loss_terms.perplexity_metrics`, reported beside
+#: them (as ``inference_rollout_ppl``...).
+_PERPLEXITIES = ("rollout_ppl", "training_ppl", "log_ppl_diff", "ppl_ratio")
 
 
-class GRPOLoss(ClipPPOLoss):
+class GRPOLoss(FlatAttributes, ClipPPOLoss):
     """GRPO loss: :class:`~torchrl.objectives.ClipPPOLoss` with no critic, over real tokens.
 
     With the defaults, the loss is ClipPPOLoss's clipped surrogate (Schulman et al., 2017) on a
@@ -440,36 +436,15 @@ class GRPOLoss(ClipPPOLoss):
         entropy_bonus: bool = True,
         samples_mc_entropy: int = 1,
         entropy_coeff: float | None = None,
-        entropy_target: float | None = None,
-        entropy_coeff_bounds: tuple[float, float] | None = None,
-        entropy_coeff_step: float | None = None,
-        objective: str | Objective = "clip",
+        objective: str | Callable | Objective = "clip",
         ratio_level: str | RatioLevel = "token",
         aggregation: str | Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = "token_mean",
         max_length: int | None = None,
-        clip_ratio_c: float | None = None,
-        delta: float | None = None,
+        corrections: Sequence[Variant] = (),
+        penalties: Sequence[Variant] = (),
         kl_to_ref_coeff: float | None = None,
-        kl_to_ref_estimator: str | Callable = "k3",
-        kl_to_ref_unbiased: bool = False,
         kl_to_inference_coeff: float | None = None,
-        kl_to_inference_estimator: str | Callable = "k3",
         kl_mask_threshold: float | None = None,
-        tis_cap: float | None = None,
-        sapo_temperature_pos: float | None = None,
-        sapo_temperature_neg: float | None = None,
-        vespo_k: tuple[float, float] | None = None,
-        vespo_lambda: tuple[float, float] | None = None,
-        inference_correction: str | Callable | None = None,
-        inference_correction_bounds: tuple[float | None, float | None] | None = None,
-        off_policy_mask_threshold: float | None = None,
-        inference_veto_threshold: float | None = None,
-        trust_region: str | Callable | None = None,
-        trust_region_bounds: float | tuple[float, float] | None = None,
-        decoupled: bool = False,
-        behaviour_weight_cap: float | None = None,
-        top_entropy_quantile: float | None = None,
-        mask_truncated_completions: bool = False,
         masking_strategy: str | None = None,
         ref_log_prob_padding_side: str = "left",
         ref_log_prob_padding_value: float = 0.0,
@@ -502,49 +477,34 @@ class GRPOLoss(ClipPPOLoss):
         self._wire(options)
 
     def _wire(self, options: LossOptions) -> None:
-        """Set the resolved variants and register the schedulable coefficients."""
+        """Set the variants and register their schedulable values as buffers."""
         if options.no_lower_bound:
             self.clip_epsilon_low.fill_(1.0)
         self.is_llm = options.is_llm
         self.masking_strategy = options.masking_strategy
         self.ref_log_prob_padding_side = options.ref_log_prob_padding_side
         self.ref_log_prob_padding_value = options.ref_log_prob_padding_value
-        self._objective = options.objective
+        self.objective = options.objective
+        self.variants = options.variants
         self._ratio_level = options.ratio_level
         self._aggregate = options.aggregate
         self._summed = False  # inside summed(): the aggregation's sums, not its means
-        self._kl_to_ref_estimator = options.kl_to_ref_estimator
-        self._kl_to_inference_estimator = options.kl_to_inference_estimator
-        self._inference_correction = options.inference_correction
-        self.decoupled = options.decoupled
-        self.mask_truncated_completions = options.mask_truncated_completions
-        self.kl_to_ref_unbiased = options.kl_to_ref_unbiased
-        self._trust_region = options.trust_region
         device = self.entropy_coeff.device
         for name, value in options.coefficients.items():
             self.register_coeff_buffer(name, value, device=device)
-        self.adaptive_entropy = None  # its buffers are saved with the loss's state_dict
-        if options.adaptive_entropy is not None:
-            self.adaptive_entropy = AdaptiveEntropy(*options.adaptive_entropy, device=device)
+        self.adaptive_entropy = None  # the entropy bonus's controller, with an EntropyTarget
+        for variant in self.variants:  # their state, saved with the loss's state_dict
+            for name, module in variant.modules(device).items():
+                setattr(self, name, module)
         if self.is_llm:  # torchrl's LLM layout (torchrl.objectives.llm.GRPOLoss's keys)
             self.set_keys(**LLM_KEYS)
         self._in_keys = None
         self._out_keys = None
         self._wired = True  # from now on, a variant left off stays off (see __setattr__)
 
-    @property
-    def inference_correction(self) -> Callable | None:
-        """The correction against the inference engine (``tis_cap``: token truncation)."""
-        if self.tis_cap is not None:
-            return INFERENCE_CORRECTIONS["token_truncate"]
-        return self._inference_correction
-
-    @property
-    def inference_correction_bounds(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """``(low, high)`` of the inference band, read from the schedulable buffers."""
-        if self.tis_cap is not None:
-            return None, self.tis_cap
-        return self.inference_correction_low, self.inference_correction_high
+    def _staged(self, stage: str) -> tuple[Variant, ...]:
+        """The variants held of one stage, in the order given."""
+        return tuple(variant for variant in self.variants if variant.stage == stage)
 
     @property
     def clip_bounds(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -557,17 +517,23 @@ class GRPOLoss(ClipPPOLoss):
     # --- keys -----------------------------------------------------------------------------
 
     def __setattr__(self, name: str, value) -> None:
-        # a scheduler's new value (``loss.clip_epsilon = 0.1``) is checked as at construction
-        if name in _SCHEDULED and isinstance(value, (int, float)):
+        # a scheduler's new value (``loss.clip_epsilon = 0.1``) is checked as at construction;
+        # RANGES holds every variant class's values, a user's class's included
+        number = isinstance(value, (int, float))
+        if number and (name in CLIP_EPSILON_BUFFERS or name in RANGES):
             check_scheduled(name, value)
         # a variant left off at construction is not a buffer: setting it would skip every
         # check of loss_options (an objective it cannot go with...) and the read plan's keys
-        if name in COEFFICIENTS and value is not None and self.__dict__.get("_wired"):
-            if getattr(self, name, None) is None:
+        if name in RANGES and value is not None and self.__dict__.get("_wired"):
+            buffer = self._buffers.get(name)
+            if buffer is None:
                 raise ValueError(
                     f"{name} was off (None) when the loss was built: pass {name}=... to "
                     f"{type(self).__name__}(...) (0.0 to schedule it from zero) to turn it on."
                 )
+            if number:  # in place, keeping the buffer's device and dtype (torchrl's way)
+                buffer.copy_(torch.as_tensor(value, dtype=buffer.dtype, device=buffer.device))
+                return
         super().__setattr__(name, value)
 
     def set_keys(self, **kwargs) -> None:
@@ -590,22 +556,15 @@ class GRPOLoss(ClipPPOLoss):
         return super().set_keys(**kwargs)
 
     def _set_in_keys(self):
-        # ClipPPOLoss's __init__ calls this before the settings are set: read them with defaults
+        # ClipPPOLoss's __init__ calls this before the variants are set
         tk = self.tensor_keys
         keys = [*self.actor_network.in_keys]
         for key in (tk.action, tk.sample_log_prob):  # a list for a multi-head policy
             keys.extend(key if isinstance(key, list) else [key])
         keys += [tk.advantage, tk.mask]
-        if getattr(self, "kl_to_ref_coeff", None) is not None:
-            keys.append(tk.ref_log_prob)
-        # the readers that need the sampler's own log-probs (the others fall back)
-        readers = ("tis_cap", "inference_veto_threshold", "_inference_correction")
-        if any(getattr(self, name, None) is not None for name in readers):
-            keys.append(tk.inference_log_prob)
-        if getattr(self, "decoupled", False):
-            keys.append(tk.proximal_log_prob)
-        if getattr(self, "mask_truncated_completions", False):
-            keys.append(tk.truncated)
+        # what the variants read (not the entries sample_log_prob may stand in for)
+        reads = {r for v in getattr(self, "variants", ()) if not v.fallback for r in v.reads}
+        keys += [getattr(tk, name) for name in _READS if name in reads]
         self._in_keys = list(dict.fromkeys(keys))
 
     @property
@@ -739,25 +698,18 @@ class GRPOLoss(ClipPPOLoss):
         out = self._terms(inputs)
         if torch.compiler.is_compiling():
             tensordict.clear_refs_for_compile_()
-        return self.output_type(**out, batch_size=[])
+        # a variant of the user's may report entries no built-in output names
+        return output_with(self.output_type, tuple(out))(**out, batch_size=[])
 
     # --- read: what this call reads, and the policy's distribution over the batch -------------
 
     def _read_plan(self) -> ReadPlan:
-        """What this call reads from its batch: the keys, and the entries its settings need."""
-        correction = "tis_cap" if self.tis_cap is not None else "inference_correction"
-        readers = [  # (reads inference_log_prob, why, sample_log_prob may stand in)
-            (self.inference_correction is not None, correction, False),
-            (self.inference_veto_threshold is not None, "inference_veto_threshold", False),
-            (self.kl_to_inference_coeff is not None, "kl_to_inference_coeff", True),
-            (self.off_policy_mask_threshold is not None, "off_policy_mask_threshold", True),
-        ]
-        readers = [(why, fallback) for on, why, fallback in readers if on]
-        inference = f"for {readers[0][0]}" if readers else None
-        fallback = bool(readers) and all(fallback for _, fallback in readers)
+        """What this call reads from its batch: the keys, and the entries its variants need."""
+        readers = [v for v in self.variants if "inference_log_prob" in v.reads]
+        reads = {name for v in self.variants for name in v.reads}
         end_tokens = ()  # TRL's rule for an LLM wrapper's batch without a truncated entry
         tokenizer = getattr(self.actor_network, "tokenizer", None) if self.is_llm else None
-        if self.is_llm and self.mask_truncated_completions:
+        if self.is_llm and "truncated" in reads:
             end_tokens = tokenizer_end_tokens(tokenizer)
         return ReadPlan(
             owner=type(self).__name__,
@@ -766,15 +718,15 @@ class GRPOLoss(ClipPPOLoss):
             padded=self.is_llm,
             masking_strategy=self.masking_strategy,
             ref_padding=(self.ref_log_prob_padding_side, self.ref_log_prob_padding_value),
-            ref=self.kl_to_ref_coeff is not None,
-            inference=inference,
-            inference_fallback=fallback,
-            proximal=self.decoupled,
-            truncated=self.mask_truncated_completions,
+            ref="ref_log_prob" in reads,
+            inference=f"for {readers[0].label}" if readers else None,
+            inference_fallback=bool(readers) and all(v.fallback for v in readers),
+            proximal="proximal_log_prob" in reads,
+            truncated="truncated" in reads,
             end_tokens=end_tokens,
             pad_token_id=getattr(tokenizer, "pad_token_id", None),
             pad_output=bool(getattr(self.actor_network, "pad_output", True)),
-            entropy=bool(self.entropy_bonus) or self.top_entropy_quantile is not None,
+            entropy=bool(self.entropy_bonus) or any(v.entropy for v in self.variants),
             samples_mc_entropy=self.samples_mc_entropy,
         )
 
@@ -796,31 +748,25 @@ class GRPOLoss(ClipPPOLoss):
     # --- terms: the math of loss_terms on the lined-up batch ------------------------------------
 
     def _terms(self, x: Inputs) -> dict[str, torch.Tensor]:
-        """The loss terms and metrics of a lined-up batch."""
+        """The loss terms and metrics of a lined-up batch: the variants' stages in order."""
         mask, lp = x.mask, x.log_prob
         # the policy the ratio and its clip are taken against: the proximal one (decoupled PPO)
         # or the one that sampled the data
         ratio_base = x.old_log_prob if x.proximal_log_prob is None else x.proximal_log_prob
-        loss_mask, out = self._loss_mask(x, ratio_base)
-        reduce = functools.partial(self._reduce, loss_mask=loss_mask, shape=x.shape)
+        step = Step(x, ratio_base, loss_mask=mask)
+        out = {}
+        for variant in self._staged("exclude"):  # out of the terms and the denominator
+            keep, metrics = variant.exclude(self, step)
+            step.loss_mask = step.loss_mask & keep
+            out.update(metrics)
+        reduce = functools.partial(self._reduce, loss_mask=step.loss_mask, shape=x.shape)
         log_clip_low, log_clip_high = self.clip_bounds
         log_ratio = self._ratio_level(lp - ratio_base, mask)  # (B, T)
-        if self.delta is not None:  # the two-sided clip replaces PPO's surrogate
-            args = (log_ratio, x.advantage, log_clip_low, log_clip_high, self.delta)
-            per_token = two_sided_clip_loss(*args)
-        else:
-            per_token = self._objective(log_ratio, x.advantage, lp, log_clip_low, log_clip_high)
-        if self.clip_ratio_c is not None:
-            per_token = dual_clip_loss(per_token, x.advantage, self.clip_ratio_c)
-        kept = None  # the high-entropy tokens the objective keeps, and the controller measures
-        if self.top_entropy_quantile is not None:
-            kept = high_entropy_token_mask(x.entropy, loss_mask, self.top_entropy_quantile)
-        # tokens weighted or zeroed in the objective (they stay in the aggregation's denominator)
-        weight, keep, fractions = self._objective_factors(x, loss_mask, ratio_base, kept)
-        if weight is not None:
-            per_token = per_token * weight
-        if keep is not None:
-            per_token = torch.where(keep, per_token, 0.0)
+        per_token = self.objective.loss(
+            self, log_ratio, x.advantage, lp, log_clip_low, log_clip_high
+        )
+        out.update(self.objective.report(self, step))
+        per_token = self._factors(per_token, step, out)
         clip_fraction, clip_low, clip_high = clip_fractions(
             log_ratio, mask, log_clip_low, log_clip_high
         )
@@ -831,35 +777,34 @@ class GRPOLoss(ClipPPOLoss):
             clip_fraction_high=clip_high,
             kl_approx=masked_mean(ratio_base - lp, mask).detach(),
             **_ratio_metrics(log_ratio, mask),
-            **fractions,
         )
         if x.inference_log_prob is not None:  # how far the sampler is from the trainer
             stats = inference_mismatch(x.old_log_prob - x.inference_log_prob, mask)
+            ppl = perplexity_metrics(x.old_log_prob, x.inference_log_prob, mask)
+            stats.update({name: ppl[name] for name in _PERPLEXITIES})
             out.update({f"inference_{name}": value for name, value in stats.items()})
-        if x.truncated is not None:
-            truncated = (x.truncated & mask).any(-1)  # (B,)
-            out["truncated_fraction"] = (truncated.sum() / mask.any(-1).sum()).to(lp.dtype)
         if self._summed:  # what the sums are to be divided by, over the whole batch
-            out["normalization_count"] = aggregation_sum(self._aggregate, lp.detach(), loss_mask)[1]
-        return {**out, **self._regularisers(x, reduce, x.mask if kept is None else kept)}
+            count = aggregation_sum(self._aggregate, lp.detach(), step.loss_mask)[1]
+            out["normalization_count"] = count
+        return {**out, **self._regularisers(step, reduce)}
 
-    def _loss_mask(self, x: Inputs, ratio_base: torch.Tensor):
-        """``(loss_mask, metrics)``: the tokens the loss terms cover (and the aggregation counts),
-        the real ones less those outside the KL trust region, those of truncated completions and
-        those of vetoed sequences; the metrics describe every real token."""
-        loss_mask, out = x.mask, {}
-        if self.kl_mask_threshold is not None:
-            in_region = kl_trust_region_mask(x.log_prob - ratio_base, self.kl_mask_threshold)
-            loss_mask = loss_mask & in_region
-        if x.truncated is not None:
-            loss_mask = loss_mask & ~x.truncated
-        if self.inference_veto_threshold is not None:
-            log_weight = x.old_log_prob - x.inference_log_prob
-            kept = sequence_veto_mask(log_weight, x.mask, self.inference_veto_threshold)
-            vetoed = (x.mask.any(-1) & ~kept.any(-1)).sum() / x.mask.any(-1).sum()
-            out["inference_vetoed_fraction"] = vetoed.to(x.log_prob.dtype)
-            loss_mask = loss_mask & kept
-        return loss_mask, out
+    def _factors(self, per_token: torch.Tensor, step: Step, out: dict) -> torch.Tensor:
+        """The per-token objective times the ``"factor"`` variants' weights, zero where one
+        drops the token (it stays in the aggregation's denominator). With none held, the
+        objective as it is: the default loss runs no extra operation."""
+        weight = keep = None
+        for variant in self._staged("factor"):
+            w, k, metrics = variant.factor(self, step)
+            out.update(metrics)
+            if w is not None:
+                weight = w if weight is None else weight * w
+            if k is not None:
+                keep = k if keep is None else keep & k
+        if weight is not None:
+            per_token = per_token * weight
+        if keep is not None:
+            per_token = torch.where(keep, per_token, 0.0)
+        return per_token
 
     def _reduce(self, per_token, loss_mask: torch.Tensor, shape: torch.Size) -> torch.Tensor:
         """``(B, T)`` -> a scalar by the aggregation, or the per-token tensor (``"none"``)."""
@@ -871,37 +816,21 @@ class GRPOLoss(ClipPPOLoss):
             return aggregation_sum(self._aggregate, per_token, loss_mask)[0]
         return self._aggregate(per_token, loss_mask)
 
-    def _regularisers(
-        self, x: Inputs, reduce: Callable, measured: torch.Tensor
-    ) -> dict[str, torch.Tensor]:
-        """The entropy bonus and the KL penalties: their metrics and their loss terms;
-        ``measured``: the tokens whose entropy the adaptive coefficient's controller measures
-        (TRL's: the real ones, or those ``top_entropy_quantile`` keeps)."""
-        out = {}
+    def _regularisers(self, step: Step, reduce: Callable) -> dict[str, torch.Tensor]:
+        """The entropy bonus (its coefficient steered by a variant that has ``coefficient``,
+        :class:`~torchrl_grpo.loss.variants.EntropyTarget`) and the penalties' terms."""
+        x, out = step.x, {}
         if self.entropy_bonus:
             out["entropy"] = masked_mean(x.entropy, x.mask).detach()
             coeff = self.entropy_coeff
-            if self.adaptive_entropy is not None:
-                applied = self.adaptive_entropy.applied(coeff, x.entropy, measured)
-                coeff = out["entropy_coeff"] = applied
+            for variant in self._staged("penalty"):
+                if hasattr(variant, "coefficient"):
+                    coeff = out["entropy_coeff"] = variant.coefficient(self, coeff, step)
             out["loss_entropy"] = -coeff * reduce(x.entropy)
             if x.head_entropy is not None:  # a multi-head policy's, as ClipPPOLoss reports it
                 out["composite_entropy"] = x.head_entropy.detach()
-        for name, coeff, other, estimator in (
-            ("kl_to_ref", self.kl_to_ref_coeff, x.ref_log_prob, self._kl_to_ref_estimator),
-            (
-                "kl_to_inference",
-                self.kl_to_inference_coeff,
-                x.inference_log_prob,
-                self._kl_to_inference_estimator,
-            ),
-        ):
-            if coeff is not None:
-                kl = estimator(x.log_prob, other)  # (B, T)
-                if name == "kl_to_ref" and self.kl_to_ref_unbiased:  # r_t k_t, r vs the sampler
-                    kl = importance_weighted_kl(kl, x.log_prob - x.old_log_prob)
-                out[name] = masked_mean(kl, x.mask).detach()
-                out["loss_" + name] = coeff * reduce(kl)
+        for variant in self._staged("penalty"):
+            out.update(variant.terms(self, step, reduce))
         return out
 
     def update_entropy_coeff(self) -> float:
@@ -929,51 +858,9 @@ class GRPOLoss(ClipPPOLoss):
         self.entropy_coeff.fill_(coeff)
         return coeff
 
-    def _objective_factors(
-        self, x: Inputs, loss_mask: torch.Tensor, ratio_base: torch.Tensor, kept=None
-    ):
-        """What multiplies each token's objective: ``(weight, keep, masked fractions)``.
-
-        Each enabled variant gives a detached weight and/or the tokens it keeps (one function
-        of :mod:`torchrl_grpo.loss_terms` each); ``weight`` and ``keep`` are ``None`` when no
-        variant is on, so the default loss runs no extra operation.
-        """
-        factors = []  # (weight or None, keep, name of its masked fraction or None)
-        if x.proximal_log_prob is not None:
-            w, k = decoupled_behaviour_weight(
-                x.proximal_log_prob, x.old_log_prob, self.behaviour_weight_cap
-            )
-            factors.append((w, k, "behaviour_masked_fraction"))
-        if self.inference_correction is not None:
-            low, high = self.inference_correction_bounds
-            log_weight = x.old_log_prob - x.inference_log_prob  # (B, T)
-            w, k = self.inference_correction(log_weight, x.mask, low, high)
-            factors.append((w, k, "inference_masked_fraction"))
-        if self.off_policy_mask_threshold is not None:
-            threshold = self.off_policy_mask_threshold
-            k = off_policy_sequence_mask(
-                x.log_prob, x.inference_log_prob, x.advantage, x.mask, threshold
-            )
-            factors.append((None, k, "off_policy_masked_fraction"))
-        if self._trust_region is not None:  # DPPO: around the policy the ratio is taken against
-            low, high = self.trust_region_low, self.trust_region_high
-            k = self._trust_region(x.log_prob, ratio_base, x.advantage, x.mask, low, high)
-            factors.append((None, k, "trust_region_masked_fraction"))
-        if kept is not None:  # the high-entropy tokens (top_entropy_quantile)
-            factors.append((None, kept, None))
-        weight = keep = None
-        fractions = {}
-        for w, k, name in factors:
-            if name is not None:
-                fractions[name] = masked_mean((~k).to(x.log_prob.dtype), x.mask)
-            if w is not None:
-                weight = w if weight is None else weight * w
-            keep = k if keep is None else keep & k
-        return weight, keep, fractions
-
 
 def _output_keys(loss: GRPOLoss) -> list[str]:
-    """The entries ``loss``'s output holds with its settings (its ``out_keys``)."""
+    """The entries ``loss``'s output holds with its variants (its ``out_keys``)."""
     keys = [
         "loss_objective",
         "clip_fraction",
@@ -984,20 +871,13 @@ def _output_keys(loss: GRPOLoss) -> list[str]:
         "max_ratio",
         "mean_ratio",
     ]
-    optional = (  # (on, the entries it adds)
-        (loss.entropy_bonus, ["entropy", "loss_entropy"]),
-        (loss.adaptive_entropy is not None, ["entropy_coeff"]),
-        (loss.kl_to_ref_coeff is not None, ["kl_to_ref", "loss_kl_to_ref"]),
-        (loss.kl_to_inference_coeff is not None, ["kl_to_inference", "loss_kl_to_inference"]),
-        (loss._read_plan().inference is not None, [f"inference_{n}" for n in _MISMATCH_STATS]),
-        (loss.inference_correction is not None, ["inference_masked_fraction"]),
-        (loss.inference_veto_threshold is not None, ["inference_vetoed_fraction"]),
-        (loss._trust_region is not None, ["trust_region_masked_fraction"]),
-        (loss.off_policy_mask_threshold is not None, ["off_policy_masked_fraction"]),
-        (loss.decoupled, ["behaviour_masked_fraction"]),
-        (loss.mask_truncated_completions, ["truncated_fraction"]),
-    )
-    return keys + [key for on, added in optional if on for key in added]
+    if loss.entropy_bonus:
+        keys += ["entropy", "loss_entropy"]
+    if loss._read_plan().inference is not None:
+        keys += [f"inference_{name}" for name in (*_MISMATCH_STATS, *_PERPLEXITIES)]
+    for variant in (loss.objective, *loss.variants):
+        keys += [key for key in variant.metrics() if key not in keys]
+    return keys
 
 
 def _ratio_metrics(log_ratio: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:

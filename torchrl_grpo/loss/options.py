@@ -1,18 +1,18 @@
 """The settings of a :class:`~torchrl_grpo.GRPOLoss`, checked once into a frozen record.
 
 :func:`loss_options` takes the loss's keywords as given, rejects what cannot work together
-(before any module is built, so that a bad call leaves nothing half-made), resolves the names of
-the variants into the callables of the registries of :mod:`torchrl_grpo.loss_terms`, and returns
-a :class:`LossOptions` that ``GRPOLoss.__init__`` wires into the module. A variant's factory
-(``_make_objective``, ``_make_inference_correction``, ``_make_aggregation``) binds the
-settings that variant takes and rejects those it does not.
+(before any module is built, so that a bad call leaves nothing half-made), composes the variants
+(:mod:`torchrl_grpo.loss.variants`: the objective, the corrections and the penalties, the flat
+keywords of earlier versions mapped onto them), resolves the ratio level and the aggregation
+from the registries of :mod:`torchrl_grpo.loss_terms`, and returns a :class:`LossOptions` that
+``GRPOLoss.__init__`` wires into the module.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType, SimpleNamespace
 from typing import Any
@@ -21,53 +21,46 @@ import torch
 from torchrl.modules.llm import LLMWrapperBase
 
 from torchrl_grpo.loss.inputs import MASKING_STRATEGIES
-from torchrl_grpo.loss_terms import (
-    AGGREGATIONS,
-    INFERENCE_CORRECTIONS,
-    KL_ESTIMATORS,
-    OBJECTIVES,
-    RATIO_LEVELS,
-    TRUST_REGIONS,
-    Objective,
-    RatioLevel,
+from torchrl_grpo.loss.variants import Objective, Variant
+from torchrl_grpo.loss.variants.base import RANGES, check_range
+from torchrl_grpo.loss.variants.corrections import (
+    INFERENCE_CORRECTION_BOUNDS,
+    TRUST_REGION_BOUNDS,
 )
+from torchrl_grpo.loss.variants.flat import FLAT_KEYWORDS, TORCHRL_KEYWORDS, from_keywords
+from torchrl_grpo.loss.variants.objectives import (
+    SAPO_TEMPERATURES,
+    VESPO_K,
+    VESPO_LAMBDA,
+    objective_from_name,
+)
+from torchrl_grpo.loss.variants.penalties import ENTROPY_COEFF_BOUNDS, ENTROPY_COEFF_STEP
+from torchrl_grpo.loss_terms import AGGREGATIONS, RATIO_LEVELS
 
-#: SAPO's temperatures (tau_pos, tau_neg) when none are given: the paper's and TRL's.
-SAPO_TEMPERATURES = (1.0, 1.05)
-#: VESPO's kernels when none are given, ``(for A >= 0, for A < 0)``: TRL's ``vespo_k_pos``,
-#: ``vespo_k_neg`` and ``vespo_lambda_pos``, ``vespo_lambda_neg``.
-VESPO_K = (2.0, 3.0)
-VESPO_LAMBDA = (3.0, 2.0)
-#: DPPO's bounds ``(delta_low, delta_high)`` when none are given: verl's DPPO recipe
-#: (``examples/dppo_trainer``: 0.15 for the total variation, 0.05 for the binary KL).
-TRUST_REGION_BOUNDS = {"dppo_tv": (0.15, 0.15), "dppo_kl": (0.05, 0.05)}
-#: The adaptive entropy coefficient's ``(min, max)`` and step when not given: TRL's
-#: ``entropy_coef_min``, ``entropy_coef_max`` and ``entropy_coef_delta``.
-ENTROPY_COEFF_BOUNDS = (0.0, 1.0)
-ENTROPY_COEFF_STEP = 0.005
-#: The inference band when ``inference_correction`` is set without bounds: TRL's
-#: ``vllm_importance_sampling_clip_min`` / ``_clip_max`` defaults.
-INFERENCE_CORRECTION_BOUNDS = (None, 3.0)
+__all__ = [
+    "CLIP_EPSILON_BUFFERS",
+    "COEFFICIENTS",
+    "ENTROPY_COEFF_BOUNDS",
+    "ENTROPY_COEFF_STEP",
+    "INFERENCE_CORRECTION_BOUNDS",
+    "SAPO_TEMPERATURES",
+    "TORCHRL_AGGREGATIONS",
+    "TRUST_REGION_BOUNDS",
+    "UNUSED_KEYS",
+    "VESPO_K",
+    "VESPO_LAMBDA",
+    "LossOptions",
+    "check_clip_bound",
+    "check_scheduled",
+    "loss_options",
+]
+
 #: torchrl's ``GRPOLoss(aggregation=...)`` names, as this loss's aggregations.
 TORCHRL_AGGREGATIONS = {"prompt_mean": "seq_mean_token_mean"}
-#: The coefficients a GRPOLoss keeps as schedulable buffers (``loss.tis_cap = 1.5``), on top of
-#: ClipPPOLoss's ``clip_epsilon`` and ``entropy_coeff``; ``None`` when the variant is off.
-COEFFICIENTS = (
-    "clip_ratio_c",
-    "delta",
-    "trust_region_low",
-    "trust_region_high",
-    "kl_to_ref_coeff",
-    "kl_to_inference_coeff",
-    "kl_mask_threshold",
-    "tis_cap",
-    "inference_correction_low",
-    "inference_correction_high",
-    "off_policy_mask_threshold",
-    "behaviour_weight_cap",
-    "top_entropy_quantile",
-    "inference_veto_threshold",
-)
+#: The values a GRPOLoss keeps as schedulable buffers (``loss.tis_cap = 1.5``), on top of
+#: ClipPPOLoss's ``clip_epsilon`` and ``entropy_coeff``: every variant's, ``None`` when the loss
+#: holds no variant with it.
+COEFFICIENTS = tuple(RANGES)
 
 _NO_CRITIC = "GRPO has no critic: the advantage comes with the batch (torchrl_grpo.MCAdvantage)"
 _NO_ESTIMATOR = (
@@ -137,22 +130,12 @@ class LossOptions:
         no_lower_bound (bool): ``eps_low = 1``, CISPO's weight without a lower bound.
         entropy_bonus (bool), samples_mc_entropy (int), entropy_coeff (float or None),
             reduction (str or None), functional (bool), device: ClipPPOLoss's settings.
-        objective (Objective): the per-token surrogate, SAPO's temperatures or VESPO's
-            kernels bound.
+        objective (Objective): the per-token surrogate (a variant).
         ratio_level (RatioLevel): ``(log_ratio, mask) -> log_ratio``.
         aggregate (callable): ``(loss, mask) -> scalar``, Dr. GRPO's ``max_length`` bound.
-        kl_to_ref_estimator (callable), kl_to_inference_estimator (callable):
-            ``(log_prob, other_log_prob) -> per-token estimate``.
-        inference_correction (callable or None): ``(log_weight, mask, low, high) ->
-            (weight, keep)``; ``None`` when off or given as ``tis_cap``.
-        decoupled (bool), mask_truncated_completions (bool), kl_to_ref_unbiased (bool): as
-            the keywords.
-        trust_region (callable or None): DPPO's ``(log_prob, old_log_prob, advantage, mask,
-            low, high) -> keep``; ``None`` when off.
-        adaptive_entropy (tuple or None): ``(target, min, max, step)`` of the adaptive entropy
-            coefficient; ``None`` when the coefficient is fixed.
+        variants (tuple of Variant): the corrections, then the penalties, one a slot.
         coefficients (Mapping[str, float or None]): the schedulable buffers of
-            :data:`COEFFICIENTS`, in that order; ``None`` when the variant is off.
+            :data:`COEFFICIENTS`; ``None`` where no variant held has it.
     """
 
     actor_network: Any
@@ -169,16 +152,9 @@ class LossOptions:
     functional: bool
     device: torch.device | None
     objective: Objective
-    ratio_level: RatioLevel
+    ratio_level: Callable
     aggregate: Callable[..., torch.Tensor]
-    kl_to_ref_estimator: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-    kl_to_inference_estimator: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-    inference_correction: Callable | None
-    decoupled: bool
-    mask_truncated_completions: bool
-    kl_to_ref_unbiased: bool
-    trust_region: Callable | None
-    adaptive_entropy: tuple[float, float, float, float] | None
+    variants: tuple[Variant, ...]
     coefficients: Mapping[str, float | None]
 
 
@@ -223,13 +199,23 @@ def loss_options(
         ((0.0, 3.0), True)
         >>> options.functional, options.coefficients["tis_cap"]
         (True, None)
-        >>> loss_options(None, {**defaults, "clip_ratio_c": 0.5}, {})
+        >>> from torchrl_grpo.loss.variants import Clip
+        >>> loss_options(None, {**defaults, "objective": Clip(clip_ratio_c=3.0)}, {}).objective
+        Clip(clip_ratio_c=3.0, delta=None)
+        >>> loss_options(None, {**defaults, "clip_ratio_c": 0.5}, {})  # the flat form
         Traceback (most recent call last):
         ...
         ValueError: clip_ratio_c must be greater than 1, got 0.5.
     """
-    actor_network = _actor(actor_network, positional, replaced)
-    k = SimpleNamespace(**keywords)
+    given = {**keywords, **replaced}
+    flat = {
+        name: value
+        for name, value in given.items()
+        if name in FLAT_KEYWORDS and not (name in TORCHRL_KEYWORDS and value is None)
+    }
+    others = {name: value for name, value in replaced.items() if name not in FLAT_KEYWORDS}
+    actor_network = _actor(actor_network, positional, others)
+    k = SimpleNamespace(**{**keywords, **others})
     is_llm = isinstance(actor_network, LLMWrapperBase)
     masking_strategy = _masking_strategy(k.masking_strategy, actor_network, is_llm)
     _check_padding_side(k.ref_log_prob_padding_side)
@@ -240,11 +226,12 @@ def loss_options(
             "over its heads, as ClipPPOLoss does with a scalar; per-head coefficients are not "
             "supported."
         )
-    objective = _make_objective(k)
-    _check_dual_clip(objective, k.clip_ratio_c, k.delta)
-    trust_region, inference_correction, bounds = _masks_and_weights(k)
+    ratio_level = _lookup(RATIO_LEVELS, k.ratio_level, "ratio_level")
+    objective, variants = _compose(k, flat)
     clip_epsilon, no_lower_bound = _clip_band(k.clip_epsilon)
-    coefficients = {name: bounds.get(name, getattr(k, name, None)) for name in COEFFICIENTS}
+    coefficients = dict.fromkeys(RANGES)  # every variant class's, those of the user's too
+    for variant in (objective, *variants):
+        coefficients.update(variant.buffers())
     return LossOptions(
         actor_network=actor_network,
         is_llm=is_llm,
@@ -261,47 +248,43 @@ def loss_options(
         functional=not is_llm if k.functional is None else k.functional,
         device=k.device,
         objective=objective,
-        ratio_level=_lookup(RATIO_LEVELS, k.ratio_level, "ratio_level"),
+        ratio_level=ratio_level,
         aggregate=_make_aggregation(aggregation, k.max_length),
-        kl_to_ref_estimator=_lookup(KL_ESTIMATORS, k.kl_to_ref_estimator, "KL estimator"),
-        kl_to_inference_estimator=_lookup(
-            KL_ESTIMATORS, k.kl_to_inference_estimator, "KL estimator"
-        ),
-        inference_correction=inference_correction,
-        decoupled=bool(k.decoupled),
-        mask_truncated_completions=bool(k.mask_truncated_completions),
-        kl_to_ref_unbiased=_check_unbiased_kl(k.kl_to_ref_unbiased, k.kl_to_ref_coeff),
-        trust_region=trust_region,
-        adaptive_entropy=_adaptive_entropy(k),
+        variants=variants,
         coefficients=MappingProxyType(coefficients),
     )
 
 
-def _masks_and_weights(k: SimpleNamespace):
-    """``(trust_region, inference_correction, bounds)``: the variants that weigh or drop
-    tokens, checked; ``bounds`` are the buffers of their bands, by name."""
-    for name in (
-        "tis_cap",
-        "kl_mask_threshold",
-        "off_policy_mask_threshold",
-        "inference_veto_threshold",
-        "kl_to_ref_coeff",
-        "kl_to_inference_coeff",
-    ):
-        _check_range(name, getattr(k, name))
-    trust_region, (tr_low, tr_high) = _make_trust_region(k.trust_region, k.trust_region_bounds)
-    inference_correction, (low, high) = _make_inference_correction(
-        k.inference_correction, k.inference_correction_bounds, k.tis_cap
+def _compose(k: SimpleNamespace, flat: Mapping[str, Any]) -> tuple[Objective, tuple]:
+    """The objective and the variants: those given, then the flat keywords' (see
+    :func:`~torchrl_grpo.loss.variants.flat.from_keywords`), checked together."""
+    objective = objective_from_name(k.objective)
+    variants = (
+        *_staged(k.corrections, "corrections", ("exclude", "factor")),
+        *_staged(k.penalties, "penalties", ("penalty",)),
     )
-    _check_decoupled(k.decoupled, k.behaviour_weight_cap)
-    _check_quantile(k.top_entropy_quantile)
-    bounds = {
-        "inference_correction_low": low,
-        "inference_correction_high": high,
-        "trust_region_low": tr_low,
-        "trust_region_high": tr_high,
-    }
-    return trust_region, inference_correction, bounds
+    slots = [variant.slot for variant in variants]
+    for slot in set(slots):
+        if slots.count(slot) > 1:
+            twice = [variant for variant in variants if variant.slot == slot]
+            raise ValueError(f"The loss holds one variant of a kind; got {twice}.")
+    objective, variants = from_keywords(flat, objective, variants)
+    settings = SimpleNamespace(ratio_level=k.ratio_level, entropy_bonus=k.entropy_bonus)
+    for variant in (objective, *variants):
+        variant.check(variants, settings)
+    return objective, variants
+
+
+def _staged(given: Sequence[Variant] | None, name: str, stages: tuple[str, ...]) -> tuple:
+    """The variants of ``corrections=`` or ``penalties=``, each of a stage that list holds."""
+    given = () if given is None else tuple(given)
+    for variant in given:
+        if not isinstance(variant, Variant) or variant.stage not in stages:
+            raise TypeError(
+                f"{name}= takes variants of torchrl_grpo.loss.variants whose stage is one of "
+                f"{list(stages)}; got {variant!r}."
+            )
+    return given
 
 
 def _lookup(registry: Mapping[str, Callable], value: str | Callable, name: str) -> Callable:
@@ -374,161 +357,6 @@ def _aggregation_and_reduction(aggregation, reduction: str | None):
     return aggregation, reduction
 
 
-def _make_objective(k: SimpleNamespace) -> Objective:
-    """The objective, SAPO's temperatures or VESPO's kernels bound (the defaults where not
-    given); each variant's settings are rejected with another objective."""
-    fn = _lookup(OBJECTIVES, k.objective, "objective")
-    sapo = (k.sapo_temperature_pos, k.sapo_temperature_neg)
-    vespo = (k.vespo_k, k.vespo_lambda)
-    for name, settings, its_fn in (
-        ("sapo", sapo, OBJECTIVES["sapo"]),
-        ("vespo", vespo, OBJECTIVES["vespo"]),
-    ):
-        if fn is not its_fn and any(x is not None for x in settings):
-            names = "sapo_temperature_pos / _neg" if name == "sapo" else "vespo_k / vespo_lambda"
-            raise ValueError(f"{names} apply to objective={name!r}, not {k.objective!r}.")
-    if fn is OBJECTIVES["sapo"]:
-        taus = [default if tau is None else tau for tau, default in zip(sapo, SAPO_TEMPERATURES)]
-        if min(taus) <= 0:
-            raise ValueError(f"SAPO temperatures must be positive, got {tuple(taus)}.")
-        return functools.partial(fn, temperature_pos=taus[0], temperature_neg=taus[1])
-    if fn is OBJECTIVES["vespo"]:
-        return _vespo(fn, k)
-    return fn
-
-
-def _vespo(fn: Objective, k: SimpleNamespace) -> Objective:
-    """VESPO's objective with its kernels bound; its weight is the product of the token ratios."""
-    if not (callable(k.ratio_level) or k.ratio_level == "sequence_sum"):
-        raise ValueError(
-            "objective='vespo' weighs each sequence by the product of its token ratios: use "
-            f"ratio_level='sequence_sum' (VESPOLoss sets it), not {k.ratio_level!r}."
-        )
-    ks, lambdas = (
-        VESPO_K if k.vespo_k is None else tuple(k.vespo_k),
-        VESPO_LAMBDA if k.vespo_lambda is None else tuple(k.vespo_lambda),
-    )
-    if len(ks) != 2 or len(lambdas) != 2 or min(*ks, *lambdas) < 0:
-        raise ValueError(
-            "vespo_k and vespo_lambda are pairs (for A >= 0, for A < 0) of non-negative "
-            f"numbers, got {ks} and {lambdas}."
-        )
-    return functools.partial(
-        fn, k_pos=ks[0], lambda_pos=lambdas[0], k_neg=ks[1], lambda_neg=lambdas[1]
-    )
-
-
-def _check_dual_clip(objective: Objective, clip_ratio_c: float | None, delta: float | None):
-    """The dual clip and the two-sided clip bound the PPO surrogate, one of them at a time."""
-    if clip_ratio_c is not None and delta is not None:
-        raise ValueError(
-            "clip_ratio_c and delta both bound the loss of negative-advantage tokens (delta "
-            "> 1 + eps_high is the dual clip with c = delta): pass one."
-        )
-    fn = getattr(objective, "func", objective)
-    names = {OBJECTIVES["cispo"]: "CISPO", OBJECTIVES["sapo"]: "SAPO", OBJECTIVES["vespo"]: "VESPO"}
-    if clip_ratio_c is not None:
-        if fn in names:
-            raise ValueError(
-                f"clip_ratio_c (dual clip) applies to the PPO surrogate, not {names[fn]}."
-            )
-        _check_range("clip_ratio_c", clip_ratio_c)
-    if delta is not None:
-        if fn is not OBJECTIVES["clip"]:
-            raise ValueError(
-                "delta (two-sided clip) caps the ratio of PPO's surrogate: objective='clip' only."
-            )
-        _check_range("delta", delta)
-
-
-def _make_trust_region(trust_region, bounds):
-    """``(fn, (low, high))``: DPPO's mask and its bounds (the recipe's where not given)."""
-    if trust_region is None:
-        if bounds is not None:
-            raise ValueError("trust_region_bounds needs a trust_region.")
-        return None, (None, None)
-    fn = _lookup(TRUST_REGIONS, trust_region, "trust_region")
-    if bounds is None:
-        if callable(trust_region):
-            raise ValueError("a callable trust_region needs trust_region_bounds=(low, high).")
-        bounds = TRUST_REGION_BOUNDS[trust_region]
-    low, high = bounds if isinstance(bounds, (tuple, list)) else (bounds, bounds)
-    for name, value in (("trust_region_low", low), ("trust_region_high", high)):
-        _check_range(name, value)
-    return fn, (float(low), float(high))
-
-
-def _check_unbiased_kl(unbiased: bool, kl_to_ref_coeff: float | None) -> bool:
-    if unbiased and kl_to_ref_coeff is None:
-        raise ValueError("kl_to_ref_unbiased weighs the KL to the reference: set kl_to_ref_coeff.")
-    return bool(unbiased)
-
-
-def _adaptive_entropy(k: SimpleNamespace) -> tuple[float, float, float, float] | None:
-    """``(target, min, max, step)`` of the adaptive entropy coefficient, or ``None`` (fixed)."""
-    if k.entropy_target is None:
-        if k.entropy_coeff_bounds is not None or k.entropy_coeff_step is not None:
-            raise ValueError("entropy_coeff_bounds / entropy_coeff_step need an entropy_target.")
-        return None
-    if not k.entropy_bonus:
-        raise ValueError("entropy_target adapts the entropy bonus: it needs entropy_bonus=True.")
-    low, high = ENTROPY_COEFF_BOUNDS if k.entropy_coeff_bounds is None else k.entropy_coeff_bounds
-    step = ENTROPY_COEFF_STEP if k.entropy_coeff_step is None else k.entropy_coeff_step
-    if not (k.entropy_target >= 0 and 0 <= low <= high and step > 0):
-        raise ValueError(
-            "the adaptive entropy coefficient needs entropy_target >= 0, "
-            f"0 <= min <= max and step > 0, got {k.entropy_target}, ({low}, {high}), {step}."
-        )
-    return float(k.entropy_target), float(low), float(high), float(step)
-
-
-def _check_range(name: str, value: float | None) -> None:
-    """``value`` is ``None`` (off), or in the range ``_RANGES`` gives ``name`` (never ``nan``)."""
-    if value is None:
-        return
-    what, bound = _RANGES[name]
-    if not (value >= bound if what == "non-negative" else value > bound):
-        what = f"greater than {bound:g}" if what == "greater than" else what
-        raise ValueError(f"{name} must be {what}, got {value}.")
-
-
-def _check_quantile(value: float | None) -> None:
-    if value is not None and not 0.0 <= value <= 1.0:
-        raise ValueError(f"top_entropy_quantile must be in [0, 1], got {value}.")
-
-
-def _make_inference_correction(correction, bounds, tis_cap):
-    """``(fn, (low, high))``: the correction and its band (``None`` fn for none)."""
-    if tis_cap is not None:
-        if correction is not None or bounds is not None:
-            raise ValueError(
-                "tis_cap is inference_correction='token_truncate' with bounds "
-                "(None, tis_cap): pass one or the other."
-            )
-        return None, (None, None)  # read from the tis_cap buffer
-    if correction is None:
-        if bounds is not None:
-            raise ValueError("inference_correction_bounds needs an inference_correction.")
-        return None, (None, None)
-    fn = _lookup(INFERENCE_CORRECTIONS, correction, "inference_correction")
-    low, high = INFERENCE_CORRECTION_BOUNDS if bounds is None else bounds
-    if (low is not None and not low >= 0) or (high is not None and not high > 0):
-        raise ValueError(
-            f"inference_correction_bounds must be a low >= 0 and a high > 0, got {bounds}."
-        )
-    if low is not None and high is not None and low >= high:
-        raise ValueError(f"inference_correction_bounds must have low < high, got {bounds}.")
-    return fn, (low, high)
-
-
-def _check_decoupled(decoupled: bool, behaviour_weight_cap: float | None) -> None:
-    if behaviour_weight_cap is None:
-        return
-    if not decoupled:
-        raise ValueError("behaviour_weight_cap applies to decoupled=True only.")
-    _check_range("behaviour_weight_cap", behaviour_weight_cap)
-
-
 def _clip_band(clip_epsilon):
     """``(clip_epsilon as ClipPPOLoss takes it, no_lower_bound)``; both forms checked alike.
 
@@ -590,29 +418,8 @@ def check_scheduled(name: str, value: float) -> None:
     """
     if name in CLIP_EPSILON_BUFFERS:
         check_clip_bound(name, value)
-    elif name in _RANGES:
-        _check_range(name, value)
-    elif name == "top_entropy_quantile":
-        _check_quantile(value)
-
-
-#: The range of each schedulable coefficient, checked at construction and when scheduled:
-#: ``(what, bound)``, ``what`` one of ``"positive"``, ``"non-negative"``, ``"greater than"``.
-_RANGES = {
-    "kl_to_ref_coeff": ("non-negative", 0.0),
-    "kl_to_inference_coeff": ("non-negative", 0.0),
-    "tis_cap": ("positive", 0.0),
-    "kl_mask_threshold": ("positive", 0.0),
-    "off_policy_mask_threshold": ("positive", 0.0),
-    "inference_correction_low": ("non-negative", 0.0),
-    "inference_correction_high": ("positive", 0.0),
-    "clip_ratio_c": ("greater than", 1.0),
-    "delta": ("greater than", 1.0),
-    "trust_region_low": ("positive", 0.0),
-    "trust_region_high": ("positive", 0.0),
-    "inference_veto_threshold": ("positive", 0.0),
-    "behaviour_weight_cap": ("greater than", 1.0),
-}
+    elif name in RANGES:
+        check_range(name, value)
 
 
 def _make_aggregation(aggregation, max_length: int | None):

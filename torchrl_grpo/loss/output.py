@@ -3,6 +3,9 @@ tensordict ``TensorClass`` read like ClipPPOLoss's TensorDict output."""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import torch
 from tensordict import TensorClass, TensorDictBase
 
@@ -41,6 +44,13 @@ class LLMLossOutput(TensorClass["nocast"]):
     inference_chi2_sequence: torch.Tensor | None = None
     inference_seq_max_k3_mean: torch.Tensor | None = None
     inference_seq_max_k3_max: torch.Tensor | None = None
+    inference_rollout_ppl: torch.Tensor | None = None
+    inference_training_ppl: torch.Tensor | None = None
+    inference_log_ppl_diff: torch.Tensor | None = None
+    inference_ppl_ratio: torch.Tensor | None = None
+    inference_rejected_fraction: torch.Tensor | None = None
+    trust_region_capped_fraction: torch.Tensor | None = None
+    vespo_phi_seq_mean: torch.Tensor | None = None
 
     def __getitem__(self, index):
         # out["loss_objective"], as a ClipPPOLoss TensorDict output is read
@@ -86,6 +96,35 @@ class DAPOLossOutput(GRPOLossOutput):
 class CISPOLossOutput(GRPOLossOutput):
     __getitem__ = LLMLossOutput.__getitem__
     mean = LLMLossOutput.mean
+
+
+@functools.cache
+def output_with(base: type[LLMLossOutput], names: tuple[str, ...]) -> type[LLMLossOutput]:
+    """``base`` with an entry (``None`` by default) for each of ``names`` it lacks: the output
+    of a loss holding a variant whose metrics no built-in output names. ``base`` itself when
+    it has them all.
+
+    Examples:
+        >>> cls = output_with(GRPOLossOutput, ("my_fraction",))
+        >>> issubclass(cls, GRPOLossOutput), cls.__name__
+        (True, 'GRPOLossOutput')
+        >>> output_with(GRPOLossOutput, ("ESS",)) is GRPOLossOutput
+        True
+    """
+    fields = set(base.fields()) if hasattr(base, "fields") else set()
+    fields |= {field.name for field in dataclasses.fields(base)}
+    extra = [name for name in names if name not in fields]
+    if not extra:
+        return base
+    namespace = {
+        "__annotations__": dict.fromkeys(extra, "torch.Tensor | None"),
+        **dict.fromkeys(extra),
+        "__module__": base.__module__,
+        "__qualname__": base.__qualname__,
+        "__getitem__": LLMLossOutput.__getitem__,
+        "mean": LLMLossOutput.mean,
+    }
+    return type(base.__name__, (base,), namespace)
 
 
 LLMLossOutput.__doc__ = """The loss terms and metrics of :class:`GRPOLoss` and its presets
@@ -149,7 +188,17 @@ GRPOLossOutput.__doc__ = """What :class:`GRPOLoss` returns: the terms to sum and
         inference_seq_max_k3_mean, inference_seq_max_k3_max: the mean and the largest, over
             the sequences, of their worst token's k3 mismatch
             (:func:`~torchrl_grpo.loss_terms.inference_mismatch`). Whenever the loss reads
-            ``inference_log_prob`` (0 where ``sample_log_prob`` stands in for it).
+            ``inference_log_prob`` (0 where ``sample_log_prob`` stands in for it); beside them
+        inference_rollout_ppl, inference_training_ppl, inference_log_ppl_diff,
+        inference_ppl_ratio: verl's perplexities of the sampler and of the trainer (its
+            ``pi_old``), their log difference and ratio, per sequence then averaged
+            (:func:`~torchrl_grpo.loss_terms.perplexity_metrics`).
+        inference_rejected_fraction: share of real tokens verl's rejection modes leave out
+            (with :class:`~torchrl_grpo.loss.variants.Rejection`).
+        trust_region_capped_fraction: share of real tokens inside DPPO's trust region whose
+            ratio exceeds the weight's cap ``1 + eps_high`` (verl's DPPO ``pg_clipfrac_lower``).
+        vespo_phi_seq_mean: the mean over sequences of VESPO's kernel of their weight (TRL's
+            ``vespo/phi_seq_mean``).
         normalization_count: inside :meth:`GRPOLoss.summed`, what the sums divide by.
         composite_entropy: a multi-head policy's entropy per head and per element of the batch
             (padding included), detached, as ClipPPOLoss reports it; ``None`` for one head.

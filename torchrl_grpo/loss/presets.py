@@ -13,8 +13,8 @@ from types import MappingProxyType
 from typing import Any, ClassVar
 
 from torchrl_grpo.loss.grpo import GRPOLoss
-from torchrl_grpo.loss.options import SAPO_TEMPERATURES
 from torchrl_grpo.loss.output import CISPOLossOutput, DAPOLossOutput
+from torchrl_grpo.loss.variants import CISPO, SAPO, VESPO, TrustRegion
 
 __all__ = [
     "DAPO",
@@ -64,7 +64,14 @@ class _Preset(GRPOLoss):
                     f"{type(self).__name__}.__init__() missing 1 required keyword-only "
                     f"argument: {name!r}"
                 )
-        super().__init__(actor_network, *critic, **{**self.defaults, **kwargs})
+        merged = {**self.defaults, **kwargs}
+        for name in ("corrections", "penalties"):  # the caller's replace the preset's, by slot
+            if name in kwargs and name in self.defaults:
+                given = tuple(kwargs[name])
+                slots = {variant.slot for variant in given}
+                kept = tuple(v for v in self.defaults[name] if v.slot not in slots)
+                merged[name] = (*kept, *given)
+        super().__init__(actor_network, *critic, **merged)
 
 
 class DAPOLoss(_Preset):
@@ -251,7 +258,7 @@ class CISPOLoss(_Preset):
     defaults = MappingProxyType(
         {
             "clip_epsilon": (1.0, 3.0),
-            "objective": "cispo",
+            "objective": CISPO(),
             "aggregation": "token_mean",
             "entropy_coeff": 0.0,
         }
@@ -301,9 +308,7 @@ class SAPOLoss(_Preset):
 
     defaults = MappingProxyType(
         {
-            "objective": "sapo",
-            "sapo_temperature_pos": SAPO_TEMPERATURES[0],
-            "sapo_temperature_neg": SAPO_TEMPERATURES[1],
+            "objective": SAPO(),
             "aggregation": "seq_mean_token_mean",
             "entropy_coeff": 0.0,
         }
@@ -358,8 +363,8 @@ class DPPOLoss(_Preset):
 
     defaults = MappingProxyType(
         {
-            "trust_region": "dppo_tv",
-            "objective": "cispo",
+            "objective": CISPO(),
+            "corrections": (TrustRegion("dppo_tv"),),
             "clip_epsilon": (1.0, 9999.0),
             "aggregation": "token_mean",
             "entropy_coeff": 0.0,
@@ -413,7 +418,7 @@ class VESPOLoss(_Preset):
 
     defaults = MappingProxyType(
         {
-            "objective": "vespo",
+            "objective": VESPO(),
             "ratio_level": "sequence_sum",
             "aggregation": "token_mean",
             "entropy_coeff": 0.0,

@@ -54,7 +54,8 @@ References:
 The package, one section a module: ``aggregations`` (masked means, the aggregations and their
 sums), ``ratios`` (ratio levels, the inference corrections, the behaviour weight),
 ``objectives`` (the surrogates), ``kl`` (the estimators and the KL trust region), ``selection``
-(tokens and sequences kept, dropped or vetoed; the adaptive entropy coefficient) and
+(tokens and sequences kept, dropped or vetoed; the adaptive entropy coefficient),
+``rejection`` (verl's rejection modes, its perplexity metrics, DPPO's and VESPO's diagnostics) and
 ``diagnostics`` (ESS, clip fractions). Every public name is imported here: import them from
 ``torchrl_grpo.loss_terms``.
 
@@ -110,6 +111,14 @@ from torchrl_grpo.loss_terms.ratios import (
     truncate_importance_weight,
     truncated_is_weight,
 )
+from torchrl_grpo.loss_terms.rejection import (
+    REJECTION_MODES,
+    RejectionMode,
+    dppo_truncation_fraction,
+    perplexity_metrics,
+    rejection_mask,
+    vespo_phi_sequence_mean,
+)
 from torchrl_grpo.loss_terms.selection import (
     TRUST_REGIONS,
     adaptive_entropy_coeff,
@@ -123,6 +132,12 @@ from torchrl_grpo.loss_terms.selection import (
 )
 
 __all__ = [
+    "REJECTION_MODES",
+    "RejectionMode",
+    "dppo_truncation_fraction",
+    "perplexity_metrics",
+    "rejection_mask",
+    "vespo_phi_sequence_mean",
     "Objective",
     "RatioLevel",
     "AGGREGATIONS",
