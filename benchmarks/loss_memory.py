@@ -60,6 +60,21 @@ from pathlib import Path
 
 import torch
 
+from torchrl_grpo.loss.variants import (
+    SAPO,
+    VESPO,
+    Clip,
+    Decoupled,
+    EntropyTarget,
+    InferenceCorrection,
+    InferenceVeto,
+    KLToReference,
+    OffPolicyMask,
+    TopEntropy,
+    TruncatedCompletions,
+    TrustRegion,
+)
+
 #: Paths in two groups, each compared with its first path.
 GROUPS = {
     "logits": ("plain", "lean", "variants", "recent", "vespo"),
@@ -83,37 +98,35 @@ GRAD_STRIDE = 101
 #: The variants that add per-token work, at once: SAPO, inference correction, OPSM, decoupled PPO,
 #: high-entropy tokens, truncated completions.
 VARIANTS = {
-    "objective": "sapo",
-    "inference_correction": "sequence_mask",
-    "off_policy_mask_threshold": 0.05,
-    "decoupled": True,
-    "behaviour_weight_cap": 5.0,
-    "top_entropy_quantile": 0.2,
-    "mask_truncated_completions": True,
+    "objective": SAPO(),
+    "corrections": [
+        TruncatedCompletions(),
+        Decoupled(behaviour_weight_cap=5.0),
+        InferenceCorrection("sequence_mask"),
+        OffPolicyMask(0.05),
+        TopEntropy(0.2),
+    ],
 }
 #: The 2026 terms at once, with PPO's surrogate.
 RECENT = {
-    "delta": 4.0,
-    "trust_region": "dppo_kl",
-    "kl_to_ref_coeff": 0.01,
-    "kl_to_ref_unbiased": True,
-    "entropy_target": 0.5,
-    "inference_veto_threshold": 0.5,
-    "inference_correction": "token_mask",
+    "objective": Clip(delta=4.0),
+    "corrections": [
+        InferenceVeto(0.5),
+        InferenceCorrection("token_mask"),
+        TrustRegion("dppo_kl"),
+    ],
+    "penalties": [KLToReference(0.01, unbiased=True), EntropyTarget(0.5)],
     "aggregation": "token_sum",
 }
 #: The 2026 terms with VESPO's objective (the two-sided clip is PPO's only).
-VESPO = {
-    "objective": "vespo",
+VESPO_PATH = {
+    "objective": VESPO(),
     "ratio_level": "sequence_sum",
-    "trust_region": "dppo_tv",
-    "kl_to_ref_coeff": 0.01,
-    "kl_to_ref_unbiased": True,
-    "entropy_target": 0.5,
-    "inference_veto_threshold": 0.5,
+    "corrections": [InferenceVeto(0.5), TrustRegion("dppo_tv")],
+    "penalties": [KLToReference(0.01, unbiased=True), EntropyTarget(0.5)],
 }
 #: The loss keywords of each path (none: GRPOLoss's defaults).
-PATH_VARIANTS = {"variants": VARIANTS, "recent": RECENT, "vespo": VESPO}
+PATH_VARIANTS = {"variants": VARIANTS, "recent": RECENT, "vespo": VESPO_PATH}
 
 
 def parse_args(argv=None):

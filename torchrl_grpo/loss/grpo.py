@@ -486,6 +486,7 @@ class GRPOLoss(FlatAttributes, ClipPPOLoss):
         self.ref_log_prob_padding_value = options.ref_log_prob_padding_value
         self.objective = options.objective
         self.variants = options.variants
+        self._stages = None
         self._ratio_level = options.ratio_level
         self._aggregate = options.aggregate
         self._summed = False  # inside summed(): the aggregation's sums, not its means
@@ -504,7 +505,12 @@ class GRPOLoss(FlatAttributes, ClipPPOLoss):
 
     def _staged(self, stage: str) -> tuple[Variant, ...]:
         """The variants held of one stage, in the order given."""
-        return tuple(variant for variant in self.variants if variant.stage == stage)
+        if self.__dict__.get("_stages") is None:  # once: a call asks three times
+            stages = {}
+            for variant in self.variants:
+                stages.setdefault(variant.stage, []).append(variant)
+            self._stages = {name: tuple(held) for name, held in stages.items()}
+        return self._stages.get(stage, ())
 
     @property
     def clip_bounds(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -760,7 +766,7 @@ class GRPOLoss(FlatAttributes, ClipPPOLoss):
             step.loss_mask = step.loss_mask & keep
             out.update(metrics)
         reduce = functools.partial(self._reduce, loss_mask=step.loss_mask, shape=x.shape)
-        log_clip_low, log_clip_high = self.clip_bounds
+        log_clip_low, log_clip_high = step.log_clip_bounds = self.clip_bounds
         log_ratio = self._ratio_level(lp - ratio_base, mask)  # (B, T)
         per_token = self.objective.loss(
             self, log_ratio, x.advantage, lp, log_clip_low, log_clip_high

@@ -288,27 +288,26 @@ def perplexity_metrics(
         (tensor(0.5000), tensor(1.8591))
     """
     check_same_shape(log_prob=log_prob, inference_log_prob=inference_log_prob, mask=mask)
-    with torch.no_grad():
+    with torch.no_grad():  # one pass over both: a few operations whatever the batch
         dtype = torch.promote_types(log_prob.dtype, torch.float32)
-        nonempty = mask.any(-1)  # (B,)
-        train = _sequence_mean(log_prob.to(dtype), mask).squeeze(-1)  # (B,)
-        infer = _sequence_mean(inference_log_prob.to(dtype), mask).squeeze(-1)  # (B,)
-        diff = infer - train  # (B,)
-        return {
-            "training_ppl": masked_mean((-train).exp(), nonempty),
-            "training_log_ppl": masked_mean(-train, nonempty),
-            "rollout_ppl": masked_mean((-infer).exp(), nonempty),
-            "rollout_log_ppl": masked_mean(-infer, nonempty),
-            "log_ppl_diff": masked_mean(diff, nonempty),
-            "log_ppl_abs_diff": masked_mean(diff.abs(), nonempty),
-            "log_ppl_diff_max": torch.where(nonempty, diff, -math.inf).amax(),
-            "log_ppl_diff_min": torch.where(nonempty, diff, math.inf).amin(),
-            "ppl_ratio": masked_mean(diff.exp(), nonempty),
-        }
+        both = torch.stack([log_prob, inference_log_prob]).to(dtype)  # (2, B, T)
+        count = mask.sum(-1)  # (B,)
+        nonempty = count > 0
+        means = torch.where(mask, both, 0.0).sum(-1) / count.clamp_min(1)  # (2, B)
+        diff = means[1] - means[0]  # (B,)
+        per_row = torch.stack(
+            [-means[0], -means[1], diff, diff.abs(), diff.exp(), *(-means).exp()]
+        )  # (7, B)
+        averaged = torch.where(nonempty, per_row, 0.0).sum(-1) / nonempty.sum()
+        names = ("training_log_ppl", "rollout_log_ppl", "log_ppl_diff", "log_ppl_abs_diff")
+        out = dict(zip((*names, "ppl_ratio", "training_ppl", "rollout_ppl"), averaged))
+        out["log_ppl_diff_max"] = torch.where(nonempty, diff, -math.inf).amax()
+        out["log_ppl_diff_min"] = torch.where(nonempty, diff, math.inf).amin()
+        return out
 
 
 def dppo_truncation_fraction(
-    log_ratio: torch.Tensor, keep: torch.Tensor, mask: torch.Tensor, ratio_cap: float
+    log_ratio: torch.Tensor, keep: torch.Tensor, mask: torch.Tensor, ratio_cap: float | torch.Tensor
 ) -> torch.Tensor:
     r"""verl's DPPO ``pg_clipfrac_lower``: the share of tokens whose ratio the cap truncates.
 
@@ -327,7 +326,7 @@ def dppo_truncation_fraction(
         log_ratio (torch.Tensor): ``log pi_theta - log pi_old`` per token, ``(B, T)``.
         keep (torch.Tensor): boolean ``(B, T)``, the trust region's tokens ``M``.
         mask (torch.Tensor): boolean ``(B, T)``, ``True`` on real tokens (at least one).
-        ratio_cap (float): ``C``, verl's ``clip_ratio_c``.
+        ratio_cap (float or torch.Tensor): ``C``, verl's ``clip_ratio_c``.
 
     Returns:
         torch.Tensor: a scalar in ``[0, 1]``.

@@ -75,12 +75,15 @@ class Step:
             variants ran.
         measured (torch.Tensor): the tokens whose entropy the adaptive coefficient measures
             (the real ones, or those high-entropy selection keeps).
+        log_clip_bounds (tuple of torch.Tensor): ``(log(1 - eps_low), log(1 + eps_high))``,
+            the clip band of this call.
     """
 
     x: Inputs
     ratio_base: torch.Tensor
     loss_mask: torch.Tensor | None = None
     measured: torch.Tensor | None = None
+    log_clip_bounds: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 def masked_fraction(keep: torch.Tensor, x: Inputs) -> torch.Tensor:

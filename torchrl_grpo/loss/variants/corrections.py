@@ -438,7 +438,7 @@ class TrustRegion(Variant):
         low, high = values.trust_region_low, values.trust_region_high
         keep = fn(x.log_prob, step.ratio_base, x.advantage, x.mask, low, high)
         # verl's pg_clipfrac_lower: kept tokens whose ratio the weight's cap 1 + eps_high cuts
-        cap = float(values.clip_bounds[1].exp())
+        cap = step.log_clip_bounds[1].exp()
         log_ratio = x.log_prob.detach() - step.ratio_base
         capped = dppo_truncation_fraction(log_ratio, keep, x.mask, cap)
         metrics = {"trust_region_masked_fraction": masked_fraction(keep, x)}
