@@ -10,16 +10,15 @@ tokens, and calls the math of :mod:`torchrl_grpo.loss_terms`. Two kinds of polic
   :class:`torchrl.objectives.llm.GRPOLoss` reads it: ragged lazy stacks of
   ``("tokens", "full")`` with torchrl's masking strategies.
 
-Everything that varies between the published variants is one keyword: the clip band
-(``clip_epsilon``), the dual clip (``clip_ratio_c``), the surrogate (``objective``: PPO's clip,
-CISPO, SAPO, VESPO), the level of the importance ratio (``ratio_level``), the aggregation, the KL
-estimators, the KL trust region (``kl_mask_threshold``), the correction against the inference
-engine (``inference_correction``, or ``tis_cap``), off-policy sequence masking
-(``off_policy_mask_threshold``), decoupled PPO (``decoupled``), high-entropy token selection
-(``top_entropy_quantile``), the masking of truncated completions
-(``mask_truncated_completions``), DPPO's trust region (``trust_region``), the two-sided clip
-(``delta``), the unbiased KL (``kl_to_ref_unbiased``), the adaptive entropy coefficient
-(``entropy_target``) and the veto of mismatched sequences (``inference_veto_threshold``).
+Everything that varies between the published variants is one object of
+:mod:`torchrl_grpo.loss.variants`, composed by the loss: the surrogate (``objective=``: PPO's
+clip with the dual or two-sided clip, CISPO, SAPO, VESPO), the tokens left out, zeroed or
+weighted (``corrections=[...]``: the KL trust region, truncated completions, the veto, verl's
+rejection modes, decoupled PPO, the inference corrections, OPSM, DPPO's trust region,
+high-entropy tokens) and the penalties (``penalties=[...]``: the KL to the reference or to the
+sampler, the adaptive entropy coefficient); the clip band, the ratio level and the aggregation
+are keywords, as in torchrl. The flat keywords of earlier versions still work (mapped onto the
+objects, with a deprecation note).
 :class:`DAPOLoss`, :class:`DrGRPOLoss`, :class:`GSPOLoss`, :class:`CISPOLoss`,
 :class:`SAPOLoss`, :class:`DPPOLoss`, :class:`VESPOLoss` and :class:`LUSPOLoss` are the same
 class with the papers' defaults;
@@ -29,8 +28,9 @@ outputs of each loss, ``k3_kl_token_estimate``; ``MCAdvantage`` and ``RayMCAdvan
 :mod:`torchrl_grpo`).
 
 The package, one concern a module: ``grpo.py`` (the module: keys, wiring, ``forward``),
-``options.py`` (the keywords checked into one record), ``inputs.py`` (a batch read into aligned
-tensors), ``output.py`` (:class:`GRPOLossOutput`) and ``presets.py`` (the papers' defaults).
+``options.py`` (the keywords checked into one record), ``variants/`` (each variant one object),
+``inputs.py`` (a batch read into aligned tensors), ``output.py`` (:class:`GRPOLossOutput`) and
+``presets.py`` (the papers' defaults).
 """
 
 from torchrl_grpo.llm.lean_wrapper import HiddenLLMMaskedCategorical as HiddenLLMMaskedCategorical

@@ -79,321 +79,91 @@ class GRPOLoss(FlatAttributes, ClipPPOLoss):
         L = \\frac{1}{\\sum_i |o_i|} \\sum_i \\sum_{t} -\\min\\big(r_{i,t} A_{i,t},\\
             \\operatorname{clip}(r_{i,t}, 1-\\varepsilon_{low}, 1+\\varepsilon_{high}) A_{i,t}\\big)
             \\;-\\; c_H\\, \\bar{H} \\;+\\; \\beta_{ref}\\, \\overline{KL}_{ref}
-            \\;+\\; \\beta_{inf}\\, \\overline{KL}_{inf}
 
-    where ``r = pi_theta / pi_old``. The per-token pieces are the pure functions of
-    :mod:`torchrl_grpo.loss_terms`; each term of the output is returned separately
-    (:class:`GRPOLossOutput`), to be summed by the caller.
+    where ``r = pi_theta / pi_old``. Every published variant is an object of
+    :mod:`torchrl_grpo.loss.variants` the loss composes (``objective=``, ``corrections=``,
+    ``penalties=``), whose math is the pure functions of :mod:`torchrl_grpo.loss_terms`; each
+    term of the output is returned separately (:class:`GRPOLossOutput`), to be summed by the
+    caller. The policy is a torchrl probabilistic actor (classic control ``[N]``, tokens
+    ``[B, T]`` with a ``mask``, several heads) or a torchrl LLM wrapper (torchrl's LLM layout
+    and ``masking_strategy``, as :class:`torchrl.objectives.llm.GRPOLoss`). Padding never enters
+    the loss, the metrics or the gradient. The reference -- inputs and shapes, every variant
+    with its paper, the flat keywords of earlier versions, degenerate cases -- is
+    ``docs/loss.rst``.
 
-    **Inputs: a torchrl actor.** The policy is any torchrl probabilistic actor
-    (:class:`~torchrl.modules.ProbabilisticActor`, a
-    :class:`~tensordict.nn.ProbabilisticTensorDictSequential`...). Its log-prob of the stored
-    action, read from the batch as :class:`~torchrl.objectives.ClipPPOLoss` does, sets the shape
-    every other entry is checked against:
-
-    * classic control: batch ``[N]``, log-prob ``[N]``, advantage ``[N]`` or ``[N, 1]``; each
-      step is a sequence of one token.
-    * tokens: log-prob ``[B, T]`` (``B`` padded responses of ``T`` tokens); advantage per token
-      (``[B, T]`` or ``[B, T, 1]``) or per sequence (``[B]``, ``[B, 1]`` or ``[B, 1, 1]``,
-      broadcast over the tokens); an optional boolean mask ``[B, T]`` that is ``True`` on real
-      tokens. Leading batch dimensions beyond two are flattened into ``B``; the last one is ``T``.
-    * multi-head (a ``CompositeDistribution``): one log-prob per element of the batch's
-      ``batch_size``, as ClipPPOLoss: each head's log-prob and entropy summed over the head's
-      own dimensions, then over the heads (either ``composite_lp_aggregate`` mode); the stored
-      ``sample_log_prob`` is the per-head keys, summed the same way, or the summed key. The
-      heads' entropies are reported as ``composite_entropy``. Per-head ``entropy_coeff`` is not
-      supported (the coefficient is a scalar on the summed entropy).
-
-    Every stored entry (advantage, log-probs) must be finite on real tokens: a ``nan`` or
-    ``inf`` there raises ``ValueError`` naming its key, where it would make the loss ``nan``.
-
-    Keys (``set_keys``): ``advantage``, ``action``, ``sample_log_prob`` (the log-probs of the
-    policy the ratio is taken against, as in ClipPPOLoss; resolved from the actor), ``mask``
-    (``"mask"``; absent means every entry is real), ``ref_log_prob`` (``"ref_log_prob"``, read
-    only with ``kl_to_ref_coeff``; ``ref_log_probs``, torchrl's name, is accepted by
-    ``set_keys``), ``inference_log_prob`` (``"inference_log_prob"``: the sampler's
-    log-probs, read by ``inference_correction`` / ``tis_cap``, by
-    ``inference_veto_threshold``, by the KL to inference and by ``off_policy_mask_threshold``;
-    when absent the last two take ``sample_log_prob`` instead, torchrl's behaviour; whenever
-    it is read, the output reports the mismatch statistics ``inference_chi2_token``...),
-    ``proximal_log_prob`` (``"proximal_log_prob"``, read only with ``decoupled=True``) and
-    ``truncated`` (``"truncated"``: a per-sequence boolean, read only
-    with ``mask_truncated_completions``). torchrl's ``loss_mask_key`` entries
-    (``("collector", "mask")``...) are honoured too, and-ed with ``mask``. ClipPPOLoss's keys
-    that nothing here reads (``value``, ``value_target``, ``reward``, ``done``,
-    ``terminated``) are rejected by ``set_keys`` with the reason.
-
-    **Inputs: a torchrl LLM wrapper.** With an
-    :class:`~torchrl.modules.llm.LLMWrapperBase` (``TransformersWrapper(generate=False)``,
-    ``vLLMWrapper``...) the batch is torchrl's LLM layout, as for
-    :class:`torchrl.objectives.llm.GRPOLoss`: the keys default to ``action=("tokens", "full")``,
-    ``sample_log_prob=("log_probs", "full")`` and ``ref_log_prob=("next", "ref_log_probs",
-    "full")``; ragged lazy stacks are read through tensordict's padded getters (left padding,
-    torchrl's convention). The wrapper scores ``("tokens", "full")``, and ``masking_strategy``
-    picks the real tokens from its masks: ``"sft"`` the response (attention mask without the
-    ``("tokens", "prompt")`` tokens), ``"rlhf"`` the assistant tokens (``("masks",
-    "all_assistant_mask")``), ``"generic"`` every attended token. A token whose stored
-    ``sample_log_prob`` is not finite (torchrl's NaN placeholders, e.g. the prompt slice of a
-    ``vLLMWrapper``'s ``LogProbs.full``) is not real either. Log-probs and entropy are computed
-    from the wrapper's logits by :func:`~torchrl_grpo.token_log_prob_entropy`, which keeps no
-    ``[B, T, V]`` temporary for the backward pass. Every variant and metric works the same on
-    both kinds of policy. See ``docs/migration.rst`` for the numbers that equal torchrl's and
-    the ones that differ by design.
-
-    **Padding** never enters the loss, the metrics or the gradient: padded entries of every input
-    are replaced by zeros with ``torch.where`` before any arithmetic (so ``nan`` pads are fine),
-    and every mean divides by the number of real tokens or non-empty sequences.
-
-    **Leaving a token out, two ways.** Tokens *excluded* from the loss are not counted by the
-    aggregation: those outside the KL trust region (``kl_mask_threshold``, as torchrl), those
-    of truncated completions (``mask_truncated_completions``, as TRL and DAPO, where they
-    leave the batch) and those of vetoed sequences (``inference_veto_threshold``, as verl's
-    rejection). Tokens *zeroed* keep their place in the aggregation's denominator, as the
-    papers write them (a factor ``M_{i,t}`` or ``w_t`` inside the sum): off-policy sequence
-    masking, the masking modes of ``inference_correction``, the behaviour-weight cap of
-    decoupled PPO, high-entropy token selection and DPPO's ``trust_region``. Metrics (ESS,
-    clip fractions, KL means, entropy) describe every real token either way. Only
-    ``loss_objective`` is zeroed or weighted; ``loss_entropy`` and the KL terms cover every
-    token left in the loss.
-
-    **Degenerate cases.** A batch with no real token raises ``ValueError`` (there is nothing to
-    average, and a silent zero loss would hide a broken pipeline). A sequence with no real token
-    inside a batch is ignored: it is not counted by the per-sequence aggregations. A
-    sequence-level ratio of an empty sequence is 1. When every real token is left out (by
-    ``kl_mask_threshold``, truncation or the veto), the ``loss_*`` terms are 0 and send no
-    gradient; the fractions say why (``inference_vetoed_fraction`` 1...). A variant left off
-    (``None``) at construction stays off: setting it later raises ``ValueError``; a
-    ``state_dict`` loads into a loss built with the same variants (their buffers are saved).
+    Keys (``set_keys``): ClipPPOLoss's ``advantage``, ``action`` and ``sample_log_prob`` (the
+    policy the ratio is taken against; for an LLM wrapper torchrl's ``("tokens", "full")`` and
+    ``("log_probs", "full")``), ``mask`` (real tokens; absent: every entry), and the entries the
+    variants read: ``ref_log_prob`` (``KLToReference``; ``ref_log_probs`` is accepted),
+    ``inference_log_prob`` (the sampler's: corrections, the veto and rejection, the KL to
+    inference, OPSM), ``proximal_log_prob`` (``Decoupled``) and ``truncated``
+    (``TruncatedCompletions``).
 
     Args:
         actor_network (ProbabilisticTensorDictSequential or LLMWrapperBase): the policy
             (``actor=``, ClipPPOLoss's other name for it, is accepted too).
-        *critic: nothing: GRPO has no critic. A critic given as to ``ClipPPOLoss(actor,
-            critic)`` raises ``TypeError`` saying where the advantage comes from
-            (:class:`~torchrl_grpo.MCAdvantage`).
+        *critic: nothing: GRPO has no critic (``TypeError`` saying where the advantage comes
+            from).
 
     Keyword Args:
-        clip_epsilon (float or tuple of float): ``eps`` or ``(eps_low, eps_high)``; the ratio is
-            clipped to ``[1 - eps_low, 1 + eps_high]`` (DAPO's clip-higher uses ``(0.2, 0.28)``).
-            ``eps_low = 1.0`` means no lower bound (CISPO). Schedulable buffers, as in
-            ClipPPOLoss: ``clip_epsilon``, or ``clip_epsilon_low`` / ``clip_epsilon_high``.
-            Defaults to ``0.2``.
-        entropy_bonus (bool): compute the entropy and its loss term. Defaults to ``True``.
-        samples_mc_entropy (int): Monte-Carlo samples for distributions without an analytic
-            entropy. Defaults to ``1``.
-        entropy_coeff (float): ``c_H``, a schedulable buffer. Defaults to ``0.01`` (ClipPPOLoss).
-        entropy_target (float, optional): Skywork-OR1's adaptive entropy coefficient (TRL's
-            ``use_adaptive_entropy`` / ``entropy_target``): ``entropy_coeff`` becomes the
-            coefficient's starting value (TRL starts at 0), moved once per optimizer step by
-            :meth:`update_entropy_coeff` toward keeping the entropy at this target, and
-            applied only while the entropy last measured is at or below it (so not before the
-            first update). The applied value is ``entropy_coeff`` in the output. The entropy
-            is recorded by the calls made in training mode with gradients on (not under
-            ``torch.no_grad()``, nor after ``loss.eval()``). Needs ``entropy_bonus``.
-        entropy_coeff_bounds (tuple of float, optional): ``(min, max)`` of the adaptive
-            coefficient. Defaults to ``(0.0, 1.0)`` (TRL's) with ``entropy_target``.
-        entropy_coeff_step (float, optional): its step per update. Defaults to ``0.005``
-            (TRL's ``entropy_coef_delta``) with ``entropy_target``.
-        objective (str or callable): ``"clip"`` (PPO's clipped surrogate,
-            :func:`~torchrl_grpo.loss_terms.ppo_clip_loss`), ``"cispo"``
-            (:func:`~torchrl_grpo.loss_terms.cispo_loss`), ``"sapo"`` (SAPO's soft gate,
-            :func:`~torchrl_grpo.loss_terms.sapo_loss`), ``"vespo"`` (VESPO's kernel on the
-            sequence weight, :func:`~torchrl_grpo.loss_terms.vespo_loss`; with
-            ``ratio_level="sequence_sum"``), or a callable
-            ``(log_ratio, advantage, log_prob, log_clip_low, log_clip_high) -> per-token loss``.
-            Defaults to ``"clip"``.
-        sapo_temperature_pos (float, optional): SAPO's ``tau_pos`` (tokens with ``A > 0``),
-            only with ``objective="sapo"``. Defaults to ``1.0`` there (TRL's and the paper's).
-        sapo_temperature_neg (float, optional): SAPO's ``tau_neg`` (``A <= 0``). Defaults to
-            ``1.05`` with ``objective="sapo"``.
-        vespo_k (tuple of float, optional): VESPO's ``(k for A >= 0, k for A < 0)``, only with
-            ``objective="vespo"``. Defaults to ``(2.0, 3.0)`` there (TRL's).
-        vespo_lambda (tuple of float, optional): VESPO's ``lambda``, the same way. Defaults to
-            ``(3.0, 2.0)``.
-        ratio_level (str or callable): ``"token"``, ``"sequence"`` (GSPO's length-normalised
-            sequence ratio, :func:`~torchrl_grpo.loss_terms.sequence_log_ratio`),
-            ``"sequence_sum"`` (the product of the token ratios, VESPO's weight,
-            :func:`~torchrl_grpo.loss_terms.sequence_sum_log_ratio`), or a callable
-            ``(log_ratio, mask) -> log_ratio``. Defaults to ``"token"``.
-        aggregation (str or callable): how per-token losses become a scalar: a key of
-            :data:`~torchrl_grpo.loss_terms.AGGREGATIONS` (``"token_mean"``,
-            ``"seq_mean_token_mean"``, ``"seq_mean_token_sum"``, ``"seq_mean_token_sum_norm"``,
-            ``"token_sum"``: verl's sum over tokens, divided by nothing) or a callable
-            ``(loss, mask) -> scalar``. Applies to every ``loss_*`` term.
-            torchrl's names are accepted: ``"prompt_mean"`` is ``"seq_mean_token_mean"``
-            (empty sequences are left out of the mean, where torchrl counts them as zero) and
-            ``"none"`` is ``reduction="none"``; ``None`` is ``"token_mean"``, as in torchrl.
-            Defaults to ``"token_mean"``.
-        max_length (int, optional): the constant ``L_max`` of ``"seq_mean_token_sum_norm"``
-            (Dr. GRPO), required by it and rejected by the others.
-        clip_ratio_c (float, optional): dual clip ``c > 1`` for negative advantages
-            (:func:`~torchrl_grpo.loss_terms.dual_clip_loss`; ``3.0`` in the paper). Only with
-            ``objective="clip"`` or a custom objective. Schedulable buffer.
-        delta (float, optional): two-sided clip (INTELLECT-2, TRL's ``delta``): the unclipped
-            ratio of PPO's surrogate is capped at ``delta > 1``
-            (:func:`~torchrl_grpo.loss_terms.two_sided_clip_loss`), bounding the loss of
-            negative-advantage tokens at ``delta |A|``; TRL recommends ``delta > 1 + eps_high``,
-            where it equals ``clip_ratio_c=delta``. Only with ``objective="clip"``, and not
-            with ``clip_ratio_c``. Schedulable buffer.
-        kl_to_ref_coeff (float, optional): ``beta_ref``; enables ``kl_to_ref`` /
-            ``loss_kl_to_ref`` (reads ``ref_log_prob``). Schedulable buffer.
-        kl_to_ref_estimator (str or callable): ``"k1"``, ``"k2"``, ``"k3"`` (clamped, verl's
-            ``low_var_kl``) or ``(log_prob, ref_log_prob) -> per-token estimate``.
-            Defaults to ``"k3"``.
-        kl_to_ref_unbiased (bool): DeepSeek-V3.2's unbiased KL (TRL's
-            ``use_bias_correction_kl``, on by default in TRL 1.16): each token's KL estimate is
-            multiplied by the token's ``pi_theta / pi_old`` (``sample_log_prob``; the ratio
-            keeps its gradient: :func:`~torchrl_grpo.loss_terms.importance_weighted_kl`), so
-            that its gradient is the reverse KL's off-policy too, whatever ``ratio_level``
-            (TRL weighs by GSPO's sequence ratio under ``importance_sampling_level=
-            "sequence"``). ``kl_to_ref`` reports the weighted estimate. Needs
-            ``kl_to_ref_coeff``. Defaults to ``False``.
-        kl_to_inference_coeff (float, optional): ``beta_inf``; enables ``kl_to_inference`` /
-            ``loss_kl_to_inference``. Schedulable buffer.
-        kl_to_inference_estimator (str or callable): as ``kl_to_ref_estimator``.
-            Defaults to ``"k3"``.
-        inference_correction (str or callable, optional): correct the trainer/inference
-            mismatch with the importance weight ``rho = pi_old / pi_inference`` (TRL's
-            ``vllm_importance_sampling_mode``), a key of
-            :data:`~torchrl_grpo.loss_terms.INFERENCE_CORRECTIONS`: ``"token_truncate"``
-            (TIS), ``"sequence_truncate"``, ``"token_mask"`` (IcePop with the band
-            ``(0.5, 5.0)``), ``"sequence_mask"`` (TRL's default mode); or a callable
-            ``(log_weight, mask, low, high) -> (weight, keep)``. The per-token objective is
-            multiplied by the weight (0 where masked). Reads ``inference_log_prob``. The share
-            of tokens masked is ``inference_masked_fraction``. Defaults to ``None`` (off).
-        inference_correction_bounds (tuple, optional): ``(low, high)``, either ``None`` for no
-            bound; the band outside which ``rho`` is truncated or masked. Defaults to
-            ``(None, 3.0)`` (TRL's ``vllm_importance_sampling_clip_min`` / ``_clip_max``).
-            Schedulable buffers ``inference_correction_low`` / ``inference_correction_high``.
-        tis_cap (float, optional): truncated importance sampling: multiply each token's loss by
-            ``min(pi_old / pi_inference, tis_cap)``, without gradient
-            (:func:`~torchrl_grpo.loss_terms.truncated_is_weight`; Yao et al., 2025, use 2):
-            the same as ``inference_correction="token_truncate"`` with bounds
-            ``(None, tis_cap)``, kept as a shorthand. Reads ``inference_log_prob``. Schedulable
-            buffer.
-        off_policy_mask_threshold (float, optional): DeepSeek-V3.2's off-policy sequence
-            masking: a sequence with a negative advantage whose mean
-            ``log pi_inference - log pi_theta`` over its real tokens exceeds this ``delta`` is
-            zeroed in ``loss_objective``
-            (:func:`~torchrl_grpo.loss_terms.off_policy_sequence_mask`; TRL's
-            ``off_policy_mask_threshold``, slime's ``--opsm-delta``). Reads
-            ``inference_log_prob`` (or ``sample_log_prob`` when absent). Schedulable buffer.
-        inference_veto_threshold (float, optional): the veto: a sequence whose worst token's
-            mismatch ``rho - 1 - log rho`` (``rho = pi_old / pi_inference``) exceeds it leaves
-            the loss terms, as truncated completions do
-            (:func:`~torchrl_grpo.loss_terms.sequence_veto_mask`; verl's ``seq_max_k3``
-            rejection). Reads ``inference_log_prob``. The share of sequences vetoed is
-            ``inference_vetoed_fraction``. Schedulable buffer.
-        trust_region (str or callable, optional): DPPO's trust region on the probabilities: a
-            token whose probability moved past the bound in its advantage's direction is zeroed
-            in ``loss_objective``; ``"dppo_tv"`` (the difference of probabilities,
-            :func:`~torchrl_grpo.loss_terms.dppo_tv_mask`), ``"dppo_kl"`` (the binary KL,
-            :func:`~torchrl_grpo.loss_terms.dppo_kl_mask`) or a callable ``(log_prob,
-            old_log_prob, advantage, mask, low, high) -> keep``. Measured against the policy
-            the ratio is taken against (``proximal_log_prob`` with ``decoupled``). The masked
-            share is ``trust_region_masked_fraction``. See :class:`DPPOLoss` for the paper's
-            objective. Defaults to ``None`` (off).
-        trust_region_bounds (float or tuple of float, optional): ``(delta_low, delta_high)``
-            (a float for both). Defaults to ``0.15`` for ``"dppo_tv"`` and ``0.05`` for
-            ``"dppo_kl"`` (verl's DPPO recipe); required for a callable. Schedulable buffers
-            ``trust_region_low`` / ``trust_region_high``.
-        decoupled (bool): decoupled PPO (AReaL): the ratio and its clip are taken against
-            ``proximal_log_prob`` (the policy before this update), and each token's objective
-            is weighted by ``pi_prox / pi_behav``, ``sample_log_prob`` being the behaviour
-            policy that sampled it (:func:`~torchrl_grpo.loss_terms.decoupled_behaviour_weight`).
-            Defaults to ``False``.
-        behaviour_weight_cap (float, optional): with ``decoupled``, tokens whose behaviour
-            weight exceeds it are zeroed (AReaL's ``behav_imp_weight_cap``, ``> 1``).
-            Schedulable buffer.
-        top_entropy_quantile (float, optional): ``rho``: ``loss_objective`` only on the real
-            tokens whose entropy is in the top ``rho`` quantile of the batch
-            (:func:`~torchrl_grpo.loss_terms.high_entropy_token_mask`; TRL's
-            ``top_entropy_quantile``, ``0.2`` in Wang et al., 2025). The entropy is computed
-            even with ``entropy_bonus=False``. ``1.0`` keeps every token. Schedulable buffer.
-        mask_truncated_completions (bool): sequences flagged truncated leave the loss (TRL's
-            ``mask_truncated_completions``, DAPO's overlong filtering). The flag is the
-            ``truncated`` entry (per sequence, e.g. ``[B]``, ``[B, 1]``, or per token); with
-            an LLM wrapper and no such entry, a completion is truncated when its last token is
-            neither the tokenizer's EOS nor its pad token (TRL's rule). Defaults to ``False``.
-        kl_mask_threshold (float, optional): torchrl's KL-Mask: tokens whose
-            ``0.5 * (log pi_theta - log pi_old)**2`` exceeds it are left out of the ``loss_*``
-            terms (:func:`~torchrl_grpo.loss_terms.kl_trust_region_mask`); the metrics still
-            describe every real token. If no token is left, the loss terms are zero (the batch
-            sends no gradient). Schedulable buffer.
-        masking_strategy (str, optional): for LLM wrappers only: ``"sft"`` (default, as
-            torchrl), ``"rlhf"`` or ``"generic"`` (see above). Rejected for other actors,
-            whose real tokens come from the ``mask`` key.
-        ref_log_prob_padding_side (str): side on which ragged reference log-probs are padded,
-            as torchrl. Defaults to ``"left"``.
-        ref_log_prob_padding_value (float): their padding value. Defaults to ``0.0``.
-        reduction (str, optional): ``"mean"`` (apply ``aggregation``) or ``"none"`` (per-token
-            ``loss_*`` terms, zeros on padding). ``"sum"`` is not supported: choose an
-            aggregation. Defaults to ``"mean"``.
-        functional (bool, optional): as in ClipPPOLoss. Defaults to ``True`` for torchrl
-            actors and ``False`` for LLM wrappers (as torchrl's LLM losses).
-        device (torch.device, optional): device of the buffers.
+        clip_epsilon (float or tuple of float): ``eps`` or ``(eps_low, eps_high)``;
+            ``eps_low = 1`` means no lower bound. Defaults to ``0.2``.
+        entropy_bonus (bool), samples_mc_entropy (int), entropy_coeff (float): ClipPPOLoss's
+            (``entropy_coeff`` defaults to ``0.01``).
+        objective (Objective, str or callable): the surrogate: :class:`~torchrl_grpo.loss.
+            variants.Clip` (``"clip"``, the default), ``CISPO``, ``SAPO``, ``VESPO``, a name of
+            :data:`~torchrl_grpo.loss_terms.OBJECTIVES` or a callable.
+        ratio_level (str or callable): ``"token"`` (default), ``"sequence"`` (GSPO) or
+            ``"sequence_sum"`` (VESPO), or ``(log_ratio, mask) -> log_ratio``.
+        aggregation (str or callable): a key of :data:`~torchrl_grpo.loss_terms.AGGREGATIONS`
+            (torchrl's names accepted) or ``(loss, mask) -> scalar``. Defaults to
+            ``"token_mean"``.
+        max_length (int, optional): ``L_max`` of ``"seq_mean_token_sum_norm"`` (Dr. GRPO).
+        corrections (sequence of Variant): tokens left out, zeroed or weighted (``KLMask``,
+            ``TruncatedCompletions``, ``InferenceVeto``, ``Rejection``, ``Decoupled``,
+            ``InferenceCorrection``, ``TIS``, ``OffPolicyMask``, ``TrustRegion``,
+            ``TopEntropy``).
+        penalties (sequence of Variant): ``KLToReference``, ``KLToInference``,
+            ``EntropyTarget``.
+        kl_to_ref_coeff, kl_to_inference_coeff, kl_mask_threshold (float, optional): torchrl's
+            keywords, the same as ``KLToReference(c)``, ``KLToInference(c)``, ``KLMask(t)``.
+        masking_strategy (str, optional): for LLM wrappers: ``"sft"`` (default), ``"rlhf"`` or
+            ``"generic"``.
+        ref_log_prob_padding_side (str), ref_log_prob_padding_value (float): of ragged
+            reference log-probs, as torchrl. Default to ``"left"`` and ``0.0``.
+        reduction (str, optional): ``"mean"`` (the aggregation) or ``"none"`` (per-token
+            terms).
+        functional (bool, optional): as ClipPPOLoss; ``False`` for LLM wrappers by default.
+        device (torch.device, optional): of the buffers.
+        **flat: the flat variant keywords of earlier versions (``tis_cap=``,
+            ``decoupled=``...), mapped onto the objects with a ``DeprecationWarning``.
 
     Raises:
-        ValueError: for an unknown variant name, an invalid coefficient (out of its range, or
-            ``nan``), a ``clip_epsilon`` out of its range (a float as each bound of a tuple:
-            ``eps`` and ``eps_low`` in ``[0, 1]``, ``eps_high >= 0``; torchrl checks only the
-            tuple), ``reduction="sum"``, a ``max_length`` that does not match the
-            aggregation, a ``masking_strategy`` for an actor that is not an LLM wrapper, or a
-            variant's setting given without the variant (SAPO temperatures without SAPO, a
-            behaviour cap without ``decoupled``, bounds without ``inference_correction``,
-            ``tis_cap`` with ``inference_correction``). The same ranges are checked when a
-            scheduler sets a buffer to a number (``loss.clip_epsilon = 1.5`` raises, the buffer
-            unchanged); a tensor assigned or written in place, and the inference band's
-            ``low < high``, are not checked then.
-        TypeError: for a ClipPPOLoss or torchrl ``GRPOLoss`` argument that has no meaning
-            here (``critic_network``, ``clip_value``, ``gamma``, ``normalize_advantage``,
-            ``max_importance_ratio``, ``delay_actor``...; ``gamma=None`` and
-            ``clip_value=None``, torchrl ``GRPOLoss``'s no-op defaults, are accepted and
-            ignored, as there): the message names what replaces it
-            (``max_importance_ratio``, ClipPPOLoss's cap on ``pi_theta / pi_behav``, is not
-            ``tis_cap``, the cap on ``pi_old / pi_inference``; the message says which to
-            use); a critic given positionally (``GRPOLoss(actor, critic)``); a per-head
-            ``entropy_coeff``; no policy.
+        ValueError: a setting out of its range or that does not fit the others (named, with
+            the value), before anything is built; the same range when a scheduler sets a value.
+        TypeError: a ClipPPOLoss or torchrl ``GRPOLoss`` argument that has no meaning here
+            (the message names what replaces it), a critic, something that is not a variant in
+            ``corrections`` / ``penalties``, no policy.
 
     Examples:
-        A CartPole-style actor (4 observations, 2 actions), as for ClipPPOLoss:
-
         >>> import torch
         >>> from tensordict import TensorDict
         >>> from tensordict.nn import TensorDictModule
         >>> from torchrl.modules import ProbabilisticActor
+        >>> from torchrl_grpo.loss.variants import TIS
         >>> _ = torch.manual_seed(0)
         >>> net = TensorDictModule(torch.nn.Linear(4, 2), ["observation"], ["logits"])
         >>> actor = ProbabilisticActor(net, in_keys=["logits"],
         ...     distribution_class=torch.distributions.Categorical, return_log_prob=True)
         >>> batch = actor(TensorDict({"observation": torch.randn(8, 4)}, [8])).detach()
         >>> batch["advantage"] = torch.randn(8, 1)
-        >>> loss = GRPOLoss(actor, clip_epsilon=0.2, entropy_coeff=0.01)
+        >>> batch["inference_log_prob"] = batch["action_log_prob"]
+        >>> loss = GRPOLoss(actor, clip_epsilon=0.2, corrections=[TIS(2.0)])
         >>> out = loss(batch)
-        >>> total = out.loss_objective + out.loss_entropy
-        >>> total.backward()
+        >>> out.total_loss().backward()
         >>> out.ESS, out.clip_fraction  # fresh samples: every ratio is 1
         (tensor(1.), tensor(0.))
-        >>> loss.clip_epsilon = 0.1  # schedulable, as in torchrl
-
-        Tokens: ``[B, T]`` responses with padding and a per-sequence advantage:
-
-        >>> net = TensorDictModule(torch.nn.Linear(3, 5), ["hidden"], ["logits"])
-        >>> policy = ProbabilisticActor(net, in_keys=["logits"], out_keys=["tokens"],
-        ...     distribution_class=torch.distributions.Categorical)
-        >>> batch = TensorDict({
-        ...     "hidden": torch.randn(2, 4, 3),
-        ...     "tokens": torch.randint(5, (2, 4)),
-        ...     "old_log_prob": torch.full((2, 4), -1.6),
-        ...     "advantage": torch.tensor([1.0, -1.0]),
-        ...     "mask": torch.tensor([[True, True, True, False], [True, True, False, False]]),
-        ... }, [2])
-        >>> from torchrl_grpo.loss import DAPOLoss
-        >>> loss = DAPOLoss(policy)
-        >>> loss.set_keys(sample_log_prob="old_log_prob")
-        >>> out = loss(batch)
-        >>> out.clip_fraction_low + out.clip_fraction_high == out.clip_fraction
-        tensor(True)
+        >>> loss.tis_cap = 1.5  # schedulable, as torchrl's clip_epsilon
     """
 
     @dataclass

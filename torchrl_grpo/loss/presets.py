@@ -1,7 +1,9 @@
 """The published variants as presets: GRPOLoss with a paper's defaults, one table each.
 
 A preset is a :class:`~torchrl_grpo.GRPOLoss` whose keyword defaults are its class's
-``defaults``; the keywords a caller gives win, and every other GRPOLoss keyword is taken.
+``defaults``; the keywords a caller gives win (a caller's ``corrections`` and ``penalties`` join
+the preset's, replacing those of the same slot), and every other GRPOLoss keyword is taken.
+The variants among the defaults are objects of :mod:`torchrl_grpo.loss.variants`.
 A new preset is a subclass of :class:`_Preset` with its docstring and its ``defaults``.
 """
 
@@ -83,8 +85,8 @@ class DAPOLoss(_Preset):
     token-level policy-gradient loss, ``"token_mean"``) and drops the KL penalty. Its dynamic
     sampling and overlong shaping act on the data, not on the loss. No dual clip, as in the
     paper: verl's recipes run DAPO with its default ``clip_ratio_c=3.0``, so pass
-    ``clip_ratio_c=3.0`` to reproduce their numbers (see "Coming from verl or TRL" in the
-    migration guide).
+    ``objective=Clip(clip_ratio_c=3.0)`` to reproduce their numbers (see "Coming from verl or
+    TRL" in the migration guide).
 
     .. math:: L = \\frac{1}{\\sum_i |o_i|} \\sum_{i,t} -\\min\\big(r_{i,t} A_i,\\
         \\operatorname{clip}(r_{i,t}, 0.8, 1.28) A_i\\big)
@@ -238,7 +240,7 @@ class CISPOLoss(_Preset):
 
     Keyword Args:
         clip_epsilon: defaults to ``(1.0, 3.0)``: the weight is clipped to ``[0, 4]``.
-        objective: defaults to ``"cispo"``.
+        objective: defaults to ``CISPO()``.
         aggregation: defaults to ``"token_mean"``.
         entropy_coeff: defaults to ``0.0``.
         **kwargs: any other :class:`GRPOLoss` keyword.
@@ -285,8 +287,8 @@ class SAPOLoss(_Preset):
         actor_network (ProbabilisticTensorDictSequential or LLMWrapperBase): the policy.
 
     Keyword Args:
-        sapo_temperature_pos: ``tau_pos``, defaults to ``1.0``.
-        sapo_temperature_neg: ``tau_neg``, defaults to ``1.05``.
+        objective: defaults to ``SAPO(temperature_pos=1.0, temperature_neg=1.05)``:
+            ``tau_pos`` and ``tau_neg``.
         aggregation: defaults to ``"seq_mean_token_mean"``.
         entropy_coeff: defaults to ``0.0``.
         **kwargs: any other :class:`GRPOLoss` keyword.
@@ -330,17 +332,20 @@ class DPPOLoss(_Preset):
     That is :func:`~torchrl_grpo.loss_terms.cispo_loss` with no lower bound and the cap ``C``:
     verl's DPPO recipe runs ``C = 10^4`` (``clip_ratio_c``; in effect no cap) with the bound
     ``0.15`` (total variation) or ``0.05`` (binary KL) on both sides. The masked share is
-    ``trust_region_masked_fraction``. The aggregation is verl's default token mean; its recipe
-    uses Dr. GRPO's (``aggregation="seq_mean_token_sum_norm", max_length=L``).
+    ``trust_region_masked_fraction``; the share of kept tokens whose ratio exceeds the cap,
+    ``trust_region_capped_fraction`` (verl's ``pg_clipfrac_lower``). The aggregation is verl's
+    default token mean; its recipe uses Dr. GRPO's (``aggregation="seq_mean_token_sum_norm",
+    max_length=L``).
 
     Args:
         actor_network (ProbabilisticTensorDictSequential or LLMWrapperBase): the policy.
 
     Keyword Args:
-        trust_region: defaults to ``"dppo_tv"`` (``"dppo_kl"`` for the KL form).
-        trust_region_bounds: ``(delta_low, delta_high)``; defaults to ``0.15`` for
-            ``"dppo_tv"``, ``0.05`` for ``"dppo_kl"``.
-        objective: defaults to ``"cispo"``.
+        objective: defaults to ``CISPO()``.
+        corrections: defaults to ``(TrustRegion("dppo_tv"),)``, the bounds ``(delta_low,
+            delta_high) = (0.15, 0.15)``; ``[TrustRegion("dppo_kl")]`` for the KL form (bounds
+            ``0.05``), ``TrustRegion(mode, bounds)`` for others. A caller's corrections join
+            it; a ``TrustRegion`` among them replaces it.
         clip_epsilon: defaults to ``(1.0, 9999.0)``: the weight is capped at ``C = 10^4``.
         aggregation: defaults to ``"token_mean"``.
         entropy_coeff: defaults to ``0.0``.
@@ -356,7 +361,8 @@ class DPPOLoss(_Preset):
         ...     distribution_class=torch.distributions.Categorical, return_log_prob=True)
         >>> batch = policy(TensorDict(hidden=torch.randn(2, 4, 3), batch_size=[2])).detach()
         >>> batch["advantage"] = torch.tensor([1.0, -1.0])
-        >>> out = DPPOLoss(policy, trust_region="dppo_kl")(batch)
+        >>> from torchrl_grpo.loss.variants import TrustRegion
+        >>> out = DPPOLoss(policy, corrections=[TrustRegion("dppo_kl")])(batch)
         >>> out.trust_region_masked_fraction  # on-policy: no token has moved
         tensor(0.)
     """
@@ -385,18 +391,18 @@ class VESPOLoss(_Preset):
 
     with ``(k, lambda) = (2, 3)`` for ``A >= 0`` and ``(3, 2)`` for ``A < 0`` (TRL's
     ``vespo_k_pos`` ... defaults) and TRL's normalisation, the token mean over the batch.
-    ``clip_epsilon`` only sets the reported clip fractions (of ``W``). With
-    ``inference_correction``, TRL folds the sampler's weight into ``W``; here it multiplies
-    the loss, as for every objective.
+    ``clip_epsilon`` only sets the reported clip fractions (of ``W``). With an
+    ``InferenceCorrection``, TRL folds the sampler's weight into ``W``; here it multiplies
+    the loss, as for every objective. ``vespo_phi_seq_mean`` reports TRL's
+    ``vespo/phi_seq_mean``, the mean over sequences of ``phi(W)``.
 
     Args:
         actor_network (ProbabilisticTensorDictSequential or LLMWrapperBase): the policy.
 
     Keyword Args:
-        objective: defaults to ``"vespo"``.
+        objective: defaults to ``VESPO(k=(2.0, 3.0), lambda_=(3.0, 2.0))``: ``k`` and
+            ``lambda``, each ``(for A >= 0, for A < 0)``.
         ratio_level: defaults to ``"sequence_sum"`` (``W``, the product of the token ratios).
-        vespo_k: ``(k for A >= 0, k for A < 0)``, defaults to ``(2.0, 3.0)``.
-        vespo_lambda: ``(lambda for A >= 0, lambda for A < 0)``, defaults to ``(3.0, 2.0)``.
         aggregation: defaults to ``"token_mean"``.
         entropy_coeff: defaults to ``0.0``.
         **kwargs: any other :class:`GRPOLoss` keyword.
