@@ -17,10 +17,10 @@ Fu et al., 2025): the ratio and its clip are taken against the proximal policy (
 model before this step's update), and each token is weighted by ``pi_prox / pi_behaviour``,
 the sampler's log-probs. The clip then bounds how far one update moves the policy, whatever
 the data's age, and the weight corrects for the age: the trust region of PPO survives a lag of
-several versions. ``tis`` (truncated importance sampling, ``tis_cap=2``) takes the ratio
-against the proximal policy too but only multiplies each token by ``min(pi_prox /
-pi_behaviour, 2)``, a correction designed for small train/inference mismatches, not for stale
-policies.
+several versions (``corrections=[Decoupled()]``). ``tis`` (truncated importance sampling,
+``corrections=[TIS(2.0)]``) takes the ratio against the proximal policy too but only
+multiplies each token by ``min(pi_prox / pi_behaviour, 2)``, a correction designed for small
+train/inference mismatches, not for stale policies.
 
 Run (needs the ``llm``, ``examples`` and ``dist`` extras)::
 
@@ -72,6 +72,7 @@ from transformers.utils import logging as hf_logging
 
 from torchrl_grpo import GRPOLoss, MCAdvantage
 from torchrl_grpo.llm import ExactLogProbsTransformersWrapper
+from torchrl_grpo.loss.variants import TIS, Decoupled
 
 EXAMPLES = str(Path(__file__).resolve().parent)
 
@@ -91,7 +92,7 @@ class AsyncSettings(sync.Settings):
     )
     correction: str = field(
         default="decoupled",
-        metadata={"help": "off-policy correction: decoupled (PPO, AReaL) or tis (tis_cap=2)"},
+        metadata={"help": "off-policy correction: decoupled (PPO, AReaL) or tis (TIS(2.0))"},
     )
     buffer_steps: int = field(
         default=2, metadata={"help": "the replay ring holds this many steps' rows"}
@@ -219,7 +220,8 @@ def make_loss(scorer, cfg: AsyncSettings) -> GRPOLoss:
 
     ``("log_probs", "full")``: the sampler's; ``("next", "proximal_log_probs", "full")``: the
     trainer's model before the step's update. ``decoupled``: ratio against the proximal,
-    behaviour weight against the sampler; ``tis``: the same ratio, weight capped at 2.
+    behaviour weight against the sampler (``Decoupled()``); ``tis``: the same ratio, weight capped
+    at 2 (``TIS(2.0)``).
     """
     decoupled = cfg.correction == "decoupled"
     loss_fn = GRPOLoss(
@@ -228,8 +230,7 @@ def make_loss(scorer, cfg: AsyncSettings) -> GRPOLoss:
         clip_epsilon=(cfg.clip_epsilon, cfg.clip_epsilon_high),
         kl_to_ref_coeff=cfg.kl_coeff,
         entropy_coeff=cfg.entropy_coeff,
-        decoupled=decoupled,
-        tis_cap=None if decoupled else 2.0,
+        corrections=[Decoupled() if decoupled else TIS(2.0)],
     )
     sampler, proximal = ("log_probs", "full"), ("next", "proximal_log_probs", "full")
     if decoupled:

@@ -4,7 +4,9 @@ import pytest
 import torch
 
 from torchrl_grpo import MCAdvantage
+from torchrl_grpo.mcadvantage import RewardToGo, Staleness, StepGroups
 from torchrl_grpo.mcadvantage.options import (
+    KEYWORDS,
     SETTINGS,
     Limits,
     TrajectoryKeys,
@@ -78,3 +80,53 @@ class TestSettings:
         t = MCAdvantage(2, prompt_key="seed")
         for name in SETTINGS:
             assert getattr(t, name) == read_setting(t._options, name), name
+
+
+class TestRecords:
+    """The extras beyond torchrl's arguments, grouped into records; the flat keywords still
+    accepted, with the same result."""
+
+    @pytest.mark.parametrize(
+        "record, flat",
+        [
+            (
+                dict(limits=Limits(max_groups=4, max_age=3, min_group_size=1)),
+                dict(max_pending_groups=4, max_pending_age=3, min_group_size=1),
+            ),
+            (dict(staleness=Staleness(max_lag=2)), dict(max_policy_lag=2)),
+            (
+                dict(anchor_key="state", step_groups=StepGroups(step_weight=0.5, gamma=0.9)),
+                dict(anchor_key="state", step_reward_weight=0.5, step_reward_gamma=0.9),
+            ),
+            (
+                dict(reward_to_go=RewardToGo(0.9, baseline="time_step")),
+                dict(reward_to_go_gamma=0.9, reward_to_go_baseline="time_step"),
+            ),
+        ],
+    )
+    def test_a_record_is_its_flat_keywords(self, record, flat):
+        def options(**kw):  # a selector is an object of its own each time: leave it out
+            return make_options(2, **kw)._replace(selection=None)
+
+        assert options(**record) == options(**flat) != options()
+        transform = MCAdvantage(grpo_size=2, **record)
+        for name, value in flat.items():  # the transform's attributes, where it has one
+            assert name not in SETTINGS or getattr(transform, name) == value
+
+    def test_defaults_are_written_once_in_the_records(self):
+        assert make_options(2).limits == Limits()
+        assert make_options(2).staleness == Staleness()
+        steps = make_options(2, anchor_key="state").estimator.step_groups
+        assert steps == StepGroups() == StepGroups(1.0, 1.0, 0.95)  # ROLL's
+        assert KEYWORDS["on_overflow"] == Limits().on_overflow
+        assert KEYWORDS["reward_to_go_baseline"] == RewardToGo().baseline
+
+    def test_a_record_with_its_flat_keywords_or_of_another_kind(self):
+        with pytest.raises(ValueError, match="pass the record or its flat keywords"):
+            MCAdvantage(grpo_size=2, limits=Limits(max_groups=4), max_pending_groups=4)
+        with pytest.raises(TypeError, match="limits must be a Limits"):
+            MCAdvantage(grpo_size=2, limits=Staleness())
+        with pytest.raises(ValueError, match="need anchor_key"):
+            MCAdvantage(grpo_size=2, step_groups=StepGroups())  # GiGPO's weights need anchors
+        with pytest.raises(TypeError, match="unexpected keyword arguments"):
+            MCAdvantage(grpo_size=2, max_pending_group=4)

@@ -17,8 +17,18 @@ How the folder reads (each module one step, :mod:`.insert` the order of an inser
   view of the pending groups).
 """
 
+from torchrl_grpo.mcadvantage.options import Limits, RewardToGo, Staleness, StepGroups
 from torchrl_grpo.mcadvantage.queues import PendingGroups
 from torchrl_grpo.mcadvantage.ray_actor import RayMCAdvantage
 from torchrl_grpo.mcadvantage.transform import MCAdvantage, MCAdvantageSelector
 
-__all__ = ["MCAdvantage", "MCAdvantageSelector", "PendingGroups", "RayMCAdvantage"]
+__all__ = [
+    "Limits",
+    "MCAdvantage",
+    "MCAdvantageSelector",
+    "PendingGroups",
+    "RayMCAdvantage",
+    "RewardToGo",
+    "Staleness",
+    "StepGroups",
+]

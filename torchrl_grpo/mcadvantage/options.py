@@ -22,12 +22,14 @@ from torchrl_grpo.advantages import BASELINES, RETURN_REDUCTIONS, SCALES
 
 __all__ = [
     "KEYWORDS",
+    "RECORDS",
     "SETTINGS",
     "Estimator",
     "GroupFilter",
     "Keys",
     "Limits",
     "Options",
+    "RewardToGo",
     "Selection",
     "Staleness",
     "StepGroups",
@@ -61,11 +63,33 @@ class TrajectoryKeys(NamedTuple):
 
 
 class StepGroups(NamedTuple):
-    """GiGPO's step-level groups (``anchor_key`` and its weights)."""
+    """GiGPO's step-level groups: the weights and discount of ``MCAdvantage(anchor_key=...,
+    step_groups=StepGroups(...))``; the defaults are ROLL's.
 
-    episode_weight: float  # on the group-level advantage
-    step_weight: float  # on the step-level advantage
-    gamma: float  # discount of the step-level returns
+    Examples:
+        >>> from torchrl_grpo.mcadvantage import StepGroups
+        >>> StepGroups(step_weight=0.5)
+        StepGroups(episode_weight=1.0, step_weight=0.5, gamma=0.95)
+    """
+
+    episode_weight: float = 1.0  # on the group-level advantage (episode_reward_weight)
+    step_weight: float = 1.0  # on the step-level advantage (step_reward_weight)
+    gamma: float = 0.95  # discount of the step-level returns (step_reward_gamma)
+
+
+class RewardToGo(NamedTuple):
+    """Each step's discounted reward-to-go as its sample: ``MCAdvantage(reward_to_go=
+    RewardToGo(gamma, baseline))`` (the flat ``reward_to_go_gamma`` /
+    ``reward_to_go_baseline``).
+
+    Examples:
+        >>> from torchrl_grpo.mcadvantage import RewardToGo
+        >>> RewardToGo(0.95, baseline="time_step")
+        RewardToGo(gamma=0.95, baseline='time_step')
+    """
+
+    gamma: float | None = None  # None: the reward itself
+    baseline: str = "group"  # "group", "time_step" or "step_group"
 
 
 class Estimator(NamedTuple):
@@ -105,21 +129,37 @@ class Selection(NamedTuple):
 
 
 class Limits(NamedTuple):
-    """Bounds on what is held back (``None``: no bound)."""
+    """Bounds on what is held back (``None``: no bound): ``MCAdvantage(limits=Limits(...))``
+    (the flat ``max_pending_groups``, ``max_pending_age``, ``on_overflow``,
+    ``min_group_size``).
 
-    max_groups: int | None
-    max_age: int | None  # in insertions
-    on_overflow: str  # "drop_oldest" or "raise"
+    Examples:
+        >>> from torchrl_grpo.mcadvantage import Limits
+        >>> Limits(max_age=8, min_group_size=6)
+        Limits(max_groups=None, max_age=8, on_overflow='drop_oldest', min_group_size=6)
+    """
+
+    max_groups: int | None = None
+    max_age: int | None = None  # in insertions
+    on_overflow: str = "drop_oldest"  # or "raise"
     # beyond torchrl: a group past max_age holding at least this many trajectories is released
     # as it is (runs that failed or timed out left it short) instead of given up
     min_group_size: int | None = None
 
 
 class Staleness(NamedTuple):
-    """How old the data may be, in policy versions (:mod:`~torchrl_grpo.mcadvantage.staleness`)."""
+    """How old the data may be, in policy versions (:mod:`~torchrl_grpo.mcadvantage.staleness`):
+    ``MCAdvantage(staleness=Staleness(...))`` (the flat ``max_policy_lag``,
+    ``consumer_version``).
 
-    max_lag: int | None  # a trajectory more versions behind the reference is dropped
-    consumer_version: int | None  # the reference the trainer sets; None: the newest version read
+    Examples:
+        >>> from torchrl_grpo.mcadvantage import Staleness
+        >>> Staleness(max_lag=1)
+        Staleness(max_lag=1, consumer_version=None)
+    """
+
+    max_lag: int | None = None  # a trajectory more versions behind the reference is dropped
+    consumer_version: int | None = None  # the trainer's reference; None: the newest version read
 
 
 class Options(NamedTuple):
@@ -133,7 +173,7 @@ class Options(NamedTuple):
     group_filter: GroupFilter
     selection: Selection
     limits: Limits
-    staleness: Staleness = Staleness(None, None)
+    staleness: Staleness = Staleness()
 
     @property
     def selects(self) -> bool:
@@ -219,7 +259,7 @@ def make_options(
     unknown = sorted(set(keywords) - set(KEYWORDS))
     if unknown:
         raise TypeError(f"MCAdvantage got unexpected keyword arguments {unknown}.")
-    kw = {**KEYWORDS, **keywords}
+    kw = _expand_records({**KEYWORDS, **keywords}, keywords)
     grpo_size, selection = _sizes(grpo_size, kw)
     trajectory_return = _trajectory_return(kw["trajectory_return"], grpo_size, selection)
     weights = _reward_weights(rewards_key, kw["reward_weights"])
@@ -250,11 +290,48 @@ def make_options(
     )
 
 
-#: ``MCAdvantage``'s keyword-only arguments and their defaults.
+#: The records that group MCAdvantage's settings beyond torchrl's, their keyword, and the flat
+#: keyword of each field (the form of earlier versions, still accepted).
+RECORDS: dict[str, tuple[type, dict[str, str]]] = {
+    "reward_to_go": (
+        RewardToGo,
+        {"gamma": "reward_to_go_gamma", "baseline": "reward_to_go_baseline"},
+    ),
+    "step_groups": (
+        StepGroups,
+        {
+            "episode_weight": "episode_reward_weight",
+            "step_weight": "step_reward_weight",
+            "gamma": "step_reward_gamma",
+        },
+    ),
+    "limits": (
+        Limits,
+        {
+            "max_groups": "max_pending_groups",
+            "max_age": "max_pending_age",
+            "on_overflow": "on_overflow",
+            "min_group_size": "min_group_size",
+        },
+    ),
+    "staleness": (Staleness, {"max_lag": "max_policy_lag", "consumer_version": "consumer_version"}),
+}
+
+
+def _flat_defaults() -> dict:
+    """The flat keywords' defaults, each its record's (written once, there); GiGPO's weights
+    default to ``None``, "not given", so that they are refused without ``anchor_key``."""
+    defaults = {}
+    for record, fields in RECORDS.values():
+        for field, flat in fields.items():
+            defaults[flat] = None if record is StepGroups else record._field_defaults[field]
+    return defaults
+
+
+#: ``MCAdvantage``'s keyword-only arguments and their defaults: torchrl's, the package's own,
+#: the records (``None``: given by their flat keywords) and the flat keywords of the records.
 KEYWORDS = {
     "trajectory_return": None,
-    "reward_to_go_gamma": None,
-    "reward_to_go_baseline": "group",
     "keep_return_bounds": None,
     "candidate_group_size": None,
     "candidate_selection_min_size": None,
@@ -267,19 +344,34 @@ KEYWORDS = {
     "whiten": None,
     "reward_weights": None,
     "anchor_key": None,
-    "episode_reward_weight": None,
-    "step_reward_weight": None,
-    "step_reward_gamma": None,
-    "max_pending_groups": None,
-    "max_pending_age": None,
-    "on_overflow": "drop_oldest",
-    "min_group_size": None,
     "traj_key": ("collector", "traj_ids"),
     "step_count_key": "step_count",
     "policy_version_key": "policy_version",
-    "max_policy_lag": None,
-    "consumer_version": None,
+    **dict.fromkeys(RECORDS),
+    **_flat_defaults(),
 }
+
+
+def _expand_records(kw: dict, given: dict) -> dict:
+    """``kw`` with each record given spread onto its flat keywords; a record given with one of
+    its flat keywords raises."""
+    for name, (record, fields) in RECORDS.items():
+        value = kw.get(name)
+        if value is None:
+            continue
+        if not isinstance(value, record):
+            raise TypeError(
+                f"{name} must be a {record.__name__} (torchrl_grpo.mcadvantage), got {value!r}."
+            )
+        both = [flat for flat in fields.values() if flat in given]
+        if both:
+            raise ValueError(
+                f"MCAdvantage got {name}={value!r} and {', '.join(both)}: pass the record or "
+                "its flat keywords, not both."
+            )
+        for field, flat in fields.items():
+            kw[flat] = getattr(value, field)
+    return kw
 
 
 def _integer(name: str, value) -> int:
@@ -470,17 +562,15 @@ def _step_groups(kw: dict) -> StepGroups | None:
                 "key of each step's anchor state)."
             )
         return None
-    episode, step, gamma = given.values()
+    default = StepGroups()  # ROLL's, where not given
     groups = StepGroups(
-        episode_weight=1.0 if episode is None else float(episode),
-        step_weight=1.0 if step is None else float(step),
-        gamma=0.95 if gamma is None else float(gamma),
+        *(float(d if v is None else v) for v, d in zip(given.values(), default, strict=True))
     )
     for name, value in zip(("episode_reward_weight", "step_reward_weight"), groups[:2]):
         if not math.isfinite(value):
             raise ValueError(f"{name} must be finite, got {value}.")
     if not 0.0 <= groups.gamma <= 1.0:
-        raise ValueError(f"step_reward_gamma must be in [0, 1], got {gamma}.")
+        raise ValueError(f"step_reward_gamma must be in [0, 1], got {groups.gamma}.")
     return groups
 
 

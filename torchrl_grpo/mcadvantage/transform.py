@@ -23,7 +23,10 @@ from torchrl_grpo.mcadvantage import shared
 from torchrl_grpo.mcadvantage.buffer import check_release
 from torchrl_grpo.mcadvantage.options import (
     KEYWORDS,
+    Limits,
     Options,
+    RewardToGo,
+    Staleness,
     StepGroups,
     make_options,
     read_setting,
@@ -124,33 +127,36 @@ class MCAdvantage(Transform):
             its return: ``"sum"``, ``"max"``, ``"mean"`` (torchrl) or ``"last"`` (step-wise GRPO:
             the final reward is broadcast to every step; Trinity-RFT's ``step_wise_grpo``,
             rLLM's ``broadcast``: an agent's turns are the steps of its dialog).
-        reward_to_go_gamma: ``None`` (default), or a discount ``gamma`` in ``[0, 1]`` that makes,
-            with ``trajectory_return=None``, each step's sample its discounted reward-to-go
-            instead of its reward: ``G_t = r_t + gamma * G_{t+1}`` with ``G_T = r_T`` at the
-            trajectory's last step, i.e. ``G_t = sum over k >= t of gamma**(k - t) * r_k``
-            (REINFORCE's reward-to-go, torchrl's ``reward2go``; see
-            :func:`~torchrl_grpo.advantages.discounted_returns`). It is computed at release, on
-            whole trajectories (joined across insertions with ``traj_key``), so a collector's
-            ``frames_per_batch`` batches can be inserted as they come. A reward of several
-            elements per step is discounted element by element (as ``reward2go`` does with
-            trailing dimensions). ``0`` gives the rewards themselves, ``1`` the undiscounted sum
-            to the end. Requires ``trajectory_return=None``; not with ``anchor_key`` (GiGPO
-            discounts its step level with ``step_reward_gamma``). Ragged steps (an agent's
-            turns, token sequences of different lengths) take it when every step has as many
-            reward elements (torchrl's ``[1, 1]`` per turn).
-            A group whose trajectories have equal rewards-to-go at every time step (identical
-            episodes) gets advantages of exactly ``0``, as in the other modes.
-        reward_to_go_baseline: with ``reward_to_go_gamma``, what each step's reward-to-go is
-            compared with: ``"group"`` (default), the mean over every step of the group's
-            trajectories (a constant baseline: the steps that led to a fall get negative
-            advantages even within one trajectory), or ``"time_step"``, the mean over the
-            group's trajectories at the same time step (a time-dependent baseline; the scale is
-            the pooled std of those deviations; see
-            :func:`~torchrl_grpo.advantages.group_relative_advantage` with ``by_time_step``), or
-            ``"step_group"``, each (group, time step) a GRPO group of its own, mean and std
-            (rLLM's ``stepwise_advantage.mode="per_step"``: the turns of an agent's dialogs
-            compared turn index by turn index; a turn only one dialog reached gets ``0``, where
-            rLLM, through verl, gives it its raw return).
+        reward_to_go (RewardToGo, optional): each step's discounted reward-to-go as its
+            sample (the flat ``reward_to_go_gamma`` and ``reward_to_go_baseline`` are accepted
+            too):
+
+            gamma: ``None`` (default), or a discount ``gamma`` in ``[0, 1]`` that makes, with
+                ``trajectory_return=None``, each step's sample its discounted reward-to-go instead
+                of its reward: ``G_t = r_t + gamma * G_{t+1}`` with ``G_T = r_T`` at the
+                trajectory's last step, i.e. ``G_t = sum over k >= t of gamma**(k - t) * r_k``
+                (REINFORCE's reward-to-go, torchrl's ``reward2go``; see
+                :func:`~torchrl_grpo.advantages.discounted_returns`). It is computed at release, on
+                whole trajectories (joined across insertions with ``traj_key``), so a collector's
+                ``frames_per_batch`` batches can be inserted as they come. A reward of several
+                elements per step is discounted element by element (as ``reward2go`` does with
+                trailing dimensions). ``0`` gives the rewards themselves, ``1`` the undiscounted sum
+                to the end. Requires ``trajectory_return=None``; not with ``anchor_key`` (GiGPO
+                discounts its step level with ``step_reward_gamma``). Ragged steps (an agent's
+                turns, token sequences of different lengths) take it when every step has as many
+                reward elements (torchrl's ``[1, 1]`` per turn). A group whose trajectories have
+                equal rewards-to-go at every time step (identical episodes) gets advantages of
+                exactly ``0``, as in the other modes.
+            baseline: with ``gamma``, what each step's reward-to-go is compared with: ``"group"``
+                (default), the mean over every step of the group's trajectories (a constant
+                baseline: the steps that led to a fall get negative advantages even within one
+                trajectory), or ``"time_step"``, the mean over the group's trajectories at the same
+                time step (a time-dependent baseline; the scale is the pooled std of those
+                deviations; see :func:`~torchrl_grpo.advantages.group_relative_advantage` with
+                ``by_time_step``), or ``"step_group"``, each (group, time step) a GRPO group of its
+                own, mean and std (rLLM's ``stepwise_advantage.mode="per_step"``: the turns of an
+                agent's dialogs compared turn index by turn index; a turn only one dialog reached
+                gets ``0``, where rLLM, through verl, gives it its raw return).
         keep_return_bounds: exclusive ``(low, high)`` bounds on a group's mean return; a group
             outside them is dropped (DAPO dynamic sampling), decided as torchrl decides it.
             Requires ``trajectory_return``.
@@ -185,27 +191,38 @@ class MCAdvantage(Transform):
             becomes ``episode_reward_weight * A_group + step_reward_weight * A_step``, where
             ``A_step`` normalizes the step's discounted return (``step_reward_gamma``) within its
             step group by ``baseline`` and ``scale_rewards``. ``None`` (default): no step groups.
-        episode_reward_weight: weight of the group-level advantage with ``anchor_key``
-            (default ``1.0``, ROLL's).
-        step_reward_weight: weight of the step-level advantage (default ``1.0``, ROLL's).
-        step_reward_gamma: discount of the step-level returns (default ``0.95``, ROLL's).
-        max_pending_groups: most incomplete groups held at once. ``None`` (default): no limit.
-        max_pending_age: a group still incomplete this many insertions after its first
-            trajectory arrived is given up. ``None`` (default): no limit.
-        on_overflow: what happens past a limit: ``"drop_oldest"`` (default) evicts the groups that
-            started first, counts them in ``evicted_groups`` / ``evicted_trajectories`` and warns;
-            ``"raise"`` rejects the insertion with a ``RuntimeError``, changing nothing. The
-            storage's size is such a limit: a release larger than the buffer's storage
-            overwrites its own first steps by default (torchrl's ring buffer; said once), and
-            is refused with a ``ValueError`` under ``"raise"``, the trajectories still pending.
-        min_group_size: with ``max_pending_age``, a group still short of ``grpo_size`` when it
-            reaches that age is released with the trajectories it holds if they are at least
-            ``min_group_size`` (the runs that failed or timed out never come: Trinity-RFT takes
-            such groups), its advantages computed over them as over any group (a group of one
-            gets ``0``, where Trinity-RFT and verl give it its raw return); shorter, it is
-            given up as before. It is released by the first insertion that brings a complete
-            trajectory once it is that old, and counted in ``short_groups``. ``None``
-            (default): groups are released full only.
+        step_groups (StepGroups, optional): with ``anchor_key``, the weights and discount of
+            GiGPO's step level (ROLL's defaults; the flat ``episode_reward_weight``,
+            ``step_reward_weight`` and ``step_reward_gamma`` are accepted too):
+
+            episode_weight (``episode_reward_weight``): weight of the group-level advantage with
+                ``anchor_key`` (default ``1.0``, ROLL's).
+            step_weight (``step_reward_weight``): weight of the step-level advantage (default
+                ``1.0``, ROLL's).
+            gamma (``step_reward_gamma``): discount of the step-level returns (default ``0.95``,
+                ROLL's).
+        limits (Limits, optional): bounds on what is held back (the flat
+            ``max_pending_groups``, ``max_pending_age``, ``on_overflow`` and ``min_group_size``
+            are accepted too):
+
+            max_groups (``max_pending_groups``): most incomplete groups held at once. ``None``
+                (default): no limit.
+            max_age (``max_pending_age``): a group still incomplete this many insertions after its
+                first trajectory arrived is given up. ``None`` (default): no limit.
+            on_overflow: what happens past a limit: ``"drop_oldest"`` (default) evicts the groups
+                that started first, counts them in ``evicted_groups`` / ``evicted_trajectories`` and
+                warns; ``"raise"`` rejects the insertion with a ``RuntimeError``, changing nothing.
+                The storage's size is such a limit: a release larger than the buffer's storage
+                overwrites its own first steps by default (torchrl's ring buffer; said once), and is
+                refused with a ``ValueError`` under ``"raise"``, the trajectories still pending.
+            min_group_size: with ``max_age``, a group still short of ``grpo_size`` when it reaches
+                that age is released with the trajectories it holds if they are at least
+                ``min_group_size`` (the runs that failed or timed out never come: Trinity-RFT takes
+                such groups), its advantages computed over them as over any group (a group of one
+                gets ``0``, where Trinity-RFT and verl give it its raw return); shorter, it is given
+                up as before. It is released by the first insertion that brings a complete
+                trajectory once it is that old, and counted in ``short_groups``. ``None`` (default):
+                groups are released full only.
         traj_key: key of the trajectory id of every step. When the input has it, trajectories
             may cross insertions: the unfinished ones are held (:attr:`held_trajectories`) and
             completed by later insertions, with the same advantages as inserting each whole
@@ -230,14 +247,18 @@ class MCAdvantage(Transform):
             insertion that completes groups reports their lags (``policy_lag_min``,
             ``policy_lag_max``, ``policy_lag_mean``) and the largest spread of versions inside
             one of them (``policy_version_spread``) in :meth:`get_stats`.
-        max_policy_lag: with an integer ``K``, the trajectories (pending or arriving) that lag
-            by more than ``K`` versions are dropped at each insertion and counted in
-            ``stale_trajectories``, so that a group completes only with recent trajectories;
-            the key must then be in every insertion. ``None`` (default): no bound.
-        consumer_version: the reference version (the trainer's, as torchrl's
-            ``StalenessAwareSampler.consumer_version``): set it after each weight update
-            (``transform.consumer_version = version``). ``None`` (default): the newest version
-            read.
+
+        staleness (Staleness, optional): how old the data may be, in policy versions (the flat
+            ``max_policy_lag`` and ``consumer_version`` are accepted too):
+
+            max_lag (``max_policy_lag``): with an integer ``K``, the trajectories (pending or
+                arriving) that lag by more than ``K`` versions are dropped at each insertion and
+                counted in ``stale_trajectories``, so that a group completes only with recent
+                trajectories; the key must then be in every insertion. ``None`` (default): no bound.
+            consumer_version: the reference version (the trainer's, as torchrl's
+                ``StalenessAwareSampler.consumer_version``): set it after each weight update
+                (``transform.consumer_version = version``). ``None`` (default): the newest version
+                read.
 
     Raises:
         ValueError: for inconsistent arguments (same conditions as torchrl), and for the added
@@ -245,8 +266,9 @@ class MCAdvantage(Transform):
             step-level weights without ``anchor_key``, a ``step_reward_gamma`` or a
             ``reward_to_go_gamma`` outside ``[0, 1]``, ``reward_to_go_gamma`` with a
             ``trajectory_return`` or an ``anchor_key``.
-        TypeError: for a size that is not an integer (``2.7``, ``True``), and a
-            ``reward_to_go_gamma`` that is not a real number.
+        TypeError: for a size that is not an integer (``2.7``, ``True``), a
+            ``reward_to_go_gamma`` that is not a real number, a record of the wrong kind; and
+            a record given with one of its flat keywords (``ValueError``).
 
     Examples:
         >>> import torch
@@ -282,8 +304,6 @@ class MCAdvantage(Transform):
         verbose: bool = False,
         *,
         trajectory_return: str | None = None,
-        reward_to_go_gamma: float | None = None,
-        reward_to_go_baseline: str = "group",
         keep_return_bounds: tuple[float, float] | None = None,
         candidate_group_size: int | None = None,
         candidate_selection_min_size: int | None = None,
@@ -295,22 +315,19 @@ class MCAdvantage(Transform):
         epsilon: float = 1e-6,
         whiten: bool | None = None,
         reward_weights: Mapping[NestedKey, float] | None = None,
+        reward_to_go: RewardToGo | None = None,
         anchor_key: NestedKey | None = None,
-        episode_reward_weight: float | None = None,
-        step_reward_weight: float | None = None,
-        step_reward_gamma: float | None = None,
-        max_pending_groups: int | None = None,
-        max_pending_age: int | None = None,
-        on_overflow: str = "drop_oldest",
-        min_group_size: int | None = None,
+        step_groups: StepGroups | None = None,
+        limits: Limits | None = None,
+        staleness: Staleness | None = None,
         traj_key: NestedKey | None = ("collector", "traj_ids"),
         step_count_key: NestedKey | None = "step_count",
         policy_version_key: NestedKey | None = "policy_version",
-        max_policy_lag: int | None = None,
-        consumer_version: int | None = None,
+        **flat,
     ):
         super().__init__()
         arguments = {name: value for name, value in locals().items() if name in _KEYWORDS}
+        arguments.update(flat)  # the records' flat keywords (checked by make_options)
         options = make_options(
             grpo_size, prompt_key, rewards_key, advantage_key, done_key, verbose, **arguments
         )

@@ -45,6 +45,7 @@ def check_range(name: str, value: float | None) -> None:
         ValueError: the value is out of its range (named, with the value).
 
     Examples:
+        >>> from torchrl_grpo.loss.variants.base import check_range
         >>> check_range("tis_cap", 2.0)
         >>> check_range("tis_cap", 0.0)
         Traceback (most recent call last):
@@ -94,7 +95,7 @@ def masked_fraction(keep: torch.Tensor, x: Inputs) -> torch.Tensor:
 class Variant:
     """A variant of the loss. Subclasses are frozen dataclasses of their settings.
 
-    Class attributes:
+    Attributes:
         slot (str): what the variant is one of (``"trust_region"``...): a loss holds one
             variant a slot; a preset's variant is replaced by the caller's of the same slot.
         stage (str): ``"objective"``, ``"exclude"``, ``"factor"`` or ``"penalty"``.
@@ -145,7 +146,7 @@ class Objective(Variant):
     """The per-token surrogate: ``(log_ratio, advantage, log_prob, log_clip_low,
     log_clip_high) -> per-token loss``, the clip bounds read from the loss's buffers.
 
-    Class attributes:
+    Attributes:
         dual_clip (bool): the dual clip (``clip_ratio_c``) may bound it (PPO's surrogate, a
             callable); CISPO, SAPO and VESPO have no unbounded negative term to bound.
         ratio_levels (tuple of str or None): the ratio levels it needs (VESPO: the product of
