@@ -11,7 +11,7 @@ logits; "variants", "recent" and "vespo" switch on the loss variants that add pe
 there) at a small size, ``B = 8`` sequences of ``T = 32`` tokens over ``V = 64`` logits, where a
 call takes well under a millisecond of arithmetic. The table gives the median time of one
 forward+backward (``total_loss().backward()``) over ``--calls`` calls, after a warm-up, and the
-time to build the loss (median of 20). Compare two versions of the package by running the script
+time to build a case: its data, actor and loss (median of 20). Compare two versions of the package by running the script
 twice in the same session, one with ``PYTHONPATH`` pointing at the other checkout.
 """
 
@@ -53,7 +53,7 @@ def main() -> None:
         for _ in range(20):  # warm-up
             step(*case)
         call = timed(lambda case=case: step(*case), args.calls)
-        build = timed(lambda: make_case(path, 8, 32, 64, 16, device=cpu, dtype=dtype), 20)
+        build = timed(lambda p=path: make_case(p, 8, 32, 64, 16, device=cpu, dtype=dtype), 20)
         print(f"{path:<10} {call:>10.3f} {build:>11.2f}")
 
 

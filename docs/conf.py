@@ -63,6 +63,8 @@ from torchrl_grpo.loss_terms import *
 from torchrl_grpo.rewards import *
 from torchrl_grpo.token_dist import *
 from torchrl_grpo.llm.lean_wrapper import *
+from torchrl_grpo.loss.presets import EXAMPLE_SETUP
+exec(EXAMPLE_SETUP)  # example_policy and example_batch, as the presets' examples expect
 """
 doctest_test_doctest_blocks = "default"
 # The flags of pytest.ini, so that an example passes under both runners.

@@ -5,6 +5,11 @@ A preset is a :class:`~torchrl_grpo.GRPOLoss` whose keyword defaults are its cla
 the preset's, replacing those of the same slot), and every other GRPOLoss keyword is taken.
 The variants among the defaults are objects of :mod:`torchrl_grpo.loss.variants`.
 A new preset is a subclass of :class:`_Preset` with its docstring and its ``defaults``.
+
+The presets' examples share one set-up, :data:`EXAMPLE_SETUP` (run before each of them by the
+doctest runners: ``conftest.py`` for pytest, ``docs/conf.py`` for Sphinx): ``example_policy``,
+a token policy over 5 tokens from 3 hidden features, and ``example_batch``, two on-policy
+sequences of 4 tokens with the advantages ``+1`` and ``-1``.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from torchrl_grpo.loss.output import CISPOLossOutput, DAPOLossOutput
 from torchrl_grpo.loss.variants import CISPO, SAPO, VESPO, TrustRegion
 
 __all__ = [
+    "EXAMPLE_SETUP",
     "DAPO",
     "CISPOLoss",
     "DAPOLoss",
@@ -29,6 +35,22 @@ __all__ = [
     "SAPOLoss",
     "VESPOLoss",
 ]
+
+
+#: The set-up of the presets' examples: a token policy and an on-policy batch.
+EXAMPLE_SETUP = """
+import torch
+from tensordict import TensorDict
+from tensordict.nn import TensorDictModule
+from torchrl.modules import ProbabilisticActor
+
+net = TensorDictModule(torch.nn.Linear(3, 5), ["hidden"], ["logits"])
+example_policy = ProbabilisticActor(net, in_keys=["logits"], out_keys=["tokens"],
+    distribution_class=torch.distributions.Categorical, return_log_prob=True)
+hidden = TensorDict(hidden=torch.randn(2, 4, 3), batch_size=[2])
+example_batch = example_policy(hidden).detach()
+example_batch["advantage"] = torch.tensor([1.0, -1.0])
+"""
 
 
 class _PresetSignature:
@@ -101,13 +123,7 @@ class DAPOLoss(_Preset):
         **kwargs: any other :class:`GRPOLoss` keyword.
 
     Examples:
-        >>> import torch
-        >>> from tensordict.nn import TensorDictModule
-        >>> from torchrl.modules import ProbabilisticActor
-        >>> net = TensorDictModule(torch.nn.Linear(3, 5), ["hidden"], ["logits"])
-        >>> policy = ProbabilisticActor(net, in_keys=["logits"], out_keys=["tokens"],
-        ...     distribution_class=torch.distributions.Categorical)
-        >>> loss = DAPOLoss(policy)
+        >>> loss = DAPOLoss(example_policy)
         >>> loss.clip_epsilon_low, loss.clip_epsilon_high
         (tensor(0.2000), tensor(0.2800))
     """
@@ -127,13 +143,7 @@ class DAPO(GRPOLoss):
     of a torchrl script. :class:`DAPOLoss` is the preset with the paper's defaults.
 
     Examples:
-        >>> import torch
-        >>> from tensordict.nn import TensorDictModule
-        >>> from torchrl.modules import ProbabilisticActor
-        >>> net = TensorDictModule(torch.nn.Linear(3, 5), ["hidden"], ["logits"])
-        >>> policy = ProbabilisticActor(net, in_keys=["logits"], out_keys=["tokens"],
-        ...     distribution_class=torch.distributions.Categorical)
-        >>> loss = DAPO(policy, clip_epsilon=(0.2, 0.28))
+        >>> loss = DAPO(example_policy, clip_epsilon=(0.2, 0.28))
         >>> loss.output_type.__name__, loss.clip_epsilon_high
         ('DAPOLossOutput', tensor(0.2800))
     """
@@ -163,13 +173,7 @@ class DrGRPOLoss(_Preset):
         **kwargs: any other :class:`GRPOLoss` keyword.
 
     Examples:
-        >>> import torch
-        >>> from tensordict.nn import TensorDictModule
-        >>> from torchrl.modules import ProbabilisticActor
-        >>> net = TensorDictModule(torch.nn.Linear(3, 5), ["hidden"], ["logits"])
-        >>> policy = ProbabilisticActor(net, in_keys=["logits"], out_keys=["tokens"],
-        ...     distribution_class=torch.distributions.Categorical)
-        >>> loss = DrGRPOLoss(policy, max_length=1024)
+        >>> loss = DrGRPOLoss(example_policy, max_length=1024)
     """
 
     defaults = MappingProxyType(
@@ -200,13 +204,7 @@ class GSPOLoss(_Preset):
         **kwargs: any other :class:`GRPOLoss` keyword.
 
     Examples:
-        >>> import torch
-        >>> from tensordict.nn import TensorDictModule
-        >>> from torchrl.modules import ProbabilisticActor
-        >>> net = TensorDictModule(torch.nn.Linear(3, 5), ["hidden"], ["logits"])
-        >>> policy = ProbabilisticActor(net, in_keys=["logits"], out_keys=["tokens"],
-        ...     distribution_class=torch.distributions.Categorical)
-        >>> loss = GSPOLoss(policy)
+        >>> loss = GSPOLoss(example_policy)
     """
 
     defaults = MappingProxyType(
@@ -246,13 +244,7 @@ class CISPOLoss(_Preset):
         **kwargs: any other :class:`GRPOLoss` keyword.
 
     Examples:
-        >>> import torch
-        >>> from tensordict.nn import TensorDictModule
-        >>> from torchrl.modules import ProbabilisticActor
-        >>> net = TensorDictModule(torch.nn.Linear(3, 5), ["hidden"], ["logits"])
-        >>> policy = ProbabilisticActor(net, in_keys=["logits"], out_keys=["tokens"],
-        ...     distribution_class=torch.distributions.Categorical)
-        >>> loss = CISPOLoss(policy)
+        >>> loss = CISPOLoss(example_policy)
         >>> loss.clip_bounds[0]  # no lower bound
         tensor(-inf)
     """
@@ -294,16 +286,7 @@ class SAPOLoss(_Preset):
         **kwargs: any other :class:`GRPOLoss` keyword.
 
     Examples:
-        >>> import torch
-        >>> from tensordict import TensorDict
-        >>> from tensordict.nn import TensorDictModule
-        >>> from torchrl.modules import ProbabilisticActor
-        >>> net = TensorDictModule(torch.nn.Linear(3, 5), ["hidden"], ["logits"])
-        >>> policy = ProbabilisticActor(net, in_keys=["logits"], out_keys=["tokens"],
-        ...     distribution_class=torch.distributions.Categorical, return_log_prob=True)
-        >>> batch = policy(TensorDict(hidden=torch.randn(2, 4, 3), batch_size=[2])).detach()
-        >>> batch["advantage"] = torch.tensor([1.0, -1.0])
-        >>> out = SAPOLoss(policy)(batch)  # on-policy: -(4 / tau) * sigmoid(0) * A per sequence
+        >>> out = SAPOLoss(example_policy)(example_batch)  # on-policy: -(4 / tau) sigma(0) A
         >>> round(out.loss_objective.item(), 4)  # (-2 / 1.0 + 2 / 1.05) / 2
         -0.0476
     """
@@ -352,17 +335,9 @@ class DPPOLoss(_Preset):
         **kwargs: any other :class:`GRPOLoss` keyword.
 
     Examples:
-        >>> import torch
-        >>> from tensordict import TensorDict
-        >>> from tensordict.nn import TensorDictModule
-        >>> from torchrl.modules import ProbabilisticActor
-        >>> net = TensorDictModule(torch.nn.Linear(3, 5), ["hidden"], ["logits"])
-        >>> policy = ProbabilisticActor(net, in_keys=["logits"], out_keys=["tokens"],
-        ...     distribution_class=torch.distributions.Categorical, return_log_prob=True)
-        >>> batch = policy(TensorDict(hidden=torch.randn(2, 4, 3), batch_size=[2])).detach()
-        >>> batch["advantage"] = torch.tensor([1.0, -1.0])
         >>> from torchrl_grpo.loss.variants import TrustRegion
-        >>> out = DPPOLoss(policy, corrections=[TrustRegion("dppo_kl")])(batch)
+        >>> loss = DPPOLoss(example_policy, corrections=[TrustRegion("dppo_kl")])
+        >>> out = loss(example_batch)
         >>> out.trust_region_masked_fraction  # on-policy: no token has moved
         tensor(0.)
     """
@@ -408,16 +383,8 @@ class VESPOLoss(_Preset):
         **kwargs: any other :class:`GRPOLoss` keyword.
 
     Examples:
-        >>> import torch
-        >>> from tensordict import TensorDict
-        >>> from tensordict.nn import TensorDictModule
-        >>> from torchrl.modules import ProbabilisticActor
-        >>> net = TensorDictModule(torch.nn.Linear(3, 5), ["hidden"], ["logits"])
-        >>> policy = ProbabilisticActor(net, in_keys=["logits"], out_keys=["tokens"],
-        ...     distribution_class=torch.distributions.Categorical, return_log_prob=True)
-        >>> batch = policy(TensorDict(hidden=torch.randn(2, 4, 3), batch_size=[2])).detach()
-        >>> batch["advantage"] = torch.tensor([1.0, -1.0])
-        >>> out = VESPOLoss(policy)(batch)  # on-policy W = 1, phi = 1: REINFORCE's gradient
+        >>> out = VESPOLoss(example_policy)(example_batch)  # on-policy W = 1, phi = 1
+        >>> # REINFORCE's gradient
         >>> out.mean_ratio
         tensor(1.)
     """
@@ -459,13 +426,7 @@ class LUSPOLoss(_Preset):
         **kwargs: any other :class:`GRPOLoss` keyword.
 
     Examples:
-        >>> import torch
-        >>> from tensordict.nn import TensorDictModule
-        >>> from torchrl.modules import ProbabilisticActor
-        >>> net = TensorDictModule(torch.nn.Linear(3, 5), ["hidden"], ["logits"])
-        >>> policy = ProbabilisticActor(net, in_keys=["logits"], out_keys=["tokens"],
-        ...     distribution_class=torch.distributions.Categorical)
-        >>> loss = LUSPOLoss(policy)
+        >>> loss = LUSPOLoss(example_policy)
     """
 
     defaults = MappingProxyType(
