@@ -9,10 +9,10 @@ Run (about a minute on one CPU thread)::
 Each path is a case of ``benchmarks/loss_memory.py`` (the lean token path from ``[B, T, V]``
 logits; "variants", "recent" and "vespo" switch on the loss variants that add per-token work, as
 there) at a small size, ``B = 8`` sequences of ``T = 32`` tokens over ``V = 64`` logits, where a
-call takes well under a millisecond of arithmetic. The table gives the median time of one
-forward+backward (``total_loss().backward()``) over ``--calls`` calls, after a warm-up, and the
-time to build a case: its data, actor and loss (median of 20). Compare two versions of the package by running the script
-twice in the same session, one with ``PYTHONPATH`` pointing at the other checkout.
+call takes about a millisecond. The table gives the median time of one forward+backward
+(``total_loss().backward()``) over ``--calls`` calls, after a warm-up, and the time to build a
+case: its data, actor and loss (median of 20). Compare two versions of the package by running
+the script twice in the same session, one with ``PYTHONPATH`` pointing at the other checkout.
 """
 
 from __future__ import annotations
