@@ -45,7 +45,7 @@ bench: $(VENV)/.stamp-examples+llm+dist
 # the synchronous and the asynchronous example on the same seeds (about 20 minutes).
 bench-llm: $(VENV)/.stamp-examples+llm+dist
 	$(PY) benchmarks/llm_seeds.py
-	$(PY) benchmarks/llm_seeds.py --example both
+	$(PY) benchmarks/llm_seeds.py --example both -- --steps 1000
 
 # The suite against torchrl's and tensordict's nightlies, in a venv of its own: what their next
 # release changes. Not in .ci/run, so that an upstream break does not block landing. The package

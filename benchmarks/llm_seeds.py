@@ -7,7 +7,10 @@
     .venv/bin/python benchmarks/llm_seeds.py --example both   # each seed: sync, then async
 
 With ``--example both`` every seed runs the synchronous example, then the asynchronous one, on
-the same seed and budget, and the table adds the async run's largest policy lag (``max_lag``).
+the same seed and budget, and the table adds the async run's largest policy lag (``max_lag``);
+a second table compares them seed by seed: the ratio of their GRPO steps in the budget (the
+steps per second, async over sync) and the difference of their final accuracies, against the
+asynchronous example's targets (at least 1.3x the steps, at most 0.03 below in accuracy).
 
 Each run is a fresh process (the example's own ``wall_s`` starts before its imports; the table
 also shows the process's wall time measured from here). The targets are those of the example on
@@ -38,6 +41,8 @@ RESULT = re.compile(
 )
 MIN_GAIN = 0.45  # absolute accuracy points, as a fraction
 MAX_WALL_S = 200.0
+MIN_STEP_RATIO = 1.3  # async GRPO steps over sync's, in the same budget
+MAX_ACC_LOSS = 0.03  # async's final accuracy at most this far below sync's
 
 
 def run(seed: int, out: str, extra: list[str], example: str = "sync") -> dict:
@@ -88,10 +93,11 @@ def main(argv=None):
     )
     print(header)
     print("-" * len(header))
-    rows = []
+    rows, results = [], []
     for seed in args.seeds:
         for example in examples:
             r = run(seed, args.out, args.extra, example)
+            results.append(r)
             met = r["after"] - r["before"] >= MIN_GAIN and r["process_s"] <= MAX_WALL_S
             rows.append(met)
             print(
@@ -104,6 +110,31 @@ def main(argv=None):
     print(
         f"\ntarget: gain >= {MIN_GAIN:+.2f} and process wall time <= {MAX_WALL_S:.0f} s; "
         f"met by {sum(rows)} of {len(rows)} runs"
+    )
+    if args.example == "both":
+        compare(results)
+
+
+def compare(results: list[dict]) -> None:
+    """Async against sync, seed by seed: the steps in the budget and the final accuracy."""
+    print(
+        f"\n{'seed':>4}  {'steps sync':>10}  {'steps async':>11}  {'ratio':>5}  "
+        f"{'acc sync':>8}  {'acc async':>9}  {'diff':>6}  target met"
+    )
+    met = 0
+    for sync_run, async_run in zip(results[::2], results[1::2], strict=True):
+        ratio = int(async_run["steps"]) / int(sync_run["steps"])
+        diff = async_run["after"] - sync_run["after"]
+        ok = ratio >= MIN_STEP_RATIO and diff >= -MAX_ACC_LOSS
+        met += ok
+        print(
+            f"{sync_run['seed']:>4}  {sync_run['steps']:>10}  {async_run['steps']:>11}  "
+            f"{ratio:>5.2f}  {sync_run['after']:>8.3f}  {async_run['after']:>9.3f}  "
+            f"{diff:>+6.3f}  {'yes' if ok else 'NO'}"
+        )
+    print(
+        f"target: async steps >= {MIN_STEP_RATIO}x sync's and accuracy >= sync's - "
+        f"{MAX_ACC_LOSS}; met by {met} of {len(results) // 2} seeds"
     )
 
 

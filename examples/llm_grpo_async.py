@@ -1,16 +1,25 @@
 """Asynchronous GRPO: the task, model, warm start and evaluation of ``llm_grpo.py``, with the
-sampling moved to Ray actors that keep generating while the trainer learns.
+sampling moved out of the trainer's loop so that generation overlaps with learning.
 
-* ``--collectors`` torchrl ``RayLLMCollector`` actors sample ``group_size`` completions per
-  prompt with :class:`torchrl_grpo.llm.ExactLogProbsTransformersWrapper` (torchrl's sampler,
-  whose generation log-probs keep the first token's value: they are the behaviour policy's) and
-  stamp each row with its ``policy_version`` (``track_policy_version=True``);
-* they write into a torchrl ``RayReplayBuffer`` (a ring of ``--buffer-steps`` steps' rows, in
-  its own actor) whose transform is ``torchrl_grpo.MCAdvantage``: group-relative advantages,
-  trajectories lagging more than ``--max-policy-lag`` versions behind the trainer dropped;
-* the trainer (this process) samples a step's rows, scores them under its current model (the
-  proximal policy) and the frozen reference, runs ``GRPOLoss`` for ``--epochs`` passes, and
-  pushes the new weights to every collector with torchrl's ``RayWeightSyncScheme`` (gloo).
+Two backends (``--backend``), one trainer loop:
+
+* ``local`` (default, one machine): one sampler process (``llm_async_local.py``) runs torchrl's
+  ``LLMCollector`` with its own copy of the model, one torch thread, and sends each batch through
+  a ``multiprocessing`` queue; the weights come back through shared memory. **Backpressure**: the
+  sampler starts a batch only once the trainer is at most ``--max-policy-lag`` versions behind
+  the batch's step (1 by default: it generates step ``i + 1``'s rows while the trainer trains on
+  step ``i``'s), so no row is generated to be dropped, and none is overwritten.
+* ``ray`` (several machines; the ``dist`` extra): ``--collectors`` torchrl ``RayLLMCollector``
+  actors keep generating into a torchrl ``RayReplayBuffer`` (a ring of ``--buffer-steps`` steps'
+  rows, in its own actor) and receive the weights through torchrl's ``RayWeightSyncScheme``
+  (gloo); nothing pauses them: ``MCAdvantage(max_policy_lag=...)`` drops what is too old.
+
+Either way the samplers use :class:`torchrl_grpo.llm.ExactLogProbsTransformersWrapper` (its
+generation log-probs are the behaviour policy's), stamp each row with the version of the weights
+that sampled it, and ``torchrl_grpo.MCAdvantage`` computes group-relative advantages on the way
+into the trainer's buffer. The trainer scores a step's rows under its current model (the
+proximal policy) and the frozen reference, runs ``GRPOLoss`` for ``--epochs`` passes, and
+publishes the new weights.
 
 The correction for the lag (``--correction``): ``decoupled`` (default) is decoupled PPO (AReaL,
 Fu et al., 2025): the ratio and its clip are taken against the proximal policy (the trainer's
@@ -22,15 +31,16 @@ several versions (``corrections=[Decoupled()]``). ``tis`` (truncated importance 
 multiplies each token by ``min(pi_prox / pi_behaviour, 2)``, a correction designed for small
 train/inference mismatches, not for stale policies.
 
-Run (needs the ``llm``, ``examples`` and ``dist`` extras)::
+Run (needs the ``llm`` and ``examples`` extras; ``--backend ray`` the ``dist`` one too)::
 
     .venv/bin/python examples/llm_grpo_async.py                    # defaults: about 3 minutes
-    .venv/bin/python examples/llm_grpo_async.py --collectors 2 --correction tis
+    .venv/bin/python examples/llm_grpo_async.py --backend ray --collectors 2 --correction tis
     .venv/bin/python examples/llm_grpo_async.py --help             # every setting
 
-It logs every metric (policy lags, ESS, accuracy...) with torchrl's ``CSVLogger`` under
-``--out``, saves ``llm_grpo_async.png`` and the trained model there, prints where the time of
-each process went, and ends with one line::
+It logs every metric (policy lags, the staleness of the trained rows, ESS, accuracy...) with
+torchrl's ``CSVLogger`` under ``--out``, saves ``llm_grpo_async.png`` and the trained model
+there, prints where the time of each process went and what became of every generated row, and
+ends with one line::
 
     RESULT acc_before=<float> acc_after=<float> wall_s=<float> max_lag=<int>
 """
@@ -46,7 +56,6 @@ CLOCK = {"start": T0, "first_call": True}
 import collections
 import contextlib
 import copy
-import os
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -54,19 +63,17 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
+import llm_async_local as local  # the single-machine backend, in this folder
 import llm_grpo as sync  # the synchronous example, in this folder
 import matplotlib.pyplot as plt
-import ray
 import torch
 from tensordict import TensorDict
 from torch.utils.data import DataLoader
-from torchrl.collectors.llm import RayLLMCollector
+from torchrl.collectors.llm import LLMCollector
 from torchrl.data import LazyStackStorage, ReplayBuffer
-from torchrl.data.replay_buffers.ray_buffer import RayReplayBuffer
 from torchrl.envs import Compose, ExcludeTransform, Transform
 from torchrl.envs.llm import RetrieveLogProb
 from torchrl.record.loggers import CSVLogger, generate_exp_name
-from torchrl.weight_update import RayWeightSyncScheme
 from tqdm import tqdm
 from transformers.utils import logging as hf_logging
 
@@ -85,37 +92,61 @@ class AsyncSettings(sync.Settings):
         default="runs/llm_grpo_async",
         metadata={"help": "each run writes its metrics, plot and trained model in a new folder"},
     )
-    collectors: int = field(default=1, metadata={"help": "Ray collector actors (1 CPU each)"})
-    max_policy_lag: int = field(
-        default=4,
-        metadata={"help": "MCAdvantage drops trajectories this many versions behind the trainer"},
+    backend: str = field(
+        default="local",
+        metadata={
+            "help": "local (one sampler process, backpressure) or ray (several machines)",
+            "choices": ("local", "ray"),
+        },
+    )
+    collectors: int = field(
+        default=1, metadata={"help": "with --backend ray: collector actors (1 CPU each)"}
+    )
+    max_policy_lag: int | None = field(
+        default=None,
+        metadata={
+            "help": "staleness bound in versions: local, the sampler waits so that no row is "
+            "older (default 1); ray, MCAdvantage drops older rows (default 4)",
+            "type": int,
+        },
     )
     correction: str = field(
         default="decoupled",
-        metadata={"help": "off-policy correction: decoupled (PPO, AReaL) or tis (TIS(2.0))"},
+        metadata={
+            "help": "off-policy correction: decoupled (PPO, AReaL) or tis (TIS(2.0))",
+            "choices": ("decoupled", "tis"),
+        },
     )
     buffer_steps: int = field(
-        default=2, metadata={"help": "the replay ring holds this many steps' rows"}
+        default=2, metadata={"help": "with --backend ray: the replay ring holds this many steps"}
     )
 
 
-class AdvantageBuffer(ReplayBuffer):
-    """torchrl's ``ReplayBuffer`` with two calls into its ``MCAdvantage``, for the trainer to
-    make on the buffer's Ray actor (a ``RayReplayBuffer`` client forwards public methods)."""
+#: The staleness bound of each backend when ``--max-policy-lag`` is not given.
+DEFAULT_LAG = {"local": 1, "ray": 4}
 
-    def advantage(self) -> MCAdvantage:
-        return next(t for t in self.transform if isinstance(t, MCAdvantage))
 
-    def advantage_stats(self) -> dict:
-        return self.advantage().get_stats()
-
-    def set_consumer_version(self, version: int) -> None:
-        self.advantage().consumer_version = version
+def check_settings(cfg: AsyncSettings) -> AsyncSettings:
+    """The asynchronous settings checked before anything starts; the lag bound resolved."""
+    if cfg.backend not in DEFAULT_LAG:
+        raise ValueError(f"--backend must be one of {sorted(DEFAULT_LAG)}, got {cfg.backend!r}.")
+    if cfg.max_policy_lag is None:
+        cfg.max_policy_lag = DEFAULT_LAG[cfg.backend]
+    if cfg.max_policy_lag < 0:
+        raise ValueError(f"--max-policy-lag must be at least 0, got {cfg.max_policy_lag}.")
+    if cfg.correction not in ("decoupled", "tis"):
+        raise ValueError(f"--correction must be decoupled or tis, got {cfg.correction!r}.")
+    if cfg.backend == "local" and cfg.collectors != 1:
+        raise ValueError(
+            f"--collectors {cfg.collectors}: the local backend runs one sampler process (the "
+            "two cores are the sampler's and the trainer's); use --backend ray for several."
+        )
+    return cfg
 
 
 def buffer_transform(cfg: AsyncSettings) -> Compose:
-    """What the buffer's actor runs on each write, last first: advantages, then the prompt
-    strings dropped and the rows made one ``TensorDict`` (as in ``llm_grpo.py``)."""
+    """What the buffer runs on each write, last first: advantages, then the prompt strings
+    dropped and the rows made one ``TensorDict`` (as in ``llm_grpo.py``)."""
     advantage = MCAdvantage(
         grpo_size=cfg.group_size,
         prompt_key="query",
@@ -130,10 +161,10 @@ UNREAD = ("answer", "step_count", "terminated", "truncated")  # the loss reads n
 
 
 class BehaviourLogProbs(Transform):
-    """The collectors' postproc: the sampler's log-probs as ``("log_probs", "full")`` (NaN over
+    """The samplers' postproc: the sampler's log-probs as ``("log_probs", "full")`` (NaN over
     the prompt, which the loss leaves out), unread entries dropped, one ``TensorDict``.
 
-    It also times its actor: ``timing["rollout_s"]`` is the time between two batches spent
+    It also times its process: ``timing["rollout_s"]`` is the time between two batches spent
     outside it (env reset, generation, reward, the buffer write, weight updates).
     """
 
@@ -161,7 +192,7 @@ class BehaviourLogProbs(Transform):
 
 
 def collector_env(tokenizer, task, cfg: AsyncSettings, seed: int, exclude: set[str]):
-    """One collector's env (built in its actor): ``llm_grpo.py``'s, fed by its own prompts."""
+    """One sampler's env (built in its process): ``llm_grpo.py``'s, fed by its own prompts."""
     problems = sync.Problems(
         task, torch.Generator().manual_seed(seed), cfg.prompts_per_step, exclude
     )
@@ -170,49 +201,117 @@ def collector_env(tokenizer, task, cfg: AsyncSettings, seed: int, exclude: set[s
     return sync.make_env(tokenizer, task, loader, batch=rows, repeats=cfg.group_size)
 
 
-def start_collectors(cfg, task, model, tokenizer, rb, held_out) -> list[RayLLMCollector]:
-    """``--collectors`` actors, each with a copy of ``model``; workarounds for torchrl 0.14.1:
-    the buffer's picklable client (a ``RayReplayBuffer`` does not pickle) and ``remote_config``
-    always a dict (``None`` with other options crashes)."""
-    rows = cfg.prompts_per_step * cfg.group_size
+def local_sampling(cfg: AsyncSettings, exclude: set[str]):
+    """Run in the local backend's sampler process: its model (the weights come from the
+    trainer), its sampler and torchrl's ``LLMCollector`` over its env; ``(sampler, batches)``.
+
+    The sampler also scores each batch under the frozen reference (``("next", "ref_log_probs",
+    "full")``, torchrl's ``RetrieveLogProb``): the reference is the warm-started model, the
+    weights of version 0, copied when the first batch is generated; the sampler has the time
+    (it waits for the trainer otherwise), and the trainer then scores the proximal policy only.
+    """
+    hf_logging.set_verbosity_error()
+    task = sync.digit_sum_task(cfg.digits)
+    model, tokenizer = sync.tiny_qwen2(cfg, task)
     sampler = sync.make_sampler(
         model, tokenizer, cfg, cls=ExactLogProbsTransformersWrapper, return_log_probs=True
     )
-    return [
-        RayLLMCollector(
-            env=partial(collector_env, tokenizer, task, cfg, 1000 * (cfg.seed + 1) + i, held_out),
-            policy=sampler,
-            dialog_turns_per_batch=rows,
-            total_dialog_turns=-1,
-            replay_buffer=rb.client(),
-            track_policy_version=True,
-            postproc=BehaviourLogProbs(),
-            remote_config={"num_cpus": 1},
-        )
-        for i in range(cfg.collectors)
-    ]
-
-
-def connect_weights(collectors, weights) -> RayWeightSyncScheme:
-    """torchrl's ``RayWeightSyncScheme`` (gloo) from the trainer to every collector, wired by
-    hand as ``RayCollector`` does inside (``RayLLMCollector`` takes no scheme in torchrl
-    0.14.1); ``connect`` sends the first weights."""
-    actors = [c._collector for c in collectors]  # the Ray actor handles
-    scheme = RayWeightSyncScheme(backend="gloo")
-    scheme.init_on_sender(model_id="policy", remote_collectors=actors, num_workers=len(actors))
-    ray.get(
-        [
-            a.register_scheme_receiver.remote({"policy": scheme}, synchronize_weights=False)
-            for a in actors
-        ]
+    env = collector_env(tokenizer, task, cfg, 1000 * (cfg.seed + 1), exclude)
+    rows = cfg.prompts_per_step * cfg.group_size
+    collector = LLMCollector(
+        env,
+        policy=sampler,
+        dialog_turns_per_batch=rows,
+        total_dialog_turns=-1,
+        postproc=BehaviourLogProbs(),
     )
-    futures = [
-        a.cascade_execute.remote("_receiver_schemes['policy'].connect", worker_idx=i)
-        for i, a in enumerate(actors)
-    ]
-    scheme.connect(weights=weights)
-    ray.get(futures)
-    return scheme
+
+    def batches():
+        reference = None
+        for batch in collector:
+            if reference is None:  # version 0 is loaded: the warm-started model
+                ref_model = copy.deepcopy(model).requires_grad_(False)
+                ref = sync.make_scorer(
+                    ref_model, tokenizer, cfg, "ref_log_probs", response_only=True
+                )
+                reference = RetrieveLogProb(ref, assistant_only=False)
+            with torch.no_grad():
+                yield reference(batch)
+
+    return sampler, batches()
+
+
+class LocalLink:
+    """The trainer's end of the local backend: its buffer (``MCAdvantage``), fed by the
+    sampler process one batch at a time, emptied once a step's rows are read."""
+
+    def __init__(self, cfg: AsyncSettings, exclude: set[str], view):
+        self.cfg, self.view = cfg, view
+        self.rb = ReplayBuffer(storage=LazyStackStorage(cfg.prompts_per_step * cfg.group_size))
+        transform = buffer_transform(cfg)
+        self.rb.append_transform(transform)
+        self.advantage = transform[-1]
+        self.sampler = local.LocalSampler(
+            partial(local_sampling, cfg, exclude), view, cfg.max_policy_lag
+        )
+        self.timing, self.written = None, 0
+
+    def start(self, weights) -> int:
+        """The warm-started weights out, version 0: the sampler (started before the warm
+        start, its imports and model built meanwhile) begins generating."""
+        self.advantage.consumer_version = 0
+        return self.sampler.publish(self.view)
+
+    def next_rows(self) -> TensorDict:
+        """The rows of the sampler's next batch that the transform releases (all of them
+        unless dynamic sampling or the staleness bound drops groups)."""
+        while True:
+            batch = self.sampler.next_batch()
+            self.written += batch.numel()
+            self.rb.extend(batch)
+            if len(self.rb):
+                rows = self.rb[:]
+                self.rb.empty()
+                return rows
+
+    def publish(self, weights, version: int) -> None:
+        self.sampler.publish(self.view)
+        self.advantage.consumer_version = version
+
+    def advantage_stats(self) -> dict:
+        return self.advantage.get_stats()
+
+    def sampler_timings(self) -> list[dict]:
+        return [self.timing] if self.timing else []
+
+    def rows_written(self) -> int:
+        return self.written
+
+    def close(self) -> None:
+        self.timing = self.sampler.close()
+
+
+def start_link(cfg: AsyncSettings, exclude: set[str], view, tokenizer, task):
+    """The backend: ``LocalLink`` or the Ray one (``llm_async_ray.py``, imported only then)."""
+    if cfg.backend == "local":
+        return LocalLink(cfg, exclude, view)
+    try:
+        import llm_async_ray
+    except ImportError as err:
+        raise ImportError(
+            f"--backend ray needs Ray ({err}): install the dist extra, "
+            "pip install -e '.[dist]', or use --backend local on one machine."
+        ) from err
+    sampler = sync.make_sampler(
+        view.model, tokenizer, cfg, cls=ExactLogProbsTransformersWrapper, return_log_probs=True
+    )
+
+    def env_factory(seed):
+        return partial(collector_env, tokenizer, task, cfg, seed, exclude)
+
+    return llm_async_ray.RayLink(
+        cfg, EXAMPLES, partial(buffer_transform, cfg), env_factory, sampler, BehaviourLogProbs
+    )
 
 
 def make_loss(scorer, cfg: AsyncSettings) -> GRPOLoss:
@@ -254,41 +353,34 @@ class Profile:
 
 
 class Trainer:
-    """The trainer's side of the loop: one GRPO step = wait for a step's fresh rows, sample
-    them, score them, ``--epochs`` passes of minibatch updates, push the weights."""
+    """The trainer's side of the loop: one GRPO step = the backend's next rows, scored, then
+    ``--epochs`` passes of minibatch updates, the weights published."""
 
-    def __init__(self, cfg, model, ref_model, tokenizer, rb, scheme, version: int):
-        self.cfg, self.model, self.rb, self.scheme = cfg, model, rb, scheme
-        self.client = rb.client()  # forwards AdvantageBuffer's methods to the buffer's actor
-        self.rows = cfg.prompts_per_step * cfg.group_size
+    def __init__(self, cfg, model, ref_model, tokenizer, view):
+        self.cfg, self.model, self.link = cfg, model, None
         proximal = sync.make_scorer(model, tokenizer, cfg, "proximal_log_probs", response_only=True)
         ref = sync.make_scorer(ref_model, tokenizer, cfg, "ref_log_probs", response_only=True)
-        self.score = Compose(  # on the response only: the loss ("sft") reads nothing else
-            RetrieveLogProb(proximal, assistant_only=False),
-            RetrieveLogProb(ref, assistant_only=False),
-        )
+        # on the response only: the loss ("sft") reads nothing else; the local sampler scores
+        # the reference itself
+        scorers = [RetrieveLogProb(proximal, assistant_only=False)]
+        if cfg.backend != "local":
+            scorers.append(RetrieveLogProb(ref, assistant_only=False))
+        self.score = Compose(*scorers)
         self.loss_fn = make_loss(sync.make_scorer(model, tokenizer, cfg), cfg)
         self.optim = torch.optim.Adam(model.parameters(), lr=cfg.lr)
         self.schedule = sync.lr_schedule(self.optim, cfg, deadline=CLOCK["start"] + cfg.time_limit)
-        # the weights the collectors receive: the model seen through the samplers' class
-        self.view = sync.make_sampler(model, tokenizer, cfg, cls=ExactLogProbsTransformersWrapper)
-        self.version, self.read = version, 0
+        self.view = view  # the weights the samplers receive: the model as their class sees it
+        self.version, self.trained = 0, 0
+        self.lags = collections.Counter()  # the lag of every trained row
         self.profile = Profile()
 
     def weights(self) -> TensorDict:
         return TensorDict.from_module(self.view).data
 
-    def sample(self) -> TensorDict:
-        """A step's rows, once that many new ones were written since the last step."""
-        with self.profile("wait for the buffer, sample"):
-            while self.rb.write_count < self.read + self.rows:
-                time.sleep(0.02)
-            self.read = self.rb.write_count
-            return self.rb.sample(self.rows).contiguous()
-
     def step(self) -> dict:
-        batch = self.sample()
-        with self.profile("score (proximal, reference)"), torch.no_grad():
+        with self.profile("wait for the sampler's rows"):
+            batch = self.link.next_rows()
+        with self.profile("score"), torch.no_grad():
             batch = self.score(batch)
         metrics = collections.defaultdict(list)
         with self.profile("optimize"):
@@ -305,11 +397,12 @@ class Trainer:
                     for name in ("loss_objective", "ESS", "clip_fraction", "kl_to_ref", "entropy"):
                         metrics[name].append(float(out[name].detach()))
             self.schedule.step()
-        with self.profile("push weights"):
-            self.scheme.send(weights=self.weights())
+        lag = self.version - batch["policy_version"].reshape(len(batch), -1)[:, 0]
+        with self.profile("publish weights"):
             self.version += 1
-            self.client.set_consumer_version(self.version)
-        lag = self.version - 1 - batch["policy_version"].reshape(len(batch), -1)[:, 0]
+            self.link.publish(self.weights(), self.version)
+        self.lags.update(lag.tolist())
+        self.trained += len(batch)
         return {
             **{name: sum(v) / len(v) for name, v in metrics.items()},
             "reward": float(batch["next", "reward"].mean()),
@@ -318,130 +411,125 @@ class Trainer:
         }
 
 
-def plot(history: dict, path: Path, acc_before: float) -> None:
-    fig, (ax, lag) = plt.subplots(2, 1, figsize=(6.4, 5.4), dpi=100, sharex=True)
-    title = "Asynchronous GRPO on digit sums: tiny Qwen2, Ray collectors, CPU"
+def plot(history: dict, lags: collections.Counter, path: Path, acc_before, backend) -> None:
+    fig, (ax, lag, hist) = plt.subplots(3, 1, figsize=(6.4, 7.6), dpi=100)
+    title = f"Asynchronous GRPO on digit sums: tiny Qwen2, {backend} backend, CPU"
     sync.plot_progress(ax, history, acc_before, title)
     for name, color, label in (
         ("policy_lag_max", "tab:purple", "policy lag at insertion, max"),
-        ("sample_lag_mean", "tab:green", "policy lag at sampling, mean"),
+        ("sample_lag_mean", "tab:green", "policy lag of the trained rows, mean"),
     ):
         lag.plot(history["step"], history[name], color=color, lw=1, label=label)
-    lag.set_xlabel("GRPO step (weight pushes)")
+    lag.set_xlabel("GRPO step (weight publications)")
     lag.set_ylabel("versions")
     lag.legend(loc="upper right", fontsize=8)
     lag.grid(alpha=0.3)
+    values = sorted(lags)
+    hist.bar([str(v) for v in values], [lags[v] for v in values], color="tab:green")
+    hist.set_xlabel("policy lag of a trained row (versions)")
+    hist.set_ylabel("rows")
+    hist.set_title("staleness of every trained row", fontsize=9)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
 
 
-def start_ray(cfg: AsyncSettings) -> None:
-    """Ray on this machine; the actors import this folder's modules (cloudpickle ships the
-    task, env factory and postproc by reference to them)."""
-    path = os.pathsep.join(p for p in (EXAMPLES, os.environ.get("PYTHONPATH")) if p)
-    ray.init(
-        num_cpus=cfg.collectors + 1,
-        include_dashboard=False,
-        log_to_driver=False,
-        runtime_env={"env_vars": {"PYTHONPATH": path}},
-    )
+def log_step(logger, history, metrics: dict, step: int, lags: dict) -> None:
+    for name, value in metrics.items():
+        logger.log_scalar(name, value, step=step)
+    history["step"].append(step)
+    for name in ("reward", "sample_lag_mean"):
+        history[name].append(metrics[name])
+    history["policy_lag_max"].append(lags.get("policy_lag_max", float("nan")))
 
 
-def train(cfg, trainer: Trainer, collectors, eval_accuracy, logger, history) -> None:
-    """GRPO steps until ``--steps`` or ``--time-limit``, logging every metric."""
-    for c in collectors:
-        c.start()  # a collection thread in each actor (iterating would collect in lockstep)
+def train(cfg, trainer: Trainer, eval_accuracy, logger, history) -> None:
+    """GRPO steps until ``--steps`` or ``--time-limit``, logging every metric and the
+    staleness of the trained rows (``trained_rows_lag_<k>``, cumulative)."""
     bar = tqdm(range(1, cfg.steps + 1), desc="GRPO steps")
     for step in bar:
-        if not all(c.is_running() for c in collectors):  # a dead collection thread is silent
-            raise RuntimeError(f"a collector stopped before GRPO step {step}")
         metrics = trainer.step()
-        stats = trainer.client.advantage_stats()
+        stats = trainer.link.advantage_stats()
         lags = {k: stats[k] for k in ("policy_lag_max", "policy_lag_mean") if k in stats}
         metrics.update(lags, stale_trajectories=stats["stale_trajectories"])
+        metrics.update({f"trained_rows_lag_{k}": n for k, n in trainer.lags.items()})
         out_of_time = time.perf_counter() - CLOCK["start"] > cfg.time_limit
         if step % cfg.eval_every == 0 or step == cfg.steps or out_of_time:
             with trainer.profile("evaluate"):
                 metrics["accuracy"] = eval_accuracy()
             history["eval_step"].append(step)
             history["accuracy"].append(metrics["accuracy"])
-        for name, value in metrics.items():
-            logger.log_scalar(name, value, step=step)
-        history["step"].append(step)
-        for name in ("reward", "sample_lag_mean"):
-            history[name].append(metrics[name])
-        history["policy_lag_max"].append(lags.get("policy_lag_max", float("nan")))
+        log_step(logger, history, metrics, step, lags)
         bar.set_postfix(reward=f"{metrics['reward']:.2f}", lag=metrics["sample_lag_max"])
         if out_of_time:
             tqdm.write(f"time limit {cfg.time_limit:.0f} s reached after {step} GRPO steps")
             break
 
 
-def print_profile(trainer: Trainer, collectors, loop_s: float) -> None:
-    """Where each process's time went: the trainer's parts, the collectors' rollouts."""
+def report(trainer: Trainer, loop_s: float) -> dict:
+    """Where each process's time went, and what became of every generated row."""
     parts = ", ".join(f"{k} {v:.1f} s" for k, v in trainer.profile.seconds.items())
     print(f"profile, trainer ({loop_s:.1f} s of GRPO): {parts}")
-    for i, c in enumerate(collectors):
-        t = ray.get(c._collector.get_distant_attr.remote("postproc.timing"))
-        print(
-            f"profile, collector {i}: {t['batches']} batches, {t['rows']} completions; rollouts "
-            f"(env reset, generation, reward, buffer write) {t['rollout_s']:.1f} s, "
-            f"postproc {t['postproc_s']:.1f} s"
-        )
+    generated = 0
+    for i, t in enumerate(trainer.link.sampler_timings()):
+        generated += t["rows"]
+        parts = ", ".join(f"{k} {v:.1f} s" for k, v in t.items() if k.endswith("_s"))
+        print(f"profile, sampler {i}: {t['batches']} batches, {t['rows']} completions; {parts}")
+    stats = trainer.link.advantage_stats()
+    written = trainer.link.rows_written()
+    stale = stats["stale_trajectories"]
+    filtered = stats.get("dropped_trajectories", 0)
+    counts = {
+        "generated": generated,
+        "trained": trainer.trained,
+        "stale": stale,
+        "filtered": filtered,
+        "overwritten_or_unread": max(0, written - trainer.trained - stale - filtered),
+        "unused_at_the_stop": max(0, generated - written),
+    }
+    print("rows: " + ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in counts.items()))
+    lags = ", ".join(f"lag {k}: {n}" for k, n in sorted(trainer.lags.items()))
+    print(f"staleness of the {trainer.trained} trained rows: {lags}")
+    return counts
 
 
-def shutdown(collectors, scheme, rb) -> None:
-    """Collectors, weight sync, buffer, Ray: each stopped even if one before it fails."""
-    with contextlib.ExitStack() as stack:
-        stack.callback(ray.shutdown)
-        if rb is not None:
-            stack.callback(rb.close)
-        if scheme is not None:
-            stack.callback(scheme.shutdown)
-        for c in collectors:
-            stack.callback(c.async_shutdown, timeout=10)
+def eval_problems(cfg, task):
+    """``llm_grpo.py``'s held-out prompts (the samplers never draw them)."""
+    return sync.draw_problems(task, torch.Generator().manual_seed(1234), cfg.eval_prompts, set())
 
 
-def warm_started(cfg, task):
-    """``llm_grpo.py``'s model, tokenizer, warm start and evaluation: accuracies compare."""
-    model, tokenizer = sync.tiny_qwen2(cfg, task)
-    eval_problems = sync.draw_problems(
-        task, torch.Generator().manual_seed(1234), cfg.eval_prompts, set()
-    )
-    held_out = set(eval_problems["query"])
+def warm_started(cfg, task, model, tokenizer):
+    """``llm_grpo.py``'s warm start and evaluation: accuracies compare."""
+    eval_problems_ = eval_problems(cfg, task)
+    held_out = set(eval_problems_["query"])
     train_gen = torch.Generator().manual_seed(cfg.seed)
     val_problems = sync.draw_problems(task, train_gen, 200, held_out)
     greedy = sync.make_sampler(model, tokenizer, cfg, greedy=True)
     val_accuracy = sync.GreedyAccuracy(tokenizer, task, val_problems, greedy)
-    eval_accuracy = sync.GreedyAccuracy(tokenizer, task, eval_problems, greedy)
+    eval_accuracy = sync.GreedyAccuracy(tokenizer, task, eval_problems_, greedy)
     sft_steps = sync.warm_start(model, tokenizer, cfg, task, train_gen, held_out, val_accuracy)
-    return model, tokenizer, held_out, eval_accuracy, sft_steps
+    return eval_accuracy, sft_steps
 
 
 def main(argv=None) -> dict:
     """Warm start, then asynchronous GRPO; returns the accuracies, wall time, largest policy
-    lag, the run's folder and how far the weights moved during GRPO."""
+    lag, the run's folder, how far the weights moved during GRPO and the rows' counts."""
     CLOCK["start"] = T0 if CLOCK["first_call"] else time.perf_counter()
     CLOCK["first_call"] = False
-    cfg = sync.parse_args(argv, settings_cls=AsyncSettings)
+    cfg = check_settings(sync.parse_args(argv, settings_cls=AsyncSettings))
     task = sync.digit_sum_task(cfg.digits)
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
-    collectors, scheme, rb = [], None, None
+    link = None
     try:
-        start_ray(cfg)
-        rb = RayReplayBuffer(
-            storage=partial(
-                LazyStackStorage, cfg.buffer_steps * cfg.prompts_per_step * cfg.group_size
-            ),
-            replay_buffer_cls=AdvantageBuffer,
-            transform_factory=partial(buffer_transform, cfg),
-            remote_config={"num_cpus": 0},
-        )
-        model, tokenizer, held_out, eval_accuracy, sft_steps = warm_started(cfg, task)
+        model, tokenizer = sync.tiny_qwen2(cfg, task)
+        held_out = set(eval_problems(cfg, task)["query"])
+        view = sync.make_sampler(model, tokenizer, cfg, cls=ExactLogProbsTransformersWrapper)
+        # the backend first: the local sampler process imports and builds its model meanwhile
+        link = start_link(cfg, held_out, view, tokenizer, task)
+        eval_accuracy, sft_steps = warm_started(cfg, task, model, tokenizer)
         acc_before = eval_accuracy()
         print(
             f"warm start: {sft_steps} supervised steps, greedy {task.metric} {acc_before:.3f} on "
@@ -449,33 +537,33 @@ def main(argv=None) -> dict:
         )
         ref_model = copy.deepcopy(model).requires_grad_(False)
         start = [p.detach().clone() for p in model.parameters()]
-        collectors = start_collectors(cfg, task, model, tokenizer, rb, held_out)
-        trainer = Trainer(cfg, model, ref_model, tokenizer, rb, None, 0)
-        trainer.scheme = scheme = connect_weights(collectors, trainer.weights())
-        trainer.version = collectors[0].policy_version
-        trainer.client.set_consumer_version(trainer.version)
+        trainer = Trainer(cfg, model, ref_model, tokenizer, view)
+        trainer.link = link
+        trainer.version = link.start(trainer.weights())
         logger = CSVLogger(
             generate_exp_name(task.name + "_async", f"seed{cfg.seed}"), log_dir=cfg.out
         )
         history = collections.defaultdict(list, eval_step=[0], accuracy=[acc_before])
         loop_start = time.perf_counter()
-        train(cfg, trainer, collectors, eval_accuracy, logger, history)
-        print_profile(trainer, collectors, time.perf_counter() - loop_start)
+        train(cfg, trainer, eval_accuracy, logger, history)
+        loop_s = time.perf_counter() - loop_start
     finally:
-        shutdown(collectors, scheme, rb)
-    return finish(cfg, model, tokenizer, logger, history, start)
+        if link is not None:
+            link.close()
+    counts = report(trainer, loop_s)
+    return finish(cfg, trainer, tokenizer, logger, history, start, counts)
 
 
-def finish(cfg, model, tokenizer, logger, history, start) -> dict:
+def finish(cfg, trainer, tokenizer, logger, history, start, counts) -> dict:
     """Plot, save the model and tokenizer, print the RESULT line."""
+    model = trainer.model
     run_dir = Path(logger.log_dir) / logger.exp_name
     acc_before, acc_after = history["accuracy"][0], history["accuracy"][-1]
-    plot(history, run_dir / "llm_grpo_async.png", acc_before)
+    plot(history, trainer.lags, run_dir / "llm_grpo_async.png", acc_before, cfg.backend)
     model.save_pretrained(run_dir / "model")
     tokenizer.save_pretrained(run_dir / "tokenizer")
     sync.remove_empty_folders(run_dir)
-    lags = [lag for lag in history["policy_lag_max"] if lag == lag]  # not NaN
-    max_lag = int(max(lags)) if lags else -1
+    max_lag = max(trainer.lags) if trainer.lags else -1
     moved = sum(float((p.detach() - s).norm() ** 2) for p, s in zip(model.parameters(), start))
     wall_s = time.perf_counter() - CLOCK["start"]
     print(
@@ -494,6 +582,8 @@ def finish(cfg, model, tokenizer, logger, history, start) -> dict:
         "run_dir": run_dir,
         "weights_moved": moved**0.5,
         "steps": history["step"][-1],
+        "rows": counts,
+        "lags": dict(trainer.lags),
     }
 
 

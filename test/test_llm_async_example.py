@@ -1,7 +1,10 @@
-"""examples/llm_grpo_async.py: asynchronous GRPO on Ray, end to end on a tiny budget."""
+"""examples/llm_grpo_async.py: asynchronous GRPO, end to end on a tiny budget, on its two
+backends (one local sampler process with backpressure; Ray collectors); the local backend's
+failures (examples/llm_async_local.py) and the settings refused."""
 
 import csv
 import importlib.util
+import os
 import re
 import sys
 import time
@@ -24,10 +27,12 @@ def ex():
             "llm_grpo_async", EXAMPLES / "llm_grpo_async.py"
         )
         module = importlib.util.module_from_spec(spec)
+        sys.modules["llm_grpo_async"] = module  # the sampler process unpickles its functions
         spec.loader.exec_module(module)
         yield module
     finally:
         sys.path.remove(str(EXAMPLES))
+        sys.modules.pop("llm_grpo_async", None)
 
 
 def test_settings_extend_the_synchronous_example(ex):
@@ -37,17 +42,19 @@ def test_settings_extend_the_synchronous_example(ex):
         [*TINY, "--collectors", "2", "--correction", "tis"], settings_cls=ex.AsyncSettings
     )
     assert isinstance(cfg, llm_grpo.Settings) and isinstance(cfg, ex.AsyncSettings)
-    assert (cfg.collectors, cfg.correction, cfg.max_policy_lag) == (2, "tis", 4)
+    assert (cfg.collectors, cfg.correction, cfg.max_policy_lag) == (2, "tis", None)
+    cfg.backend = "ray"
+    assert ex.check_settings(cfg).max_policy_lag == 4  # Ray's, which drops instead of waiting
+    cfg = llm_grpo.parse_args(TINY, settings_cls=ex.AsyncSettings)
+    assert (cfg.backend, ex.check_settings(cfg).max_policy_lag) == ("local", 1)  # it waits
     assert cfg.max_new_tokens == 3  # the digit sum's answer and end-of-sequence, as in llm_grpo
     assert ex.sync is llm_grpo  # the task, model, warm start and evaluation are reused
 
 
-def test_tiny_run(ex, tmp_path, capsys):
-    """Three GRPO steps with one Ray collector: one RESULT line matching what main returns,
-    batches stamped with policy versions, weights moved, every metric logged."""
+def tiny_run(ex, tmp_path, capsys, *backend):
     args = ["--steps", "3", "--eval-every", "3", *TINY, "--sft-max-steps", "40"]
     args += ["--prompts-per-step", "8"]  # more groups: one with a reward spread, near surely
-    args += ["--time-limit", "1e6", "--out", str(tmp_path)]
+    args += ["--time-limit", "1e6", "--out", str(tmp_path), *backend]
     start = time.perf_counter()
     result = ex.main(args)
     elapsed = time.perf_counter() - start
@@ -63,11 +70,13 @@ def test_tiny_run(ex, tmp_path, capsys):
     assert result["steps"] == 3
     assert elapsed < 90
     assert any(line.startswith("profile, trainer") for line in lines)
-    assert any(line.startswith("profile, collector 0") for line in lines)
+    assert any(line.startswith("profile, sampler 0") for line in lines)
+    assert any(line.startswith("rows: generated") for line in lines)
+    assert sum(result["lags"].values()) == result["rows"]["trained"] == 3 * 8 * 4
 
     run_dir = result["run_dir"]
     assert (run_dir / "llm_grpo_async.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    for name in ("reward", "ESS", "kl_to_ref", "policy_lag_max", "sample_lag_max", "accuracy"):
+    for name in ("reward", "ESS", "kl_to_ref", "sample_lag_max", "accuracy", "trained_rows_lag_0"):
         with open(run_dir / "scalars" / f"{name}.csv") as f:
             logged = [(int(s), float(v)) for s, v in csv.reader(f)]
         assert [s for s, _ in logged] == ([3] if name == "accuracy" else [1, 2, 3]), name
@@ -78,3 +87,86 @@ def test_tiny_run(ex, tmp_path, capsys):
     # the weights move unless every completion failed (no group with a spread: no gradient,
     # which the weak 40-step warm start makes possible)
     assert result["weights_moved"] > 0.0 or not any(rewards), rewards
+    return result
+
+
+def test_tiny_run_local(ex, tmp_path, capsys):
+    """The default backend: one sampler process, at most one version ahead of the trainer;
+    nothing generated is stale or overwritten, the first step's rows are on-policy."""
+    result = tiny_run(ex, tmp_path, capsys)
+    assert set(result["lags"]) <= {0, 1} and result["lags"].get(0, 0) >= 32
+    rows = result["rows"]
+    assert rows["stale"] == rows["overwritten_or_unread"] == rows["filtered"] == 0
+    assert rows["generated"] == rows["trained"] + rows["unused_at_the_stop"]
+    # backpressure: at most max_policy_lag + 1 batches beyond those trained
+    assert rows["unused_at_the_stop"] <= 2 * 8 * 4
+
+
+def test_tiny_run_ray(ex, tmp_path, capsys):
+    """Several machines' backend, on this one: a Ray collector, torchrl's Ray buffer."""
+    pytest.importorskip("ray")
+    tiny_run(ex, tmp_path, capsys, "--backend", "ray")
+
+
+def test_bad_settings(ex, capsys):
+    with pytest.raises(ValueError, match="--max-policy-lag must be at least 0, got -1"):
+        ex.main([*TINY, "--max-policy-lag", "-1"])
+    with pytest.raises(ValueError, match="the local backend runs one sampler process"):
+        ex.main([*TINY, "--collectors", "2"])
+    for flag, value in (("--backend", "slurm"), ("--correction", "vtrace")):
+        with pytest.raises(SystemExit):
+            ex.main([*TINY, flag, value])
+        assert f"argument {flag}: invalid choice: '{value}'" in capsys.readouterr().err
+
+
+def test_ray_not_installed(ex, monkeypatch):
+    import llm_grpo
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # "import ray" raises ImportError
+    monkeypatch.delitem(sys.modules, "llm_async_ray", raising=False)
+    cfg = ex.check_settings(
+        llm_grpo.parse_args([*TINY, "--backend", "ray"], settings_cls=ex.AsyncSettings)
+    )
+    with pytest.raises(ImportError, match=r"install the dist extra"):
+        ex.start_link(cfg, set(), None, None, None)
+
+
+# --- the local sampler process: what the trainer sees when it fails --------------------------
+
+
+def _raising_sampling():
+    raise ValueError("no env for you")
+
+
+def _dying_sampling():
+    os._exit(3)
+
+
+@pytest.mark.parametrize(
+    "make_sampling, match",
+    [
+        (_raising_sampling, r"(?s)the sampler process failed:.*ValueError: no env for you"),
+        (_dying_sampling, r"died without a word \(exit code 3\)"),
+    ],
+)
+def test_a_failing_sampler_stops_the_trainer(ex, make_sampling, match):
+    import llm_async_local
+    import torch
+
+    sampler = llm_async_local.LocalSampler(make_sampling, torch.nn.Linear(2, 2), max_lag=1)
+    sampler.publish(torch.nn.Linear(2, 2))
+    start = time.perf_counter()
+    try:
+        with pytest.raises(RuntimeError, match=match):
+            sampler.next_batch()
+    finally:
+        sampler.close(timeout=5)
+    assert time.perf_counter() - start < 30  # raised, not hung
+
+
+def test_the_lag_bound_is_checked_by_the_sampler_too(ex):
+    import llm_async_local
+    import torch
+
+    with pytest.raises(ValueError, match="max_policy_lag must be at least 0"):
+        llm_async_local.LocalSampler(_raising_sampling, torch.nn.Linear(2, 2), max_lag=-1)
