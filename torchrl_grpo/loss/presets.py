@@ -91,7 +91,7 @@ class _Preset(GRPOLoss):
         merged = {**self.defaults, **kwargs}
         for name in ("corrections", "penalties"):  # the caller's replace the preset's, by slot
             if name in kwargs and name in self.defaults:
-                given = tuple(kwargs[name])
+                given = tuple(kwargs[name] or ())
                 slots = {variant.slot for variant in given}
                 kept = tuple(v for v in self.defaults[name] if v.slot not in slots)
                 merged[name] = (*kept, *given)

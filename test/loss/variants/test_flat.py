@@ -139,6 +139,7 @@ class TestPresets:
         assert joined.variants == (TrustRegion("dppo_tv"), TIS(2.0))
         replaced = DPPOLoss(token_policy(), corrections=[TrustRegion("dppo_kl")])
         assert replaced.variants == (TrustRegion("dppo_kl"),)
+        assert DPPOLoss(token_policy(), corrections=None).variants == (TrustRegion("dppo_tv"),)
 
     def test_flat_keywords_still_change_a_presets_variant(self):
         with warnings.catch_warnings():
