@@ -111,8 +111,7 @@ def output_with(base: type[LLMLossOutput], names: tuple[str, ...]) -> type[LLMLo
         >>> output_with(GRPOLossOutput, ("ESS",)) is GRPOLossOutput
         True
     """
-    fields = set(base.fields()) if hasattr(base, "fields") else set()
-    fields |= {field.name for field in dataclasses.fields(base)}
+    fields = {field.name for field in dataclasses.fields(base)}  # TensorClass.fields(): deprecated
     extra = [name for name in names if name not in fields]
     if not extra:
         return base
