@@ -126,7 +126,6 @@ class LocalSampler:
             context.Event(),
         )
         self.timing: dict | None = None
-        self.received = {"batches": 0, "rows": 0}
         self.process = context.Process(
             target=sampler_main,
             args=(make_sampling, self.weights, self.queue, self.stop_event, self.drained, max_lag),
@@ -150,10 +149,7 @@ class LocalSampler:
             if kind == "error":
                 raise RuntimeError(f"the sampler process failed:\n{value}")
             if kind == "batch":
-                batch = pickle.loads(value)
-                self.received["batches"] += 1
-                self.received["rows"] += batch.numel()
-                return batch
+                return pickle.loads(value)
             self.timing = value  # a late "timing" message
 
     def publish(self, module: torch.nn.Module) -> int:
@@ -172,10 +168,8 @@ class LocalSampler:
                 if not self.process.is_alive():
                     break
                 continue
-            if kind == "timing":
+            if kind == "timing":  # batches still queued were generated, never trained on
                 self.timing = value
-            elif kind == "batch":  # generated, never trained on
-                self.received["unused_batches"] = self.received.get("unused_batches", 0) + 1
         self.drained.set()
         self.process.join(timeout=max(0.0, deadline - time.perf_counter()))
         if self.process.is_alive():

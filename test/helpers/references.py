@@ -120,3 +120,31 @@ def reward_to_go_reference(trajs, gamma, size, *, key="seed", step_norm=False, *
             for uid, row in zip(traj["uid"].tolist(), adv.float()):
                 out[uid] = row
     return out
+
+
+def verl_dppo(log_prob, old_log_prob, advantages, mask, mode, low, high, clip_ratio_c):
+    """verl 0.9.0's ``compute_policy_loss_dppo_tv`` / ``_dppo_kl`` (``core_algos.py``, its
+    ``loss_agg_mode="token-mean"``), written out: ``(loss, pg_clipfrac, pg_clipfrac_lower)``,
+    ``mask`` verl's float response mask, its ``masked_mean`` dividing by the count + 1e-8."""
+
+    def masked_mean(x):
+        return (x * mask).sum() / (mask.sum() + 1e-8)
+
+    negative_approx_kl = torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)
+    ratio = torch.exp(negative_approx_kl)
+    truncated_ratio = torch.clamp(ratio, max=clip_ratio_c).detach()
+    prob, old_prob = torch.exp(log_prob), torch.exp(old_log_prob)
+    if mode == "tv":
+        valid_positive_mask = (prob - old_prob) <= high
+        valid_negative_mask = (prob - old_prob) >= -low
+    else:
+        binary_kl = old_prob * (old_log_prob - log_prob) + (1 - old_prob) * torch.log(
+            (1.0 - old_prob + 1e-8) / (1.0 - prob + 1e-8)
+        )
+        valid_positive_mask = (binary_kl <= high) | (prob <= old_prob)
+        valid_negative_mask = (binary_kl <= low) | (prob >= old_prob)
+    valid_mask = torch.where(advantages > 0, valid_positive_mask, valid_negative_mask)
+    valid_mask = valid_mask.detach().float()
+    pg_losses = -advantages * truncated_ratio * log_prob * valid_mask
+    pg_clipfrac_lower = masked_mean((ratio > clip_ratio_c).float() * valid_mask)
+    return masked_mean(pg_losses), masked_mean(1.0 - valid_mask), pg_clipfrac_lower

@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 from helpers.loss import token_batch, token_policy
+from helpers.references import verl_dppo
 
 from torchrl_grpo import DPPOLoss, GRPOLoss, LUSPOLoss, VESPOLoss
 from torchrl_grpo.loss_terms import aggregate_token_sum, inference_mismatch, sequence_veto_mask
@@ -55,34 +56,12 @@ def inputs(batch, log_prob):
 # --- verl 0.9.0 -------------------------------------------------------------------------------
 
 
-def verl_dppo(log_prob, old_log_prob, advantages, mask, mode, low, high, clip_ratio_c):
-    """verl's compute_policy_loss_dppo_{tv,kl}, with loss_agg_mode="token-mean"."""
-    negative_approx_kl = torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)
-    ratio = torch.exp(negative_approx_kl)
-    truncated_ratio = torch.clamp(ratio, max=clip_ratio_c).detach()
-    prob, old_prob = torch.exp(log_prob), torch.exp(old_log_prob)
-    if mode == "tv":
-        valid_positive_mask = (prob - old_prob) <= high
-        valid_negative_mask = (prob - old_prob) >= -low
-    else:
-        binary_kl = old_prob * (old_log_prob - log_prob) + (1 - old_prob) * torch.log(
-            (1.0 - old_prob + 1e-8) / (1.0 - prob + 1e-8)
-        )
-        valid_positive_mask = (binary_kl <= high) | (prob <= old_prob)
-        valid_negative_mask = (binary_kl <= low) | (prob >= old_prob)
-    valid_mask = torch.where(advantages > 0, valid_positive_mask, valid_negative_mask)
-    valid_mask = valid_mask.detach().float()
-    pg_losses = -advantages * truncated_ratio * log_prob * valid_mask
-    pg_clipfrac = masked_mean(1.0 - valid_mask, mask)
-    return masked_mean(pg_losses, mask), pg_clipfrac
-
-
 @pytest.mark.parametrize("mode, bound", [("tv", 0.03), ("kl", 0.01)])
 def test_dppo_matches_verl(mode, bound):
     policy = token_policy()
     batch, log_prob = batch_and_log_prob(policy, drift=0.8)  # probabilities near 1/7
     loss = DPPOLoss(policy, trust_region=f"dppo_{mode}", trust_region_bounds=bound)
-    want, clipfrac = verl_dppo(*inputs(batch, log_prob), mode, bound, bound, 10000.0)
+    want, clipfrac, _ = verl_dppo(*inputs(batch, log_prob), mode, bound, bound, 10000.0)
     assert 0.0 < clipfrac < 1.0  # both kinds of token
     check(loss, batch, log_prob, want)
     torch.testing.assert_close(loss(batch).trust_region_masked_fraction, clipfrac)

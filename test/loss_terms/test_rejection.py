@@ -12,6 +12,7 @@ import math
 
 import pytest
 import torch
+from helpers.references import verl_dppo
 
 from torchrl_grpo.loss_terms.rejection import (
     REJECTION_MODES,
@@ -333,25 +334,7 @@ class TestPerplexityMetrics:
         assert all(value.isfinite() for value in stats.values())
 
 
-# --- verl 0.9.0, core_algos.py: DPPO -----------------------------------------------------------
-
-
-def verl_dppo_clipfrac_lower(log_prob, old_log_prob, advantages, mask, mode, low, high, c):
-    """compute_policy_loss_dppo_{tv,kl}: pg_clipfrac_lower (float response_mask)."""
-    negative_approx_kl = torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)
-    ratio = torch.exp(negative_approx_kl)
-    prob, old_prob = torch.exp(log_prob), torch.exp(old_log_prob)
-    if mode == "tv":
-        valid_positive_mask = (prob - old_prob) <= high
-        valid_negative_mask = (prob - old_prob) >= -low
-    else:
-        binary_kl = old_prob * (old_log_prob - log_prob) + (1 - old_prob) * torch.log(
-            (1.0 - old_prob + 1e-8) / (1.0 - prob + 1e-8)
-        )
-        valid_positive_mask = (binary_kl <= high) | (prob <= old_prob)
-        valid_negative_mask = (binary_kl <= low) | (prob >= old_prob)
-    valid_mask = torch.where(advantages > 0, valid_positive_mask, valid_negative_mask).float()
-    return verl_masked_mean((ratio > c).float() * valid_mask, mask)
+# --- verl 0.9.0, core_algos.py: DPPO (its transcription: helpers.references.verl_dppo) ----------
 
 
 class TestDppoTruncationFraction:
@@ -362,7 +345,7 @@ class TestDppoTruncationFraction:
         # the ratio pi_theta / pi_old far from 1, so that the cap C = 3 (verl's default) bites
         old, log_prob, mask = ragged_batch(b=16, t=9, scale=1.5, seed=11)
         adv = torch.randn(16, 1, generator=torch.Generator().manual_seed(1))
-        want = verl_dppo_clipfrac_lower(log_prob, old, adv, mask.float(), mode, bound, bound, 3.0)
+        _, _, want = verl_dppo(log_prob, old, adv, mask.float(), mode, bound, bound, 3.0)
         keep = trust_region(log_prob, old, adv, mask, bound, bound)
         got = dppo_truncation_fraction(log_prob - old, keep, mask, 3.0)
         torch.testing.assert_close(got, want)

@@ -22,7 +22,7 @@ from torchrl.modules.llm import LLMWrapperBase
 
 from torchrl_grpo.loss.inputs import MASKING_STRATEGIES
 from torchrl_grpo.loss.variants import Objective, Variant
-from torchrl_grpo.loss.variants.base import RANGES, check_range
+from torchrl_grpo.loss.variants.base import RANGES, check_range, lookup
 from torchrl_grpo.loss.variants.corrections import (
     INFERENCE_CORRECTION_BOUNDS,
     TRUST_REGION_BOUNDS,
@@ -226,7 +226,7 @@ def loss_options(
             "over its heads, as ClipPPOLoss does with a scalar; per-head coefficients are not "
             "supported."
         )
-    ratio_level = _lookup(RATIO_LEVELS, k.ratio_level, "ratio_level")
+    ratio_level = lookup(RATIO_LEVELS, k.ratio_level, "ratio_level")
     objective, variants = _compose(k, flat)
     clip_epsilon, no_lower_bound = _clip_band(k.clip_epsilon)
     coefficients = dict.fromkeys(RANGES)  # every variant class's, those of the user's too
@@ -285,18 +285,6 @@ def _staged(given: Sequence[Variant] | None, name: str, stages: tuple[str, ...])
                 f"{list(stages)}; got {variant!r}."
             )
     return given
-
-
-def _lookup(registry: Mapping[str, Callable], value: str | Callable, name: str) -> Callable:
-    """``value`` if it is a callable, else its entry in ``registry``."""
-    if callable(value):
-        return value
-    try:
-        return registry[value]
-    except (KeyError, TypeError):
-        raise ValueError(
-            f"Unknown {name} {value!r}: pass one of {sorted(registry)} or a callable."
-        ) from None
 
 
 def _actor(actor_network: Any, positional: tuple, replaced: Mapping[str, Any]) -> Any:
@@ -424,7 +412,7 @@ def check_scheduled(name: str, value: float) -> None:
 
 def _make_aggregation(aggregation, max_length: int | None):
     """The aggregation; Dr. GRPO's with ``max_length`` bound, which the others reject."""
-    fn = _lookup(AGGREGATIONS, aggregation, "aggregation")
+    fn = lookup(AGGREGATIONS, aggregation, "aggregation")
     wants_length = "max_length" in inspect.signature(fn).parameters
     if wants_length and max_length is None:
         raise ValueError(f"aggregation {aggregation!r} needs max_length (Dr. GRPO's L_max).")

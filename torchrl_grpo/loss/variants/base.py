@@ -20,6 +20,7 @@ Four stages, in the order of one call:
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -28,7 +29,7 @@ import torch
 from torchrl_grpo.loss.inputs import Inputs
 from torchrl_grpo.loss_terms import masked_mean
 
-__all__ = ["RANGES", "Objective", "Step", "Variant", "check_range", "masked_fraction"]
+__all__ = ["RANGES", "Objective", "Step", "Variant", "check_range", "lookup", "masked_fraction"]
 
 #: The range of each schedulable value, by buffer name: ``(what, bound)``, ``what`` one of
 #: ``"positive"``, ``"non-negative"``, ``"greater than"``, ``"in [0, 1]"`` (filled from each
@@ -36,6 +37,29 @@ __all__ = ["RANGES", "Objective", "Step", "Variant", "check_range", "masked_frac
 #: (``None`` when no variant it holds has it), so that a variant left off at construction cannot
 #: be scheduled on later.
 RANGES: dict[str, tuple[str, float]] = {}
+
+
+def lookup(registry: Mapping[str, Callable], value: str | Callable, name: str) -> Callable:
+    """``value`` if it is a callable, else its entry in ``registry`` (one of the registries of
+    :mod:`torchrl_grpo.loss_terms`).
+
+    Raises:
+        ValueError: a name the registry does not hold (named, with the registry's names).
+
+    Examples:
+        >>> from torchrl_grpo.loss.variants.base import lookup
+        >>> from torchrl_grpo.loss_terms import KL_ESTIMATORS, kl_k2
+        >>> lookup(KL_ESTIMATORS, "k2", "KL estimator") is kl_k2
+        True
+    """
+    if callable(value):
+        return value
+    try:
+        return registry[value]
+    except (KeyError, TypeError):
+        raise ValueError(
+            f"Unknown {name} {value!r}: pass one of {sorted(registry)} or a callable."
+        ) from None
 
 
 def check_range(name: str, value: float | None) -> None:
@@ -107,6 +131,12 @@ class Variant:
         entropy (bool): it needs the policy's entropy even without the entropy bonus.
         ranges (dict): the range of each of its schedulable values, by buffer name.
         label (str): its name in messages (the keyword of the flat form).
+
+    Examples:
+        >>> from torchrl_grpo.loss.variants import TIS
+        >>> tis = TIS(2.0)
+        >>> tis.slot, tis.stage, tis.reads, tis.buffers()
+        ('inference_correction', 'factor', ('inference_log_prob',), {'tis_cap': 2.0})
     """
 
     slot: ClassVar[str]
@@ -120,6 +150,10 @@ class Variant:
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         RANGES.update(cls.__dict__.get("ranges", {}))
+
+    def __post_init__(self) -> None:
+        # a dataclass subclass runs this after its __init__: its values checked when built
+        self._check_ranges()
 
     def buffers(self) -> dict[str, float | None]:
         """The schedulable values, by buffer name (``loss.<name>`` at call time)."""
@@ -152,6 +186,11 @@ class Objective(Variant):
         ratio_levels (tuple of str or None): the ratio levels it needs (VESPO: the product of
             the token ratios); ``None``: any.
         title (str): its name in messages.
+
+    Examples:
+        >>> from torchrl_grpo.loss.variants import VESPO, Clip
+        >>> Clip().dual_clip, VESPO().dual_clip
+        (True, False)
     """
 
     slot: ClassVar[str] = "objective"

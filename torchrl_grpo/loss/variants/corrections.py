@@ -15,7 +15,7 @@ from typing import ClassVar
 
 import torch
 
-from torchrl_grpo.loss.variants.base import Step, Variant, check_range, masked_fraction
+from torchrl_grpo.loss.variants.base import Step, Variant, check_range, lookup, masked_fraction
 from torchrl_grpo.loss_terms import (
     INFERENCE_CORRECTIONS,
     TRUST_REGIONS,
@@ -51,18 +51,6 @@ INFERENCE_CORRECTION_BOUNDS = (None, 3.0)
 TRUST_REGION_BOUNDS = {"dppo_tv": (0.15, 0.15), "dppo_kl": (0.05, 0.05)}
 
 
-def _lookup(registry: dict, value, name: str) -> Callable:
-    """``value`` if it is a callable, else its entry in ``registry``."""
-    if callable(value):
-        return value
-    try:
-        return registry[value]
-    except (KeyError, TypeError):
-        raise ValueError(
-            f"Unknown {name} {value!r}: pass one of {sorted(registry)} or a callable."
-        ) from None
-
-
 def _log_weight(step: Step) -> torch.Tensor:
     """``log pi_old - log pi_inference`` per token: the trainer against the sampler."""
     return step.x.old_log_prob - step.x.inference_log_prob
@@ -88,9 +76,6 @@ class KLMask(Variant):
     stage: ClassVar[str] = "exclude"
     label: ClassVar[str] = "kl_mask_threshold"
     ranges: ClassVar[dict] = {"kl_mask_threshold": ("positive", 0.0)}
-
-    def __post_init__(self):
-        self._check_ranges()
 
     def buffers(self):
         return {"kl_mask_threshold": self.threshold}
@@ -148,9 +133,6 @@ class InferenceVeto(Variant):
     reads: ClassVar[tuple[str, ...]] = ("inference_log_prob",)
     label: ClassVar[str] = "inference_veto_threshold"
     ranges: ClassVar[dict] = {"inference_veto_threshold": ("positive", 0.0)}
-
-    def __post_init__(self):
-        self._check_ranges()
 
     def buffers(self):
         return {"inference_veto_threshold": self.threshold}
@@ -233,9 +215,6 @@ class Decoupled(Variant):
     label: ClassVar[str] = "decoupled"
     ranges: ClassVar[dict] = {"behaviour_weight_cap": ("greater than", 1.0)}
 
-    def __post_init__(self):
-        self._check_ranges()
-
     def buffers(self):
         return {"behaviour_weight_cap": self.behaviour_weight_cap}
 
@@ -296,7 +275,7 @@ class InferenceCorrection(_Inference):
     }
 
     def __post_init__(self):
-        _lookup(INFERENCE_CORRECTIONS, self.mode, "inference_correction")
+        lookup(INFERENCE_CORRECTIONS, self.mode, "inference_correction")
         given = self.bounds
         low, high = INFERENCE_CORRECTION_BOUNDS if given is None else given
         if (low is not None and not low >= 0) or (high is not None and not high > 0):
@@ -312,7 +291,7 @@ class InferenceCorrection(_Inference):
         return {"inference_correction_low": low, "inference_correction_high": high}
 
     def factor(self, values, step: Step):
-        fn = _lookup(INFERENCE_CORRECTIONS, self.mode, "inference_correction")
+        fn = lookup(INFERENCE_CORRECTIONS, self.mode, "inference_correction")
         low, high = values.inference_correction_low, values.inference_correction_high
         return self._apply(fn, step, low, high)
 
@@ -332,9 +311,6 @@ class TIS(_Inference):
     cap: float
     label: ClassVar[str] = "tis_cap"
     ranges: ClassVar[dict] = {"tis_cap": ("positive", 0.0)}
-
-    def __post_init__(self):
-        self._check_ranges()
 
     def buffers(self):
         return {"tis_cap": self.cap}
@@ -364,9 +340,6 @@ class OffPolicyMask(Variant):
     fallback: ClassVar[bool] = True
     label: ClassVar[str] = "off_policy_mask_threshold"
     ranges: ClassVar[dict] = {"off_policy_mask_threshold": ("positive", 0.0)}
-
-    def __post_init__(self):
-        self._check_ranges()
 
     def buffers(self):
         return {"off_policy_mask_threshold": self.threshold}
@@ -414,7 +387,7 @@ class TrustRegion(Variant):
     }
 
     def __post_init__(self):
-        _lookup(TRUST_REGIONS, self.mode, "trust_region")
+        lookup(TRUST_REGIONS, self.mode, "trust_region")
         bounds = self.bounds
         if bounds is None:
             if callable(self.mode):
@@ -434,7 +407,7 @@ class TrustRegion(Variant):
 
     def factor(self, values, step: Step):
         x = step.x
-        fn = _lookup(TRUST_REGIONS, self.mode, "trust_region")
+        fn = lookup(TRUST_REGIONS, self.mode, "trust_region")
         low, high = values.trust_region_low, values.trust_region_high
         keep = fn(x.log_prob, step.ratio_base, x.advantage, x.mask, low, high)
         # verl's pg_clipfrac_lower: kept tokens whose ratio the weight's cap 1 + eps_high cuts
@@ -465,9 +438,6 @@ class TopEntropy(Variant):
     entropy: ClassVar[bool] = True
     label: ClassVar[str] = "top_entropy_quantile"
     ranges: ClassVar[dict] = {"top_entropy_quantile": ("in [0, 1]", 0.0)}
-
-    def __post_init__(self):
-        self._check_ranges()
 
     def buffers(self):
         return {"top_entropy_quantile": self.quantile}

@@ -15,7 +15,7 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from torchrl_grpo.loss.variants.base import Objective, Variant
+from torchrl_grpo.loss.variants.base import Objective, Variant, lookup
 from torchrl_grpo.loss.variants.corrections import (
     TIS,
     Decoupled,
@@ -26,7 +26,6 @@ from torchrl_grpo.loss.variants.corrections import (
     TopEntropy,
     TruncatedCompletions,
     TrustRegion,
-    _lookup,
 )
 from torchrl_grpo.loss.variants.objectives import SAPO, VESPO, Clip
 from torchrl_grpo.loss.variants.penalties import EntropyTarget, KLToInference, KLToReference
@@ -110,7 +109,7 @@ def _objective(given: Mapping[str, Any], objective: Objective) -> Objective:
 def _kl(given, held, prefix: str, cls: type) -> Variant | None:
     """``<prefix>_coeff`` / ``_estimator`` (/ ``kl_to_ref_unbiased``) onto a KL penalty."""
     estimator = given.get(f"{prefix}_estimator", "k3")
-    _lookup(KL_ESTIMATORS, estimator, "KL estimator")
+    lookup(KL_ESTIMATORS, estimator, "KL estimator")
     coeff = given.get(f"{prefix}_coeff", getattr(held, "coeff", None))
     if given.get("kl_to_ref_unbiased") and prefix == "kl_to_ref" and coeff is None:
         raise ValueError("kl_to_ref_unbiased weighs the KL to the reference: set kl_to_ref_coeff.")

@@ -124,9 +124,6 @@ class CustomObjective(_DualClipped):
     clip_ratio_c: float | None = None
     title: ClassVar[str] = "custom"
 
-    def __post_init__(self):
-        self._check_ranges()
-
     def buffers(self):
         return {"clip_ratio_c": self.clip_ratio_c}
 

@@ -14,8 +14,7 @@ from typing import ClassVar
 import torch
 
 from torchrl_grpo.loss.entropy import AdaptiveEntropy
-from torchrl_grpo.loss.variants.base import Step, Variant
-from torchrl_grpo.loss.variants.corrections import _lookup
+from torchrl_grpo.loss.variants.base import Step, Variant, lookup
 from torchrl_grpo.loss_terms import KL_ESTIMATORS, importance_weighted_kl, masked_mean
 
 __all__ = [
@@ -39,7 +38,7 @@ class _KL(Variant):
     name: ClassVar[str]  # the output's entry, and the buffer's prefix
 
     def __post_init__(self):
-        _lookup(KL_ESTIMATORS, self.estimator, "KL estimator")
+        lookup(KL_ESTIMATORS, self.estimator, "KL estimator")
         self._check_ranges()
 
     def buffers(self):
@@ -53,7 +52,7 @@ class _KL(Variant):
 
     def _estimate(self, step: Step) -> torch.Tensor:
         x = step.x
-        return _lookup(KL_ESTIMATORS, self.estimator, "KL estimator")(x.log_prob, self._other(x))
+        return lookup(KL_ESTIMATORS, self.estimator, "KL estimator")(x.log_prob, self._other(x))
 
     def terms(self, values, step: Step, reduce: Callable) -> dict[str, torch.Tensor]:
         kl = self._estimate(step)  # (B, T)
