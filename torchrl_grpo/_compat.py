@@ -123,6 +123,14 @@ def write_empty_tensor_storage(path: str | Path) -> None:
     (path / "storage_metadata.json").write_text(json.dumps(EMPTY_TENSOR_STORAGE_METADATA))
 
 
+# --- torch: the dispatcher hook that counts operators (torchrl_grpo.launches) -------------------
+
+#: torch's Python hook at the dispatcher (``torch.utils._python_dispatch``, a private module):
+#: every ATen operator, the backward pass's included (torch carries the mode into the autograd
+#: engine's threads), calls ``__torch_dispatch__`` of the active mode.
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+
 # --- torchrl.modules.llm: the masked token distribution of an LLM wrapper -------------------------
 
 #: torchrl's masking strategies and the ``LLMWrapperBase`` method that builds each distribution.
