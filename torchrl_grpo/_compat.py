@@ -435,3 +435,31 @@ def __getattr__(name: str):
 
         return _ragged_class(ChatEnv)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+# --- transformers: the attention a model runs, and flex attention's block mask ------------------
+
+
+def attention_implementation(model) -> str | None:
+    """The attention implementation a Hugging Face model runs (``"sdpa"``, ``"eager"``,
+    ``"flex_attention"``, ``"flash_attention_2"``...), or ``None`` if it says none.
+
+    Reliance (transformers 5.x): ``config._attn_implementation``, the attribute every model's
+    attention reads to pick its function (transformers has no public getter).
+    """
+    return getattr(getattr(model, "config", None), "_attn_implementation", None)
+
+
+def block_mask(mask: torch.Tensor):
+    """A boolean ``[R, W, W]`` mask as flex attention's ``BlockMask`` (``True``: attend).
+
+    Reliance (torch 2.5+): ``torch.nn.attention.flex_attention.create_block_mask`` with a
+    ``mask_mod`` that indexes a tensor.
+    """
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def mask_mod(b, h, q, kv):
+        return mask[b, q, kv]
+
+    rows, width, _ = mask.shape
+    return create_block_mask(mask_mod, rows, None, width, width, device=mask.device)

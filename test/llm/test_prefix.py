@@ -9,8 +9,11 @@ turn a prefix of the next).
 import os
 import warnings
 
+import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 try:
     import transformers  # noqa: F401
@@ -26,7 +29,12 @@ from torchrl.objectives.llm import GRPOLoss as TorchrlGRPOLoss
 
 from torchrl_grpo import GRPOLoss
 from torchrl_grpo.llm import prefix as prefix_module
-from torchrl_grpo.llm.prefix import PrefixSharing, prefix_plan, shared_hidden
+from torchrl_grpo.llm.prefix import (
+    PrefixSharing,
+    SharingUnsupported,
+    prefix_plan,
+    shared_hidden,
+)
 from torchrl_grpo.loss_terms import AGGREGATIONS
 
 GROUP_PROMPTS = ["3 9 1 4 2 8=", "1 2 7 7 0=", "5 5 5 1="]
@@ -72,24 +80,82 @@ def _dense(body, rows):
     return [body(input_ids=r[None], use_cache=False).last_hidden_state[0] for r in rows]
 
 
+def _rows_of(hidden, rows):
+    """Each row's own states from the ``[B, T, H]`` left-padded output of shared_hidden."""
+    return [hidden[i, hidden.shape[1] - len(r) :] for i, r in enumerate(rows)]
+
+
+def _visible(plan, slot: int) -> set:
+    """The packed slots that ``slot`` attends to under the plan's block mask."""
+    width = plan.segments.shape[1]
+    row, col = divmod(slot, width)
+    seen = plan.ancestors[plan.segments[row, col], plan.segments[row, : col + 1]]
+    return {row * width + j for j in np.flatnonzero(seen)}
+
+
 class TestPrefixPlan:
-    def test_groups_runs_and_rows_alone(self):
+    def test_trees_and_rows_alone(self):
         rows = _rows()
         plan = prefix_plan(rows, min_shared=4)
-        groups = sorted(sorted(g) for gs in plan.buckets.values() for g in gs)
-        assert groups == [[0, 1, 2, 10], [3, 4, 5], [6, 7, 8]]
-        assert set(plan.buckets) == {12} and plan.alone == [9]
-        assert plan.shared_tokens == 12 * (3 + 2 + 2)
+        assert sorted(sorted(t) for t in plan.trees) == [[0, 1, 2, 10], [3, 4, 5], [6, 7, 8]]
+        assert plan.alone == [9]
+        # each prompt once (12 tokens saved per extra row), and row 10 repeats row 1 (18 tokens)
+        assert plan.shared_tokens == 12 * (3 + 2 + 2) + 6
 
     def test_a_turn_that_extends_another_shares_all_of_it(self):
         a = torch.arange(10)
         plan = prefix_plan([torch.cat([a, torch.tensor([3, 4])]), a], min_shared=4)
-        assert plan.buckets == {10: [(1, 0)]} and plan.alone == []
+        assert plan.trees == [(1, 0)] and plan.alone == [] and plan.shared_tokens == 10
+        assert plan.tokens.tolist() == [list(range(10)) + [3, 4]]
 
     def test_below_the_minimum_nothing_is_shared(self):
         plan = prefix_plan(_rows(), min_shared=13)  # the prompts (12 tokens) are too short
-        assert plan.buckets == {18: [(1, 10)]}  # row 10 extends row 1 (12 + 6 tokens)
+        assert plan.trees == [(1, 10)]  # row 10 extends row 1 (12 + 6 tokens)
         assert plan.alone == [0, 2, 3, 4, 5, 6, 7, 8, 9]
+
+    def test_dialog_turns_share_every_level(self):
+        """Two dialogs of three turns from one prompt: the prompt once, each dialog's
+        history once more (a trie, not one level)."""
+        g = torch.Generator().manual_seed(0)
+        rows = []
+        for dialog in range(2):  # the dialogs' tokens differ from their first answer on
+            history = torch.arange(20)
+            for _ in range(3):
+                answer = 100 * (dialog + 1) + torch.randint(50, (4,), generator=g)
+                full = torch.cat([history, answer])
+                rows.append(full)
+                history = torch.cat([full, torch.randint(50, (2,), generator=g)])
+        plan = prefix_plan(rows, min_shared=8)
+        assert plan.trees == [tuple(sorted(range(6), key=lambda i: rows[i].tolist()))]
+        assert plan.tokens.size == 20 + 2 * (4 + 6 + 6)  # every token computed once
+
+    @settings(max_examples=60, deadline=None)
+    @given(
+        st.lists(
+            st.tuples(st.integers(0, 5), st.lists(st.integers(0, 3), max_size=6)),
+            min_size=1,
+            max_size=12,
+        ),
+        st.integers(1, 6),
+    )
+    def test_each_row_reads_its_tokens_positions_and_attention(self, specs, min_shared):
+        """Whatever the rows (duplicates, prefixes of each other, nothing shared), a row reads
+        back its own tokens at positions 0..L-1, and each of its tokens attends to exactly
+        the slots of its row's earlier tokens and itself."""
+        stems = [list(range(100, 100 + 3 * k)) for k in range(6)]
+        rows = [np.array(stems[s] + tail or [7]) for s, tail in specs]
+        plan = prefix_plan(rows, min_shared)
+        flat_tokens = np.append(plan.tokens.reshape(-1), -1)
+        flat_positions = np.append(plan.positions.reshape(-1), -1)
+        for row, reads in zip(rows, plan.reads, strict=True):
+            slots = reads[len(reads) - len(row) :]
+            assert flat_tokens[slots].tolist() == row.tolist()
+            assert flat_positions[slots].tolist() == list(range(len(row)))
+            assert (reads[: len(reads) - len(row)] == plan.tokens.size).all()  # the zero slot
+            for k, slot in enumerate(slots):
+                assert _visible(plan, int(slot)) == set(slots[: k + 1].tolist())
+        assert plan.tokens.size >= max(len(r) for r in rows)
+        assert plan.tokens[0].size == max(map(len, rows)) or plan.trees  # width: largest tree
 
     @pytest.mark.parametrize("bad", [0, -3, 2.5, True, "8", None])
     def test_min_shared_length_must_be_a_positive_integer(self, bad):
@@ -103,7 +169,7 @@ class TestSharedHidden:
         model = _family_model(family)
         body, rows = model.base_model, _rows()
         plan = prefix_plan(rows, min_shared=4)
-        shared = shared_hidden(body, rows, plan)
+        shared = _rows_of(shared_hidden(body, plan), rows)
         dense = _dense(body, rows)
         for s, d in zip(shared, dense, strict=True):
             torch.testing.assert_close(s, d, rtol=1e-5, atol=1e-5)
@@ -111,7 +177,7 @@ class TestSharedHidden:
         params = list(body.parameters())
         grads = [
             torch.autograd.grad(sum((h * w).sum() for h, w in zip(hs, weights)), params)
-            for hs in (shared_hidden(body, rows, plan), _dense(body, rows))
+            for hs in (_rows_of(shared_hidden(body, plan), rows), _dense(body, rows))
         ]
         for a, b in zip(*grads, strict=True):  # within 1e-4 of each parameter's gradient norm
             assert float((a - b).norm()) <= 1e-4 * float(b.norm())
@@ -119,29 +185,91 @@ class TestSharedHidden:
     def test_bf16_is_within_its_precision(self):
         model = _family_model("qwen2", dtype=torch.bfloat16).requires_grad_(False)
         rows = _rows()
-        shared = shared_hidden(model.base_model, rows, prefix_plan(rows, min_shared=4))
-        for s, d in zip(shared, _dense(model.base_model, rows), strict=True):
+        hidden = shared_hidden(model.base_model, prefix_plan(rows, min_shared=4))
+        for s, d in zip(_rows_of(hidden, rows), _dense(model.base_model, rows), strict=True):
             assert float((s.float() - d.float()).norm() / d.float().norm()) < 3e-2
 
     def test_rows_that_are_the_prefix_itself(self):
         model = _family_model("qwen2")
         prompt = torch.randint(64, (8,))
         rows = [prompt, prompt.clone(), torch.cat([prompt, torch.tensor([1, 2])])]
-        plan = prefix_plan(rows, min_shared=4)
-        for s, d in zip(
-            shared_hidden(model.base_model, rows, plan), _dense(model.base_model, rows)
-        ):
+        hidden = shared_hidden(model.base_model, prefix_plan(rows, min_shared=4))
+        for s, d in zip(_rows_of(hidden, rows), _dense(model.base_model, rows)):
             torch.testing.assert_close(s, d, rtol=1e-5, atol=1e-5)
 
+    def test_eager_attention_takes_an_additive_mask(self):
+        model = _family_model("llama")
+        model.config._attn_implementation = "eager"
+        rows = _rows()
+        hidden = shared_hidden(model.base_model, prefix_plan(rows, min_shared=4))
+        for s, d in zip(_rows_of(hidden, rows), _dense(model.base_model, rows), strict=True):
+            torch.testing.assert_close(s, d, rtol=1e-5, atol=1e-5)
 
-class _NoCacheBody(torch.nn.Module):
-    """A body that takes no key/value cache (as some custom or older models)."""
+    def test_sliding_window_layers_see_their_window_on_the_positions(self):
+        """Qwen2 with a window of 6 on its second layer: the packed pass gives each sliding
+        layer its own mask (a row's tokens more than 6 positions back are out of the window
+        in the dense pass, whatever the packing put between them)."""
+        import transformers as tf
+
+        config = tf.Qwen2Config(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            use_sliding_window=True,
+            sliding_window=6,
+            max_window_layers=1,
+        )
+        torch.manual_seed(0)
+        body = tf.Qwen2ForCausalLM(config).eval().base_model
+        assert set(config.layer_types) == {"full_attention", "sliding_attention"}
+        rows = _rows()
+        hidden = shared_hidden(body, prefix_plan(rows, min_shared=4))
+        for s, d in zip(_rows_of(hidden, rows), _dense(body, rows), strict=True):
+            torch.testing.assert_close(s, d, rtol=1e-5, atol=1e-5)
+
+    def test_flash_attention_takes_no_packed_mask(self):
+        model = _family_model("qwen2")
+        model.config._attn_implementation = "flash_attention_2"
+        with pytest.raises(SharingUnsupported, match="'flash_attention_2' takes no custom"):
+            shared_hidden(model.base_model, prefix_plan(_rows(), min_shared=4))
+
+    def test_one_pass_a_fixed_number_of_operators(self):
+        """The body runs once whatever the number of groups, and the operators around it do
+        not grow with the rows: 1 group and 8 groups of different prompt lengths."""
+        from torchrl_grpo.launches import count_launches
+
+        body = _family_model("qwen2").base_model.requires_grad_(False)
+        g = torch.Generator().manual_seed(0)
+
+        def groups(n):
+            rows = []
+            for length in range(12, 12 + 2 * n, 2):
+                prompt = torch.randint(64, (length,), generator=g)
+                rows += [torch.cat([prompt, torch.randint(64, (5,), generator=g)]) for _ in "ab"]
+            return prefix_plan(rows, min_shared=4)
+
+        counts = []
+        for plan in (groups(1), groups(8)):
+            with count_launches() as launches:
+                shared_hidden(body, plan)
+            counts.append(launches)
+        assert counts[0].ops == counts[1].ops and counts[1].syncs == 0
+
+
+class _TwoDMaskBody(torch.nn.Module):
+    """A body that takes 2-D attention masks only (as some custom models)."""
 
     def __init__(self, body):
         super().__init__()
         self.inner = body
+        self.config = body.config
 
     def forward(self, input_ids, attention_mask=None, position_ids=None, use_cache=False):
+        if attention_mask is not None and attention_mask.ndim != 2:
+            raise ValueError(f"expected a [B, T] attention mask, got {attention_mask.ndim}-D")
         return self.inner(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -151,23 +279,23 @@ class _NoCacheBody(torch.nn.Module):
 
 
 class TestPrefixSharingFallback:
-    def test_a_body_without_a_cache_warns_once_and_goes_dense(self):
+    def test_a_body_without_a_packed_mask_warns_once_and_goes_dense(self):
         model, rows = _family_model("llama"), _rows()
         sharing = PrefixSharing(True, 4)
-        body = _NoCacheBody(model.base_model)
-        with pytest.warns(UserWarning, match="Shared-prefix scoring is off.*no key/value cache"):
+        body = _TwoDMaskBody(model.base_model)
+        with pytest.warns(UserWarning, match="Shared-prefix scoring is off.*expected a .B, T."):
             assert sharing.hidden(body, rows) is None
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             assert sharing.hidden(body, rows) is None  # no second warning
-        assert "cache" in sharing.off_reason
+        assert "cannot score a packed prefix tree" in sharing.off_reason
 
     def test_a_wrong_shared_pass_is_caught_by_the_first_call_check(self, monkeypatch):
         model, rows = _family_model("qwen2"), _rows()
         honest = prefix_module.shared_hidden
 
-        def off_by_a_little(body, sequences, plan):
-            return [h + 1e-2 for h in honest(body, sequences, plan)]
+        def off_by_a_little(body, plan):
+            return honest(body, plan) + 1e-2
 
         monkeypatch.setattr(prefix_module, "shared_hidden", off_by_a_little)
         sharing = PrefixSharing(True, 4)
@@ -179,6 +307,9 @@ class TestPrefixSharingFallback:
         model, rows = _family_model("qwen2"), _rows()
         assert PrefixSharing(False, 4).hidden(model.base_model, rows) is None
         assert PrefixSharing(True, 100).hidden(model.base_model, rows) is None
+        packed = PrefixSharing(False, 4).hidden(model.base_model, rows, pack=True)
+        for s, d in zip(_rows_of(packed, rows), _dense(model.base_model, rows), strict=True):
+            torch.testing.assert_close(s, d, rtol=1e-5, atol=1e-5)  # packed, nothing shared
 
 
 def _group_batch(model, tokenizer, make_llm_batch, group: int = 4):
@@ -236,7 +367,7 @@ class TestLeanWrapperSharesPrefixes:
             patch.setattr(
                 prefix_module,
                 "shared_hidden",
-                lambda *a: calls.append(a[2]) or original(*a),
+                lambda *a: calls.append(a[1]) or original(*a),
             )
             with torch.no_grad():
                 ours = lean(batch.copy()).get(("log_probs", "full"), as_list=True)

@@ -23,15 +23,27 @@ from __future__ import annotations
 from contextlib import nullcontext
 from numbers import Integral
 
+import numpy as np
 import torch
-from tensordict import TensorDictBase
+from tensordict import LazyStackedTensorDict, TensorDictBase
 from torch.distributions import Categorical
 from torchrl.modules.distributions import LLMMaskedCategorical
 from torchrl.modules.llm import TransformersWrapper
 
 from torchrl_grpo import _compat
 from torchrl_grpo.llm.head import causal_lm, check_logits, head_bias, head_tensors
+from torchrl_grpo import ragged
 from torchrl_grpo.llm.prefix import PrefixSharing
+from torchrl_grpo.llm.scoring import (
+    TokenRows,
+    prompt_mask,
+    read_index,
+    read_token_rows,
+    response_starts,
+    token_rows,
+    write_outputs,
+)
+from torchrl_grpo.ragged import upload
 from torchrl_grpo.token_dist import (
     _HIDDEN_CHUNK_ELEMENTS,
     HiddenTokenCategorical,
@@ -77,6 +89,9 @@ class HiddenLLMMaskedCategorical(HiddenTokenCategorical):
         chunk_size (int, optional): positions per chunk; see
             :func:`~torchrl_grpo.token_log_prob_entropy_from_hidden`.
         ignore_index (int): the token id that means "no token". Defaults to ``-100``.
+        positions (torch.Tensor, optional): the flat positions (of ``mask.reshape(-1)``) where
+            ``mask`` is set, when the caller knows them: they save a host read (a wait for
+            the device) at each call.
 
     Examples:
         >>> import torch
@@ -101,6 +116,7 @@ class HiddenLLMMaskedCategorical(HiddenTokenCategorical):
         bias: torch.Tensor | None = None,
         chunk_size: int | None = None,
         ignore_index: int = -100,
+        positions: torch.Tensor | None = None,
     ):
         head = _Head(weight, bias)
         super().__init__(hidden, head, chunk_size=chunk_size)
@@ -112,6 +128,7 @@ class HiddenLLMMaskedCategorical(HiddenTokenCategorical):
             )
         self._mask = mask.bool()
         self.ignore_index = ignore_index
+        self._positions = positions
 
     @property
     def mask(self) -> torch.Tensor:
@@ -141,8 +158,9 @@ class HiddenLLMMaskedCategorical(HiddenTokenCategorical):
         Returns:
             tuple[torch.Tensor, torch.Tensor]: ``(log_prob, entropy)``, each ``[B, T]``.
         """
+        tokens = self._tokens(value)
         log_prob, entropy = _at_positions(
-            self.hidden, self._mask, self.weight, self._tokens(value), self.bias, self.chunk_size
+            self.hidden, self._mask, self.weight, tokens, self.bias, self.chunk_size, self._positions
         )
         self._entropy = (entropy, torch.is_grad_enabled())
         return log_prob, entropy
@@ -191,18 +209,26 @@ class HiddenLLMMaskedCategorical(HiddenTokenCategorical):
         return torch.where(self._mask, drawn, uniform)
 
 
-def _at_positions(hidden, where, weight, tokens, bias=None, chunk_size=None):
+def _at_positions(hidden, where, weight, tokens, bias=None, chunk_size=None, index=None):
     """Token log-probs and entropies ``[B, T]`` computed where ``where`` is set, ``0`` elsewhere.
 
     The output layer runs on the selected hidden states only; the values there are those of
-    :func:`~torchrl_grpo.token_log_prob_entropy_from_hidden` on every position.
+    :func:`~torchrl_grpo.token_log_prob_entropy_from_hidden` on every position. ``index``
+    (flat positions of ``[B * T]`` on the device), when the caller knows them, replaces
+    ``where`` and saves a host read.
     """
-    index = where.nonzero(as_tuple=True)
+    shape = tokens.shape
+    if index is None:
+        index = where.reshape(-1).nonzero()[:, 0]  # (N,)
+    states = hidden.reshape(-1, hidden.shape[-1])[index]  # (N, F)
     log_prob, entropy = token_log_prob_entropy_from_hidden(
-        hidden[index], weight, tokens[index], bias, chunk_size=chunk_size
+        states, weight, tokens.reshape(-1)[index], bias, chunk_size=chunk_size
     )  # (N,), (N,)
-    zeros = log_prob.new_zeros(where.shape)
-    return zeros.index_put(index, log_prob), zeros.index_put(index, entropy)
+    zeros = log_prob.new_zeros(shape.numel())
+    return (
+        zeros.index_put((index,), log_prob).view(shape),
+        zeros.index_put((index,), entropy).view(shape),
+    )
 
 
 #: Where ``LeanTransformersWrapper`` computes the log-probs it writes.
@@ -222,27 +248,6 @@ def _checked_disable_adapters(disable_adapters, model) -> bool:
             f"disable_adapter()); {type(model).__name__} has none."
         )
     return bool(disable_adapters)
-
-
-def _response_lengths_of(td, input_key, tokens_key) -> torch.Tensor | None:
-    """Each row's response length ``L - P`` from ``("tokens", "prompt")`` and the scored
-    tokens, each row as stored (ragged rows, or rows padded to the batch's widths, whose
-    padded prompt then starts the padded tokens), or ``None`` (score every position) when the
-    input has no prompt, is not one row per sequence, or a prompt is not the start of its
-    tokens."""
-    prompt_key = (tokens_key, "prompt")
-    if td.ndim != 1:
-        return None
-    prompts = td.get(prompt_key, None, as_list=True)
-    fulls = td.get(input_key, None, as_list=True)
-    if prompts is None or fulls is None or any(p is None for p in prompts):
-        return None
-    lengths = []
-    for prompt, full in zip(prompts, fulls, strict=True):
-        if prompt.shape[-1] > full.shape[-1] or not torch.equal(full[: prompt.shape[-1]], prompt):
-            return None
-        lengths.append(full.shape[-1] - prompt.shape[-1])
-    return torch.tensor(lengths, device=fulls[0].device)
 
 
 class _Head:
@@ -323,19 +328,6 @@ def output_layer(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Line
                 "torchrl's TransformersWrapper for this model."
             )
     return body, head
-
-
-def _ignored_positions(attention_mask: torch.Tensor) -> torch.Tensor:
-    """torchrl's positions of log-prob ``0``: each row's first attended token, and padding.
-
-    The rule of ``TransformersWrapper._compute_log_probs_from_model_output``: a row whose
-    first attended token is not found (no padding on its left) has position 0.
-    """
-    mask = attention_mask.bool()  # (B, T)
-    first = ~mask[:, :-1] & mask[:, 1:]  # (B, T - 1)
-    first = torch.cat([torch.zeros_like(first[:, :1]), first], -1)  # (B, T)
-    first[~first.any(-1), 0] = True
-    return first | ~mask
 
 
 class LeanTransformersWrapper(TransformersWrapper):
@@ -469,7 +461,6 @@ class LeanTransformersWrapper(TransformersWrapper):
         self.cast_head_to_float32 = bool(cast_head_to_float32)
         self.sharing = sharing
         self.log_probs_at = _checked_log_probs_at(log_probs_at)
-        self._response_lengths = None  # set while a tokens input is scored (log_probs_at)
         self.disable_adapters = _checked_disable_adapters(disable_adapters, self.model)
         if not self.generate:  # the model's own logits on a few tokens are what it computes
             with self._adapters():
@@ -506,7 +497,6 @@ class LeanTransformersWrapper(TransformersWrapper):
         new.cast_head_to_float32 = bool(cast)
         new.sharing = PrefixSharing(share, min_shared)
         new.log_probs_at = _checked_log_probs_at(log_probs_at)
-        new._response_lengths = None
         return new
 
     # -- the head, as tensors ------------------------------------------------------------------
@@ -548,27 +538,81 @@ class LeanTransformersWrapper(TransformersWrapper):
         elements = _HIDDEN_CHUNK_ELEMENTS
         return _chunk_rows(self.chunk_size, vocab, positions, device, elements=elements)
 
-    # -- scoring: torchrl's model calls, with hidden states in place of logits ------------------
+    # -- scoring: one host copy of the rows, a fixed number of operators -----------------------
 
-    def _score(self, hidden, input_ids, ignored, logits_only: bool, read=None):
-        """torchrl's shift of ``_compute_log_probs_from_model_output``, on hidden states.
+    def _from_transformers_logprobs_tokens(self, td, cfg, out, logits_only=False):
+        """torchrl's tokens path, on hidden states, reading the rows once
+        (:mod:`torchrl_grpo.llm.scoring`): the same output entries as torchrl's, a fixed number
+        of operators whatever the number of rows. Input it does not take (rows that are not
+        one-dimensional) runs torchrl's code."""
+        response = self.log_probs_at == "response" and not logits_only
+        rows = self._token_rows(td, prompts=response)
+        if rows is None:
+            return super()._from_transformers_logprobs_tokens(td, cfg, out, logits_only)
+        log_probs, shifted = self._scored(rows, logits_only, response)
+        keys = (self.text_key, self.tokens_key, self.masks_key, self.log_probs_key)
+        logits = shifted if self._in_get_dist_call else None
+        return write_outputs(out, td, rows, log_probs, logits, keys, self.pad_output)
 
-        Returns ``(log_probs [B, T] or None, shifted features [B, T, F])``: position ``t``
-        holds the state that predicts token ``t`` (zeros at ``t = 0``, as torchrl's logits);
-        the log-prob is ``0`` where ``ignored`` ``[B, T]`` is set (a sequence's first token,
-        padding) and, when ``read`` ``[B, T]`` is given, where it is not set: the output
-        layer runs only where a log-prob is kept.
-        """
-        features = self._features(hidden)  # (B, T, F)
+    def _token_rows(self, td, prompts: bool = False) -> TokenRows | None:
+        """The call's rows of tokens (masks, and stored prompts if asked), read once."""
+        mask_keys = (("masks", "all_attention_mask"), self.attention_mask_key)
+        prompt_key = (self.tokens_key, "prompt") if prompts else None
+        pad = self.tokenizer.pad_token_id
+        rows = read_token_rows(td, self.input_key, mask_keys, pad, prompt_key)
+        if rows is not None:
+            self._check_input(rows.width, int(rows.lengths.min()))
+        return rows
+
+    def _check_input(self, width: int, shortest: int) -> None:
+        if not shortest:
+            raise ValueError(
+                "Input contains empty sequences. Packing/padding requires at least one token "
+                "per sequence."
+            )
+        max_len = getattr(getattr(self.model, "config", None), "max_position_embeddings", None)
+        if max_len is not None and width > max_len:
+            raise ValueError(
+                f"Input sequence length ({width}) exceeds the model's "
+                f"max_position_embeddings ({max_len})."
+            )
+
+    def _scored(self, rows: TokenRows, logits_only: bool, response: bool = False):
+        """``(log_probs [B, T] or None, shifted features [B, T, F])`` of left-padded rows:
+        position ``t`` holds the state that predicts token ``t`` (zeros at ``t = 0``, as
+        torchrl's shifted logits); the log-prob is ``0`` at padding, at each row's first token
+        and, with ``response``, on each row's prompt: the output layer runs only where a
+        log-prob is kept."""
+        features = self._features(self._rows_hidden(rows))  # (B, T, F)
         shifted = torch.cat([torch.zeros_like(features[:, :1]), features[:, :-1]], 1)
         if logits_only:
             return None, shifted
-        tokens = torch.cat([torch.zeros_like(input_ids[:, :1]), input_ids[:, 1:]], 1)  # (B, T)
-        kept = ~ignored if read is None else read & ~ignored  # (B, T)
+        index = read_index(rows, response_starts(rows) if response else None)
         weight = self._head()
-        rows = self._rows(weight.shape[0], int(kept.sum()), shifted.device)
-        log_probs, _ = _at_positions(shifted, kept, weight, tokens, chunk_size=rows)
+        chunk = self._rows(weight.shape[0], len(index), shifted.device)
+        index = upload(index, shifted.device)
+        log_probs, _ = _at_positions(shifted, None, weight, rows.tokens, None, chunk, index)
         return log_probs, shifted
+
+    def _rows_hidden(self, rows: TokenRows) -> torch.Tensor:
+        """The body's last hidden states ``[B, T, H]`` of the left-padded rows.
+
+        Rows whose attended tokens are one block at their right end go through the body as
+        one packed prefix tree (:class:`~torchrl_grpo.llm.prefix.PrefixSharing`: shared
+        tokens once; with ``pad_model_input=False`` packed even when nothing is shared);
+        otherwise, or where the model cannot, one dense padded pass. Padding holds zeros
+        when packed.
+        """
+        body, _ = output_layer(self.model)
+        hidden = None
+        if rows.blocks:
+            pack = not self.pad_model_input
+            hidden = self.sharing.hidden(body, rows.real, rows.width, pack=pack)
+        if hidden is None:
+            hidden = body(
+                input_ids=rows.tokens, attention_mask=rows.attention, use_cache=False
+            ).last_hidden_state
+        return hidden
 
     def _model_forward_with_padded_sequences(
         self,
@@ -582,44 +626,18 @@ class LeanTransformersWrapper(TransformersWrapper):
         """The model's body on left-padded tokens; ``(log_probs, shifted hidden states)``.
 
         Overrides torchrl's method of the same name (see ``torchrl_grpo._compat``), which
-        returns ``(log_probs, shifted logits)``. Generation keywords are not passed: they do
-        not change the hidden states.
+        returns ``(log_probs, shifted logits)``; torchrl's text and history paths call it.
+        Generation keywords are not passed: they do not change the hidden states.
         """
         if tokens_full_padded.numel() == 0:
-            raise ValueError(
-                "Input contains empty sequences. Packing/padding requires at least one token "
-                "per sequence."
-            )
-        max_len = getattr(getattr(self.model, "config", None), "max_position_embeddings", None)
-        if max_len is not None and tokens_full_padded.shape[-1] > max_len:
-            raise ValueError(
-                f"Input sequence length ({tokens_full_padded.shape[-1]}) exceeds the model's "
-                f"max_position_embeddings ({max_len})."
-            )
-        hidden = self._padded_hidden(tokens_full_padded, attention_mask_full_padded)
-        ignored = _ignored_positions(attention_mask_full_padded)
-        read = self._read_positions(attention_mask_full_padded.shape, packed_lengths=None)
-        return self._score(hidden, tokens_full_padded, ignored, logits_only, read)
-
-    def _padded_hidden(self, tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """The body's last hidden states ``[B, T, H]`` of left-padded rows.
-
-        Rows sharing a prefix compute it once (:class:`~torchrl_grpo.llm.prefix.PrefixSharing`)
-        when each row's attended tokens are one block at its right end; otherwise, and when
-        nothing is shared, one dense pass. Padding positions hold zeros when shared.
-        """
-        body, _ = output_layer(self.model)
-        lengths = mask.long().sum(-1)  # (B,)
-        width = mask.shape[-1]
-        right_aligned = torch.arange(width, device=mask.device) >= (width - lengths)[:, None]
-        hidden = None
-        if bool((mask.bool() == right_aligned).all()):
-            rows = [row[width - n :] for row, n in zip(tokens, lengths.tolist())]
-            hidden = self.sharing.hidden(body, rows)
-        if hidden is None:
-            return body(input_ids=tokens, attention_mask=mask, use_cache=False).last_hidden_state
-        padded = torch.nn.utils.rnn.pad_sequence(hidden, batch_first=True, padding_side="left")
-        return torch.nn.functional.pad(padded, (0, 0, width - padded.shape[1], 0))
+            self._check_input(0, 0)
+        rows = token_rows(
+            list(tokens_full_padded.unbind(0)),
+            list(attention_mask_full_padded.unbind(0)),
+            self.tokenizer.pad_token_id,
+        )
+        self._check_input(rows.width, int(rows.lengths.min()))
+        return self._scored(rows, logits_only)
 
     def _model_forward_with_packed_sequences(
         self,
@@ -630,95 +648,32 @@ class LeanTransformersWrapper(TransformersWrapper):
         logits_only: bool = False,
         **kwargs,
     ):
-        """The model's body on packed sequences, each attending causally to itself only.
+        """The model's body on sequences given packed (nested); each attends causally to
+        itself only.
 
-        Overrides torchrl's method of the same name; returns nested (or padded, ``pad=True``)
-        ``(log_probs, shifted hidden states)`` where torchrl returns logits. Unlike torchrl
-        0.14.1, which attends over the whole block of each sequence (later tokens included)
-        and scores each sequence's first token from the end of the previous one, the mask is
-        causal within each sequence and every sequence's first token has log-prob ``0``: the
-        packed path gives the numbers of the padded one.
+        Overrides torchrl's method of the same name; returns nested (or right-padded,
+        ``pad=True``) ``(log_probs, shifted hidden states)`` where torchrl returns logits.
+        Unlike torchrl 0.14.1, which attends over the whole block of each sequence (later
+        tokens included) and scores each sequence's first token from the end of the previous
+        one, the mask is causal within each sequence and every sequence's first token has
+        log-prob ``0``: the packed path gives the numbers of the padded one.
         """
         if flat_input_ids.numel() == 0:
             raise ValueError(
                 "Input contains empty sequences. Packing requires at least one token per sequence."
             )
-        packed_ids, _, meta = self._pack_sequences(flat_input_ids, block_diag_attention_mask)
-        lengths = meta["sequence_lengths"]
-        mask = block_diag_attention_mask  # nested (B, j): the sequences' own attention masks
-        attended = (mask.values() if mask.is_nested else mask.reshape(-1)).bool()  # (L,)
-        # same sequence, not ahead, and not padding (text input arrives padded by the
-        # tokenizer); a padding position sees itself, so that no row is empty
-        body, _ = output_layer(self.model)
-        hidden = self._packed_shared_hidden(body, packed_ids[0], attended, lengths)
-        if hidden is None:
-            causal = self.repeat_interleave_causal(lengths)  # (L, L)
-            causal &= attended[None, :] | torch.eye(
-                len(attended), dtype=torch.bool, device=attended.device
-            )
-            hidden = body(
-                input_ids=packed_ids,
-                attention_mask=causal[None, None],
-                position_ids=meta["position_ids"],
-                use_cache=False,
-            ).last_hidden_state
-        starts = torch.zeros_like(attended)  # (L,)
-        starts[lengths.cumsum(0) - lengths] = True
-        before = torch.cat([attended.new_zeros(1), attended[:-1]]) & ~starts
-        ignored = ~attended | (attended & ~before)  # padding, and each sequence's first token
-        read = self._read_positions((1, len(attended)), packed_lengths=lengths)
-        log_probs, shifted = self._score(hidden, packed_ids, ignored[None], logits_only, read)
+        ids, masks = list(flat_input_ids.unbind(0)), list(block_diag_attention_mask.unbind(0))
+        rows = token_rows(ids, masks, self.tokenizer.pad_token_id)
+        self._check_input(rows.width, int(rows.lengths.min()))
+        log_probs, shifted = self._scored(rows, logits_only)
 
-        def unpack(x):  # (1, L, ...) -> nested (B, j, ...), or right-padded as torchrl's
-            nested = torch.nested.nested_tensor_from_jagged(x.squeeze(0), lengths=lengths)
-            return nested.to_padded_tensor(padding=0.0) if pad else nested
+        def unpack(x):  # left-padded (B, T, ...) -> nested (B, j, ...), or right-padded
+            found = ragged.rows_of(x, rows.lengths)
+            if pad:
+                return ragged.padded(found, 0.0, side="right")
+            return torch.nested.as_nested_tensor(found, layout=torch.jagged)
 
         return (None if log_probs is None else unpack(log_probs)), unpack(shifted)
-
-    def _packed_shared_hidden(self, body, ids, attended, lengths) -> torch.Tensor | None:
-        """Hidden states ``[1, L, H]`` of packed sequences with shared prefixes computed once,
-        zeros at padding; ``None`` (score densely) when nothing is shared or a sequence's
-        attended tokens are not one block."""
-        rows, blocks = [], []
-        for row, seen in zip(ids.split(lengths.tolist()), attended.split(lengths.tolist())):
-            where = seen.nonzero()[:, 0]
-            if len(where) and int(where[-1] - where[0]) + 1 != len(where):
-                return None
-            rows.append(row[seen])
-        shared = self.sharing.hidden(body, rows)
-        if shared is None:
-            return None
-        blocks = torch.cat(shared)  # (attended positions, H)
-        out = blocks.new_zeros(len(attended), blocks.shape[-1])
-        return out.index_put((attended.nonzero()[:, 0],), blocks)[None]
-
-    # -- log_probs_at="response": the positions whose log-prob is computed ----------------------
-
-    def _from_transformers_logprobs_tokens(self, td, cfg, out, logits_only=False):
-        """torchrl's tokens path; with ``log_probs_at="response"`` it first reads each row's
-        response length from the input (see ``_response_lengths_of``)."""
-        if self.log_probs_at == "response" and not logits_only:
-            self._response_lengths = _response_lengths_of(td, self.input_key, self.tokens_key)
-        try:
-            return super()._from_transformers_logprobs_tokens(td, cfg, out, logits_only)
-        finally:
-            self._response_lengths = None
-
-    def _read_positions(self, shape, packed_lengths) -> torch.Tensor | None:
-        """``[B, T]`` positions whose log-prob is computed (each row's response), or ``None``
-        (every position). Padded rows are right-aligned; packed ones (``packed_lengths``
-        given) laid end to end in one row."""
-        response = self._response_lengths
-        if response is None:
-            return None
-        if packed_lengths is None:
-            ends = torch.full((shape[0],), shape[1], device=response.device)
-        else:
-            ends = packed_lengths.to(response.device).cumsum(0)
-        starts = ends - response  # (B,)
-        columns = torch.arange(shape[1], device=response.device)
-        read = (columns >= starts[:, None]) & (columns < ends[:, None])  # (B, T)
-        return read if packed_lengths is None else read.any(0, keepdim=True)
 
     # -- distributions: torchrl's masks, over hidden states -------------------------------------
 
@@ -757,7 +712,41 @@ class LeanTransformersWrapper(TransformersWrapper):
         return self._lean(super().get_dist(tensordict, *args, **kwargs))
 
     def _get_dist_with_prompt_mask(self, tensordict, *args, **kwargs):
-        return self._lean(super()._get_dist_with_prompt_mask(tensordict, *args, **kwargs))
+        dist = None if args or kwargs else self._prompt_masked(tensordict)
+        if dist is None:
+            dist = self._lean(super()._get_dist_with_prompt_mask(tensordict, *args, **kwargs))
+        return dist
+
+    def _prompt_masked(self, tensordict) -> HiddenLLMMaskedCategorical | None:
+        """torchrl's ``"sft"`` distribution, built from the rows read once
+        (:func:`~torchrl_grpo.llm.scoring.prompt_mask`), or ``None`` where torchrl's code
+        must build it (no stored prompts, rows whose attended tokens are not one block, text
+        or history input, torchrl's ``pad_output=True`` path without a stored mask)."""
+        if self.generate or self.input_mode != "tokens" or tensordict.ndim != 1:
+            return None
+        td = tensordict
+        if not isinstance(td, LazyStackedTensorDict):
+            td = td.to_lazystack(0)
+        prompts = td.get((self.tokens_key, "prompt"), None, as_list=True)
+        if not isinstance(prompts, list) or any(p is None for p in prompts):
+            return None
+        if self.pad_output and td.get(("masks", "all_attention_mask"), None, as_list=True) is None:
+            return None
+        rows = self._token_rows(td)
+        if rows is None or not rows.blocks:
+            return None
+        with self._adapters():
+            _, shifted = self._scored(rows, logits_only=True)
+        mask, first = prompt_mask(rows, [p.shape[-1] for p in prompts], self.pad_output)
+        weight = self._head()
+        chunk = self._rows(weight.shape[0], int(mask.sum()), shifted.device)
+        return HiddenLLMMaskedCategorical(
+            shifted[:, first:],
+            upload(mask, shifted.device),
+            weight,
+            chunk_size=chunk,
+            positions=upload(np.flatnonzero(mask), shifted.device),
+        )
 
     def _get_dist_with_assistant_mask(self, tensordict, *args, **kwargs):
         return self._lean(super()._get_dist_with_assistant_mask(tensordict, *args, **kwargs))

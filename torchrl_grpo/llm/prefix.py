@@ -1,40 +1,44 @@
-"""Shared-prefix scoring: a token prefix that several rows share goes through the model once.
+"""Shared-prefix scoring: every token that several rows share goes through the model once.
 
 GRPO scores the ``G`` completions of each prompt together, and an agent's turns each repeat the
 dialog before them. Scored row by row, the model's body runs over every shared prompt ``G``
-times, forward and backward. Here the rows of one scoring call are grouped by the longest token
-prefix they share (found from the tokens: nothing is annotated); each group's prefix runs
-through the model's body once, with its key/value cache; the group's suffixes run as one batch
-against that cache (the cache indexed once per row, so that the gradient of every suffix
-flows back into the prefix and the prefix's backward runs once). Rows that share less than
-``min_shared`` tokens with any other row run as one ordinary batch.
+times, forward and backward. Here the rows of one scoring call are put in a prefix tree (a
+trie whose edges are token runs, found from the tokens: nothing is annotated) and the tree's
+tokens run through the body **once, in one pass**, as verl's PrefixGrouper and AReaL's tree
+training do: each node's tokens follow its parent's in one packed sequence, each token attends
+to its ancestors' tokens and causally to its own node's (a block attention mask), and its
+position id is its depth in the tree (the position it holds in each of its rows). A row's
+hidden states are then read from the packed ones along its path, with one index.
 
 The order of a call, as a record that computes nothing until :func:`shared_hidden` runs it:
 :func:`prefix_plan` sorts the rows by their tokens, measures the common prefix of each
-neighbour pair, cuts the sorted rows into runs whose neighbours share at least
-``min_shared`` tokens (a run's prefix is the shortest shared length in it: one level, not a
-tree), and buckets runs of equal prefix length so that their prefixes run as one batch.
+neighbour pair, cuts the sorted rows into trees whose neighbours share at least ``min_shared``
+tokens (a row that shares less with both neighbours is a tree of its own), builds each tree's
+nodes (a dialog's turns share all of the history they have in common: every level, not one),
+and packs the trees into rows of one batch. Everything is decided on the host from one copy of
+the tokens; the device runs a fixed number of operators whatever the number of rows or groups.
 
-Positions: the prefix holds positions ``0..P-1`` and each suffix ``P..``; suffixes are padded on
-the right (a padding position attends to real tokens only, so no attention row is empty) and
-the rows that share nothing are padded on the right too, with explicit position ids. For
-rotary models (Qwen, Llama, Mistral) this is the dense left-padded pass up to float rounding.
-
-Any Hugging Face decoder whose body takes ``past_key_values``, ``position_ids`` and
-``use_cache`` and returns ``last_hidden_state`` and ``past_key_values`` (a ``Cache`` with
-``reorder_cache``) works without edits. A model that does not raises :class:`SharingUnsupported`
-and the caller scores densely.
+Exactness: a packed token sees the same keys at the same positions as in its own row, so for
+rotary models (Qwen, Llama, Mistral) the hidden states are the dense pass's up to float
+rounding; the gradient of every row flows into the shared tokens through the reading index.
+Sliding-window layers get the window on the positions. The mask is built in the form the
+model's attention implementation takes (``sdpa``: boolean, ``eager``: additive,
+``flex_attention``: a ``BlockMask``); an implementation that takes no custom mask (flash
+attention), or a body that refuses one, raises :class:`SharingUnsupported` and the caller scores
+densely, with one warning.
 """
 
 from __future__ import annotations
 
-import inspect
 import warnings
-from collections import defaultdict
 from dataclasses import dataclass
 from numbers import Integral
 
+import numpy as np
 import torch
+
+from torchrl_grpo import _compat
+from torchrl_grpo.ragged import upload
 
 __all__ = [
     "PrefixPlan",
@@ -47,7 +51,7 @@ __all__ = [
 
 
 class SharingUnsupported(RuntimeError):
-    """The model's body cannot score suffixes against a cached prefix (the message says why)."""
+    """The model's body cannot score a packed prefix tree (the message says why)."""
 
 
 def checked_min_shared(min_shared) -> int:
@@ -62,146 +66,242 @@ def checked_min_shared(min_shared) -> int:
 
 @dataclass(frozen=True)
 class PrefixPlan:
-    """Which rows share which prefix: the record of one scoring call.
+    """The prefix tree of one scoring call and its packing: host arrays, nothing computed.
+
+    Node ``n`` holds tokens ``depth[parent[n]]..depth[n]`` of the rows below it; rows that end
+    at the same node are equal. Segment ``S`` (the last) is padding.
 
     Attributes:
-        buckets (dict[int, list[tuple[int, ...]]]): prefix length ``P`` -> the groups of rows
-            (each a tuple of row indices, two rows at least) whose first ``P`` tokens are equal.
-        alone (list[int]): rows scored without sharing.
+        tokens (numpy.ndarray): ``[R, W]`` the packed token ids (``0`` at padding).
+        positions (numpy.ndarray): ``[R, W]`` each packed token's position (its depth).
+        segments (numpy.ndarray): ``[R, W]`` the node of each packed token (``S``: padding).
+        ancestors (numpy.ndarray): ``[S + 1, S + 1]`` bool, ``[s, t]`` true when ``t`` is
+            ``s`` or one of its ancestors (padding sees padding only).
+        reads (numpy.ndarray): ``[B, T]`` for each row, left-padded to ``T``, the flat packed
+            slot (``r * W + w``) of each of its tokens; ``R * W`` (a zero slot) at padding.
+        trees (list[tuple[int, ...]]): the rows of each tree of two rows or more.
+        alone (list[int]): the rows that share nothing.
+        shared_tokens (int): token positions not computed again.
     """
 
-    buckets: dict[int, list[tuple[int, ...]]]
-    alone: list[int]
+    tokens: np.ndarray
+    positions: np.ndarray
+    segments: np.ndarray
+    ancestors: np.ndarray
+    reads: np.ndarray
+    trees: list
+    alone: list
+    shared_tokens: int
 
-    @property
-    def shared_tokens(self) -> int:
-        """Token positions the plan does not compute again (prefix length x (rows - 1))."""
-        return sum(p * (len(g) - 1) for p, groups in self.buckets.items() for g in groups)
 
-
-def _common_length(a: torch.Tensor, b: torch.Tensor) -> int:
+def _common_length(a: np.ndarray, b: np.ndarray) -> int:
     n = min(len(a), len(b))
-    differ = (a[:n] != b[:n]).nonzero()
-    return int(differ[0, 0]) if len(differ) else n
+    differ = np.flatnonzero(a[:n] != b[:n])
+    return int(differ[0]) if len(differ) else n
 
 
-def prefix_plan(sequences: list[torch.Tensor], min_shared: int) -> PrefixPlan:
-    """Group rows by the token prefix they share (at least ``min_shared`` tokens).
+def _tree_nodes(rows, order, common):
+    """Nodes of one tree (rows ``order`` sorted, ``common[k]`` shared by ``order[k-1:k+1]``):
+    ``(parent, depth, source row)`` each, and the node each row ends at. Node 0 is the root."""
+    parent, depth, source = [-1], [0], [order[0]]
+    end = {}
+    stack = [0]
+    for k, row in enumerate(order):
+        shared = 0 if k == 0 else common[k]
+        last = None
+        while depth[stack[-1]] > shared:
+            last = stack.pop()
+        if depth[stack[-1]] < shared:  # the branch point: a new node between top and last
+            parent.append(stack[-1]), depth.append(shared), source.append(row)
+            parent[last] = len(parent) - 1
+            stack.append(len(parent) - 1)
+        if len(rows[row]) > depth[stack[-1]]:
+            parent.append(stack[-1]), depth.append(len(rows[row])), source.append(row)
+            stack.append(len(parent) - 1)
+        end[row] = stack[-1]
+    return parent, depth, source, end
+
+
+def _trees(rows, min_shared: int):
+    """The rows sorted by their tokens, cut where neighbours share under ``min_shared``."""
+    order = sorted(range(len(rows)), key=lambda i: rows[i].tolist())
+    common = [0] + [_common_length(rows[a], rows[b]) for a, b in zip(order, order[1:])]
+    trees, start = [], 0
+    for k in range(1, len(order) + 1):
+        if k == len(order) or common[k] < min_shared:
+            trees.append((order[start:k], [0] + common[start + 1 : k]))
+            start = k
+    return trees
+
+
+def _pack(sizes: list[int]) -> tuple[list[int], list[int], int]:
+    """First-fit decreasing of the trees (``sizes`` tokens each) into rows as wide as the
+    largest: ``(packed row, offset)`` of each tree and the width."""
+    width = max(sizes)
+    used: list[int] = []
+    row, offset = [0] * len(sizes), [0] * len(sizes)
+    for t in sorted(range(len(sizes)), key=lambda t: -sizes[t]):
+        fit = next((r for r, u in enumerate(used) if u + sizes[t] <= width), len(used))
+        if fit == len(used):
+            used.append(0)
+        row[t], offset[t] = fit, used[fit]
+        used[fit] += sizes[t]
+    return row, offset, width
+
+
+def prefix_plan(sequences, min_shared: int, width: int | None = None) -> PrefixPlan:
+    """The prefix tree of the rows (prefixes of at least ``min_shared`` tokens), packed.
 
     Args:
-        sequences (list[torch.Tensor]): each row's real tokens ``[L_i]`` (no padding).
+        sequences (list): each row's real tokens ``[L_i]`` (no padding), host arrays or
+            tensors (read on the host).
         min_shared (int): shortest prefix worth computing once.
+        width (int, optional): ``T`` of :attr:`PrefixPlan.reads`. Defaults to the longest row.
 
     Returns:
-        PrefixPlan: the groups, bucketed by prefix length, and the rows left alone.
+        PrefixPlan: the tree, its packing, and where each row reads its states.
 
     Examples:
-        >>> import torch
+        >>> import numpy as np
         >>> from torchrl_grpo.llm.prefix import prefix_plan
-        >>> rows = [torch.tensor(t) for t in ([1, 2, 3, 4], [9, 9], [1, 2, 3, 5, 6], [1, 2, 3])]
+        >>> rows = [np.array(t) for t in ([1, 2, 3, 4], [9, 9], [1, 2, 3, 5, 6], [1, 2, 3])]
         >>> plan = prefix_plan(rows, min_shared=2)
-        >>> plan.buckets, plan.alone
-        ({3: [(3, 0, 2)]}, [1])
+        >>> plan.trees, plan.alone, plan.shared_tokens
+        ([(3, 0, 2)], [1], 6)
+        >>> plan.tokens.tolist()  # [1, 2, 3] once, then 4 and 5 6 after it; 9 9 beside
+        [[1, 2, 3, 4, 5, 6], [9, 9, 0, 0, 0, 0]]
+        >>> plan.positions[0].tolist()
+        [0, 1, 2, 3, 3, 4]
     """
-    cpu = [s.detach().cpu() for s in sequences]
-    order = sorted(range(len(cpu)), key=lambda i: cpu[i].tolist())
-    buckets: dict[int, list[tuple[int, ...]]] = defaultdict(list)
-    alone: list[int] = []
-    run, shared = [order[0]] if order else [], None
-    for i in order[1:] + [None]:
-        common = -1 if i is None else _common_length(cpu[run[-1]], cpu[i])
-        if common >= min_shared:
-            run.append(i)
-            shared = common if shared is None else min(shared, common)
-            continue
-        if len(run) > 1:
-            buckets[shared].append(tuple(run))
-        else:
-            alone.extend(run)
-        run, shared = [i], None
-    return PrefixPlan(dict(buckets), sorted(alone))
+    rows = [np.asarray(s.detach().cpu() if isinstance(s, torch.Tensor) else s) for s in sequences]
+    width = max(len(r) for r in rows) if width is None else int(width)
+    trees = _trees(rows, min_shared)
+    built = [_tree_nodes(rows, order, common) for order, common in trees]
+    sizes = [sum(d - depth[p] for p, d in zip(parent[1:], depth[1:])) for parent, depth, *_ in built]
+    packed_row, offset, packed_width = _pack([max(1, size) for size in sizes])
+    tokens = np.zeros((max(packed_row) + 1, packed_width), dtype=np.int64)
+    positions = np.zeros_like(tokens)
+    segments = np.full_like(tokens, sum(len(parent) - 1 for parent, *_ in built))
+    parents, slots = [], []  # per node: its parent (-1: a tree's top), its packed slots
+    ids = []  # per tree: local node -> global node (a node's parent numbered before it)
+    for t, (parent, depth, source, _) in enumerate(built):
+        at, ids_t = offset[t], {0: -1}
+        for n in sorted(range(1, len(parent)), key=lambda n: depth[parent[n]]):
+            start, stop = depth[parent[n]], depth[n]
+            where = (packed_row[t], slice(at, at + stop - start))
+            tokens[where] = rows[source[n]][start:stop]
+            positions[where] = np.arange(start, stop)
+            ids_t[n] = len(parents)
+            segments[where] = len(parents)
+            parents.append(ids_t[parent[n]])
+            slots.append(packed_row[t] * packed_width + np.arange(at, at + stop - start))
+            at += stop - start
+        ids.append(ids_t)
+    reads = np.full((len(rows), width), tokens.size, dtype=np.int64)  # the zero slot
+    for (_, _, _, end), (order, _), ids_t in zip(built, trees, ids, strict=True):
+        for row in order:
+            path = _path(parents, ids_t[end[row]])
+            flat = np.concatenate([slots[n] for n in path] or [np.zeros(0, dtype=np.int64)])
+            reads[row, width - len(flat) :] = flat
+    return PrefixPlan(
+        tokens=tokens,
+        positions=positions,
+        segments=segments,
+        ancestors=_ancestors(parents),
+        reads=reads,
+        trees=[tuple(order) for order, _ in trees if len(order) > 1],
+        alone=sorted(order[0] for order, _ in trees if len(order) == 1),
+        shared_tokens=sum(len(r) for r in rows) - sum(sizes),
+    )
 
 
-def _cache_keyword(body) -> str:
-    """The body's name for the key/value cache: ``cache`` (transformers 5.2x) or
-    ``past_key_values`` (earlier releases)."""
-    try:
-        params = inspect.signature(body.forward).parameters
-    except (TypeError, ValueError):
-        return "past_key_values"
-    return "cache" if "cache" in params else "past_key_values"
+def _path(parents: list[int], node: int) -> list[int]:
+    """The nodes from a tree's top down to ``node`` (none for ``-1``)."""
+    path = []
+    while node >= 0:
+        path.append(node)
+        node = parents[node]
+    return path[::-1]
 
 
-def _returned_cache(out):
-    cache = getattr(out, "cache", None)
-    return getattr(out, "past_key_values", None) if cache is None else cache
+def _ancestors(parents: list[int]) -> np.ndarray:
+    """``[S + 1, S + 1]``: ``[s, t]`` when ``t`` is ``s`` or its ancestor; ``S`` is padding."""
+    size = len(parents) + 1
+    out = np.eye(size, dtype=bool)
+    for s, p in enumerate(parents):  # parents come before their children
+        if p >= 0:
+            out[s] |= out[p]
+    return out
 
 
-def _body_call(body, cache=None, **kwargs):
-    if cache is not None:
-        kwargs[_cache_keyword(body)] = cache
+def _masks(body, plan_tensors, window_needed: bool):
+    """The packed block mask in the form the body's attention takes: ``[R, 1, W, W]``, or one
+    per layer type when sliding-window layers need their window on the positions."""
+    _, positions, segments, ancestors = plan_tensors
+    width = segments.shape[1]
+    causal = torch.ones(width, width, dtype=torch.bool, device=segments.device).tril()
+    seen = ancestors[segments[:, :, None], segments[:, None, :]] & causal  # (R, W, W)
+    config = getattr(body, "config", None)
+    kind = _compat.attention_implementation(body)
+    types = set(getattr(config, "layer_types", None) or ())
+    window = getattr(config, "sliding_window", None)
+    if not types:  # one kind for every layer (Mistral: a window when the config has one)
+        types = {"sliding_attention" if window else "full_attention"}
+    unknown = types - {"full_attention", "sliding_attention"}
+    if unknown:
+        raise SharingUnsupported(f"its layers of type {sorted(unknown)} take no packed mask")
+    masks = {}
+    for kind_of_layer in types:
+        mask = seen
+        if kind_of_layer == "sliding_attention" and window_needed:
+            mask = seen & (positions[:, :, None] - positions[:, None, :] < window)
+        masks[kind_of_layer] = _as_attention_mask(mask, kind, body)
+    if len(masks) == 1 or len({id(m) for m in masks.values()}) == 1:
+        return next(iter(masks.values()))
+    return masks
+
+
+def _as_attention_mask(mask: torch.Tensor, kind: str | None, body):
+    """A boolean ``[R, W, W]`` mask as ``kind`` of attention takes it."""
+    if kind in (None, "sdpa"):
+        return mask[:, None]
+    if kind == "eager":
+        dtype = next(body.parameters()).dtype
+        bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
+        return bias.masked_fill(~mask, torch.finfo(dtype).min)[:, None]
+    if kind == "flex_attention":
+        return _compat.block_mask(mask)
+    raise SharingUnsupported(
+        f"its attention implementation {kind!r} takes no custom attention mask (sdpa, eager "
+        "and flex_attention do)"
+    )
+
+
+def _body_call(body, **kwargs):
     try:
         return body(**kwargs)
-    except (TypeError, ValueError, AttributeError, NotImplementedError) as err:
+    except (TypeError, ValueError, AttributeError, NotImplementedError, IndexError) as err:
         raise SharingUnsupported(
-            f"{type(body).__name__} cannot score suffixes against a cached prefix "
+            f"{type(body).__name__} cannot score a packed prefix tree "
             f"({type(err).__name__}: {err})"
         ) from err
 
 
-def _right_padded(rows: list[torch.Tensor], start: int):
-    """``(ids [n, S], mask [n, S], positions [n, S])`` of rows padded on the right (with id 0,
-    masked out)."""
-    width = max(len(r) for r in rows)
-    ids = rows[0].new_zeros((len(rows), width))
-    mask = torch.zeros(len(rows), width, dtype=torch.long, device=ids.device)
-    for k, r in enumerate(rows):
-        ids[k, : len(r)] = r
-        mask[k, : len(r)] = 1
-    positions = torch.arange(width, device=ids.device).expand(len(rows), width) + start
-    return ids, mask, positions
+def shared_hidden(body, plan: PrefixPlan) -> torch.Tensor:
+    """The body's last hidden states of each row, every shared token computed once.
 
-
-def _suffixes(body, sequences, groups, length, prefix_out):
-    """Hidden states of each group row's suffix, scored against its group's cached prefix."""
-    rows = [r for g in groups for r in g]
-    owner = torch.tensor([k for k, g in enumerate(groups) for _ in g], device=sequences[0].device)
-    tails = [sequences[r][length:] for r in rows]
-    if max(len(t) for t in tails) == 0:  # every row is the prefix itself
-        return rows, owner, [t.new_zeros(0) for t in tails], None
-    cache = _returned_cache(prefix_out)
-    if cache is None or not callable(getattr(cache, "reorder_cache", None)):
-        raise SharingUnsupported(
-            f"{type(body).__name__} returned no key/value cache with reorder_cache (got "
-            f"{type(cache).__name__}; gradient checkpointing turns the cache off)"
-        )
-    cache.reorder_cache(owner)  # (groups, ...) -> (rows, ...): the prefix's gradients gather here
-    ids, mask, positions = _right_padded(tails, length)  # a row that is the prefix: all padding
-    attention = torch.cat([mask.new_ones(len(rows), length), mask], 1)  # (rows, P + S)
-    out = _body_call(
-        body,
-        input_ids=ids,
-        attention_mask=attention,
-        position_ids=positions,
-        cache=cache,
-        use_cache=True,
-    )
-    return rows, owner, tails, out.last_hidden_state  # (rows, S, H)
-
-
-def shared_hidden(body, sequences: list[torch.Tensor], plan: PrefixPlan) -> list[torch.Tensor]:
-    """The body's last hidden states of each row, each shared prefix computed once.
+    One pass of the body over the packed tree (:class:`PrefixPlan`), then one index: a fixed
+    number of operators whatever the number of rows.
 
     Args:
         body (torch.nn.Module): a Hugging Face decoder body (``model.base_model``).
-        sequences (list[torch.Tensor]): each row's real tokens ``[L_i]``.
         plan (PrefixPlan): from :func:`prefix_plan`.
 
     Returns:
-        list[torch.Tensor]: ``[L_i, H]`` per row, in the order of ``sequences``.
+        torch.Tensor: ``[B, T, H]``, each row left-padded to ``T`` with zeros.
 
     Raises:
-        SharingUnsupported: the body does not take a key/value cache this way.
+        SharingUnsupported: the body cannot take the packed mask (the message says why).
 
     Examples:
         >>> import torch
@@ -213,27 +313,27 @@ def shared_hidden(body, sequences: list[torch.Tensor], plan: PrefixPlan) -> list
         ...     num_key_value_heads=2)).eval().base_model
         >>> prompt = torch.randint(50, (12,))
         >>> rows = [torch.cat([prompt, torch.randint(50, (n,))]) for n in (3, 5)]
-        >>> hidden = shared_hidden(body, rows, prefix_plan(rows, min_shared=8))
+        >>> hidden = shared_hidden(body, prefix_plan(rows, min_shared=8))  # (2, 17, 16)
         >>> dense = [body(input_ids=r[None]).last_hidden_state[0] for r in rows]
-        >>> all(torch.allclose(h, d, atol=1e-5) for h, d in zip(hidden, dense))
+        >>> all(torch.allclose(hidden[i, -len(r):], d, atol=1e-5)
+        ...     for i, (r, d) in enumerate(zip(rows, dense)))
         True
     """
-    hidden: list[torch.Tensor | None] = [None] * len(sequences)
-    for length, groups in plan.buckets.items():
-        prefix = torch.stack([sequences[g[0]][:length] for g in groups])  # (groups, P)
-        positions = torch.arange(length, device=prefix.device).expand_as(prefix)
-        out = _body_call(body, input_ids=prefix, position_ids=positions, use_cache=True)
-        head = out.last_hidden_state  # (groups, P, H)
-        rows, owner, tails, tail_hidden = _suffixes(body, sequences, groups, length, out)
-        for k, (r, t) in enumerate(zip(rows, tails)):
-            own = head[owner[k]]
-            hidden[r] = own if not len(t) else torch.cat([own, tail_hidden[k, : len(t)]])
-    if plan.alone:
-        ids, mask, positions = _right_padded([sequences[r] for r in plan.alone], 0)
-        out = body(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False)
-        for k, r in enumerate(plan.alone):
-            hidden[r] = out.last_hidden_state[k, : len(sequences[r])]
-    return hidden
+    device = next(body.parameters()).device
+    packed = upload(np.stack([plan.tokens, plan.positions, plan.segments]), device)
+    tokens, positions, segments = packed.unbind(0)
+    ancestors = upload(plan.ancestors, device)
+    reads = upload(plan.reads, device)
+    window = getattr(getattr(body, "config", None), "sliding_window", None)
+    window_needed = window is not None and int(plan.positions.max()) >= window
+    mask = _masks(body, (tokens, positions, segments, ancestors), window_needed)
+    out = _body_call(
+        body, input_ids=tokens, attention_mask=mask, position_ids=positions, use_cache=False
+    )
+    hidden = out.last_hidden_state  # (R, W, H)
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    flat = torch.cat([flat, flat.new_zeros(1, flat.shape[-1])])  # the zero slot: padding
+    return flat[reads]  # (B, T, H)
 
 
 #: Largest relative difference (norm of the difference over the norm) between the shared and
@@ -245,12 +345,12 @@ _LOW_PRECISION_TOLERANCE = 3e-2
 class PrefixSharing:
     """A wrapper's shared-prefix scoring: its switch, its threshold, and its first-call check.
 
-    :meth:`hidden` returns each row's hidden states with the shared prefixes computed once, or
+    :meth:`hidden` returns the rows' hidden states with every shared token computed once, or
     ``None`` where the caller must score densely: sharing is off, no two rows share
     ``min_shared`` tokens, or the model cannot do it. The first call that shares checks two
-    rows of its first group against the dense pass (no gradient); a body that cannot take a
-    cache, or whose shared states differ from its dense ones, turns sharing off for good with
-    one warning saying why, so that a wrong number is never returned.
+    rows of its first tree against the dense pass (no gradient); a body that cannot take the
+    packed mask, or whose shared states differ from its dense ones, turns sharing off for good
+    with one warning saying why, so that a wrong number is never returned.
 
     Args:
         enabled (bool): share prefixes at all.
@@ -263,8 +363,8 @@ class PrefixSharing:
         >>> import torch
         >>> from torchrl_grpo.llm.prefix import PrefixSharing
         >>> sharing = PrefixSharing(True, 32)
-        >>> sharing.plan([torch.arange(40), torch.arange(40)]).buckets
-        {40: [(0, 1)]}
+        >>> sharing.plan([torch.arange(40), torch.arange(40)]).trees
+        [(0, 1)]
         >>> sharing.plan([torch.arange(10), torch.arange(10)]) is None  # shorter than 32
         True
         >>> PrefixSharing(True, 0)
@@ -279,25 +379,33 @@ class PrefixSharing:
         self.checked = False
         self.off_reason: str | None = None
 
-    def plan(self, sequences: list[torch.Tensor]) -> PrefixPlan | None:
-        """The rows' plan, or ``None`` when nothing is shared (or sharing is off)."""
-        if not self.enabled or self.off_reason is not None or len(sequences) < 2:
+    def plan(self, sequences, width: int | None = None, pack: bool = False):
+        """The rows' plan, or ``None`` when nothing is shared (or sharing is off); with
+        ``pack``, the rows packed even when nothing is shared (each row a tree of its own),
+        ``None`` only when the model cannot take a packed mask."""
+        if self.off_reason is not None or not len(sequences):
             return None
-        plan = prefix_plan(sequences, self.min_shared)
-        return plan if plan.buckets else None
+        if not pack and (not self.enabled or len(sequences) < 2):
+            return None
+        width = max(len(s) for s in sequences) if width is None else int(width)
+        min_shared = self.min_shared if self.enabled else width + 1
+        plan = prefix_plan(sequences, min_shared, width)
+        return plan if plan.trees or pack else None
 
-    def hidden(self, body, sequences: list[torch.Tensor]) -> list[torch.Tensor] | None:
-        """Each row's last hidden states ``[L_i, H]``, or ``None``: score densely."""
-        plan = self.plan(sequences)
+    def hidden(self, body, sequences, width=None, pack: bool = False) -> torch.Tensor | None:
+        """The rows' last hidden states ``[B, T, H]`` (left-padded with zeros), or ``None``:
+        score densely. ``sequences`` are each row's real tokens, on the host; ``pack``: see
+        :meth:`plan`."""
+        plan = self.plan(sequences, width, pack)
         if plan is None:
             return None
         try:
-            hidden = shared_hidden(body, sequences, plan)
+            hidden = shared_hidden(body, plan)
         except SharingUnsupported as err:
             return self._turn_off(str(err))
         if not self.checked:
             error = _shared_error(body, sequences, plan, hidden)
-            tolerance = _CHECK_TOLERANCE.get(hidden[0].dtype, _LOW_PRECISION_TOLERANCE)
+            tolerance = _CHECK_TOLERANCE.get(hidden.dtype, _LOW_PRECISION_TOLERANCE)
             if error > tolerance:
                 return self._turn_off(
                     f"its shared-prefix hidden states differ from the dense pass by {error:.2e} "
@@ -317,13 +425,17 @@ class PrefixSharing:
         return None
 
 
-def _shared_error(body, sequences, plan, hidden) -> float:
-    """Relative difference of the shared states of two rows of the first group from the dense."""
-    rows = next(iter(plan.buckets.values()))[0][:2]
+def _shared_error(body, sequences, plan: PrefixPlan, hidden: torch.Tensor) -> float:
+    """Relative difference from the dense pass of the packed states of two rows: two of the
+    first tree, or the first two rows when nothing is shared."""
     worst = 0.0
+    rows = plan.trees[0][:2] if plan.trees else range(min(2, len(sequences)))
     with torch.no_grad():
         for r in rows:
-            dense = body(input_ids=sequences[r][None], use_cache=False).last_hidden_state[0]
-            diff = (hidden[r].detach().float() - dense.float()).norm()
-            worst = max(worst, float(diff / dense.float().norm().clamp_min(1e-12)))
+            row = sequences[r]
+            row = row if isinstance(row, torch.Tensor) else torch.from_numpy(np.asarray(row))
+            row = row.to(hidden.device)
+            dense = body(input_ids=row[None], use_cache=False).last_hidden_state[0]
+            diff = (hidden[r, hidden.shape[1] - len(row) :].detach().float() - dense.float())
+            worst = max(worst, float(diff.norm() / dense.float().norm().clamp_min(1e-12)))
     return worst

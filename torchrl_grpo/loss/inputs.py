@@ -21,10 +21,9 @@ import torch
 from tensordict import TensorDict, TensorDictBase, unravel_key
 from tensordict.nn import CompositeDistribution, set_composite_lp_aggregate
 from tensordict.utils import NestedKey
-from torch.nn.utils.rnn import pad_sequence
 from torchrl.objectives import AUTO_LOSS_MASK_KEYS
 
-from torchrl_grpo import _compat
+from torchrl_grpo import _compat, ragged
 from torchrl_grpo.llm.lean_wrapper import HiddenLLMMaskedCategorical
 from torchrl_grpo.loss.positions import (
     check_no_inner_pads,
@@ -283,10 +282,11 @@ def _get_input(
         side = "left"
         if key == plan.keys.ref_log_prob:
             side, padding = plan.ref_padding
-        rows = tensordict.get(key, None, as_list=True) if per_token else None
-        if isinstance(rows, list):  # ragged rows (a lazy stack): each on its row's tokens
+        rows = tensordict.get(key, None, as_list=True)
+        if isinstance(rows, list) and per_token:  # ragged rows: each on its row's tokens
             rows = rows_on_tokens(tensordict, key, rows, plan)
-            value = pad_sequence(rows, batch_first=True, padding_value=padding, padding_side=side)
+        if isinstance(rows, list) and len({tuple(r.shape[1:]) for r in rows}) == 1:
+            value = ragged.padded(rows, padding, side)  # rows of a lazy stack, at a fixed cost
         else:
             value = tensordict.get(
                 key, None, as_padded_tensor=True, padding_side=side, padding_value=padding
