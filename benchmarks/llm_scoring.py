@@ -1,13 +1,14 @@
 """Time and peak memory of a GRPO scoring step: the head on what is read, each prompt once.
 
-Run (about 8 minutes on this 2-core CPU; the first shape is the target's)::
+Run (about 20 minutes on this 2-core CPU; the first shape is the target's)::
 
-    .venv/bin/python benchmarks/llm_scoring.py                      # P=1024 R=256, P=256 R=64
+    .venv/bin/python benchmarks/llm_scoring.py    # P=1024 R=256, P=256 R=64, 8 groups P=144..256
     .venv/bin/python benchmarks/llm_scoring.py --shapes 64x16 --vocab 4096 --layers 1  # quick
     .venv/bin/python benchmarks/llm_scoring.py --device cuda --dtype bfloat16  # on a GPU
     .venv/bin/python benchmarks/llm_scoring.py --profile ...   # operators and kernels launched
 
-One GRPO group: ``G`` completions of ``R`` tokens sampled from one prompt of ``P`` tokens, as a
+One GRPO group (a shape ``PxR``), or ``N`` groups whose prompts have ``N`` lengths from ``P`` down
+by ``P/16`` (a shape ``PxRxN``): ``G`` completions of ``R`` tokens sampled from each prompt, as a
 ragged lazy stack (``("tokens", "prompt")``, ``("tokens", "full")``, stored log-probs, one
 advantage per completion). The model is a ``Qwen2ForCausalLM`` built locally at Qwen2.5-0.5B's
 widths (``H=896``, MLP 4,864, 14 heads, 2 key/value heads, tied embeddings, ``V=151,936``) with
@@ -20,8 +21,8 @@ widths (``H=896``, MLP 4,864, 14 heads, 2 key/value heads, tied embeddings, ``V=
   from scratch: ``share_prefix=False`` and the distribution's selection of its mask positions
   replaced by every position, which is that earlier code's computation);
 * ``lean, response only``: ``share_prefix=False``: the head on the loss's positions only;
-* ``lean, shared prefix`` (the default): the prompt through the model once, its key/value cache
-  indexed for the ``G`` completions, and the head on the loss's positions only.
+* ``lean, shared prefix`` (the default): the prompts and the completions after them packed into
+  one pass of the body (each prompt once), and the head on the loss's positions only.
 
 Memory as ``llm_loss_memory.py`` measures it: on the CPU the process's peak resident set beyond
 what it held before the step (``ru_maxrss``), each process capped at ``--memory-gib`` of address
@@ -63,7 +64,12 @@ def parse_args(argv=None):
         description=__doc__.splitlines()[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("--shapes", nargs="+", default=["1024x256", "256x64"], help="PxR each")
+    parser.add_argument(
+        "--shapes",
+        nargs="+",
+        default=["1024x256", "256x64", "256x64x8"],
+        help="PxR each (one group of G), or PxRxN (N groups, prompts of N lengths from P down)",
+    )
     parser.add_argument("--group", type=int, default=8, help="G, completions of the prompt")
     parser.add_argument("--vocab", type=int, default=151936, help="V")
     parser.add_argument("--hidden", type=int, default=896, help="H (Qwen2.5-0.5B's)")
@@ -107,24 +113,32 @@ def make_model(args):
     return model, tokenizer
 
 
-def make_batch(group: int, prompt: int, response: int, vocab: int, seed: int = 0):
+def prompt_lengths(prompt: int, groups: int) -> list[int]:
+    """The prompt length of each group: ``P``, then ``P/16`` shorter for each further group."""
+    return [prompt - k * max(1, prompt // 16) for k in range(groups)]
+
+
+def make_batch(group: int, prompt: int, response: int, vocab: int, seed: int = 0, groups=1):
     from tensordict import TensorDict, lazy_stack
     from torchrl.modules.llm.policies.common import Tokens
 
     g = torch.Generator().manual_seed(seed)
-    shared = torch.randint(vocab - 1, (prompt,), generator=g)
     steps = []
-    for _ in range(group):
-        full = torch.cat([shared, torch.randint(vocab - 1, (response,), generator=g)])
-        steps.append(
-            TensorDict(
-                {
-                    "tokens": Tokens(full=full, prompt=shared.clone()),
-                    "log_probs": TensorDict(full=-12.0 + torch.randn(len(full), generator=g)),
-                    "advantage": torch.randn(1, 1, generator=g),
-                }
+    for length in prompt_lengths(prompt, groups):
+        shared = torch.randint(vocab - 1, (length,), generator=g)
+        for _ in range(group):
+            full = torch.cat([shared, torch.randint(vocab - 1, (response,), generator=g)])
+            steps.append(
+                TensorDict(
+                    {
+                        "tokens": Tokens(full=full, prompt=shared.clone()),
+                        "log_probs": TensorDict(
+                            full=-12.0 + torch.randn(len(full), generator=g)
+                        ),
+                        "advantage": torch.randn(1, 1, generator=g),
+                    }
+                )
             )
-        )
     return lazy_stack(steps)
 
 
@@ -157,9 +171,14 @@ def head_everywhere() -> None:
 
     selective = lean_wrapper._at_positions
 
-    def every_position(hidden, where, *args, **kwargs):
-        log_prob, entropy = selective(hidden, torch.ones_like(where), *args, **kwargs)
-        return log_prob * where, entropy * where
+    def every_position(hidden, where, weight, tokens, bias=None, chunk_size=None, index=None):
+        if index is None:
+            index = where.reshape(-1).nonzero()[:, 0]
+        keep = torch.zeros(tokens.numel(), dtype=torch.bool, device=tokens.device)
+        keep = keep.index_fill(0, index, True).view(tokens.shape)
+        everywhere = torch.arange(tokens.numel(), device=tokens.device)
+        log_prob, entropy = selective(hidden, None, weight, tokens, bias, chunk_size, everywhere)
+        return log_prob * keep, entropy * keep
 
     lean_wrapper._at_positions = every_position
 
@@ -168,7 +187,7 @@ def worker(args) -> None:
     import tensordict
 
     path, shape = args.worker.split(":")
-    prompt, response = (int(x) for x in shape.split("x"))
+    prompt, response, groups = parse_shape(shape)
     device = torch.device(args.device)
     accelerator = device.type != "cpu"
     if not accelerator:
@@ -187,7 +206,7 @@ def worker(args) -> None:
 
         step(make_batch(2, 40, 4, args.vocab, seed=1).to(device))  # warm-up at a tiny size
         model.zero_grad(set_to_none=True)
-        batch = make_batch(args.group, prompt, response, args.vocab).to(device)
+        batch = make_batch(args.group, prompt, response, args.vocab, groups=groups).to(device)
         if accelerator:
             sync(device)
             torch.cuda.reset_peak_memory_stats(device)
@@ -256,10 +275,18 @@ def run_path(path: str, shape: str, args) -> dict:
     return json.loads(lines[-1])
 
 
+def parse_shape(shape: str) -> tuple[int, int, int]:
+    """``PxR`` (one group) or ``PxRxN`` (``N`` groups, prompts of ``N`` lengths from ``P``)."""
+    parts = [int(x) for x in shape.split("x")]
+    return parts[0], parts[1], parts[2] if len(parts) > 2 else 1
+
+
 def table(shape: str, results: dict, args) -> None:
-    prompt, response = shape.split("x")
+    prompt, response, groups = parse_shape(shape)
+    lengths = prompt_lengths(prompt, groups)
+    prompts = f"P={prompt}" if groups == 1 else f"{groups} groups, P={lengths[-1]}..{prompt}"
     print(
-        f"\nP={prompt} R={response} G={args.group}: Qwen2 {args.layers} layers H={args.hidden} "
+        f"\n{prompts} R={response} G={args.group}: Qwen2 {args.layers} layers H={args.hidden} "
         f"V={args.vocab}, {args.dtype}, {args.device}, {args.threads} thread(s), forward+backward"
     )
     header = (

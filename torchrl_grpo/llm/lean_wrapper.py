@@ -36,7 +36,7 @@ from torchrl_grpo import ragged
 from torchrl_grpo.llm.prefix import PrefixSharing
 from torchrl_grpo.llm.scoring import (
     TokenRows,
-    prompt_mask,
+    dist_mask,
     read_index,
     read_token_rows,
     response_starts,
@@ -712,33 +712,55 @@ class LeanTransformersWrapper(TransformersWrapper):
         return self._lean(super().get_dist(tensordict, *args, **kwargs))
 
     def _get_dist_with_prompt_mask(self, tensordict, *args, **kwargs):
-        dist = None if args or kwargs else self._prompt_masked(tensordict)
+        dist = None if args or kwargs else self._masked(tensordict, "prompt")
         if dist is None:
             dist = self._lean(super()._get_dist_with_prompt_mask(tensordict, *args, **kwargs))
         return dist
 
-    def _prompt_masked(self, tensordict) -> HiddenLLMMaskedCategorical | None:
-        """torchrl's ``"sft"`` distribution, built from the rows read once
-        (:func:`~torchrl_grpo.llm.scoring.prompt_mask`), or ``None`` where torchrl's code
-        must build it (no stored prompts, rows whose attended tokens are not one block, text
-        or history input, torchrl's ``pad_output=True`` path without a stored mask)."""
+    def _get_dist_with_assistant_mask(self, tensordict, *args, **kwargs):
+        dist = None if args or kwargs else self._masked(tensordict, "assistant")
+        if dist is None:
+            dist = self._lean(super()._get_dist_with_assistant_mask(tensordict, *args, **kwargs))
+        return dist
+
+    def _get_dist_with_attention_mask(self, tensordict, *args, **kwargs):
+        dist = None if args or kwargs else self._masked(tensordict, "attention")
+        if dist is None:
+            dist = self._lean(super()._get_dist_with_attention_mask(tensordict, *args, **kwargs))
+        return dist
+
+    def _masked(self, tensordict, strategy: str) -> HiddenLLMMaskedCategorical | None:
+        """torchrl's masked distribution (``"prompt"``: ``"sft"``, ``"assistant"``:
+        ``"rlhf"``, ``"attention"``: ``"generic"``) built from the rows read once
+        (:func:`~torchrl_grpo.llm.scoring.dist_mask`), or ``None`` where torchrl's code must
+        build it: text or history input, rows whose attended tokens are not one block, no
+        stored prompts (``"sft"``), an assistant mask on rows that hold padding, or
+        torchrl's ``pad_output=True`` paths that read a mask the batch lacks."""
         if self.generate or self.input_mode != "tokens" or tensordict.ndim != 1:
             return None
         td = tensordict
         if not isinstance(td, LazyStackedTensorDict):
             td = td.to_lazystack(0)
-        prompts = td.get((self.tokens_key, "prompt"), None, as_list=True)
-        if not isinstance(prompts, list) or any(p is None for p in prompts):
+        needs = {"prompt": (self.tokens_key, "prompt"), "assistant": ("masks", "all_assistant_mask")}
+        entry = None if strategy not in needs else td.get(needs[strategy], None, as_list=True)
+        if strategy in needs and (not isinstance(entry, list) or any(e is None for e in entry)):
             return None
         if self.pad_output and td.get(("masks", "all_attention_mask"), None, as_list=True) is None:
             return None
         rows = self._token_rows(td)
         if rows is None or not rows.blocks:
             return None
+        if strategy == "assistant" and (self.pad_output or (rows.counts != rows.lengths).any()):
+            return None
         with self._adapters():
             _, shifted = self._scored(rows, logits_only=True)
-        mask, first = prompt_mask(rows, [p.shape[-1] for p in prompts], self.pad_output)
         weight = self._head()
+        if strategy == "assistant":  # the stored mask, each row whole: no host read of it
+            mask = ragged.padded(entry, False).bool()
+            chunk = self._rows(weight.shape[0], mask.numel(), shifted.device)
+            return HiddenLLMMaskedCategorical(shifted, mask, weight, chunk_size=chunk)
+        lengths = None if entry is None else [p.shape[-1] for p in entry]
+        mask, first = dist_mask(rows, strategy, self.pad_output, lengths)
         chunk = self._rows(weight.shape[0], int(mask.sum()), shifted.device)
         return HiddenLLMMaskedCategorical(
             shifted[:, first:],
@@ -747,12 +769,6 @@ class LeanTransformersWrapper(TransformersWrapper):
             chunk_size=chunk,
             positions=upload(np.flatnonzero(mask), shifted.device),
         )
-
-    def _get_dist_with_assistant_mask(self, tensordict, *args, **kwargs):
-        return self._lean(super()._get_dist_with_assistant_mask(tensordict, *args, **kwargs))
-
-    def _get_dist_with_attention_mask(self, tensordict, *args, **kwargs):
-        return self._lean(super()._get_dist_with_attention_mask(tensordict, *args, **kwargs))
 
     def _get_dist_with_custom_mask(self, tensordict, mask, *args, **kwargs):
         dist = super()._get_dist_with_custom_mask(tensordict, mask, *args, **kwargs)

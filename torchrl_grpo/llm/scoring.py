@@ -26,7 +26,7 @@ from torchrl_grpo import ragged
 __all__ = [
     "TokenRows",
     "attended_index",
-    "prompt_mask",
+    "dist_mask",
     "read_index",
     "read_token_rows",
     "response_starts",
@@ -204,7 +204,10 @@ def write_outputs(out, td, rows: TokenRows, log_probs, logits, keys, pad_output:
     masks = Masks._from_tensordict(TensorDict(batch_size=out.batch_size).to_lazystack(0))
     if pad_output:
         masks.all_attention_mask = rows.attention
-        masks.all_assistant_mask = td.get(("masks", "all_assistant_mask"), None)
+        assistant = td.get(("masks", "all_assistant_mask"), None, as_list=True)
+        if isinstance(assistant, list):  # ragged rows: padded as the tokens (torchrl stacks)
+            assistant = ragged.padded(assistant, False, width=rows.width)
+        masks.all_assistant_mask = assistant
     else:
         ones = torch.ones(int(rows.counts.sum()), dtype=torch.bool, device=rows.tokens.device)
         masks.all_attention_mask = list(ones.split(rows.counts.tolist()))
@@ -222,21 +225,30 @@ def write_outputs(out, td, rows: TokenRows, log_probs, logits, keys, pad_output:
     return out
 
 
-def prompt_mask(rows: TokenRows, prompt_lengths, pad_output: bool) -> tuple[np.ndarray, int]:
-    """torchrl's ``"sft"`` mask (``_get_dist_with_prompt_mask``) on the host, for rows whose
-    attended tokens are one block at their right end: ``(mask [B, C], first column)``, the
-    distribution's columns being those of ``[B, T]`` from ``first column`` on.
+def dist_mask(rows: TokenRows, strategy: str, pad_output: bool, prompt_lengths=None):
+    """torchrl's masks of the masked distributions (``LLMWrapperBase._get_dist_with_*``) on
+    the host, for rows whose attended tokens are one block at their right end: ``(mask
+    [B, C], first column)``, the distribution's columns being those of ``[B, T]`` from
+    ``first column`` on.
 
-    ``pad_output=False``: each row's attended tokens (torchrl's unpadded output) without its
-    first ``P_i`` (its stored prompt's length), left-padded to the longest, ``C = max`` of the
-    attended counts. ``pad_output=True``: the attention mask without the first ``max P_i``
-    columns of the ``[B, T]`` layout (torchrl's rule, which on rows whose answers differ in
-    length counts a shorter answer's prompt end as answer; the loss corrects it).
+    With ``pad_output=False`` torchrl's distribution covers each row's attended tokens
+    (its unpadded output) left-padded to the longest, ``C = max`` of the attended counts;
+    with ``pad_output=True`` the whole ``[B, T]``. ``strategy``:
+
+    * ``"attention"``: the attended tokens.
+    * ``"prompt"`` (``"sft"``): without each row's first ``P_i`` tokens (its stored prompt's
+      length, ``prompt_lengths``); with ``pad_output=True``, torchrl's rule: without the first
+      ``max P_i`` columns, which on rows whose answers differ in length counts a shorter
+      answer's prompt end as answer (the loss corrects it).
     """
-    prompt_lengths = np.asarray(prompt_lengths, dtype=np.int64)
     columns = np.arange(rows.width)
     if pad_output:
+        if strategy == "attention":
+            return rows.attended, 0
+        prompt_lengths = np.asarray(prompt_lengths, dtype=np.int64)
         return rows.attended & (columns >= int(prompt_lengths.max(initial=0))), 0
     first = rows.width - int(rows.counts.max())
-    starts = rows.width - rows.counts + prompt_lengths  # (B,) each row's first answer column
+    starts = rows.width - rows.counts  # (B,) each row's first attended column
+    if strategy == "prompt":
+        starts = starts + np.asarray(prompt_lengths, dtype=np.int64)
     return (columns[first:] >= starts[:, None]), first
