@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Every GPU row of the package in one call (docs/benchmarks.rst, "On a GPU"): the CUDA tests, the
+# Every GPU row of the package in one call (docs/benchmarks.rst, "On a GPU"): the launches table
+# (operators and host waits, benchmarks/launches.py), the CUDA tests, the
 # token loss's memory and time in bf16 and float32 at Qwen's vocabulary, the scoring step (the head
 # on what is read, each prompt once: llm_scoring.py), the loss on torchrl's LLM
 # stack, the transform's throughput into a CUDA storage, and a profile of the lean loss, in order
@@ -21,13 +22,14 @@ if [ -n "${QUICK:-}" ]; then  # the dry run: every command, at sizes a CPU runs 
   TOKEN="--batch 2 --length 64 --vocab 4096 --hidden 64 --repeats 1"
   LLM="--batch 2 --length 64 --vocab 4096 --repeats 1"
   TRANSFORM="--quick"
-  SCORING="--shapes 64x16 --vocab 4096 --hidden 64 --mlp 128 --layers 1 --repeats 1"
+  SCORING="--shapes 64x16 64x16x8 --vocab 4096 --hidden 64 --mlp 128 --layers 1 --repeats 1"
   TESTS=(test/test_token_dist.py)
 else
   TOKEN="--batch 8 --length 1024 --vocab 151936 --hidden 1024 --repeats 5"
   LLM="--batch 8 --length 1024 --vocab 151936 --hidden 896 --repeats 5"
   TRANSFORM="--repeats 5"
-  SCORING="--shapes 1024x256 --layers 24 --repeats 3"  # Qwen2.5-0.5B's widths and depth
+  # Qwen2.5-0.5B's widths and depth: one group of 8, then 8 groups of 8 prompt lengths
+  SCORING="--shapes 1024x256 1024x256x8 --layers 24 --repeats 3"
   TESTS=(test/test_advantages.py test/mcadvantage/test_read.py test/mcadvantage/test_transform.py
          test/test_checkpoint.py test/test_token_dist.py test/loss/test_grpo.py test/test_envs.py)
 fi
@@ -51,6 +53,8 @@ step env 60 bash -c "date -u; nvidia-smi --query-gpu=name,driver_version,memory.
 print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, \"torchrl\", torchrl.__version__, \
 \"tensordict\", tensordict.__version__, \"transformers\", t.__version__)'"
 # In order of what matters most: a step cut off by the call's limit leaves what it printed.
+# The launches first (seconds): operators and host waits of the scoring step and an insertion
+step launches 90 "$PY" benchmarks/launches.py --device "$DEVICE"
 step tests 110 "$PY" -m pytest -q -p no:cacheprovider "${TESTS[@]}" -k "Devices or cuda"
 # bf16 with --profile: operators and kernels launched by each path (is the GPU waiting on the host?)
 step llm_scoring_bfloat16 150 "$PY" benchmarks/llm_scoring.py --device "$DEVICE" --dtype bfloat16 \

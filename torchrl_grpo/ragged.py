@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-__all__ = ["host_rows", "padded", "padded_index", "rows_of", "upload"]
+__all__ = ["host_rows", "kept", "padded", "padded_index", "rows_of", "upload"]
 
 
 def upload(array, device: torch.device | str | None = None) -> torch.Tensor:
@@ -126,3 +126,20 @@ def rows_of(
     flat = x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
     index = upload(padded_index(lengths, x.shape[1], side), x.device)
     return list(flat[index].split(lengths))
+
+
+def kept(rows: Sequence[torch.Tensor], keep: Sequence[np.ndarray]) -> list[torch.Tensor]:
+    """Each row's elements where its host mask ``keep[i]`` (``[L_i]`` bool) is set, as a list:
+    ``[row[k] for row, k in zip(rows, keep)]`` with four operators and no host read.
+
+    Examples:
+        >>> import numpy as np, torch
+        >>> kept([torch.tensor([1, 2, 3]), torch.tensor([4])], [np.array([1, 0, 1]), np.array([0])])
+        [tensor([1, 3]), tensor([], dtype=torch.int64)]
+    """
+    if not len(rows):
+        return []
+    flat = torch.cat(list(rows))
+    index = upload(np.flatnonzero(np.concatenate([np.asarray(k, dtype=bool) for k in keep])),
+                   flat.device)
+    return list(flat[index].split([int(np.count_nonzero(k)) for k in keep]))

@@ -178,6 +178,69 @@ def _step_launches(loss, batch):
     return launches
 
 
+def _as_a_sampler_pads(batch, pad: int):
+    """The batch's rows as a sampler with ``pad_output=True`` stores them: prompts
+    left-padded, answers right-padded, one dense TensorDict with its attention mask."""
+    from torch.nn.utils.rnn import pad_sequence
+
+    prompts = batch.get(("tokens", "prompt"), as_list=True)
+    fulls = batch.get(("tokens", "full"), as_list=True)
+    answers = [f[len(p) :] for f, p in zip(fulls, prompts, strict=True)]
+    left = pad_sequence(prompts, True, pad, padding_side="left")
+    right = pad_sequence(answers, True, pad)
+    masks = [
+        pad_sequence([torch.ones(len(x), dtype=torch.bool) for x in xs], True, False,
+                     padding_side=side)
+        for xs, side in ((prompts, "left"), (answers, "right"))
+    ]
+    n = len(prompts)
+    return TensorDict(
+        tokens=Tokens(prompt=left, full=torch.cat([left, right], 1), batch_size=[n]),
+        masks=TensorDict(all_attention_mask=torch.cat(masks, 1), batch_size=[n]),
+        batch_size=[n],
+    )
+
+
+class TestPaddedRows:
+    @pytest.mark.parametrize("pad_output", [False, True])
+    @pytest.mark.parametrize("strategy", ["sft", "generic"])
+    def test_rows_stored_with_padding(
+        self, tiny_llm, make_llm_batch, make_llm_scorer, strategy, pad_output
+    ):
+        """A sampler's padded rows (padding on both sides of the real tokens) give torchrl's
+        masks and log-probs: the distribution's columns are each row's attended ones."""
+        model, tokenizer = tiny_llm
+        ragged = make_llm_batch(model, tokenizer)
+        batch = _as_a_sampler_pads(ragged, tokenizer.pad_token_id)
+        plain = make_llm_scorer(model, tokenizer, pad_output=pad_output)
+        lean = make_llm_scorer(model, tokenizer, pad_output=pad_output, lean=True)
+        method = STRATEGIES[strategy]
+        with torch.no_grad():
+            if pad_output:
+                theirs = getattr(plain, method)(batch.copy())
+            else:  # torchrl fails to stack its unpadded rows of different lengths: its
+                # distribution over the same real tokens is the ragged batch's
+                with pytest.raises(RuntimeError, match="stack"):
+                    getattr(plain, method)(batch.copy())
+                theirs = getattr(plain, method)(ragged.copy())
+            with count_launches() as launches:
+                ours = getattr(lean, method)(batch.copy())
+        if strategy == "sft" and not pad_output:  # torchrl's rule on the stored prompts:
+            # the first (padded) prompt width of each row's real tokens left out
+            counts = batch.get(("masks", "all_attention_mask")).sum(-1)
+            width = batch.get(("tokens", "prompt")).shape[-1]
+            columns = torch.arange(int(counts.max()))
+            expected = columns >= (int(counts.max()) - counts + width)[:, None]
+            assert torch.equal(ours.mask, expected)
+            theirs.mask.copy_(expected)  # the same positions for the values below
+        assert torch.equal(ours.mask, theirs.mask)
+        logits = theirs.logits.log_softmax(-1)
+        tokens = logits.argmax(-1)  # any token: the values are compared position by position
+        expected = logits.gather(-1, tokens[..., None])[..., 0] * theirs.mask
+        torch.testing.assert_close(ours.log_prob(tokens), expected, rtol=1e-5, atol=1e-5)
+        assert launches.syncs <= 3
+
+
 class TestLaunches:
     def test_a_loss_step_does_not_grow_with_the_rows(self, tiny_llm, make_llm_scorer):
         """GRPOLoss forward and backward on one group of 4 and on 8 groups of 4 with prompts

@@ -177,3 +177,58 @@ class TestErrors:
     def test_a_pad_token_that_ends_sequences_is_refused(self):
         with pytest.raises(ValueError, match=r"pad token id \(2\) is the end-of-sequence id"):
             ExactTurns(pad_token_id=2, eos_token_id=2)
+
+
+def _padded_turns(rows: int, pad: int = 13, seed: int = 0):
+    """A sampler's padded output for ``rows`` dialogs: prompts left-padded, answers right-padded,
+    per-token log-probs, and the environment's reply to each."""
+    from tensordict import lazy_stack
+    from torchrl.modules.llm.policies.common import Tokens
+
+    g = torch.Generator().manual_seed(seed)
+    steps, replies = [], []
+    for i in range(rows):
+        prompt = torch.cat([torch.full((i % 3,), pad), torch.randint(10, (6 - i % 3,), generator=g)])
+        answer = torch.cat([torch.randint(10, (2 + i % 2,), generator=g), torch.full((1 - i % 2,), pad)])
+        full = torch.cat([prompt, answer])
+        steps.append(
+            TensorDict(
+                tokens=Tokens(prompt=prompt, response=answer, full=full),
+                log_probs=TensorDict(full=torch.randn(len(full), generator=g)),
+                dialog_id=torch.tensor(i),
+            )
+        )
+        replies.append(TensorDict(reply_tokens=torch.randint(10, (1 + i % 2,), generator=g)))
+    return lazy_stack(steps), lazy_stack(replies)
+
+
+class TestLaunches:
+    def test_a_fixed_number_of_operators_whatever_the_rows(self):
+        """The stored turn cut to its real tokens and the next prompts built: the same
+        operators and host reads for 4 rows as for 32, and the same tokens as row by row."""
+        from torchrl_grpo.launches import count_launches
+
+        turns = ExactTurns(pad_token_id=13, eos_token_id=11)
+        counts = []
+        for rows in (4, 32):
+            td, next_td = _padded_turns(rows)
+            with count_launches() as launches:
+                stored = turns.exact_turn(td.copy())
+                prompts = turns._step(td.copy(), next_td.copy()).get(
+                    ("tokens", "prompt"), as_list=True
+                )
+            counts.append(launches)
+            fulls = td.get(("tokens", "full"), as_list=True)
+            replies = next_td.get("reply_tokens", as_list=True)
+            for full, got, reply, prompt in zip(
+                fulls, stored.get(("tokens", "full"), as_list=True), replies, prompts
+            ):
+                assert got.tolist() == full[full != 13].tolist()
+                assert prompt.tolist() == full[full != 13].tolist() + reply.tolist()
+            for lp, full, got in zip(
+                td.get(("log_probs", "full"), as_list=True),
+                fulls,
+                stored.get(("log_probs", "full"), as_list=True),
+            ):
+                assert torch.equal(got, lp[full != 13])
+        assert counts[0].ops == counts[1].ops and counts[0].syncs == counts[1].syncs <= 2

@@ -36,6 +36,7 @@ from torchrl_grpo import ragged
 from torchrl_grpo.llm.prefix import PrefixSharing
 from torchrl_grpo.llm.scoring import (
     TokenRows,
+    compact_index,
     dist_mask,
     read_index,
     read_token_rows,
@@ -378,12 +379,12 @@ class LeanTransformersWrapper(TransformersWrapper):
             stream the head's weight fewer times (faster for a large ``H``), smaller ones hold
             less memory.
         cast_head_to_float32 (bool): compute the head in float32. Defaults to ``False``.
-        share_prefix (bool): compute a token prefix that several rows of a call share once
-            (the prompt of ``G`` completions, a dialog's earlier turns): the prefix through the
-            body with its key/value cache, the rows' suffixes against it
-            (:mod:`torchrl_grpo.llm.prefix`). A model that cannot do it, or whose shared states
-            differ from its dense ones on the first call, is scored densely with one warning.
-            Defaults to ``True``.
+        share_prefix (bool): compute the tokens that several rows of a call share once (the
+            prompt of ``G`` completions, a dialog's earlier turns): the call's rows as one
+            prefix tree through the body in one pass, a block attention mask keeping each row
+            to its own tokens (:mod:`torchrl_grpo.llm.prefix`). A model whose attention takes
+            no custom mask, or whose shared states differ from its dense ones on the first
+            call, is scored densely with one warning. Defaults to ``True``.
         min_shared_length (int): the shortest shared prefix, in tokens, computed once.
             Defaults to ``32``.
         log_probs_at (str): where the ``("log_probs", "full")`` it writes are computed:
@@ -733,9 +734,9 @@ class LeanTransformersWrapper(TransformersWrapper):
         """torchrl's masked distribution (``"prompt"``: ``"sft"``, ``"assistant"``:
         ``"rlhf"``, ``"attention"``: ``"generic"``) built from the rows read once
         (:func:`~torchrl_grpo.llm.scoring.dist_mask`), or ``None`` where torchrl's code must
-        build it: text or history input, rows whose attended tokens are not one block, no
-        stored prompts (``"sft"``), an assistant mask on rows that hold padding, or
-        torchrl's ``pad_output=True`` paths that read a mask the batch lacks."""
+        build it: text or history input, no stored prompts (``"sft"``), an assistant mask on
+        rows that hold padding, or torchrl's ``pad_output=True`` paths that read a mask the
+        batch lacks."""
         if self.generate or self.input_mode != "tokens" or tensordict.ndim != 1:
             return None
         td = tensordict
@@ -748,7 +749,7 @@ class LeanTransformersWrapper(TransformersWrapper):
         if self.pad_output and td.get(("masks", "all_attention_mask"), None, as_list=True) is None:
             return None
         rows = self._token_rows(td)
-        if rows is None or not rows.blocks:
+        if rows is None:
             return None
         if strategy == "assistant" and (self.pad_output or (rows.counts != rows.lengths).any()):
             return None
@@ -761,9 +762,15 @@ class LeanTransformersWrapper(TransformersWrapper):
             return HiddenLLMMaskedCategorical(shifted, mask, weight, chunk_size=chunk)
         lengths = None if entry is None else [p.shape[-1] for p in entry]
         mask, first = dist_mask(rows, strategy, self.pad_output, lengths)
+        if self.pad_output or rows.blocks:
+            features = shifted[:, first:]
+        else:  # torchrl's unpadded rows, padded again: each row's attended columns
+            flat = shifted.reshape(-1, shifted.shape[-1])
+            flat = torch.cat([flat, flat.new_zeros(1, flat.shape[-1])])
+            features = flat[upload(compact_index(rows), shifted.device)]
         chunk = self._rows(weight.shape[0], int(mask.sum()), shifted.device)
         return HiddenLLMMaskedCategorical(
-            shifted[:, first:],
+            features,
             upload(mask, shifted.device),
             weight,
             chunk_size=chunk,

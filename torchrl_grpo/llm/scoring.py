@@ -26,6 +26,7 @@ from torchrl_grpo import ragged
 __all__ = [
     "TokenRows",
     "attended_index",
+    "compact_index",
     "dist_mask",
     "read_index",
     "read_token_rows",
@@ -227,9 +228,9 @@ def write_outputs(out, td, rows: TokenRows, log_probs, logits, keys, pad_output:
 
 def dist_mask(rows: TokenRows, strategy: str, pad_output: bool, prompt_lengths=None):
     """torchrl's masks of the masked distributions (``LLMWrapperBase._get_dist_with_*``) on
-    the host, for rows whose attended tokens are one block at their right end: ``(mask
-    [B, C], first column)``, the distribution's columns being those of ``[B, T]`` from
-    ``first column`` on.
+    the host: ``(mask [B, C], first column)``; the distribution's columns are those of
+    ``[B, T]`` from ``first column`` on when ``pad_output`` or the rows are
+    :attr:`~TokenRows.blocks`, else each row's attended columns (:func:`compact_index`).
 
     With ``pad_output=False`` torchrl's distribution covers each row's attended tokens
     (its unpadded output) left-padded to the longest, ``C = max`` of the attended counts;
@@ -252,3 +253,13 @@ def dist_mask(rows: TokenRows, strategy: str, pad_output: bool, prompt_lengths=N
     if strategy == "prompt":
         starts = starts + np.asarray(prompt_lengths, dtype=np.int64)
     return (columns[first:] >= starts[:, None]), first
+
+
+def compact_index(rows: TokenRows) -> np.ndarray:
+    """``[B, C]`` the flat ``[B * T]`` position of each row's attended tokens, left-padded to
+    ``C`` (the most attended tokens) with ``B * T`` (a zero slot): torchrl's unpadded rows
+    padded again."""
+    width = int(rows.counts.max())
+    out = np.full(len(rows.counts) * width, rows.attended.size, dtype=np.int64)
+    out[ragged.padded_index(rows.counts, width)] = np.flatnonzero(rows.attended)
+    return out.reshape(len(rows.counts), width)

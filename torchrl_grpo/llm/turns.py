@@ -45,13 +45,14 @@ from __future__ import annotations
 
 import itertools
 
+import numpy as np
 import torch
 from tensordict import LazyStackedTensorDict, TensorDictBase
 from torchrl.data import Composite, Unbounded
 from torchrl.envs import Transform
 from torchrl.modules.llm import Masks
 
-from torchrl_grpo import _compat
+from torchrl_grpo import _compat, ragged
 
 __all__ = ["ExactTurns"]
 
@@ -139,18 +140,18 @@ class ExactTurns(Transform):
     @staticmethod
     def dialog_tokens(full, mask) -> list[torch.Tensor]:
         """The real tokens of each row: ``full[b][mask[b]]``, for a padded ``[B, T]`` batch or
-        lists of rows."""
-        return [row[keep.bool()] for row, keep in zip(full, mask, strict=True)]
+        lists of rows (one host read of the masks, a fixed number of operators)."""
+        rows, masks = list(full), list(mask)
+        return ragged.kept(rows, [m.astype(bool) for m in ragged.host_rows(masks)])
 
     # -- step -------------------------------------------------------------------------------
 
     def _inv_call(self, tensordict: TensorDictBase) -> TensorDictBase:
         # ChatEnv stacks ("tokens", "full"): give it a padded copy of a ragged sampler's output
         # (torchrl's Transform.inv hands this method a copy of the step's input)
-        if _is_ragged(tensordict, ("tokens", "full")):
-            padded = tensordict.get(
-                ("tokens", "full"), as_padded_tensor=True, padding_value=self.pad_token_id
-            )
+        rows = tensordict.get(("tokens", "full"), None, as_list=True)
+        if isinstance(rows, list) and len({row.shape for row in rows}) > 1:
+            padded = ragged.padded(rows, self.pad_token_id, side="right")
             tensordict.set(("tokens", "full"), padded)
         return tensordict
 
@@ -159,20 +160,23 @@ class ExactTurns(Transform):
         replies = _rows_of(next_tensordict, self.reply_key, len(rows))
         done = next_tensordict.get("done", None)
         ended = [False] * len(rows) if done is None else done.reshape(len(rows), -1).any(-1)
-        prompts = []
-        for index, (row, reply) in enumerate(zip(rows, replies, strict=True)):
-            prompt = row if reply is None or reply.numel() == 0 else torch.cat([row, reply])
-            too_long = self.max_length is not None and prompt.numel() > self.max_length
-            if too_long and not bool(ended[index]):  # an ended dialog's next prompt is unused
+        # (read on the host only if a dialog is too long)
+        prompts = _joined(rows, replies)
+        if self.max_length is not None:
+            lengths = [prompt.numel() for prompt in prompts]
+            too_long = [i for i, n in enumerate(lengths) if n > self.max_length]
+            if too_long:  # an ended dialog's next prompt is unused
+                too_long = [i for i in too_long if not bool(ended[i])]
+            if too_long:
+                index = too_long[0]
                 raise ValueError(
-                    f"ExactTurns: the dialog of row {index} holds {prompt.numel()} tokens after "
+                    f"ExactTurns: the dialog of row {index} holds {lengths[index]} tokens after "
                     f"this turn, more than max_length={self.max_length} (the model's context "
                     "less an answer's tokens). End such dialogs sooner (StepCounter(max_steps="
                     "...)), shorten the replies, or use a model with a longer context."
                 )
-            prompts.append(prompt)
         next_tensordict = _as_rows(next_tensordict)
-        masks = [torch.ones_like(prompt, dtype=torch.bool) for prompt in prompts]
+        masks = _ones_like_rows(prompts)
         _set_rows(next_tensordict, ("tokens", "prompt"), prompts)
         _set_rows(next_tensordict, ("masks", "all_attention_mask"), masks)
         if self.reply_key in next_tensordict.keys(True, True):
@@ -188,7 +192,8 @@ class ExactTurns(Transform):
         tokens = tensordict.get(key, as_list=True)
         masks = tensordict.get(("masks", "all_attention_mask"), None, as_list=True)
         if masks is None or any(m.shape != t.shape for m, t in zip(masks, tokens, strict=True)):
-            masks = [t != self.pad_token_id for t in tokens]
+            keep = [row != self.pad_token_id for row in ragged.host_rows(tokens)]
+            return ragged.kept(tokens, keep)
         return self.dialog_tokens(tokens, masks)
 
     # -- reset ------------------------------------------------------------------------------
@@ -209,7 +214,7 @@ class ExactTurns(Transform):
         prompts = tensordict_reset.get(("tokens", "prompt"), None, as_list=True)
         if prompts is not None:  # a reset row's mask is its new prompt's, not the last turn's
             tensordict_reset = _as_rows(tensordict_reset)
-            masks = [torch.ones(p.shape[-1:], dtype=torch.bool) for p in prompts]
+            masks = _ones_like_rows(prompts)
             _set_rows(tensordict_reset, ("masks", "all_attention_mask"), masks)
         return tensordict_reset
 
@@ -231,15 +236,9 @@ class ExactTurns(Transform):
     def exact_turn(self, tensordict: TensorDictBase) -> TensorDictBase:
         """A sampled turn with its token sequences, masks and log-probs cut to its real tokens
         (a lazy stack of ragged rows); a turn without padding is returned as it is."""
-        if not _is_padded(tensordict, self.pad_token_id):
+        keeps = self._real_parts(tensordict)
+        if keeps is None:
             return tensordict
-        full = tensordict.get(("tokens", "full"), as_list=True)
-        keep_full = [row != self.pad_token_id for row in full]
-        prompt = tensordict.get(("tokens", "prompt"), None, as_list=True)
-        keep_prompt = None if prompt is None else [row != self.pad_token_id for row in prompt]
-        response = tensordict.get(("tokens", "response"), None, as_list=True)
-        keep_response = None if response is None else [r != self.pad_token_id for r in response]
-        keeps = {"full": keep_full, "prompt": keep_prompt, "response": keep_response}
         tensordict = _as_rows(tensordict)
         for key, part in _ENTRIES.items():
             rows = tensordict.get(key, None, as_list=True)
@@ -248,25 +247,60 @@ class ExactTurns(Transform):
                 continue
             if any(r.shape[:1] != k.shape for r, k in zip(rows, keep, strict=True)):
                 continue  # not per token of that part: left as it is
-            _set_rows(tensordict, key, [r[k] for r, k in zip(rows, keep, strict=True)])
+            _set_rows(tensordict, key, ragged.kept(rows, keep))
         return tensordict
 
+    def _real_parts(self, tensordict: TensorDictBase) -> dict | None:
+        """Each part's (``full``, ``prompt``, ``response``) rows of tokens that are not the pad
+        id, as host masks, read with one copy; ``None`` when the full rows hold no pad."""
+        parts = {}
+        for part in ("full", "prompt", "response"):
+            rows = tensordict.get(("tokens", part), None, as_list=True)
+            parts[part] = rows if isinstance(rows, list) else None
+        if parts["full"] is None:
+            return None
+        found = [rows for rows in parts.values() if rows is not None]
+        host = iter(ragged.host_rows([row for rows in found for row in rows]))
+        keeps = {
+            part: None if rows is None else [next(host) != self.pad_token_id for _ in rows]
+            for part, rows in parts.items()
+        }
+        return keeps if any((~k).any() for k in keeps["full"]) else None
 
-def _is_ragged(tensordict: TensorDictBase, key) -> bool:
-    rows = tensordict.get(key, None, as_list=True)
-    return rows is not None and len({row.shape for row in rows}) > 1
+
+def _joined(rows: list[torch.Tensor], replies: list) -> list[torch.Tensor]:
+    """Each row followed by its reply (``None`` or empty: the row alone), with a fixed number
+    of operators: one concatenation of everything, one index, one split."""
+    replies = [r if r is not None else rows[0].new_zeros(0) for r in replies]
+    lengths = np.array([r.numel() for r in rows], dtype=np.int64)
+    extra = np.array([r.numel() for r in replies], dtype=np.int64)
+    if not extra.any():
+        return list(rows)
+    flat = torch.cat([*rows, *(r.to(rows[0].dtype) for r in replies)])
+    row_at = np.cumsum(lengths) - lengths  # where each row starts in ``flat``
+    reply_at = lengths.sum() + np.cumsum(extra) - extra
+    starts = np.stack([row_at, reply_at], 1).reshape(-1)  # row 0, reply 0, row 1, ...
+    sizes = np.stack([lengths, extra], 1).reshape(-1)
+    before = np.cumsum(sizes) - sizes
+    index = np.arange(int(sizes.sum())) + np.repeat(starts - before, sizes)
+    return list(flat[ragged.upload(index, flat.device)].split((lengths + extra).tolist()))
 
 
-def _is_padded(tensordict: TensorDictBase, pad: int) -> bool:
-    rows = tensordict.get(("tokens", "full"), None, as_list=True)
-    return rows is not None and any(bool((row == pad).any()) for row in rows)
+def _ones_like_rows(rows: list[torch.Tensor]) -> list[torch.Tensor]:
+    """A boolean row of ones as long as each row, two operators in all."""
+    lengths = [int(r.shape[-1]) for r in rows]
+    device = rows[0].device if rows else None
+    return list(torch.ones(sum(lengths), dtype=torch.bool, device=device).split(lengths))
 
 
 def _rows_of(tensordict: TensorDictBase, key, n: int) -> list[torch.Tensor | None]:
     if key not in tensordict.keys(True, True):
         return [None] * n
     rows = tensordict.get(key, as_list=True)
-    return [None if row is None else row.reshape(-1).long() for row in rows]
+    return [
+        row if row is None or (row.ndim == 1 and row.dtype == torch.long) else row.reshape(-1).long()
+        for row in rows
+    ]
 
 
 def _as_rows(tensordict: TensorDictBase) -> TensorDictBase:
