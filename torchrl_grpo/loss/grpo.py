@@ -531,11 +531,16 @@ class GRPOLoss(FlatAttributes, ClipPPOLoss):
         ratio_base = x.old_log_prob if x.proximal_log_prob is None else x.proximal_log_prob
         step = Step(x, ratio_base, loss_mask=mask)
         out = {}
+        excluded = False
         for variant in self._staged("exclude"):  # out of the terms and the denominator
             keep, metrics = variant.exclude(self, step)
             step.loss_mask = step.loss_mask & keep
             out.update(metrics)
-        reduce = functools.partial(self._reduce, loss_mask=step.loss_mask, shape=x.shape)
+            excluded = True
+        # nothing excluded: the mask holds a real token (the read checked it), no host read
+        reduce = functools.partial(
+            self._reduce, loss_mask=step.loss_mask, shape=x.shape, nonempty=not excluded
+        )
         log_clip_low, log_clip_high = step.log_clip_bounds = self.clip_bounds
         log_ratio = self._ratio_level(lp - ratio_base, mask)  # (B, T)
         per_token = self.objective.loss(
@@ -582,11 +587,14 @@ class GRPOLoss(FlatAttributes, ClipPPOLoss):
             per_token = torch.where(keep, per_token, 0.0)
         return per_token
 
-    def _reduce(self, per_token, loss_mask: torch.Tensor, shape: torch.Size) -> torch.Tensor:
-        """``(B, T)`` -> a scalar by the aggregation, or the per-token tensor (``"none"``)."""
+    def _reduce(
+        self, per_token, loss_mask: torch.Tensor, shape: torch.Size, nonempty: bool = False
+    ) -> torch.Tensor:
+        """``(B, T)`` -> a scalar by the aggregation, or the per-token tensor (``"none"``);
+        ``nonempty``: ``loss_mask`` is known to hold a real token (not read again)."""
         if self.reduction == "none":
             return torch.where(loss_mask, per_token, 0.0).reshape(shape)
-        if not loss_mask.any():  # every token excluded: no gradient
+        if not nonempty and not loss_mask.any():  # every token excluded: no gradient
             return (per_token * 0.0).sum()
         if self._summed:
             return aggregation_sum(self._aggregate, per_token, loss_mask)[0]

@@ -26,8 +26,10 @@ from torchrl.objectives import AUTO_LOSS_MASK_KEYS
 from torchrl_grpo import _compat, ragged
 from torchrl_grpo.llm.lean_wrapper import HiddenLLMMaskedCategorical
 from torchrl_grpo.loss.positions import (
-    check_no_inner_pads,
-    kept_positions,
+    inner_pads,
+    kept_index,
+    kept_mask,
+    raise_inner_pads,
     relayout,
     response_positions,
     rows_on_tokens,
@@ -243,10 +245,9 @@ def read_llm(tensordict: TensorDictBase, dist, stored: Stored, plan: ReadPlan) -
     stored = Stored(*(None if value is None else value.to(device) for value in stored))
     tokens = _get_input(tensordict, keys.action, "the sampled tokens", plan, padding=-100)
     tokens = tokens.to(device)
-    check_no_inner_pads(tokens, plan)
     stored_shape = tokens.shape  # (B, T): each stored row left-padded
     answer = response_positions(tensordict, stored_shape, plan)
-    index = kept_positions(tensordict, tokens, plan)  # the wrapper's positions, if it drops pads
+    index = _checked_positions(tensordict, tokens, plan)  # the wrapper's, if it drops pads
     tokens = relayout(tokens, index, -100)
     stored = Stored(*(relayout(value, index) for value in stored))
     if tokens.shape != mask.shape:
@@ -265,6 +266,23 @@ def read_llm(tensordict: TensorDictBase, dist, stored: Stored, plan: ReadPlan) -
     log_prob, entropy = _token_log_prob_entropy(dist, tokens.masked_fill(~mask, -100))
     entropy = entropy if plan.entropy else None
     return _line_up(log_prob, mask, entropy, stored._replace(old=old_log_prob), truncated, keys)
+
+
+def _checked_positions(tensordict: TensorDictBase, tokens: torch.Tensor, plan: ReadPlan):
+    """No pad between a row's real tokens (:func:`~torchrl_grpo.loss.positions.
+    check_no_inner_pads`), and the stored columns a wrapper with ``pad_output=False`` reads
+    (:func:`~torchrl_grpo.loss.positions.kept_positions`): both decided by one host read."""
+    inner = inner_pads(tokens, plan)
+    keep = kept_mask(tensordict, tokens, plan)
+    flags = [torch.zeros((), dtype=torch.bool, device=tokens.device)] * 2
+    if inner is not None:
+        flags[0] = inner.any()
+    if keep is not None:
+        flags[1] = (keep != (tokens != -100)).any()
+    has_inner, drops = torch.stack(flags).tolist()
+    if has_inner:
+        raise_inner_pads(inner, plan)
+    return kept_index(keep) if drops else None
 
 
 def _get_input(
@@ -370,11 +388,6 @@ def _line_up(log_prob, mask, entropy, stored: Stored, truncated, keys) -> Inputs
     """Every entry as ``(B, T)``, checked against the log-prob's shape, zeros on padding."""
     shape = log_prob.shape
     mask = _as_sequences(mask)  # (B, T)
-    if not mask.any():
-        raise ValueError(
-            f"The batch has no real token: the mask {keys.mask!r} is all False "
-            f"(shape {tuple(shape)}). There is nothing to average."
-        )
 
     def tokens(x, key):  # (B, T), zeros on padding so nan/inf pads cannot leak
         if x is None:
@@ -409,20 +422,29 @@ _STORED = (
 
 
 def _check_finite(x: Inputs, keys) -> None:
-    """Every stored entry is finite on every real token (they are zero on padding already).
+    """The batch has a real token, and every stored entry is finite on every real token (they
+    are zero on padding already).
 
-    One reduction, over their sum, runs every call; the entry at fault is looked for only when
-    it fails (a sum that overflows with every entry finite raises nothing).
+    One reduction, over their sum, runs every call, read on the host with the mask's ``any``
+    (one host wait for both); the entry at fault is looked for only when it fails (a sum that
+    overflows with every entry finite raises nothing).
 
     Raises:
-        ValueError: naming the entry's key and how many real tokens it is not finite on.
+        ValueError: the mask is all False, or naming the entry's key and how many real tokens
+            it is not finite on.
     """
     stored = [(getattr(x, field), *rest) for field, *rest in _STORED]
     stored = [entry for entry in stored if entry[0] is not None]
     total = stored[0][0]
     for value, *_ in stored[1:]:
         total = total + value
-    if bool(torch.isfinite(total).all()):
+    real, finite = torch.stack([x.mask.any(), torch.isfinite(total).all()]).tolist()
+    if not real:
+        raise ValueError(
+            f"The batch has no real token: the mask {keys.mask!r} is all False "
+            f"(shape {tuple(x.shape)}). There is nothing to average."
+        )
+    if finite:
         return
     for value, name, what, verb in stored:
         bad = int((~torch.isfinite(value)).sum())

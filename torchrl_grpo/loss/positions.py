@@ -29,9 +29,15 @@ from typing import Any
 import torch
 from tensordict import TensorDictBase, unravel_key
 
+from torchrl_grpo import ragged
+
 __all__ = [
     "check_no_inner_pads",
+    "inner_pads",
+    "kept_index",
+    "kept_mask",
     "kept_positions",
+    "raise_inner_pads",
     "relayout",
     "response_positions",
     "rows_on_tokens",
@@ -103,26 +109,36 @@ def check_no_inner_pads(tokens: torch.Tensor, plan: Any) -> None:
         tokens: ``(B, T)`` token ids, left-padded with ``-100``.
         plan: the loss's read plan (``pad_token_id``, ``owner``, ``keys.action``).
     """
+    inner = inner_pads(tokens, plan)
+    if inner is not None and bool(inner.any()):
+        raise_inner_pads(inner, plan)
+
+
+def inner_pads(tokens: torch.Tensor, plan: Any) -> torch.Tensor | None:
+    """``(B, T)`` bool: the pad tokens between real tokens (see :func:`check_no_inner_pads`),
+    computed without a host read; ``None`` without a pad id."""
     if plan.pad_token_id is None or tokens.ndim != 2:
-        return
+        return None
     pad = tokens == plan.pad_token_id
-    if not bool(pad.any()):
-        return
     real = ~pad & (tokens != -100)
     before = real.cumsum(1) > 0  # a real token at or before each position
     after = real.flip(1).cumsum(1).flip(1) > 0  # ... at or after
-    inner = pad & before & after
-    if bool(inner.any()):
-        row = int(inner.any(1).nonzero()[0])
-        raise ValueError(
-            f"{plan.owner}: row {row} of {plan.keys.action!r} holds {int(inner[row].sum())} pad "
-            f"tokens (id {plan.pad_token_id}) between its real tokens: a multi-turn prompt built "
-            "from a padded sampler output (torchrl's ChatEnv in tokens mode), or a tokenizer "
-            "whose pad id is a real token (the end-of-sequence id). Generation left those pads "
-            "out of the positions and the attention; scoring counts them, so the loss would "
-            "train on other log-probs than were sampled. Build the dialogs with "
-            "torchrl_grpo.llm.ExactTurns, and give the tokenizer a pad token of its own."
-        )
+    return pad & before & after
+
+
+def raise_inner_pads(inner: torch.Tensor, plan: Any) -> None:
+    """The error of :func:`check_no_inner_pads`, for ``inner`` (:func:`inner_pads`) not all
+    False."""
+    row = int(inner.any(1).nonzero()[0])
+    raise ValueError(
+        f"{plan.owner}: row {row} of {plan.keys.action!r} holds {int(inner[row].sum())} pad "
+        f"tokens (id {plan.pad_token_id}) between its real tokens: a multi-turn prompt built "
+        "from a padded sampler output (torchrl's ChatEnv in tokens mode), or a tokenizer "
+        "whose pad id is a real token (the end-of-sequence id). Generation left those pads "
+        "out of the positions and the attention; scoring counts them, so the loss would "
+        "train on other log-probs than were sampled. Build the dialogs with "
+        "torchrl_grpo.llm.ExactTurns, and give the tokenizer a pad token of its own."
+    )
 
 
 def kept_positions(
@@ -139,30 +155,41 @@ def kept_positions(
     Args:
         tokens: ``(B, T)`` the stored tokens, left-padded with ``-100``.
     """
+    keep = kept_mask(tensordict, tokens, plan)
+    if keep is None or bool((keep == (tokens != -100)).all()):
+        return None
+    return kept_index(keep)
+
+
+def kept_mask(tensordict: TensorDictBase, tokens: torch.Tensor, plan: Any):
+    """``(B, T)`` bool: the stored positions a wrapper with ``pad_output=False`` keeps (see
+    :func:`kept_positions`), without a host read; ``None`` when it keeps every one."""
     if plan.pad_output or tokens.ndim != 2:
         return None
     present = tokens != -100
-    keep = present
     if unravel_key(("masks", "all_attention_mask")) in tensordict.keys(True, True):
-        mask = tensordict.get(
-            ("masks", "all_attention_mask"),
-            as_padded_tensor=True,
-            padding_side="left",
-            padding_value=False,
-        )
+        rows = tensordict.get(("masks", "all_attention_mask"), as_list=True)
+        if isinstance(rows, list):
+            mask = ragged.padded(rows, False)
+        else:
+            mask = rows
         if mask.shape == tokens.shape:
-            keep = present & mask.to(present.device).bool()
-    elif plan.pad_token_id is not None:
-        keep = present & (tokens != plan.pad_token_id)
-    if bool((keep == present).all()):
+            return present & mask.to(present.device).bool()
         return None
+    if plan.pad_token_id is not None:
+        return present & (tokens != plan.pad_token_id)
+    return None
+
+
+def kept_index(keep: torch.Tensor) -> torch.Tensor:
+    """:func:`kept_positions`'s index from its mask ``keep`` ``(B, T)``."""
     counts = keep.sum(1)  # (B,)
     width = int(counts.max())
     rank = keep.cumsum(1) - 1  # (B, T) rank of each kept position among its row's
     column = width - counts[:, None] + rank  # (B, T) where it goes, right-aligned
-    index = torch.full((tokens.shape[0], width), -1, dtype=torch.long, device=tokens.device)
-    rows = torch.arange(tokens.shape[0], device=tokens.device)[:, None].expand_as(keep)
-    positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(keep)
+    index = torch.full((keep.shape[0], width), -1, dtype=torch.long, device=keep.device)
+    rows = torch.arange(keep.shape[0], device=keep.device)[:, None].expand_as(keep)
+    positions = torch.arange(keep.shape[1], device=keep.device).expand_as(keep)
     index[rows[keep], column[keep]] = positions[keep]
     return index
 

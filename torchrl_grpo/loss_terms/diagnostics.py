@@ -35,10 +35,11 @@ def effective_sample_size(log_weight: torch.Tensor, mask: torch.Tensor) -> torch
         >>> effective_sample_size(torch.tensor([[0.0, 2.0, 0.0]]).log(), every)
         tensor(0.3333)
     """
-    with torch.no_grad():
-        lw = log_weight[mask]  # (N,)
-        w = (lw - lw.max()).exp()  # (N,), in (0, 1]
-        return (w.sum().square() / (w.square().sum() * lw.numel())).clamp(max=1.0)
+    with torch.no_grad():  # over the real tokens, without reading their number on the host
+        lw = log_weight.masked_fill(~mask, -torch.inf)  # (B, T)
+        w = (lw - lw.max()).exp()  # (B, T), in (0, 1] on real tokens, 0 elsewhere
+        n = mask.sum()
+        return (w.sum().square() / (w.square().sum() * n)).clamp(max=1.0)
 
 
 def clip_fractions(
