@@ -25,7 +25,7 @@ from numbers import Integral
 
 import numpy as np
 import torch
-from tensordict import LazyStackedTensorDict, TensorDictBase
+from tensordict import TensorDict, TensorDictBase
 from torch.distributions import Categorical
 from torchrl.modules.distributions import LLMMaskedCategorical
 from torchrl.modules.llm import TransformersWrapper
@@ -469,9 +469,45 @@ class LeanTransformersWrapper(TransformersWrapper):
 
     def forward(self, tensordict: TensorDictBase, *args, **kwargs) -> TensorDictBase:
         """torchrl's ``forward``; with ``disable_adapters=True``, under the model's
-        ``disable_adapter()`` (the base model: a LoRA policy's reference, without a copy)."""
+        ``disable_adapter()`` (the base model: a LoRA policy's reference, without a copy).
+
+        A dense ``TensorDict`` of token rows (one ``[B, T]`` tensor, as a sampler with
+        ``pad_output=True`` writes them) is scored as it is: torchrl makes it a lazy stack of
+        one ``TensorDict`` per row and stacks its outputs back, which on a small model costs
+        more than the model; the entries written are the same."""
         with self._adapters():
+            if not args:
+                scored = self._dense_forward(tensordict, **kwargs)
+                if scored is not None:
+                    return scored
             return super().forward(tensordict, *args, **kwargs)
+
+    def _dense_forward(self, tensordict, logits_only: bool = False, **kwargs):
+        """torchrl's ``forward`` (``inplace=True``) on dense token rows, or ``None`` where
+        torchrl's must run (any other input, mode or option)."""
+        if (
+            kwargs
+            or self.generate
+            or self.input_mode != "tokens"
+            or type(tensordict) is not TensorDict
+            or tensordict.ndim != 1
+            or self.inplace is not True
+            or self.num_samples is not None
+            or self._device
+            or getattr(self, "batching", False)
+        ):
+            return None
+        response = self.log_probs_at == "response" and not logits_only
+        rows = self._token_rows(tensordict, prompts=response)
+        if rows is None or not (self.pad_output or (rows.counts == rows.lengths).all()):
+            return None
+        log_probs, shifted = self._scored(rows, logits_only, response)
+        keys = (self.text_key, self.tokens_key, self.masks_key, self.log_probs_key)
+        logits = shifted if self._in_get_dist_call else None
+        out = TensorDict(batch_size=tensordict.batch_size)
+        write_outputs(out, tensordict, rows, log_probs, logits, keys, self.pad_output)
+        result = tensordict.exclude(*self.out_keys, inplace=True)
+        return result.update(out, keys_to_update=self.out_keys)
 
     def _adapters(self):
         """The context the model runs in: its adapters disabled, or as they are."""
@@ -739,12 +775,12 @@ class LeanTransformersWrapper(TransformersWrapper):
         batch lacks."""
         if self.generate or self.input_mode != "tokens" or tensordict.ndim != 1:
             return None
-        td = tensordict
-        if not isinstance(td, LazyStackedTensorDict):
-            td = td.to_lazystack(0)
+        td = tensordict  # a lazy stack of rows, or one TensorDict of rows of one length
         needs = {"prompt": (self.tokens_key, "prompt"), "assistant": ("masks", "all_assistant_mask")}
         entry = None if strategy not in needs else td.get(needs[strategy], None, as_list=True)
-        if strategy in needs and (not isinstance(entry, list) or any(e is None for e in entry)):
+        if strategy in needs and (
+            entry is None or (isinstance(entry, list) and any(e is None for e in entry))
+        ):
             return None
         if self.pad_output and td.get(("masks", "all_attention_mask"), None, as_list=True) is None:
             return None
@@ -757,10 +793,15 @@ class LeanTransformersWrapper(TransformersWrapper):
             _, shifted = self._scored(rows, logits_only=True)
         weight = self._head()
         if strategy == "assistant":  # the stored mask, each row whole: no host read of it
-            mask = ragged.padded(entry, False).bool()
+            mask = (ragged.padded(entry, False) if isinstance(entry, list) else entry).bool()
             chunk = self._rows(weight.shape[0], mask.numel(), shifted.device)
             return HiddenLLMMaskedCategorical(shifted, mask, weight, chunk_size=chunk)
-        lengths = None if entry is None else [p.shape[-1] for p in entry]
+        if entry is None:
+            lengths = None
+        elif isinstance(entry, list):
+            lengths = [p.shape[-1] for p in entry]
+        else:  # one [B, P] tensor of prompts
+            lengths = [entry.shape[-1]] * entry.shape[0]
         mask, first = dist_mask(rows, strategy, self.pad_output, lengths)
         if self.pad_output or rows.blocks:
             features = shifted[:, first:]

@@ -14,11 +14,12 @@ one-dimensional, masks not as long as their rows): the wrapper then runs torchrl
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
 import torch
-from tensordict import MetaData, TensorDict, TensorDictBase
+from tensordict import LazyStackedTensorDict, MetaData, TensorDict, TensorDictBase
 from torchrl.modules.llm import LogProbs, Masks, Text, Tokens
 
 from torchrl_grpo import ragged
@@ -44,8 +45,8 @@ class TokenRows:
     Attributes:
         tokens (torch.Tensor): ``[B, T]`` left-padded with the pad id.
         attention (torch.Tensor): ``[B, T]`` bool, left-padded with ``False``.
-        stored (list[torch.Tensor]): the rows as given.
-        masks (list[torch.Tensor] | None): their stored attention masks, if any.
+        stored (list[torch.Tensor] | None): the rows as given, if ragged (``None``: given as
+            one ``[B, T]`` tensor, :attr:`tokens`).
         lengths (numpy.ndarray): ``[B]`` stored length of each row.
         counts (numpy.ndarray): ``[B]`` attended tokens of each row.
         blocks (bool): every row's attended tokens are one block at its right end (so that
@@ -58,8 +59,7 @@ class TokenRows:
 
     tokens: torch.Tensor
     attention: torch.Tensor
-    stored: list
-    masks: list | None
+    stored: list | None
     lengths: np.ndarray
     counts: np.ndarray
     blocks: bool
@@ -76,47 +76,72 @@ def read_token_rows(
     td: TensorDictBase, input_key, mask_keys, pad_val, prompt_key=None
 ) -> TokenRows | None:
     """Read the rows of ``input_key`` (the first of ``mask_keys`` present as their masks, and
-    with ``prompt_key`` the stored prompts) with one copy to the host.
+    with ``prompt_key`` the stored prompts) with one copy to the host: ragged rows of a lazy
+    stack, or one dense ``[B, T]`` tensor as stored (never unbound into rows).
 
     Returns ``None`` where torchrl's own path must run: the rows are not one-dimensional, a
     mask is not as long as its row, or there is no row.
     """
-    rows = td.get(input_key, None, as_list=True)
-    if not isinstance(rows, list) or not rows or any(r.ndim != 1 for r in rows):
+    dense = not isinstance(td, LazyStackedTensorDict)
+    get = td.get if dense else functools.partial(td.get, as_list=True)
+    rows = get(input_key, None)
+    if rows is None or not _rows_of_tokens(rows, dense) or not len(rows):
         return None
     masks = None
     for key in mask_keys:
-        masks = td.get(key, None, as_list=True)
+        masks = get(key, None)
         if masks is not None:
             break
-    if masks is not None and (
-        not isinstance(masks, list) or [m.shape for m in masks] != [r.shape for r in rows]
-    ):
+    if masks is not None and _shapes(masks, dense) != _shapes(rows, dense):
         return None
-    prompts = None if prompt_key is None else td.get(prompt_key, None, as_list=True)
-    if not isinstance(prompts, list) or any(p.ndim != 1 for p in prompts):
+    prompts = None if prompt_key is None else get(prompt_key, None)
+    if prompts is not None and not _rows_of_tokens(prompts, dense):
         prompts = None
     return token_rows(rows, masks, pad_val, prompts)
 
 
-def token_rows(rows: list, masks: list | None, pad_val, prompts: list | None = None) -> TokenRows:
-    """:class:`TokenRows` of 1-D rows (their masks, if any; prompts, if any), one host copy."""
-    parts = [torch.cat(rows).long()]
+def _rows_of_tokens(rows, dense: bool) -> bool:
+    """One-dimensional rows: a ``[B, L]`` tensor, or a list of ``[L_i]`` tensors."""
+    if dense:
+        return isinstance(rows, torch.Tensor) and rows.ndim == 2
+    return isinstance(rows, list) and all(r.ndim == 1 for r in rows)
+
+
+def _shapes(rows, dense: bool):
+    if dense:
+        return tuple(rows.shape) if isinstance(rows, torch.Tensor) else None
+    return [r.shape for r in rows] if isinstance(rows, list) else None
+
+
+def token_rows(rows, masks=None, pad_val=None, prompts=None) -> TokenRows:
+    """:class:`TokenRows` of 1-D rows (their masks, if any; prompts, if any), one host copy.
+
+    ``rows``, ``masks`` and ``prompts`` are lists of ragged rows, or each one ``[B, L]``
+    tensor of rows of one length.
+    """
+    dense = isinstance(rows, torch.Tensor)
+    flat = (lambda x: x.reshape(-1)) if dense else torch.cat
+    parts = [flat(rows).long()]
     if masks is not None:
-        parts.append(torch.cat(masks).to(parts[0].device).long())
+        parts.append(flat(masks).to(parts[0].device).long())
     if prompts is not None:
-        parts.append(torch.cat(prompts).to(parts[0].device).long())
+        parts.append(flat(prompts).to(parts[0].device).long())
     host = (torch.cat(parts) if len(parts) > 1 else parts[0]).cpu().numpy()
-    lengths = np.array([r.shape[0] for r in rows], dtype=np.int64)
+    if dense:
+        lengths = np.full(rows.shape[0], rows.shape[1], dtype=np.int64)
+    else:
+        lengths = np.array([r.shape[0] for r in rows], dtype=np.int64)
     n, cuts = int(lengths.sum()), np.cumsum(lengths)[:-1]
     values = np.split(host[:n], cuts)
     if masks is None:
         seen = [row != pad_val for row in values]
     else:
         seen = [m.astype(bool) for m in np.split(host[n : 2 * n], cuts)]
-    tokens = ragged.padded(rows, pad_val)
+    tokens = rows if dense else ragged.padded(rows, pad_val)
     if masks is None:
         attention = tokens != pad_val
+    elif dense:
+        attention = masks.bool()
     else:
         attention = ragged.padded(masks, False, width=tokens.shape[1]).bool()
     width = tokens.shape[1]
@@ -128,8 +153,7 @@ def token_rows(rows: list, masks: list | None, pad_val, prompts: list | None = N
     return TokenRows(
         tokens=tokens,
         attention=attention,
-        stored=rows,
-        masks=masks,
+        stored=None if dense else rows,
         lengths=lengths,
         counts=counts,
         blocks=bool((attended == (np.arange(width) >= width - counts[:, None])).all()),
@@ -143,7 +167,10 @@ def _prompt_lengths(prompts, host, start, values) -> np.ndarray | None:
     """Each row's prompt length, if every stored prompt is the start of its row's tokens."""
     if prompts is None or len(prompts) != len(values):
         return None
-    lengths = np.array([p.shape[0] for p in prompts], dtype=np.int64)
+    if isinstance(prompts, torch.Tensor):  # one [B, P] tensor
+        lengths = np.full(prompts.shape[0], prompts.shape[-1], dtype=np.int64)
+    else:
+        lengths = np.array([p.shape[-1] for p in prompts], dtype=np.int64)
     found = np.split(host[start : start + int(lengths.sum())], np.cumsum(lengths)[:-1])
     for prompt, row in zip(found, values, strict=True):
         if len(prompt) > len(row) or not np.array_equal(row[: len(prompt)], prompt):
@@ -188,27 +215,39 @@ def write_outputs(out, td, rows: TokenRows, log_probs, logits, keys, pad_output:
     """torchrl's output entries of a tokens call (``_from_transformers_logprobs_tokens``):
     text (empty), tokens, masks and log-probs, and ``"logits"`` (here the shifted hidden
     states) when given; unpadded rows when ``pad_output`` is ``False``. A row whose every
-    stored token is attended is written as the stored tensor itself."""
+    stored token is attended is written as the stored tensor itself. ``out``: torchrl's lazy
+    stack of rows, or a ``TensorDict`` (dense entries, for rows of one length that are
+    written whole or padded)."""
     text_key, tokens_key, masks_key, log_probs_key = keys
-    text = Text._from_tensordict(TensorDict(batch_size=out.batch_size).to_lazystack(0))
+    dense = not isinstance(out, LazyStackedTensorDict)
+
+    def container(cls):
+        empty = TensorDict(batch_size=out.batch_size)
+        return cls._from_tensordict(empty if dense else empty.to_lazystack(0))
+
+    text = container(Text)
     text.prompt = text.response = text.full = None
     out.set(text_key, text)
     whole = bool((rows.counts == rows.lengths).all())  # nothing to drop from a stored row
-    tokens = Tokens._from_tensordict(TensorDict(batch_size=out.batch_size).to_lazystack(0))
-    if pad_output:
+    tokens = container(Tokens)
+    if pad_output or (dense and whole):
         tokens.full = rows.tokens
     else:
-        tokens.full = list(rows.stored) if whole else unpadded(rows.tokens, rows)
+        stored = rows.stored if rows.stored is not None else list(rows.tokens.unbind(0))
+        tokens.full = list(stored) if whole else unpadded(rows.tokens, rows)
     tokens.response = None
     tokens.padded = MetaData(pad_output)
     out.set(tokens_key, tokens)
-    masks = Masks._from_tensordict(TensorDict(batch_size=out.batch_size).to_lazystack(0))
+    masks = container(Masks)
     if pad_output:
         masks.all_attention_mask = rows.attention
         assistant = td.get(("masks", "all_assistant_mask"), None, as_list=True)
         if isinstance(assistant, list):  # ragged rows: padded as the tokens (torchrl stacks)
             assistant = ragged.padded(assistant, False, width=rows.width)
         masks.all_assistant_mask = assistant
+    elif dense:  # every row whole and of one length
+        masks.all_attention_mask = rows.attention
+        masks.all_assistant_mask = td.get(("masks", "all_assistant_mask"), None)
     else:
         ones = torch.ones(int(rows.counts.sum()), dtype=torch.bool, device=rows.tokens.device)
         masks.all_attention_mask = list(ones.split(rows.counts.tolist()))
@@ -216,13 +255,13 @@ def write_outputs(out, td, rows: TokenRows, log_probs, logits, keys, pad_output:
     masks.padded = MetaData(pad_output)
     out.set(masks_key, masks)
     if log_probs is not None:
-        found = LogProbs._from_tensordict(TensorDict(batch_size=out.batch_size).to_lazystack(0))
-        found.full = log_probs if pad_output else unpadded(log_probs, rows)
+        found = container(LogProbs)
+        found.full = log_probs if pad_output or dense else unpadded(log_probs, rows)
         found.response = None
         found.padded = MetaData(pad_output)
         out.set(log_probs_key, found)
     if logits is not None:
-        out.set("logits", logits if pad_output else unpadded(logits, rows))
+        out.set("logits", logits if pad_output or dense else unpadded(logits, rows))
     return out
 
 
