@@ -376,6 +376,24 @@ class TestRaggedPrompts:
         theirs = _chat_env().reset(query.clone())
         assert torch.equal(ours["tokens", "prompt"], theirs["tokens", "prompt"])
 
+    def test_repeated_queries_templated_once_each(self):
+        """A group's query repeated (as DatasetChatEnv repeats it): the chat template runs
+        once per distinct query, and every row gets torchrl's tokens."""
+        env = _compat.ragged_prompts(_chat_env())
+        calls = []
+        template = env.tokenizer.apply_chat_template
+
+        def counting(conversation, **kwargs):
+            calls.append(conversation)
+            return template(conversation, **kwargs)
+
+        env.tokenizer.apply_chat_template = counting
+        query = TensorDict(query=["a b", "b c", "a b"], batch_size=[3])
+        ours = env.reset(query.clone())
+        assert len(calls) == 2
+        theirs = _chat_env().reset(query.clone())
+        assert torch.equal(ours["tokens", "prompt"], theirs["tokens", "prompt"])
+
     def test_a_copy_of_the_env_keeps_reading_its_own(self):
         import copy
         import pickle

@@ -405,10 +405,16 @@ def _ragged_class(cls: type) -> type:
 
 
 def _ragged_reset_tokens(self, tensordict: TensorDictBase, history) -> TensorDictBase:
-    """torchrl's ``ChatEnv._reset_tokens``, the prompts read as a list (:func:`ragged_prompts`)."""
+    """torchrl's ``ChatEnv._reset_tokens``, the prompts read as a list (:func:`ragged_prompts`),
+    and the chat template applied once per distinct query: ``DatasetChatEnv`` repeats each
+    prompt of a group ``repeats`` times, and a template applied row by row (a tokenizer call
+    and a ``TensorDict`` each) is most of a reset. Rows of one query share its token tensor."""
     from tensordict import LazyStackedTensorDict
     from torchrl.modules.llm.policies.common import Tokens
 
+    where, distinct = _distinct_queries(tensordict.get(self.data_key, None), len(history))
+    if distinct is not None:
+        history = history[torch.tensor(distinct)]
     tokens = history.apply_chat_template(
         tokenizer=self.tokenizer,
         add_generation_prompt=True,
@@ -420,10 +426,32 @@ def _ragged_reset_tokens(self, tensordict: TensorDictBase, history) -> TensorDic
         ids = tokens.get("input_ids", as_list=True)
     else:
         ids = tokens["input_ids"].unbind(0)
+    if distinct is not None:
+        ids = [ids[k] for k in where]
     prompts = Tokens._from_tensordict(tensordict.empty().to_lazystack(0))
     for row, prompt in zip(prompts.unbind(0), ids, strict=True):
         row.prompt = prompt
     return tensordict.empty(device=self.device).set("tokens", prompts)
+
+
+def _distinct_queries(queries, rows: int) -> tuple[list[int] | None, list[int] | None]:
+    """``(where, distinct)``: for each row the index of its query among the distinct ones, and
+    the first row of each distinct query; ``(None, None)`` when the queries are not strings or
+    all differ (nothing to save)."""
+    values = queries.tolist() if hasattr(queries, "tolist") else queries
+    if not isinstance(values, list) or len(values) != rows:
+        return None, None
+    if not all(isinstance(value, str) for value in values):
+        return None, None
+    first: dict[str, int] = {}
+    for row, value in enumerate(values):
+        first.setdefault(value, len(first))
+    if len(first) == rows:
+        return None, None
+    distinct = [0] * len(first)
+    for row in reversed(range(rows)):
+        distinct[first[values[row]]] = row
+    return [first[value] for value in values], distinct
 
 
 def __getattr__(name: str):
