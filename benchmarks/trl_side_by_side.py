@@ -2,7 +2,7 @@
 wall-clock budget, one after the other, seed by seed; prints a table.
 
     .venv/bin/python benchmarks/trl_side_by_side.py --quick            # smoke run: 4 steps, seed 0
-    .venv/bin/python benchmarks/trl_side_by_side.py                    # seeds 0 1 2: about 20 min
+    .venv/bin/python benchmarks/trl_side_by_side.py                    # seeds 0 1 2: about 17 min
     .venv/bin/python benchmarks/trl_side_by_side.py --seeds 0 --budget 120
     .venv/bin/python benchmarks/trl_side_by_side.py -- --minibatch 128 # after --: example flags
     .venv/bin/python benchmarks/trl_side_by_side.py --trl-version 1.14.2 --trl-venv .venv-trl-1.14
@@ -14,8 +14,9 @@ what both sides share); it prints the versions. TRL is never a dependency of thi
 seed runs the example (benchmarks/llm_grpo_steps.py: the example as it is, with a clock per GRPO
 step) in this venv, then TRL (benchmarks/trl_grpo_worker.py) in TRL's, each a fresh process with
 this working tree on ``PYTHONPATH``. Run it alone on the machine (``flock /tmp/heavy.lock`` on a
-shared one): the table's times are wall times. A 3-seed run at the example's 190 s budget takes
-about 3 x (2 x 200 s) = 20 minutes, plus the venv the first time.
+shared one): the table's times are wall times. A seed takes about 5.5 minutes at the example's
+190 s budget (the example uses all of it; TRL 1.16 ended its 150 steps in 136 s on a 2-core
+CPU), 3 seeds about 17 minutes, plus the venv the first time.
 
 What is compared, per seed: the GRPO steps each side fits in the budget (counted from its
 process's start, imports and warm start included, as the example counts it), the median and mean
