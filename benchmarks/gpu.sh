@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Every GPU row of the package in one call (docs/benchmarks.rst, "On a GPU"): the launches table
-# (operators and host waits, benchmarks/launches.py), the CUDA tests, the
-# token loss's memory and time in bf16 and float32 at Qwen's vocabulary, the scoring step (the head
-# on what is read, each prompt once: llm_scoring.py), the loss on torchrl's LLM
-# stack, the transform's throughput into a CUDA storage, and a profile of the lean loss, in order
-# of what is least measured. Every table goes to $OUT/gpu.txt (default runs/gpu): a device call
-# brings back at most 8 files. About 9 minutes on one H200 (2026-11-27; the call's limit is 10).
+# (operators and host waits, benchmarks/launches.py), the CUDA tests, the token loss's memory and
+# time in bf16 and float32 at Qwen's vocabulary (its chunk math compiled and eager against
+# Categorical) and a profile of both, the scoring step (the head on what is read, each prompt
+# once: llm_scoring.py, one group and 8 groups), the loss on torchrl's LLM stack, the
+# transform's throughput into a CUDA storage, in order of what is least measured. Every table
+# goes to $OUT/gpu.txt (default runs/gpu): a device call brings back at most 8 files. About 9
+# minutes on one H200 (2026-11-27) before the compiled paths and the 8-group shape, which add a
+# few: past one call's 10-minute limit, the last steps may need a second call (ONLY=...).
 #
 #   bash benchmarks/gpu.sh                # on a machine with a GPU
 #   DEVICE=cpu QUICK=1 bash benchmarks/gpu.sh   # the same script on the CPU, small shapes (a dry run)
@@ -56,19 +58,21 @@ print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, \"torchrl\", t
 # The launches first (seconds): operators and host waits of the scoring step and an insertion
 step launches 90 "$PY" benchmarks/launches.py --device "$DEVICE"
 step tests 110 "$PY" -m pytest -q -p no:cacheprovider "${TESTS[@]}" -k "Devices or cuda"
+# The token loss: Categorical, the lean loss (chunk math compiled, as by default on a GPU with
+# Triton, and eager), from the logits and from hidden states; then a profile of the two lean modes.
+for dtype in bfloat16 float32; do  # five processes each, each importing torch and torchrl
+  step "loss_memory_$dtype" 240 "$PY" benchmarks/loss_memory.py --device "$DEVICE" \
+    --dtype "$dtype" $TOKEN --paths plain compiled eager head hidden
+done
+step profile 120 "$PY" benchmarks/loss_memory.py --device "$DEVICE" --dtype bfloat16 $TOKEN \
+  --paths compiled eager --profile
 # bf16 with --profile: operators and kernels launched by each path (is the GPU waiting on the host?)
 step llm_scoring_bfloat16 150 "$PY" benchmarks/llm_scoring.py --device "$DEVICE" --dtype bfloat16 \
   $SCORING --profile
 step llm_scoring_float32 100 "$PY" benchmarks/llm_scoring.py --device "$DEVICE" --dtype float32 \
   $SCORING
 step transform_throughput 80 "$PY" benchmarks/transform_throughput.py --device "$DEVICE" $TRANSFORM
-for dtype in bfloat16 float32; do  # four processes each, each importing torch and torchrl
-  step "loss_memory_$dtype" 120 "$PY" benchmarks/loss_memory.py --device "$DEVICE" \
-    --dtype "$dtype" $TOKEN --paths plain lean head hidden
-done
 for dtype in bfloat16 float32; do
   step "llm_loss_memory_$dtype" 100 "$PY" benchmarks/llm_loss_memory.py --device "$DEVICE" \
     --dtype "$dtype" $LLM --paths torchrl ours lean
 done
-step profile 50 "$PY" benchmarks/loss_memory.py --device "$DEVICE" --dtype bfloat16 $TOKEN \
-  --paths lean --profile

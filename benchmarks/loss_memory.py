@@ -4,6 +4,8 @@ Run (a few minutes on one CPU thread, ~3 GB of RAM for the plain path)::
 
     .venv/bin/python benchmarks/loss_memory.py
     .venv/bin/python benchmarks/loss_memory.py --batch 2 --length 128 --vocab 8192  # quick
+    .venv/bin/python benchmarks/loss_memory.py --device cuda --dtype bfloat16 \
+        --batch 8 --length 1024 --vocab 151936 --paths plain compiled eager  # on a GPU
 
 From logits: three paths run :class:`torchrl_grpo.GRPOLoss` (entropy bonus on, so the entropy's
 gradient flows too) on the same ``[B, T, V]`` float32 logits, a leaf tensor standing for the
@@ -17,7 +19,14 @@ PPO's surrogate ("recent": the two-sided clip ``delta``, DPPO's binary-KL trust 
 unbiased KL to the reference, the adaptive entropy coefficient, the veto and the mismatch
 statistics, IcePop's token mask, token-sum aggregation) and with VESPO's objective ("vespo":
 the sequence weight, DPPO's total-variation trust region, the unbiased KL, the adaptive entropy,
-the veto). Every loss term is backpropagated (``total_loss()``).
+the veto). Every loss term is backpropagated (``total_loss()``). Two more lean paths, not run
+by default, fix how the chunk math runs (:mod:`torchrl_grpo.token_chunk`): "eager" as written,
+"compiled" through ``torch.compile`` (which "lean" does by default on CUDA with Triton, and not
+on the CPU); their values and gradients are compared. On an accelerator every path first runs
+two steps of 16 and 24 positions at the full vocabulary, so that a compiled path has compiled
+(and recompiled for a new number of positions) before it is measured; on the CPU one tiny step
+(a larger one would raise the high-water mark the measurement starts from), so that a compiled
+path's measured pass there includes compiling (a dry run).
 
 From hidden states: two paths start from the last hidden states ``[B, T, H]`` (a leaf) and an
 output layer ``W`` ``[V, H]`` (no bias). "head" applies the layer (``[B, T, V]`` logits) and then
@@ -77,13 +86,19 @@ from torchrl_grpo.loss.variants import (
 
 #: Paths in two groups, each compared with its first path.
 GROUPS = {
-    "logits": ("plain", "lean", "variants", "recent", "vespo"),
+    "logits": ("plain", "lean", "eager", "compiled", "variants", "recent", "vespo"),
     "hidden states": ("head", "hidden"),
 }
 PATHS = tuple(path for group in GROUPS.values() for path in group)
+#: What runs without ``--paths``: the chunk math's two modes are run when asked for.
+DEFAULT_PATHS = tuple(path for path in PATHS if path not in ("eager", "compiled"))
+#: The lean paths whose chunk math is fixed, and the ``compile`` keyword each passes.
+COMPILE = {"eager": False, "compiled": True}
 NAMES = {
     "plain": "Categorical (plain)",
     "lean": "TokenCategorical (lean)",
+    "eager": "lean, eager chunk math",
+    "compiled": "lean, compiled chunk math",
     "variants": "lean + per-token variants",
     "recent": "lean + 2026 terms (clip)",
     "vespo": "lean + 2026 terms (VESPO)",
@@ -92,7 +107,7 @@ NAMES = {
 }
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 #: Pairs whose values and gradients must agree.
-SAME = (("plain", "lean"), ("head", "hidden"))
+SAME = (("plain", "lean"), ("eager", "compiled"), ("head", "hidden"))
 VALUE_KEYS = ("loss_objective", "loss_entropy", "entropy", "ESS", "clip_fraction", "kl_approx")
 GRAD_STRIDE = 101
 #: The variants that add per-token work, at once: SAPO, inference correction, OPSM, decoupled PPO,
@@ -140,7 +155,11 @@ def parse_args(argv=None):
     )
     parser.add_argument("--repeats", type=int, default=3, help="timed passes per path")
     parser.add_argument(
-        "--paths", nargs="+", choices=PATHS, default=list(PATHS), help="paths to run (all)"
+        "--paths",
+        nargs="+",
+        choices=PATHS,
+        default=list(DEFAULT_PATHS),
+        help="paths to run (all but eager and compiled)",
     )
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--device", default="cpu", help="cpu, or cuda: memory from its allocator")
@@ -208,8 +227,12 @@ def make_case(
         data["logits"] = logits
         leaves = {"logits": logits}
         dist = torch.distributions.Categorical if path == "plain" else TokenCategorical
+        kwargs = {"compile": COMPILE[path]} if path in COMPILE else {}
         actor = ProbabilisticTensorDictModule(
-            in_keys=["logits"], out_keys=["tokens"], distribution_class=dist
+            in_keys=["logits"],
+            out_keys=["tokens"],
+            distribution_class=dist,
+            distribution_kwargs=kwargs,
         )
     else:
         hidden = torch.randn(b, t, h, generator=g).to(device, dtype).requires_grad_()
@@ -268,7 +291,11 @@ def worker(args) -> None:
     torch.set_num_threads(args.threads)
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
     accelerator = device.type != "cpu"
-    step(*make_case(args.worker, 2, 8, 64, 16, device=device, dtype=dtype))  # warm-up, tiny
+    # warm-up; on an accelerator at the full vocabulary, 16 then 24 positions: a compiled path
+    # compiles, then recompiles once for a new number of positions (not again after that)
+    shapes = ((2, 8, args.vocab), (2, 12, args.vocab)) if accelerator else ((2, 8, 64),)
+    for b, t, v in shapes:
+        step(*make_case(args.worker, b, t, v, args.hidden, device=device, dtype=dtype))
 
     loss, batch, leaves = make_case(
         args.worker,

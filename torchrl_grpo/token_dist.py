@@ -14,8 +14,9 @@ One step further, :func:`token_log_prob_entropy_from_hidden` starts from the las
 ``[B, T, H]`` and the output layer (weight ``[V, H]``, optional bias) and computes each chunk's
 logits on the fly, in the forward pass and again in the backward pass, so that the ``[B, T, V]``
 logits never exist (as Liger-Kernel's fused-linear losses). :class:`HiddenTokenCategorical`
-wraps it as a distribution for a torchrl actor whose network returns hidden states. The chunking
-lives in one helper, :func:`_chunk_rows`.
+wraps it as a distribution for a torchrl actor whose network returns hidden states. The chunks'
+size lives in one helper, :func:`_chunk_rows`; the maths of one chunk, eager or compiled by
+``torch.compile``, in :mod:`torchrl_grpo.token_chunk`.
 
 The maths, for one position with logits ``x``, ``lse = log sum_v exp(x_v)``, ``p = softmax(x)``
 and sampled token ``a``:
@@ -34,6 +35,9 @@ import torch
 from torch.autograd.function import once_differentiable
 from torch.distributions import Distribution, constraints
 
+from torchrl_grpo import token_chunk
+from torchrl_grpo.token_chunk import chunk_grad, chunk_stats
+
 __all__ = [
     "HiddenTokenCategorical",
     "TokenCategorical",
@@ -49,11 +53,13 @@ _CHUNK_ELEMENTS = 2**20
 #: block glibc's allocator keeps for reuse instead of mapping it afresh (page faults) every
 #: time. See ``docs/loss.rst``, "Without the logits".
 _HIDDEN_CHUNK_ELEMENTS = 2**23
-#: On an accelerator (CUDA...), at most this many chunks: a small chunk is launch-bound there,
-#: so each chunk holds ``1 / _ACCELERATOR_CHUNKS`` of the positions (at least
-#: ``_CHUNK_ELEMENTS``). The temporaries (about three float32 chunks in backward) then stay near
-#: ``3 * 4 / (128 * 2) = 0.05x`` of bf16 logits, ``0.02x`` of float32 ones.
-_ACCELERATOR_CHUNKS = 128
+#: On an accelerator (CUDA...), the logits of one chunk: at most ``2**25`` (a 128 MiB float32
+#: block; 220 positions at Qwen's V=151,936). There a pass over a chunk is one kernel launch
+#: (5-20 us of host time) plus its memory traffic: at this size an eager pass moves 0.2-0.3 GB,
+#: 40-60 us on an H200, so the device does not wait for the host to launch a chunk's ~17 eager
+#: kernels (compiled: two, each about 30 us), while the eager chunk's temporaries (two float32
+#: chunks) stay within 256 MiB whatever the batch. See :func:`_chunk_rows` for the bound.
+_ACCELERATOR_CHUNK_ELEMENTS = 2**25
 
 
 def _chunk_rows(
@@ -68,14 +74,26 @@ def _chunk_rows(
 
     The one place that sizes the chunks of both the logits and the hidden-state paths. On the
     CPU the default fills ``elements`` (by default ``_CHUNK_ELEMENTS``, a cache-friendly 4 MiB
-    block); on an accelerator it cuts the ``positions`` into at most ``_ACCELERATOR_CHUNKS``
-    chunks, because there each chunk costs a dozen kernel launches whatever its size.
+    block). On an accelerator (any device but the CPU) a chunk holds up to
+    ``_ACCELERATOR_CHUNK_ELEMENTS = 2**25`` logits (or ``elements`` if larger), and the
+    ``positions`` are cut into chunks of equal size at most that: each chunk's passes are then
+    long enough for the device's time to hide the host's launches.
+
+    The memory bound of that rule: the eager chunk math holds at most two float32 chunks
+    (:mod:`torchrl_grpo.token_chunk`), ``2 * 4 * 2**25`` bytes = 256 MiB whatever the batch and
+    the vocabulary; the hidden-state path holds the chunk's logits besides (64 MiB in bf16),
+    and the compiled chunk math no float32 chunk at all on the logits path. At the GPU
+    benchmark's shape (8 x 1,024 positions, V=151,936: 2,374 MiB of bf16 logits) that is 38
+    chunks of 216 positions and 0.11x the logits, where the earlier rule (at most 128 chunks)
+    cut them into 128 chunks of 64 positions, holding three float32 chunks at a time (0.05x).
 
     Examples:
         >>> _chunk_rows(None, 32768)  # CPU: 32 positions of a 32k vocabulary
         32
-        >>> _chunk_rows(None, 151936, 8192, torch.device("cuda"))  # 8192 positions, 128 chunks
-        64
+        >>> _chunk_rows(None, 151936, 8192, torch.device("cuda"))  # 38 chunks of 216 or fewer
+        216
+        >>> _chunk_rows(None, 4096, 8192, torch.device("cuda"))  # a small vocabulary: one chunk
+        8192
         >>> _chunk_rows(10, 151936, 8192, torch.device("cuda"))  # an explicit size wins
         10
         >>> _chunk_rows(None, 151936, elements=_HIDDEN_CHUNK_ELEMENTS)  # the lean wrapper's
@@ -84,7 +102,9 @@ def _chunk_rows(
     if chunk_size is None:
         rows = max(1, elements // vocab)
         if device is not None and device.type != "cpu":
-            rows = max(rows, -(-positions // _ACCELERATOR_CHUNKS))
+            rows = max(rows, _ACCELERATOR_CHUNK_ELEMENTS // vocab)
+            if positions > 0:  # equal chunks: as many as the bound needs, no small last one
+                rows = -(-positions // -(-positions // rows))
         return rows
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}.")
@@ -96,68 +116,72 @@ def _chunks(n: int, rows: int):
     return (slice(start, start + rows) for start in range(0, n, rows))
 
 
-def _logits_stats(x: torch.Tensor, index: torch.Tensor):
-    """``(lse, entropy, log_prob)`` of one chunk of logits ``x`` ``(n, V)``, index ``(n, 1)``."""
-    lse = torch.logsumexp(x, -1)  # (n,)
-    p = (x - lse.unsqueeze(-1)).exp_()  # (n, V)
-    entropy = lse - p.mul_(x).sum(-1)
-    log_prob = x.gather(-1, index).squeeze(-1) - lse
-    return lse, entropy, log_prob
-
-
-def _logits_grad(
-    x, lse, entropy, index, grad_log_prob, grad_entropy, *, overwrite: bool = False
-) -> torch.Tensor:
-    """The gradient ``(n, V)`` reaching one chunk of logits ``x`` (float32 or wider).
-
-    ``d/dx`` of ``g_lp * log pi(a) + g_H * H`` is ``g_lp * ([v = a] - p) - g_H * p * (log p + H)``;
-    either upstream gradient may be ``None``. ``overwrite=True`` reuses ``x``'s buffer (when it
-    is a temporary, as the logits recomputed from hidden states are).
-    """
-    log_p = x.sub_(lse.unsqueeze(-1)) if overwrite else x - lse.unsqueeze(-1)  # (n, V)
-    p = log_p.exp()  # (n, V)
-    if grad_entropy is not None:
-        g = log_p.add_(entropy.unsqueeze(-1)).mul_(grad_entropy.unsqueeze(-1))
-        if grad_log_prob is not None:
-            g.add_(grad_log_prob.unsqueeze(-1))
-        g.mul_(p).neg_()
-    else:
-        g = p.mul_(grad_log_prob.unsqueeze(-1)).neg_()
-    if grad_log_prob is not None:
-        g.scatter_add_(-1, index, grad_log_prob.unsqueeze(-1))
-    return g
-
-
 def _check_tokens(tokens: torch.Tensor, batch_shape: torch.Size, vocab: int, what: str) -> None:
+    """Shapes, and the range of the token ids where reading them costs no wait.
+
+    On CUDA the ids are not read on the host (that would wait for the device): an id ``>= V``
+    trips the device-side bounds assertion of the ``gather`` that reads it ("index out of
+    bounds"), which stops the process loudly. A meta tensor has no values to read.
+    """
     if batch_shape != tokens.shape:
         raise ValueError(
             f"{what} and tokens {tuple(tokens.shape)} do not match: expected {what} of shape "
             "tokens.shape + (...)."
         )
-    if tokens.numel() and int(tokens.max()) >= vocab:
+    if tokens.device.type in ("cuda", "meta") or not tokens.numel():
+        return
+    if int(tokens.max()) >= vocab:
         raise IndexError(
             f"token id {int(tokens.max())} is out of range for a vocabulary of {vocab}."
         )
+
+
+def _chunk_fns(compile: bool):
+    """The chunk functions of :mod:`torchrl_grpo.token_chunk`, compiled or as written."""
+    if compile:
+        return token_chunk.compiled(chunk_stats), token_chunk.compiled(chunk_grad)
+    return chunk_stats, chunk_grad
+
+
+def _grad_terms(grad_log_prob, grad_entropy, entropy, is_pad):
+    """``(g_lp, c, b)`` of :func:`~torchrl_grpo.token_chunk.chunk_grad` for every row, as
+    ``(N, 1)`` columns: ``g_lp`` (``None`` if the log-prob has no gradient; 0 at padding),
+    ``c = -g_H`` (``None`` if the entropy has none) and ``b = -(g_lp + g_H H)``."""
+    dtype = entropy.dtype
+    g_lp = scale = None
+    shift = torch.zeros_like(entropy)  # (N,)
+    if grad_log_prob is not None:
+        g_lp = grad_log_prob.to(dtype).masked_fill(is_pad, 0.0)  # (N,)
+        shift = shift.sub_(g_lp)
+        g_lp = g_lp.unsqueeze(-1)
+    if grad_entropy is not None:
+        g_h = grad_entropy.to(dtype)  # (N,)
+        shift = shift.sub_(g_h * entropy)
+        scale = g_h.neg().unsqueeze(-1)
+    return g_lp, scale, shift.unsqueeze(-1)
+
+
+def _rows(x: torch.Tensor | None, rows: slice) -> torch.Tensor | None:
+    return None if x is None else x[rows]
 
 
 class _TokenLogProbEntropy(torch.autograd.Function):
     """Fused, chunked log-prob of the sampled tokens and entropy; saves no ``(N, V)`` tensor."""
 
     @staticmethod
-    def forward(ctx, logits, tokens, rows):
+    def forward(ctx, logits, tokens, rows, compile):
         # logits (N, V), tokens (N,) int64; negative tokens are padding
         n = logits.shape[0]
         dtype = torch.promote_types(logits.dtype, torch.float32)  # bf16/fp16 -> fp32
         lse = torch.empty(n, dtype=dtype, device=logits.device)  # (N,)
-        entropy = torch.empty_like(lse)  # (N,)
-        log_prob = torch.empty_like(lse)  # (N,)
+        entropy, log_prob = torch.empty_like(lse), torch.empty_like(lse)  # (N,), (N,)
         is_pad = tokens < 0  # (N,)
         index = tokens.clamp_min(0).unsqueeze(-1)  # (N, 1)
-        for rows_ in _chunks(n, rows):
-            x = logits[rows_].to(dtype)  # (n, V); a view when logits are float32
-            lse[rows_], entropy[rows_], log_prob[rows_] = _logits_stats(x, index[rows_])
+        stats, _ = _chunk_fns(compile)
+        for r in _chunks(n, rows):
+            stats(logits[r], index[r], lse[r], entropy[r], log_prob[r])
         log_prob.masked_fill_(is_pad, 0.0)
-        ctx.rows = rows
+        ctx.rows, ctx.compile = rows, compile
         ctx.save_for_backward(logits, index, is_pad, lse, entropy)
         ctx.set_materialize_grads(False)
         return log_prob, entropy
@@ -167,30 +191,25 @@ class _TokenLogProbEntropy(torch.autograd.Function):
     def backward(ctx, grad_log_prob, grad_entropy):
         logits, index, is_pad, lse, entropy = ctx.saved_tensors
         if grad_log_prob is None and grad_entropy is None:
-            return None, None, None
+            return None, None, None, None
+        g_lp, scale, shift = _grad_terms(grad_log_prob, grad_entropy, entropy, is_pad)
+        lse = lse.unsqueeze(-1)  # (N, 1)
         grad = torch.empty_like(logits)  # (N, V): the gradient itself, the only full-size output
-        dtype = lse.dtype
-        if grad_log_prob is not None:
-            grad_log_prob = grad_log_prob.to(dtype).masked_fill(is_pad, 0.0)
-        for rows_ in _chunks(logits.shape[0], ctx.rows):
-            x = logits[rows_].to(dtype)  # (n, V)
-            grad[rows_] = _logits_grad(
-                x,
-                lse[rows_],
-                entropy[rows_],
-                index[rows_],
-                _rows(grad_log_prob, rows_),
-                _rows(grad_entropy, rows_),
-            )
-        return grad, None, None
-
-
-def _rows(x: torch.Tensor | None, rows: slice) -> torch.Tensor | None:
-    return None if x is None else x[rows]
+        _, grad_fn = _chunk_fns(ctx.compile)
+        for r in _chunks(logits.shape[0], ctx.rows):
+            grad_fn(logits[r], lse[r], _rows(scale, r), shift[r], grad[r])
+        if g_lp is not None:  # the sampled token's entry, g_lp added, rounded once: (N, 1)
+            at_token = chunk_grad(logits.gather(-1, index), lse, scale, shift).add_(g_lp)
+            grad.scatter_(-1, index, at_token.to(grad.dtype))
+        return grad, None, None, None
 
 
 def token_log_prob_entropy(
-    logits: torch.Tensor, tokens: torch.Tensor, *, chunk_size: int | None = None
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    *,
+    chunk_size: int | None = None,
+    compile: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-prob of the sampled tokens and entropy of a categorical over a large vocabulary.
 
@@ -202,8 +221,12 @@ def token_log_prob_entropy(
     float32 rounding), computed in one autograd node that keeps no full-vocabulary tensor for
     backward, with temporaries of ``chunk_size x V``. The backward pass writes the logits'
     gradient chunk by chunk into one ``[..., V]`` buffer. Computation is in float32 at least
-    (bf16 / fp16 logits are upcast a chunk at a time; float64 stays float64), and the outputs
-    have that dtype; the gradient has the logits' dtype.
+    (bf16 / fp16 logits are upcast as they are read; float64 stays float64), and the outputs
+    have that dtype; the gradient has the logits' dtype, rounded once. Each chunk goes through
+    the chunk math of :mod:`torchrl_grpo.token_chunk` (five passes over it forward, four
+    backward), compiled by ``torch.compile`` on CUDA when Triton is installed (one or two fused
+    kernels, no temporary of the chunk's size); ``compile`` or ``TORCHRL_GRPO_COMPILE`` decide
+    otherwise, and a failed compilation falls back to eager with one warning.
 
     Tokens below zero are padding (e.g. ``-100``): their log-prob is ``0`` and sends no gradient;
     their entropy is still computed (mask it downstream). Not twice differentiable.
@@ -213,7 +236,11 @@ def token_log_prob_entropy(
             a non-contiguous tensor is copied once by ``reshape``.
         tokens (torch.Tensor): integer token ids ``[...]``, in ``[0, V)`` or negative for padding.
         chunk_size (int, optional): rows (positions) per chunk. Defaults to ``2**20 // V``
-            (4 MiB float32 blocks).
+            (4 MiB float32 blocks) on the CPU, chunks of at most ``2**25`` logits (128 MiB in
+            float32) on an accelerator (``_chunk_rows``).
+        compile (bool, optional): run the chunk math through ``torch.compile``. Defaults to
+            :func:`torchrl_grpo.token_chunk.use_compile`: ``TORCHRL_GRPO_COMPILE`` if set,
+            else on CUDA with Triton.
 
     Returns:
         tuple[torch.Tensor, torch.Tensor]: ``(log_prob, entropy)``, each ``[...]``, in float32
@@ -221,7 +248,8 @@ def token_log_prob_entropy(
 
     Raises:
         ValueError: if the shapes of ``logits`` and ``tokens`` do not match.
-        IndexError: if a token id is ``>= V``.
+        IndexError: if a token id is ``>= V`` (on CUDA, the device's bounds assertion instead:
+            checking on the host would wait for the device).
 
     Examples:
         >>> import torch
@@ -239,7 +267,10 @@ def token_log_prob_entropy(
     _check_tokens(tokens, logits.shape[:-1], vocab, f"logits {tuple(logits.shape)}")
     rows = _chunk_rows(chunk_size, vocab, tokens.numel(), logits.device)
     log_prob, entropy = _TokenLogProbEntropy.apply(
-        logits.reshape(-1, vocab), tokens.reshape(-1).long(), rows
+        logits.reshape(-1, vocab),
+        tokens.reshape(-1).long(),
+        rows,
+        token_chunk.use_compile(logits.device, compile),
     )
     return log_prob.view(tokens.shape), entropy.view(tokens.shape)
 
@@ -249,20 +280,20 @@ class _TokenLogProbEntropyFromHidden(torch.autograd.Function):
     beyond one chunk: each chunk's logits are computed in forward and recomputed in backward."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, tokens, rows):
+    def forward(ctx, hidden, weight, bias, tokens, rows, compile):
         # hidden (N, H), weight (V, H), bias (V,) or None, tokens (N,) int64 (< 0: padding)
         n = hidden.shape[0]
         dtype = torch.promote_types(hidden.dtype, torch.float32)
         lse = torch.empty(n, dtype=dtype, device=hidden.device)  # (N,)
-        entropy = torch.empty_like(lse)  # (N,)
-        log_prob = torch.empty_like(lse)  # (N,)
+        entropy, log_prob = torch.empty_like(lse), torch.empty_like(lse)  # (N,), (N,)
         is_pad = tokens < 0  # (N,)
         index = tokens.clamp_min(0).unsqueeze(-1)  # (N, 1)
-        for rows_ in _chunks(n, rows):
-            x = torch.nn.functional.linear(hidden[rows_], weight, bias).to(dtype)  # (n, V)
-            lse[rows_], entropy[rows_], log_prob[rows_] = _logits_stats(x, index[rows_])
+        stats, _ = _chunk_fns(compile)
+        for r in _chunks(n, rows):
+            x = torch.nn.functional.linear(hidden[r], weight, bias)  # (n, V)
+            stats(x, index[r], lse[r], entropy[r], log_prob[r])
         log_prob.masked_fill_(is_pad, 0.0)
-        ctx.rows = rows
+        ctx.rows, ctx.compile = rows, compile
         ctx.save_for_backward(hidden, weight, bias, index, is_pad, lse, entropy)
         ctx.set_materialize_grads(False)
         return log_prob, entropy
@@ -273,28 +304,23 @@ class _TokenLogProbEntropyFromHidden(torch.autograd.Function):
         hidden, weight, bias, index, is_pad, lse, entropy = ctx.saved_tensors
         needs_hidden, needs_weight, needs_bias = ctx.needs_input_grad[:3]
         if grad_log_prob is None and grad_entropy is None:
-            return None, None, None, None, None
+            return None, None, None, None, None, None
         dtype = lse.dtype
-        if grad_log_prob is not None:
-            grad_log_prob = grad_log_prob.to(dtype).masked_fill(is_pad, 0.0)
+        g_lp, scale, shift = _grad_terms(grad_log_prob, grad_entropy, entropy, is_pad)
+        lse = lse.unsqueeze(-1)  # (N, 1)
         # gradients of the parameters accumulate over chunks, in float32 at least
         grad_hidden = torch.empty_like(hidden) if needs_hidden else None  # (N, H)
         grad_weight = torch.zeros_like(weight, dtype=dtype) if needs_weight else None  # (V, H)
         grad_bias = torch.zeros_like(bias, dtype=dtype) if needs_bias else None  # (V,)
-        for rows_ in _chunks(hidden.shape[0], ctx.rows):
-            h = hidden[rows_]  # (n, H)
-            x = torch.nn.functional.linear(h, weight, bias).to(dtype)  # (n, V), recomputed
-            g = _logits_grad(
-                x,
-                lse[rows_],
-                entropy[rows_],
-                index[rows_],
-                _rows(grad_log_prob, rows_),
-                _rows(grad_entropy, rows_),
-                overwrite=True,
-            )
+        _, grad_fn = _chunk_fns(ctx.compile)
+        for r in _chunks(hidden.shape[0], ctx.rows):
+            h = hidden[r]  # (n, H)
+            x = torch.nn.functional.linear(h, weight, bias)  # (n, V), recomputed
+            g = grad_fn(x, lse[r], _rows(scale, r), shift[r])  # (n, V) float32
+            if g_lp is not None:
+                g.scatter_add_(-1, index[r], g_lp[r])
             if grad_hidden is not None:
-                grad_hidden[rows_] = g.to(weight.dtype) @ weight  # (n, H)
+                torch.mm(g.to(weight.dtype), weight, out=grad_hidden[r])  # (n, H)
             if grad_weight is not None:
                 grad_weight.addmm_(g.t(), h.to(dtype))  # (V, H)
             if grad_bias is not None:
@@ -303,7 +329,7 @@ class _TokenLogProbEntropyFromHidden(torch.autograd.Function):
             grad_weight = grad_weight.to(weight.dtype)
         if grad_bias is not None:
             grad_bias = grad_bias.to(bias.dtype)
-        return grad_hidden, grad_weight, grad_bias, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None
 
 
 def token_log_prob_entropy_from_hidden(
@@ -313,6 +339,7 @@ def token_log_prob_entropy_from_hidden(
     bias: torch.Tensor | None = None,
     *,
     chunk_size: int | None = None,
+    compile: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Token log-probs and entropy from the last hidden states, the logits never materialised.
 
@@ -340,14 +367,17 @@ def token_log_prob_entropy_from_hidden(
         tokens (torch.Tensor): integer token ids ``[...]`` (``hidden.shape[:-1]``), in
             ``[0, V)`` or negative for padding.
         bias (torch.Tensor, optional): the output layer's bias ``[V]``.
-        chunk_size (int, optional): positions per chunk. Defaults to ``2**20 // V``.
+        chunk_size (int, optional): positions per chunk. Defaults to ``2**20 // V`` on the
+            CPU, chunks of at most ``2**25`` logits on an accelerator.
+        compile (bool, optional): run the chunk math through ``torch.compile``; see
+            :func:`token_log_prob_entropy`.
 
     Returns:
         tuple[torch.Tensor, torch.Tensor]: ``(log_prob, entropy)``, each ``[...]``.
 
     Raises:
         ValueError: if the shapes of ``hidden``, ``weight``, ``bias`` and ``tokens`` disagree.
-        IndexError: if a token id is ``>= V``.
+        IndexError: if a token id is ``>= V`` (on CUDA, the device's bounds assertion).
 
     Examples:
         >>> import torch
@@ -376,7 +406,12 @@ def token_log_prob_entropy_from_hidden(
     _check_tokens(tokens, hidden.shape[:-1], vocab, f"hidden {tuple(hidden.shape)}")
     rows = _chunk_rows(chunk_size, vocab, tokens.numel(), hidden.device)
     log_prob, entropy = _TokenLogProbEntropyFromHidden.apply(
-        hidden.reshape(-1, hidden.shape[-1]), weight, bias, tokens.reshape(-1).long(), rows
+        hidden.reshape(-1, hidden.shape[-1]),
+        weight,
+        bias,
+        tokens.reshape(-1).long(),
+        rows,
+        token_chunk.use_compile(hidden.device, compile),
     )
     return log_prob.view(tokens.shape), entropy.view(tokens.shape)
 
@@ -451,6 +486,7 @@ class TokenCategorical(_TokenDistribution):
     Args:
         logits (torch.Tensor): unnormalised log-probabilities ``[..., V]``.
         chunk_size (int, optional): rows per chunk, see :func:`token_log_prob_entropy`.
+        compile (bool, optional): compile the chunk math, see :func:`token_log_prob_entropy`.
 
     Examples:
         >>> import torch
@@ -477,11 +513,18 @@ class TokenCategorical(_TokenDistribution):
 
     arg_constraints = {"logits": constraints.real_vector}
 
-    def __init__(self, logits: torch.Tensor, chunk_size: int | None = None, validate_args=None):
+    def __init__(
+        self,
+        logits: torch.Tensor,
+        chunk_size: int | None = None,
+        validate_args=None,
+        *,
+        compile: bool | None = None,
+    ):
         if logits.ndim < 1:
             raise ValueError("logits must have at least one dimension (the vocabulary).")
         self.logits = logits
-        self.chunk_size = chunk_size
+        self.chunk_size, self.compile = chunk_size, compile
         super().__init__(logits.shape[:-1], logits.shape[-1], logits.device)
 
     @property
@@ -508,7 +551,9 @@ class TokenCategorical(_TokenDistribution):
             return dist.sample(torch.Size(sample_shape))
 
     def _log_prob_entropy(self, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return token_log_prob_entropy(self.logits, value, chunk_size=self.chunk_size)
+        return token_log_prob_entropy(
+            self.logits, value, chunk_size=self.chunk_size, compile=self.compile
+        )
 
 
 class HiddenTokenCategorical(_TokenDistribution):
@@ -533,6 +578,7 @@ class HiddenTokenCategorical(_TokenDistribution):
             ``head.bias`` ``[V]`` (a ``torch.nn.Linear``), read when the distribution is built.
         chunk_size (int, optional): positions per chunk, see
             :func:`token_log_prob_entropy_from_hidden`.
+        compile (bool, optional): compile the chunk math, see :func:`token_log_prob_entropy`.
 
     Examples:
         >>> import torch
@@ -565,6 +611,8 @@ class HiddenTokenCategorical(_TokenDistribution):
         head: torch.nn.Module,
         chunk_size: int | None = None,
         validate_args=None,
+        *,
+        compile: bool | None = None,
     ):
         weight = getattr(head, "weight", None)
         if not isinstance(weight, torch.Tensor) or weight.ndim != 2:
@@ -580,7 +628,7 @@ class HiddenTokenCategorical(_TokenDistribution):
         self.hidden = hidden
         self.weight = weight
         self.bias = getattr(head, "bias", None)
-        self.chunk_size = chunk_size
+        self.chunk_size, self.compile = chunk_size, compile
         super().__init__(hidden.shape[:-1], weight.shape[0], hidden.device)
 
     @property
@@ -622,5 +670,10 @@ class HiddenTokenCategorical(_TokenDistribution):
 
     def _log_prob_entropy(self, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return token_log_prob_entropy_from_hidden(
-            self.hidden, self.weight, value, self.bias, chunk_size=self.chunk_size
+            self.hidden,
+            self.weight,
+            value,
+            self.bias,
+            chunk_size=self.chunk_size,
+            compile=self.compile,
         )
