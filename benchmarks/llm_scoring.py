@@ -132,9 +132,7 @@ def make_batch(group: int, prompt: int, response: int, vocab: int, seed: int = 0
                 TensorDict(
                     {
                         "tokens": Tokens(full=full, prompt=shared.clone()),
-                        "log_probs": TensorDict(
-                            full=-12.0 + torch.randn(len(full), generator=g)
-                        ),
+                        "log_probs": TensorDict(full=-12.0 + torch.randn(len(full), generator=g)),
                         "advantage": torch.randn(1, 1, generator=g),
                     }
                 )

@@ -432,3 +432,22 @@ class TestRaggedPrompts:
 
         with pytest.raises(TypeError, match="no torchrl ChatEnv"):
             _compat.ragged_prompts(GymEnv("CartPole-v1"))
+
+
+class TestTorchDispatchMode:
+    def test_sees_forward_and_backward_operators(self):
+        seen = []
+
+        class Record(_compat.TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                seen.append(str(func))
+                return func(*args, **(kwargs or {}))
+
+        x = torch.randn(3, requires_grad=True)
+        with Record():
+            x.exp().sum().backward()
+        assert "aten.exp.default" in seen and seen.count("aten.mul.Tensor") >= 1, (
+            "torchrl_grpo._compat.TorchDispatchMode: torch's dispatcher hook no longer sees "
+            f"the operators of the forward and the backward pass (saw {seen}); "
+            "torchrl_grpo.launches.count_launches counts them through it."
+        )

@@ -128,8 +128,7 @@ def write_empty_tensor_storage(path: str | Path) -> None:
 #: torch's Python hook at the dispatcher (``torch.utils._python_dispatch``, a private module):
 #: every ATen operator, the backward pass's included (torch carries the mode into the autograd
 #: engine's threads), calls ``__torch_dispatch__`` of the active mode.
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
-
+from torch.utils._python_dispatch import TorchDispatchMode as TorchDispatchMode  # noqa: E402
 
 # --- torchrl.modules.llm: the masked token distribution of an LLM wrapper -------------------------
 
@@ -444,7 +443,7 @@ def _distinct_queries(queries, rows: int) -> tuple[list[int] | None, list[int] |
     if not all(isinstance(value, str) for value in values):
         return None, None
     first: dict[str, int] = {}
-    for row, value in enumerate(values):
+    for value in values:
         first.setdefault(value, len(first))
     if len(first) == rows:
         return None, None

@@ -30,7 +30,9 @@ def upload(array, device: torch.device | str | None = None) -> torch.Tensor:
         >>> upload(np.arange(3))
         tensor([0, 1, 2])
     """
-    tensor = torch.from_numpy(np.ascontiguousarray(array)) if isinstance(array, np.ndarray) else array
+    tensor = (
+        torch.from_numpy(np.ascontiguousarray(array)) if isinstance(array, np.ndarray) else array
+    )
     device = torch.device("cpu") if device is None else torch.device(device)
     if device.type == "cpu":
         return tensor
@@ -110,9 +112,7 @@ def padded(
     return out.view(len(rows), width, *first.shape[1:])
 
 
-def rows_of(
-    x: torch.Tensor, lengths: Sequence[int], side: str = "left"
-) -> list[torch.Tensor]:
+def rows_of(x: torch.Tensor, lengths: Sequence[int], side: str = "left") -> list[torch.Tensor]:
     """The rows of a padded ``[B, W, ...]`` tensor, ``lengths[i]`` elements each, as a list.
 
     The inverse of :func:`padded`, with three operators whatever the number of rows.
@@ -140,6 +140,7 @@ def kept(rows: Sequence[torch.Tensor], keep: Sequence[np.ndarray]) -> list[torch
     if not len(rows):
         return []
     flat = torch.cat(list(rows))
-    index = upload(np.flatnonzero(np.concatenate([np.asarray(k, dtype=bool) for k in keep])),
-                   flat.device)
+    index = upload(
+        np.flatnonzero(np.concatenate([np.asarray(k, dtype=bool) for k in keep])), flat.device
+    )
     return list(flat[index].split([int(np.count_nonzero(k)) for k in keep]))

@@ -47,9 +47,12 @@ class TestReadTokenRows:
     def test_ragged_rows_one_host_read(self):
         full = [torch.tensor([5, 6, 7]), torch.tensor([1, 2])]
         masks = [torch.ones(3, dtype=torch.bool), torch.ones(2, dtype=torch.bool)]
-        td = _stack(**{"tokens": [Tokens(full=f, prompt=f[:1]) for f in full], "masks": [
-            TensorDict(all_attention_mask=m) for m in masks
-        ]})
+        td = _stack(
+            **{
+                "tokens": [Tokens(full=f, prompt=f[:1]) for f in full],
+                "masks": [TensorDict(all_attention_mask=m) for m in masks],
+            }
+        )
         with count_launches() as launches:
             rows = read_token_rows(td, ("tokens", "full"), MASKS, 0, ("tokens", "prompt"))
         assert launches.syncs == 1
@@ -65,9 +68,12 @@ class TestReadTokenRows:
     def test_padding_inside_the_rows_is_not_one_block(self):
         full = [torch.tensor([9, 5, 6, 9]), torch.tensor([1, 2, 3, 4])]
         masks = [torch.tensor([0, 1, 1, 0]).bool(), torch.ones(4, dtype=torch.bool)]
-        td = _stack(**{"tokens": [Tokens(full=f) for f in full], "masks": [
-            TensorDict(all_attention_mask=m) for m in masks
-        ]})
+        td = _stack(
+            **{
+                "tokens": [Tokens(full=f) for f in full],
+                "masks": [TensorDict(all_attention_mask=m) for m in masks],
+            }
+        )
         rows = read_token_rows(td, ("tokens", "full"), MASKS, 9)
         assert not rows.blocks and rows.counts.tolist() == [2, 4]
         assert [r.tolist() for r in rows.real] == [[5, 6], [1, 2, 3, 4]]
@@ -189,8 +195,9 @@ def _as_a_sampler_pads(batch, pad: int):
     left = pad_sequence(prompts, True, pad, padding_side="left")
     right = pad_sequence(answers, True, pad)
     masks = [
-        pad_sequence([torch.ones(len(x), dtype=torch.bool) for x in xs], True, False,
-                     padding_side=side)
+        pad_sequence(
+            [torch.ones(len(x), dtype=torch.bool) for x in xs], True, False, padding_side=side
+        )
         for xs, side in ((prompts, "left"), (answers, "right"))
     ]
     n = len(prompts)

@@ -188,8 +188,12 @@ def _padded_turns(rows: int, pad: int = 13, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     steps, replies = [], []
     for i in range(rows):
-        prompt = torch.cat([torch.full((i % 3,), pad), torch.randint(10, (6 - i % 3,), generator=g)])
-        answer = torch.cat([torch.randint(10, (2 + i % 2,), generator=g), torch.full((1 - i % 2,), pad)])
+        prompt = torch.cat(
+            [torch.full((i % 3,), pad), torch.randint(10, (6 - i % 3,), generator=g)]
+        )
+        answer = torch.cat(
+            [torch.randint(10, (2 + i % 2,), generator=g), torch.full((1 - i % 2,), pad)]
+        )
         full = torch.cat([prompt, answer])
         steps.append(
             TensorDict(

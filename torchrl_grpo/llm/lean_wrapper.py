@@ -30,9 +30,8 @@ from torch.distributions import Categorical
 from torchrl.modules.distributions import LLMMaskedCategorical
 from torchrl.modules.llm import TransformersWrapper
 
-from torchrl_grpo import _compat
+from torchrl_grpo import _compat, ragged
 from torchrl_grpo.llm.head import causal_lm, check_logits, head_bias, head_tensors
-from torchrl_grpo import ragged
 from torchrl_grpo.llm.prefix import PrefixSharing
 from torchrl_grpo.llm.scoring import (
     TokenRows,
@@ -161,7 +160,13 @@ class HiddenLLMMaskedCategorical(HiddenTokenCategorical):
         """
         tokens = self._tokens(value)
         log_prob, entropy = _at_positions(
-            self.hidden, self._mask, self.weight, tokens, self.bias, self.chunk_size, self._positions
+            self.hidden,
+            self._mask,
+            self.weight,
+            tokens,
+            self.bias,
+            self.chunk_size,
+            self._positions,
         )
         self._entropy = (entropy, torch.is_grad_enabled())
         return log_prob, entropy
@@ -776,7 +781,10 @@ class LeanTransformersWrapper(TransformersWrapper):
         if self.generate or self.input_mode != "tokens" or tensordict.ndim != 1:
             return None
         td = tensordict  # a lazy stack of rows, or one TensorDict of rows of one length
-        needs = {"prompt": (self.tokens_key, "prompt"), "assistant": ("masks", "all_assistant_mask")}
+        needs = {
+            "prompt": (self.tokens_key, "prompt"),
+            "assistant": ("masks", "all_assistant_mask"),
+        }
         entry = None if strategy not in needs else td.get(needs[strategy], None, as_list=True)
         if strategy in needs and (
             entry is None or (isinstance(entry, list) and any(e is None for e in entry))

@@ -177,7 +177,9 @@ def prefix_plan(sequences, min_shared: int, width: int | None = None) -> PrefixP
     width = max(len(r) for r in rows) if width is None else int(width)
     trees = _trees(rows, min_shared)
     built = [_tree_nodes(rows, order, common) for order, common in trees]
-    sizes = [sum(d - depth[p] for p, d in zip(parent[1:], depth[1:])) for parent, depth, *_ in built]
+    sizes = [
+        sum(d - depth[p] for p, d in zip(parent[1:], depth[1:])) for parent, depth, *_ in built
+    ]
     packed_row, offset, packed_width = _pack([max(1, size) for size in sizes])
     tokens = np.zeros((max(packed_row) + 1, packed_width), dtype=np.int64)
     positions = np.zeros_like(tokens)
@@ -282,8 +284,7 @@ def _body_call(body, **kwargs):
         return body(**kwargs)
     except (TypeError, ValueError, AttributeError, NotImplementedError, IndexError) as err:
         raise SharingUnsupported(
-            f"{type(body).__name__} cannot score a packed prefix tree "
-            f"({type(err).__name__}: {err})"
+            f"{type(body).__name__} cannot score a packed prefix tree ({type(err).__name__}: {err})"
         ) from err
 
 
@@ -436,6 +437,6 @@ def _shared_error(body, sequences, plan: PrefixPlan, hidden: torch.Tensor) -> fl
             row = row if isinstance(row, torch.Tensor) else torch.from_numpy(np.asarray(row))
             row = row.to(hidden.device)
             dense = body(input_ids=row[None], use_cache=False).last_hidden_state[0]
-            diff = (hidden[r, hidden.shape[1] - len(row) :].detach().float() - dense.float())
+            diff = hidden[r, hidden.shape[1] - len(row) :].detach().float() - dense.float()
             worst = max(worst, float(diff.norm() / dense.float().norm().clamp_min(1e-12)))
     return worst

@@ -298,7 +298,9 @@ def _rows_of(tensordict: TensorDictBase, key, n: int) -> list[torch.Tensor | Non
         return [None] * n
     rows = tensordict.get(key, as_list=True)
     return [
-        row if row is None or (row.ndim == 1 and row.dtype == torch.long) else row.reshape(-1).long()
+        row
+        if row is None or (row.ndim == 1 and row.dtype == torch.long)
+        else row.reshape(-1).long()
         for row in rows
     ]
 
