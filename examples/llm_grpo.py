@@ -479,21 +479,6 @@ class Contiguous(Transform):
         return self._contiguous(next_tensordict)
 
 
-class ContiguousOutput(torch.nn.Module):
-    """A policy whose output is made one ``TensorDict`` (``Contiguous``): torchrl's sampling
-    wrapper writes one lazily stacked ``TensorDict`` per completion, and the collector clones
-    the step's data after the env's step; on a rectangular batch the lazy layout only costs
-    time there (see the tutorial's profile). ``model`` is the wrapper's, for the collector."""
-
-    def __init__(self, policy):
-        super().__init__()
-        self.policy, self.contiguous = policy, Contiguous()
-        self.model = policy.model
-
-    def forward(self, tensordict):
-        return self.contiguous(self.policy(tensordict))
-
-
 def make_env(
     tokenizer, task: Task, dataloader, batch: int, repeats: int | None = None
 ) -> DatasetChatEnv:
@@ -746,7 +731,7 @@ def make_collector(cfg: Settings, task: Task, model, ref_model, tokenizer, gen, 
     )
     collector = LLMCollector(
         env,
-        policy=ContiguousOutput(make_sampler(model, tokenizer, cfg)),
+        policy=make_sampler(model, tokenizer, cfg),
         dialog_turns_per_batch=rows,
         total_dialog_turns=cfg.steps * rows,
         replay_buffer=rb,
