@@ -71,6 +71,7 @@ class Launches:
     by_sync: Counter = field(default_factory=Counter)
 
     def sync(self, why: str) -> None:
+        """Count one host synchronisation, caused by ``why`` (an operator or method name)."""
         self.syncs += 1
         self.by_sync[why] += 1
 
