@@ -10,7 +10,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["Segments", "dense_codes", "dense_codes_and_order", "discounted_suffix_sum"]
+__all__ = [
+    "Segments",
+    "dense_codes",
+    "dense_codes_and_order",
+    "discounted_suffix_sum",
+    "group_codes",
+    "lexicographic_codes",
+]
 
 
 def _num_segments(index: Tensor, num: int | None) -> int:
@@ -41,6 +48,8 @@ class Segments:
         lengths: samples per run, shape ``(R,)``, or ``None``.
         width: with ``lengths``, the length every run has, or ``0`` if they differ, when the
             caller knows it (it is found from ``lengths`` otherwise).
+        total: with ``lengths``, the number of samples (their sum), when the caller knows it:
+            spreading per-run values over the samples then reads nothing back on the host.
 
     Examples:
         >>> import torch
@@ -60,12 +69,15 @@ class Segments:
         lengths: Tensor | None = None,
         *,
         width: int | None = None,
+        total: int | None = None,
     ):
         if lengths is None and index is None:
             raise ValueError("Segments needs an index, or run lengths.")
         self.lengths = lengths
         self.index = index
+        self.total = total  # samples, when known (else read from lengths when needed)
         self.width = 0  # runs of one common length > 0, viewed as (R, width); 0: not so
+        self.known_width = width  # as given (None: not known), whatever the segments
         if lengths is None:
             self.num = _num_segments(index, num)
         else:
@@ -81,6 +93,7 @@ class Segments:
         elif runs:
             shortest, longest = (int(v) for v in torch.aminmax(lengths))
             self.width = shortest if shortest == longest else 0
+        self.known_width = self.width
 
     @property
     def count(self) -> Tensor:
@@ -89,8 +102,11 @@ class Segments:
             if self.lengths is None:
                 return torch.full((1,), self.index.numel(), device=self.index.device)
             return self.lengths.sum().reshape(1)
-        if self.lengths is None:
-            return torch.bincount(self.index, minlength=self.num)
+        if self.lengths is None:  # an index_add, not bincount: no size read back on the host
+            ones = torch.ones_like(self.index)
+            return torch.zeros(self.num, dtype=torch.long, device=ones.device).index_add_(
+                0, self.index, ones
+            )
         if self.index is None:
             return self.lengths.clone()  # not the caller's tensor
         zeros = torch.zeros(self.num, dtype=torch.long, device=self.index.device)
@@ -184,17 +200,20 @@ class Segments:
     def expand(self, values: Tensor) -> Tensor:
         """Per-segment ``values`` (``(num,)``) repeated for every sample, shape ``(S,)``."""
         if self.single:
-            size = self.index.numel() if self.lengths is None else int(self.lengths.sum())
-            return values.repeat(size)
+            if self.lengths is None:
+                return values.repeat(self.index.numel())
+            return values.repeat(self.total if self.total is not None else int(self.lengths.sum()))
         if self.lengths is None:
             return values.index_select(0, self.index)
         per_run = self._at_runs(values)  # (R,)
         if self.width:
             return per_run.unsqueeze(1).expand(-1, self.width).reshape(-1)
-        return per_run.repeat_interleave(self.lengths)
+        return per_run.repeat_interleave(self.lengths, output_size=self.total)
 
 
-def discounted_suffix_sum(x: Tensor, lengths: Tensor, gamma: float, *, width: int = 0) -> Tensor:
+def discounted_suffix_sum(
+    x: Tensor, lengths: Tensor, gamma: float, *, width: int = 0, longest: int | None = None
+) -> Tensor:
     r"""Within each run, :math:`y_t = \sum_{k \ge t} \gamma^{k - t} x_k` (its samples in order).
 
     Two vectorized forms, the same numbers up to rounding, neither a Python loop over samples:
@@ -213,6 +232,7 @@ def discounted_suffix_sum(x: Tensor, lengths: Tensor, gamma: float, *, width: in
         lengths: samples per run, shape ``(R,)``, summing to ``S``.
         gamma: the discount, in ``[0, 1]``.
         width: the length every run has when they all have one (``0``: they differ, or unknown).
+        longest: the longest run's length, when the caller read it (else read here).
 
     Returns:
         ``y``, shape ``(S,)``, in the dtype of ``x``.
@@ -224,12 +244,13 @@ def discounted_suffix_sum(x: Tensor, lengths: Tensor, gamma: float, *, width: in
     """
     if x.numel() == 0 or gamma == 0.0:
         return x.clone()
-    longest = width or int(lengths.max())
+    longest = width or (int(lengths.max()) if longest is None else longest)
     if gamma ** (longest - 1) >= 1e-100 and (width or lengths.numel() * longest <= 4 * x.numel()):
         if width:
             return _scaled_suffix_sum(x.reshape(-1, width), gamma).reshape(-1)
         starts = torch.cumsum(lengths, 0) - lengths  # (R,)
-        run = torch.arange(lengths.numel(), device=x.device).repeat_interleave(lengths)  # (S,)
+        run = torch.arange(lengths.numel(), device=x.device)
+        run = run.repeat_interleave(lengths, output_size=x.numel())  # (S,)
         slot = run * longest + torch.arange(x.numel(), device=x.device) - starts[run]  # (S,)
         table = x.new_zeros(lengths.numel() * longest)
         table[slot] = x  # (R * L,) zero-padded rows
@@ -242,7 +263,8 @@ def discounted_suffix_sum(x: Tensor, lengths: Tensor, gamma: float, *, width: in
             s *= 2
         return rows.reshape(-1)
     ends = torch.cumsum(lengths, 0) - 1  # (R,) last sample of each run
-    ahead = ends.repeat_interleave(lengths) - torch.arange(x.numel(), device=x.device)  # (S,)
+    ahead = ends.repeat_interleave(lengths, output_size=x.numel())
+    ahead = ahead - torch.arange(x.numel(), device=x.device)  # (S,)
     y = x.reshape(-1)
     s = 1
     while s < longest:
@@ -295,19 +317,78 @@ def dense_codes_and_order(
     """
     if keys.numel() == 0:
         return keys.long(), 0, None
+    codes, numbers, order = _coded(keys, None if span is None else (0, span - 1))
+    return codes, int(numbers[-1]) + 1, order
+
+
+def group_codes(
+    keys: Tensor, *, bounds: tuple[int, int] | None = None
+) -> tuple[Tensor, Tensor | None]:
+    """:func:`dense_codes_and_order` without the number of codes, so that nothing is read back
+    on the host.
+
+    Args:
+        keys: keys, shape ``(n,)``.
+        bounds: ``(low, high)`` when the caller knows that every (integer) key lies in it: a
+            compact range is coded through its table without reading the range back.
+
+    Returns:
+        ``(codes, order)`` as in :func:`dense_codes_and_order`.
+
+    Examples:
+        >>> import torch
+        >>> group_codes(torch.tensor([7, 3, 7]), bounds=(0, 9))
+        (tensor([1, 0, 1]), None)
+    """
+    if keys.numel() == 0:
+        return keys.long(), None
+    codes, _, order = _coded(keys, bounds)
+    return codes, order
+
+
+def _coded(keys: Tensor, bounds) -> tuple[Tensor, Tensor, Tensor | None]:
+    """``(codes, numbers, order)``: ``numbers[-1] + 1`` is the number of codes."""
     integers = not (keys.is_floating_point() or keys.is_complex() or keys.dtype == torch.bool)
     if integers:
-        low, high = (0, span - 1) if span is not None else (int(v) for v in torch.aminmax(keys))
+        low, high = bounds if bounds is not None else (int(v) for v in torch.aminmax(keys))
         if high - low <= 4 * keys.numel() + 1024:  # a table of the range: no sort
             shifted = (keys - low).long() if low else keys.long()
             present = torch.zeros(high - low + 1, dtype=torch.bool, device=keys.device)
             present.index_fill_(0, shifted, True)
             table = torch.cumsum(present, 0) - 1
-            return table.index_select(0, shifted), int(table[-1]) + 1, None
+            return table.index_select(0, shifted), table, None
     sorted_keys, order = torch.sort(keys, stable=True)
     starts = torch.ones_like(sorted_keys, dtype=torch.bool)
     torch.ne(sorted_keys[1:], sorted_keys[:-1], out=starts[1:])
     numbers = torch.cumsum(starts, 0) - 1
     codes = torch.empty_like(order)
     codes[order] = numbers
-    return codes, int(numbers[-1]) + 1, order
+    return codes, numbers, order
+
+
+def lexicographic_codes(rows: Tensor) -> Tensor:
+    """A code per row of ``rows`` ``(n, k)``, equal iff the rows are, numbered in increasing
+    lexicographic order (``torch.unique(rows, dim=0, return_inverse=True)``'s numbering), by one
+    stable sort per column instead of ``unique``, which reads its size back on the host.
+
+    Returns:
+        int64 codes ``(n,)``.
+
+    Examples:
+        >>> import torch
+        >>> lexicographic_codes(torch.tensor([[1, 5], [0, 9], [1, 5], [1, 2]]))
+        tensor([2, 0, 2, 1])
+    """
+    n = rows.shape[0]
+    if n == 0:
+        return torch.zeros(0, dtype=torch.long, device=rows.device)
+    order = torch.arange(n, device=rows.device)
+    for column in reversed(range(rows.shape[1])):  # the last column first: a radix sort
+        order = order.index_select(0, torch.sort(rows[order, column], stable=True)[1])
+    ordered = rows.index_select(0, order)
+    starts = torch.ones(n, dtype=torch.bool, device=rows.device)
+    starts[1:] = (ordered[1:] != ordered[:-1]).any(1)
+    numbers = torch.cumsum(starts, 0) - 1
+    codes = torch.empty_like(order)
+    codes[order] = numbers
+    return codes

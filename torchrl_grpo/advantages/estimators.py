@@ -128,6 +128,7 @@ def multi_reward_advantage(
     lengths: Tensor | None = None,
     by_time_step: bool = False,
     time_step_scale: str = "pooled",
+    width: int | None = None,
 ) -> Tensor:
     r"""GDPO: each reward normalized within its group, then summed with weights, then whitened.
 
@@ -157,6 +158,7 @@ def multi_reward_advantage(
         by_time_step: each reward's baseline at each time step, as in
             :func:`group_relative_advantage` (needs ``lengths``).
         time_step_scale: with ``by_time_step``, as in :func:`group_relative_advantage`.
+        width: with ``lengths``, as in :func:`group_relative_advantage`.
 
     Returns:
         Advantages, shape ``(S,)``, float64.
@@ -182,7 +184,7 @@ def multi_reward_advantage(
         )
     _check_names(baseline, scale_rewards, time_step_scale)
     _check_index(x[:, 0], group_index, lengths)
-    seg = Segments(group_index, num_groups, lengths)
+    seg = Segments(group_index, num_groups, lengths, width=width, total=x.shape[0])
     steps = _time_steps(seg, time_step_scale) if by_time_step else None
     w = weights.double().tolist()
     x = x.double()

@@ -61,11 +61,13 @@ def _group_scale(dev: Tensor, seg: Segments, mean: Tensor, count: Tensor) -> Ten
 
 def _batch_scale(dev: Tensor, seg: Segments, mean: Tensor, count: Tensor) -> Tensor:
     # Std of every sample: within-group squares plus between-group squares (Chan et al., 1979).
-    total = int(count.sum())
     present = count > 0
-    grand = (mean[present] * count[present]).sum() / max(total, 1)
-    m2 = dev.square().sum() + (count[present] * (mean[present] - grand).square()).sum()
-    return (m2 / max(total - 1, 1)).sqrt().expand(mean.shape)
+    total, groups = torch.stack([count.sum(), present.sum()]).tolist()  # read at once
+    index = torch.nonzero_static(present, size=groups).view(-1)  # the groups with samples
+    mean, count = mean.index_select(0, index), count.index_select(0, index)
+    grand = (mean * count).sum() / max(total, 1)
+    m2 = dev.square().sum() + (count * (mean - grand).square()).sum()
+    return (m2 / max(total - 1, 1)).sqrt().expand(present.shape)
 
 
 def _no_scale(dev: Tensor, seg: Segments, mean: Tensor, count: Tensor) -> Tensor:
@@ -191,19 +193,22 @@ def _time_steps(seg: Segments, scale: str = "pooled") -> _TimeSteps:
     lengths = seg.lengths
     if lengths is None:
         raise ValueError("by_time_step needs the samples as runs: pass lengths.")
-    if lengths.numel() == 0 or int(lengths.sum()) == 0:
+    total = seg.total if seg.total is not None else int(lengths.sum())
+    if lengths.numel() == 0 or total == 0:
         empty = torch.zeros(0, dtype=torch.long, device=lengths.device)
         return _TimeSteps(
             Segments(empty, 0), torch.zeros(seg.num, dtype=torch.long), scale == "cell"
         )
-    runs = Segments(None, lengths=lengths)
+    runs = Segments(None, lengths=lengths, width=seg.known_width, total=total)
     group = seg.expand(torch.arange(seg.num, device=lengths.device))  # (S,)
     start = runs.expand(torch.cumsum(lengths, 0) - lengths)  # (S,)
     position = torch.arange(group.numel(), device=lengths.device) - start  # (S,)
-    cell, num_cells = dense_codes(group * int(lengths.max()) + position)
+    longest = seg.known_width or int(lengths.max())  # (the runs' length, when all have one)
+    cell, num_cells = dense_codes(group * longest + position, span=seg.num * longest)
     cell_group = torch.zeros(num_cells, dtype=torch.long, device=group.device)
     cell_group.scatter_(0, cell, group)  # (C,)
-    per_group = torch.bincount(cell_group, minlength=seg.num)
+    per_group = torch.zeros(seg.num, dtype=torch.long, device=group.device)
+    per_group.index_add_(0, cell_group, torch.ones_like(cell_group))  # (G,) cells of each
     return _TimeSteps(Segments(cell, num_cells), per_group, scale == "cell")
 
 
@@ -215,6 +220,7 @@ def group_std(
     mean: Tensor | None = None,
     lengths: Tensor | None = None,
     by_time_step: bool = False,
+    width: int | None = None,
 ) -> Tensor:
     r"""Per-group sample standard deviation with Bessel's correction.
 
@@ -232,6 +238,7 @@ def group_std(
         lengths: samples per run, as in :func:`group_mean`.
         by_time_step: the runs are trajectories in time order (``lengths`` required); see
             :func:`group_relative_advantage`. ``mean`` is then ignored.
+        width: with ``lengths``, as in :func:`group_relative_advantage`.
 
     Returns:
         Standard deviations, shape ``(num_groups,)``, float64.
@@ -244,7 +251,7 @@ def group_std(
         >>> group_std(x, torch.tensor([0, 0]), lengths=torch.tensor([3, 3]), by_time_step=True)
         tensor([0.], dtype=torch.float64)
     """
-    seg = Segments(group_index, num_groups, lengths)
+    seg = Segments(group_index, num_groups, lengths, width=width, total=x.shape[0])
     if by_time_step:
         steps = _time_steps(seg)
         x = x.double().reshape(-1)
@@ -267,6 +274,7 @@ def group_relative_advantage(
     lengths: Tensor | None = None,
     by_time_step: bool = False,
     time_step_scale: str = "pooled",
+    width: int | None = None,
 ) -> Tensor:
     r"""Group-relative advantage :math:`A_i = (x_i - b_i) / \max(s_i, \epsilon)`.
 
@@ -319,6 +327,8 @@ def group_relative_advantage(
         by_time_step: compare samples at the same position of their runs (needs ``lengths``).
         time_step_scale: with ``by_time_step``: ``"pooled"`` (the group's pooled std) or
             ``"cell"`` (each time step's own).
+        width: with ``lengths``, the length every run has (``0``: they differ) when the caller
+            knows it; found from ``lengths`` (one read on the host) when ``None``.
 
     Returns:
         Advantages, shape ``(S,)``, float64.
@@ -344,7 +354,7 @@ def group_relative_advantage(
     _check_names(baseline, scale_rewards, time_step_scale)
     _check_samples("x", x)
     _check_index(x, group_index, lengths)
-    seg = Segments(group_index, num_groups, lengths)
+    seg = Segments(group_index, num_groups, lengths, width=width, total=x.shape[0])
     steps = _time_steps(seg, time_step_scale) if by_time_step else None
     adv = _advantage(seg.view(x.double()), seg, baseline, scale_rewards, epsilon, steps)  # (S,)
     return batch_whiten(adv, epsilon=epsilon) if whiten else adv

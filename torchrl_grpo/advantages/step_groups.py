@@ -12,7 +12,12 @@ from torchrl_grpo.advantages.returns import _check_index, _check_samples
 
 
 def discounted_returns(
-    rewards: Tensor, lengths: Tensor, gamma: float, *, width: int | None = None
+    rewards: Tensor,
+    lengths: Tensor,
+    gamma: float,
+    *,
+    width: int | None = None,
+    longest: int | None = None,
 ) -> Tensor:
     r"""The discounted return from each step to the end of its trajectory.
 
@@ -27,6 +32,8 @@ def discounted_returns(
         gamma: the discount, in ``[0, 1]``.
         width: the length every trajectory has, if they all have one (``0``: they differ); found
             from ``lengths`` when ``None``.
+        longest: with ``width=0``, the longest trajectory's length when the caller read it
+            (``lengths`` are then trusted to sum to the rewards' number); else read here.
 
     Returns:
         The returns, shape ``(N,)``, float64.
@@ -44,14 +51,22 @@ def discounted_returns(
         raise ValueError(f"lengths must be (n,), got shape {tuple(lengths.shape)}.")
     if not 0.0 <= gamma <= 1.0:
         raise ValueError(f"gamma must be in [0, 1], got {gamma}.")
-    if int(lengths.sum()) != rewards.numel():
-        raise ValueError(
-            f"lengths sum to {int(lengths.sum())} steps, but rewards has {rewards.numel()}."
-        )
     if width is None and lengths.numel():
         shortest, longest = (int(v) for v in torch.aminmax(lengths))
         width = shortest if shortest == longest else 0
-    return discounted_suffix_sum(rewards.double(), lengths, float(gamma), width=width or 0)
+    if width:  # every trajectory as long: the sum is known
+        total = width * lengths.numel()
+    elif longest is not None:  # read by the caller, with the lengths
+        total = rewards.numel()
+    elif lengths.numel():  # the sum and the longest, read at once
+        total, longest = torch.stack([lengths.sum(), lengths.max()]).tolist()
+    else:
+        total = 0
+    if total != rewards.numel():
+        raise ValueError(f"lengths sum to {total} steps, but rewards has {rewards.numel()}.")
+    return discounted_suffix_sum(
+        rewards.double(), lengths, float(gamma), width=width or 0, longest=longest
+    )
 
 
 def anchor_step_groups(

@@ -35,6 +35,7 @@ def filter_groups(
     runs: Tensor | None = None,
     torchrl_returns: Tensor | None = None,
     by_time_step: bool = False,
+    width: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Per group, whether it is selected, and whether it is written.
 
@@ -48,6 +49,8 @@ def filter_groups(
             the order torchrl sees them; needed with ``keep_return_bounds``.
         by_time_step: the samples are rewards-to-go, their std taken around each time step's
             mean (:func:`~torchrl_grpo.advantages.group_std`), as the advantage compares them.
+        width: with ``runs``, the samples of every run when all have as many (``0``: they
+            differ), if known.
 
     Returns:
         ``(selected, kept)``, each ``(G,)`` bool; ``kept`` implies ``selected``.
@@ -62,7 +65,9 @@ def filter_groups(
     selected = torch.ones(num_groups, dtype=torch.bool)
     kept = selected
     if group_filter.std_threshold is not None:
-        std = group_std(x, group_index, num_groups, lengths=runs, by_time_step=by_time_step)
+        std = group_std(
+            x, group_index, num_groups, lengths=runs, by_time_step=by_time_step, width=width
+        )
         selected = std > group_filter.std_threshold
         kept = selected
     if group_filter.keep_return_bounds is not None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from torchrl_grpo._segments import dense_codes_and_order
+from torchrl_grpo._segments import group_codes, lexicographic_codes
 
 __all__ = ["GroupIds", "PromptIds", "TensorIds"]
 
@@ -28,19 +28,31 @@ class GroupIds:
     def __len__(self) -> int:
         return len(self.values)
 
-    def codes(self, before: GroupIds | None = None) -> tuple[Tensor, Tensor | None]:
+    def codes(
+        self, before: GroupIds | None = None, bounds: tuple[int, int] | None = None
+    ) -> tuple[Tensor, Tensor | None]:
         """A dense integer code for each id of ``before`` (pending trajectories) then of these
         (incoming ones), equal iff the ids are; and the stable order of the trajectories by code
         (grouped, arrival order within a group) when finding the codes sorted them, else
-        ``None``."""
+        ``None``. ``bounds``: ``(low, high)`` known to hold every integer id of both (read with
+        the input), so that nothing is read here."""
         raise NotImplementedError
 
 
 class TensorIds(GroupIds):
-    """``(n, k)`` tensor ids on the CPU."""
+    """``(n, k)`` tensor ids on the CPU; ``bounds``, ``(low, high)`` known on the host to hold
+    every (integer) id, or ``None``: what codes them through a table without reading their
+    range back (:func:`~torchrl_grpo.mcadvantage.read.read_insertion` reads it with the input).
+    A selection keeps them (they then hold its ids loosely)."""
 
-    __slots__ = ()
+    __slots__ = ("bounds",)
     kind = "tensors"
+
+    def __init__(self, values, bounds: tuple[int, int] | None = None):
+        self.values, self.bounds = values, bounds
+
+    def with_bounds(self, bounds: tuple[int, int] | None) -> TensorIds:
+        return TensorIds(self.values, bounds)
 
     @property
     def width(self) -> int:
@@ -64,20 +76,27 @@ class TensorIds(GroupIds):
         if held.dtype != incoming.dtype:
             dtype = torch.promote_types(held.dtype, incoming.dtype)
             held, incoming = held.to(dtype), incoming.to(dtype)
-        return TensorIds(torch.cat([held, incoming]))
+        return TensorIds(torch.cat([held, incoming]), _union(self.bounds, other.bounds))
 
     def select(self, index: Tensor) -> TensorIds:
-        return TensorIds(self.values.index_select(0, index))
+        return TensorIds(self.values.index_select(0, index), self.bounds)
 
-    def codes(self, before: GroupIds | None = None) -> tuple[Tensor, Tensor | None]:
+    def codes(
+        self, before: GroupIds | None = None, bounds: tuple[int, int] | None = None
+    ) -> tuple[Tensor, Tensor | None]:
         keys = self.values
+        if bounds is None:  # those the ids know, if they all do
+            bounds = self.bounds
+            if before is not None and len(before):
+                bounds = _union(bounds, getattr(before, "bounds", None))
         if before is not None and len(before):
             pending = before.values
             keys = torch.cat([pending, keys.to(torch.promote_types(pending.dtype, keys.dtype))])
         if keys.shape[1] > 1:
-            return torch.unique(keys, dim=0, return_inverse=True)[1], None
-        codes, _, order = dense_codes_and_order(keys.reshape(-1))
-        return codes, order
+            if keys.dtype.is_complex:  # no sort
+                return torch.unique(keys, dim=0, return_inverse=True)[1], None
+            return lexicographic_codes(keys), None
+        return group_codes(keys.reshape(-1), bounds=bounds)
 
     def same_as(self, one: TensorIds) -> Tensor:
         """``(n,)`` bool: which of these ids equal the one id of ``one``."""
@@ -112,7 +131,9 @@ class PromptIds(GroupIds):
     def select(self, index: Tensor) -> PromptIds:
         return PromptIds([self.values[i] for i in index.tolist()])
 
-    def codes(self, before: GroupIds | None = None) -> tuple[Tensor, Tensor | None]:
+    def codes(
+        self, before: GroupIds | None = None, bounds: tuple[int, int] | None = None
+    ) -> tuple[Tensor, None]:
         table: dict = {}
         everything = (before.values if before is not None else []) + self.values
         codes = [table.setdefault(k, len(table)) for k in everything]
@@ -133,6 +154,13 @@ class PromptIds(GroupIds):
 
     def to_plain(self) -> list:
         return list(self.values)
+
+
+def _union(one: tuple | None, other: tuple | None) -> tuple[int, int] | None:
+    """Bounds holding both (``None`` unless both are known)."""
+    if one is None or other is None:
+        return None
+    return min(one[0], other[0]), max(one[1], other[1])
 
 
 def ids_from_plain(plain) -> GroupIds | None:

@@ -9,6 +9,8 @@ went through. Everything that can be wrong with the input raises before a next s
 
 from __future__ import annotations
 
+import itertools
+
 from tensordict import TensorDictBase
 from torchrl import torchrl_logger
 
@@ -22,10 +24,10 @@ from torchrl_grpo.mcadvantage import (
     staleness,
     tails,
 )
+from torchrl_grpo.mcadvantage import stats as stats_
 from torchrl_grpo.mcadvantage.options import Options
 from torchrl_grpo.mcadvantage.records import NOTHING_RELEASED, Outcome, State
 from torchrl_grpo.mcadvantage.registry import ENDED, RUNNING
-from torchrl_grpo.mcadvantage.stats import count, group_stats
 
 __all__ = ["commit", "insert"]
 
@@ -49,14 +51,14 @@ def insert(options: Options, state: State, tensordict: TensorDictBase) -> Outcom
     """
     clock = state.insertions + 1
     tensordict = read.drop_padding(tensordict)  # a collector's split_trajs padding is not data
-    state, marks, complete = _join_tails(options, state, tensordict)  # 1.
+    state, marks, tops, complete = _join_tails(options, state, tensordict)  # 1.
     batch = None
     if complete is not None:  # 2.
         required = options.staleness.max_lag is not None
         batch = read.read_insertion(complete, options.keys, state.pending, required)
     state, batch = staleness.drop_stale(options, state, batch)
     if batch is None:  # nothing completes, no step, or only stale trajectories
-        return _finish(options, None, state._replace(insertions=clock), marks)
+        return _finish(options, None, state._replace(insertions=clock), marks, tops)
     _check_ragged(options, batch)
     estimator, group_filter = options.estimator, options.group_filter  # 3.
     exact = options.selects or group_filter.keep_return_bounds is not None
@@ -72,14 +74,15 @@ def insert(options: Options, state: State, tensordict: TensorDictBase) -> Outcom
         short = None
         if bounds.min_group_size is not None:  # groups short past max_pending_age: released
             short = (bounds.min_group_size, bounds.max_age, clock)
-        rounds = groups.find_rounds(state.pending, batch, options.grpo_size, short)
+        tally = stats_.tally(batch, incoming.value, estimator.trajectory_return)  # read with
+        rounds = groups.find_rounds(state.pending, batch, options.grpo_size, short, tally)
     released = NOTHING_RELEASED  # 5.
     if rounds.num_rounds:
         all_returns = (
             returns.concat(state.pending.returns, incoming) if all_returns is None else all_returns
         )
         released = release.release(state.pending, batch, rounds, all_returns, options)
-    stats = count(  # 6.
+    stats = stats_.count(  # 6.
         state.stats,
         batch,
         incoming.value,
@@ -87,32 +90,37 @@ def insert(options: Options, state: State, tensordict: TensorDictBase) -> Outcom
         released,
         trajectory_return=estimator.trajectory_return,
         group_size=options.grpo_size,
+        tallied=rounds.also,
     )
     if rounds.num_rounds and estimator.trajectory_return is not None:
-        stats = group_stats(stats, all_returns.value, rounds, options.grpo_size)
+        stats = stats_.group_stats(stats, all_returns.value, rounds, options.grpo_size)
     reference = staleness.reference(options, state.newest_version)
     stats = staleness.lag_stats(stats, state.pending, batch, rounds, reference)
-    held = pending.remaining(state.pending, batch, rounds.consumed, incoming, state.insertions)
+    held = pending.remaining(
+        state.pending, batch, rounds.consumed, incoming, state.insertions, rounds.sizes
+    )
     if options.verbose:
         _log(batch.num_trajectories, rounds, released, held.num_pending, stats)
     state = State(held, state.tails, stats, clock, state.newest_version)
-    return _finish(options, released.out, state, marks)
+    return _finish(options, released.out, state, marks, tops)
 
 
-def commit(state: State, marks: tuple) -> State:
+def commit(state: State, marks: tuple, tops: tuple = ()) -> State:
     """Record in the tails' id registry the trajectory ids an insertion ended or gave up, and
-    return its state, now the transform's."""
-    for ids, status in marks:
-        state.tails.registry.mark(ids, status)
+    return its state, now the transform's. ``tops``: one more than the largest id of each of
+    the first marks, where the insertion read it."""
+    for (ids, status), top in itertools.zip_longest(marks, tops):
+        state.tails.registry.mark(ids, status, top)
     return state
 
 
 def _join_tails(options: Options, state: State, tensordict: TensorDictBase):
-    """``(state, marks, complete)``: with trajectory ids, the state with the next tails, the
-    ids that end to mark, and the complete trajectories (or ``None``); else the input as is."""
+    """``(state, marks, tops, complete)``: with trajectory ids, the state with the next tails,
+    the ids that end to mark (with one more than the largest, where read), and the complete
+    trajectories (or ``None``); else the input as is."""
     dense = tails.streamed(state.tails, tensordict, options.trajectory_keys)
     if dense is None:
-        return state, (), tensordict
+        return state, (), (), tensordict
     joined = tails.join(state.tails, dense, options.trajectory_keys, state.insertions)
     stats = state.stats
     if joined.dropped_steps:  # steps of given-up trajectories, left out
@@ -122,16 +130,16 @@ def _join_tails(options: Options, state: State, tensordict: TensorDictBase):
             "evicted_trajectories": stats["evicted_trajectories"] + joined.dropped_tails,
         }
     state = state._replace(tails=joined.tails, stats=stats)
-    marks = ((joined.ended, ENDED),)
+    marks, tops = ((joined.ended, ENDED),), (joined.top,)
     if joined.restarted is not None and joined.restarted.numel():  # before their end, if any
-        marks = ((joined.restarted, RUNNING), *marks)
-    return state, marks, joined.complete
+        marks, tops = ((joined.restarted, RUNNING), *marks), ()
+    return state, marks, tops, joined.complete
 
 
-def _finish(options: Options, out, state: State, marks: tuple) -> Outcome:
+def _finish(options: Options, out, state: State, marks: tuple, tops: tuple) -> Outcome:
     state, marks = limits.apply_limits(options.limits, state, marks)  # 7.
     limits.warn_if_stuck(options.grpo_size, state)
-    return Outcome(out, state, marks)
+    return Outcome(out, state, marks, tops)
 
 
 def _check_ragged(options: Options, batch) -> None:

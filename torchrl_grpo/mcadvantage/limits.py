@@ -17,6 +17,7 @@ import torch
 
 from torchrl_grpo.mcadvantage import pending as pending_
 from torchrl_grpo.mcadvantage import tails as tails_
+from torchrl_grpo.mcadvantage.host import read_ints
 from torchrl_grpo.mcadvantage.options import Limits
 from torchrl_grpo.mcadvantage.records import STARTED_AT, State
 from torchrl_grpo.mcadvantage.registry import GIVEN_UP
@@ -86,23 +87,26 @@ def evict_groups(limits: Limits, pending, clock: int):
     """
     if pending.num_pending == 0:
         return pending, 0, 0
-    codes, _ = pending.ids.codes()  # (Q,)
-    num = int(codes.max()) + 1
-    first = pending_.first_arrivals(pending, codes, num, clock)  # (G,) oldest arrival
-    evicted = torch.zeros(num, dtype=torch.bool)
+    q = pending.num_pending
+    codes, _ = pending.ids.codes()  # (Q,) codes in [0, G), G <= Q
+    counts = torch.zeros(q, dtype=torch.long).index_add_(0, codes, torch.ones_like(codes))
+    present = counts > 0  # (Q,) codes that name a group
+    first = pending_.first_arrivals(pending, codes, q, clock)  # (Q,) oldest arrival
+    evicted = torch.zeros(q, dtype=torch.bool)
     if limits.max_age is not None:
-        evicted |= clock - 1 - first >= limits.max_age
+        evicted |= (clock - 1 - first >= limits.max_age) & present
         if limits.min_group_size is not None:  # released short by the next insertion instead
-            evicted &= torch.bincount(codes, minlength=num) < limits.min_group_size
-    if limits.max_groups is not None:
-        excess = int((~evicted).sum()) - limits.max_groups
-        if excess > 0:  # the groups that started first go, ties by arrival of their ids
-            order = torch.argsort(first.masked_fill(evicted, -1), stable=True)
-            evicted[order[: int(evicted.sum()) + excess]] = True
-    if not evicted.any():
+            evicted &= counts < limits.min_group_size
+    kept, groups = read_ints((present & ~evicted).sum(), evicted.sum())  # read at once
+    excess = 0 if limits.max_groups is None else kept - limits.max_groups
+    if excess > 0:  # the groups that started first go, ties by arrival of their ids
+        order = torch.argsort(first.masked_fill(evicted, -1), stable=True)  # absent ones last
+        evicted[order[: groups + excess]] = True
+        groups += excess
+    if not groups:
         return pending, 0, 0
     gone = evicted[codes]  # (Q,)
-    groups, trajectories = int(evicted.sum()), int(gone.sum())
+    trajectories = int(gone.sum())
     if limits.on_overflow == "raise":
         raise RuntimeError(
             f"MCAdvantage: {groups} incomplete group(s) ({trajectories} trajectories) exceed "
@@ -133,15 +137,13 @@ def warn_if_stuck(grpo_size: int, state: State) -> None:
     )
 
 
-def warn_if_over_repeated(grpo_size: int, incoming_counts: torch.Tensor) -> None:
-    """Warn if one insertion brings more trajectories of one group than ``grpo_size`` (its
-    trajectories per group code, ``incoming_counts``): they make several groups of that id
-    (prompts repeated more times than the group size, a ``SameStartGroups(group_size)`` above
-    ``grpo_size``), whose advantages are then relative to a part of the samples only."""
-    most = int(incoming_counts.max())
+def warn_if_over_repeated(grpo_size: int, most: int, over: int) -> None:
+    """Warn if one insertion brings more trajectories of one group than ``grpo_size`` (``most``,
+    the most of one group; ``over``, the groups above ``grpo_size``): they make several groups of
+    that id (prompts repeated more times than the group size, a ``SameStartGroups(group_size)``
+    above ``grpo_size``), whose advantages are then relative to a part of the samples only."""
     if most <= grpo_size:
         return
-    over = int((incoming_counts > grpo_size).sum())
     warn(
         f"MCAdvantage: this insertion brings {most} trajectories of one group id, more than "
         f"grpo_size={grpo_size} ({over} id(s) above it): each id forms several groups of "

@@ -41,6 +41,7 @@ __all__ = [
     "Released",
     "Returns",
     "Rounds",
+    "Sizes",
     "State",
     "Tails",
 ]
@@ -81,6 +82,24 @@ class Insertion(NamedTuple):
     num_steps: int  # N
     num_trajectories: int  # n
     versions: Tensor | None = None  # (n,) int64 policy version at each first step; None: none
+    id_range: tuple | None = None  # (low, high, held): bounds of the integer group ids read
+    # with the input, those of the pending ids ``held`` (a GroupIds, or None) included
+    newest: int | None = None  # the largest of ``versions``, where read with the input
+
+
+class Sizes(NamedTuple):
+    """The sizes of what released rounds take and leave, read on the host with the rounds, so
+    that gathering them and keeping the rest pending read nothing more."""
+
+    pending: int  # released trajectories that were pending (they come first)
+    incoming: int  # released trajectories that came with the insertion
+    pending_steps: int  # the steps of the first
+    incoming_steps: int  # the steps of the second
+    width: int  # the steps of every released trajectory when all have as many, else 0
+    taken: list | None  # steps taken from each chunk of the pending store; None: none pending
+    left: list | None  # the pending spans left in each chunk
+    left_steps: int  # the pending steps left (before the insertion's own are queued)
+    longest: int | None = None  # the steps of the longest released trajectory
 
 
 class Rounds(NamedTuple):
@@ -99,6 +118,8 @@ class Rounds(NamedTuple):
     unselected: int = 0  # candidates of selected groups left out (torchrl's counter)
     selected: int = 0  # groups the candidate selection selected (each attempt, as torchrl)
     filtered: bool = False  # the group filters were applied when the rounds were chosen
+    sizes: Sizes | None = None  # read with the rounds; None: found where needed
+    also: list | None = None  # the values of the caller's tensors read with them (find_rounds)
 
 
 class Released(NamedTuple):
@@ -171,6 +192,7 @@ class Joined(NamedTuple):
     dropped_steps: int  # steps given up: arriving for given-up ids, or held for restarted ids
     dropped_tails: int = 0  # held tails given up because their id started again at step 0
     restarted: Tensor | None = None  # ids that ended before and started again (running again)
+    top: int | None = None  # one more than the largest of ``ended``, where read (else None)
 
 
 class Outcome(NamedTuple):
@@ -179,3 +201,4 @@ class Outcome(NamedTuple):
     out: TensorDictBase | None  # the steps to store, or None
     state: State  # the next state
     marks: tuple  # ((ids, status), ...) to mark in the tails' id registry on commit
+    tops: tuple = ()  # one more than the largest id of each of the first marks, where read

@@ -31,16 +31,18 @@ class IdRegistry:
 
     def status(self, ids: Tensor) -> Tensor:
         """``(n,)`` uint8: ``RUNNING`` (never ended, or never seen), ``ENDED`` or ``GIVEN_UP``."""
-        out = torch.zeros(ids.shape, dtype=torch.uint8)
-        known = ids < self.marks.shape[0]
-        out[known] = self.marks[ids[known]]
-        return out
+        size = self.marks.shape[0]
+        if not size:
+            return torch.zeros(ids.shape, dtype=torch.uint8)
+        marked = self.marks.index_select(0, ids.clamp(0, size - 1).reshape(-1)).view(ids.shape)
+        return marked.masked_fill((ids < 0) | (ids >= size), RUNNING)
 
-    def mark(self, ids: Tensor, value: int) -> None:
-        """Record ``value`` for ``ids`` (ids that ended, or were given up)."""
+    def mark(self, ids: Tensor, value: int, top: int | None = None) -> None:
+        """Record ``value`` for ``ids`` (ids that ended, or were given up); ``top``, one more
+        than the largest of them, when the caller read it (else it is read here)."""
         if ids.numel() == 0:
             return
-        top = int(ids.max()) + 1
+        top = int(ids.max()) + 1 if top is None else top
         if top > self.marks.shape[0]:
             grown = torch.zeros(max(top, 2 * self.marks.shape[0]), dtype=torch.uint8)
             grown[: self.marks.shape[0]] = self.marks

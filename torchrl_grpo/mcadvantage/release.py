@@ -29,6 +29,7 @@ from torchrl_grpo.advantages import (
 )
 from torchrl_grpo.mcadvantage import filters
 from torchrl_grpo.mcadvantage import returns as returns_
+from torchrl_grpo.mcadvantage.host import read_ints
 from torchrl_grpo.mcadvantage.options import Options
 from torchrl_grpo.mcadvantage.pending import gather
 from torchrl_grpo.mcadvantage.records import Insertion, Pending, Released, Returns, Rounds
@@ -48,12 +49,18 @@ class _Samples(NamedTuple):
     elements: Elements  # how the reward elements lie on the steps
     width: int | None  # the steps of every trajectory when known to be equal (0: they differ)
     per_key: list | None  # with several rewards, each one's elements (or returns): K x (E,)
+    num_steps: int  # S
+
+    @property
+    def elems_width(self) -> int | None:  # the reward elements of every trajectory, if equal
+        return None if self.width is None else self.elements.run_width(self.width)
 
     def by_steps(self) -> Segments:  # each released trajectory as a run of its steps
-        return Segments(None, lengths=self.steps, width=self.width)
+        return Segments(None, lengths=self.steps, width=self.width, total=self.num_steps)
 
     def by_elems(self) -> Segments:  # ... and as a run of its reward elements
-        return Segments(None, lengths=self.elems)
+        total = self.values.shape[0]
+        return Segments(None, lengths=self.elems, width=self.elems_width, total=total)
 
 
 def release(
@@ -79,8 +86,9 @@ def release(
         if q:
             lengths = torch.cat([pending.spans[:, LENGTH], lengths])  # (Q + n,)
         steps, released = lengths[members], returns_.take(returns, members)  # (M,)
-    out = gather(pending, batch, members)  # (S,) steps (copies when ragged)
-    samples = _samples(out, steps, batch.width if everything else None, options)
+    out = gather(pending, batch, members, rounds.sizes)  # (S,) steps (copies when ragged)
+    width = batch.width if everything else getattr(rounds.sizes, "width", None)
+    samples = _samples(out, steps, width, options, getattr(rounds.sizes, "longest", None))
     if estimator.trajectory_return is None:  # every reward element is a sample; runs: members
         x, runs = samples.values, samples.elems
     else:  # every trajectory's return is a sample
@@ -89,7 +97,7 @@ def release(
             reduce = RETURN_REDUCTIONS[estimator.trajectory_return]
             by_elems = samples.by_elems()
             samples = samples._replace(per_key=[reduce(v, by_elems) for v in samples.per_key])
-    keep, selected = None, 0 if rounds.filtered else num_rounds
+    selection, keep = None, None
     if options.group_filter.active and not rounds.filtered:
         selection, keep = filters.filter_groups(
             options.group_filter,
@@ -99,19 +107,21 @@ def release(
             runs=runs,
             torchrl_returns=_by_round(released.torchrl, member_round, num_rounds),
             by_time_step=estimator.reward_to_go_gamma is not None,  # between trajectories
+            width=None if runs is None else samples.elems_width,
         )
-        selected = int(selection.sum())
-    adv = _group_advantage(x, runs, samples.per_key, member_round, num_rounds, options)
+    width = None if runs is None else samples.elems_width
+    adv = _group_advantage(x, runs, width, samples.per_key, member_round, num_rounds, options)
     if estimator.reward_to_go_gamma is not None and estimator.reward_to_go_baseline == "group":
         adv = _identical_to_zero(adv, samples, member_round, num_rounds)
     if estimator.step_groups is not None:
         adv = _with_step_groups(adv, samples, out, member_round, num_rounds, options)
     adv = _on_elements(adv, samples, options)
     out.write(keys.advantage, adv, keys.reward)  # on the reward's device, in its shape
-    return _written(out, keep, samples, member_round, num_rounds, selected)
+    selected = 0 if rounds.filtered else num_rounds  # with filters: read with what they keep
+    return _written(out, selection, keep, samples, member_round, num_rounds, selected)
 
 
-def _samples(out: Steps, steps: Tensor, width: int | None, options: Options) -> _Samples:
+def _samples(out: Steps, steps: Tensor, width, options: Options, longest=None) -> _Samples:
     """The released steps' reward elements (weighted with several rewards, discounted to go
     with ``reward_to_go_gamma``) and how they split into trajectories and steps."""
     keys, gamma = options.keys, options.estimator.reward_to_go_gamma
@@ -121,7 +131,9 @@ def _samples(out: Steps, steps: Tensor, width: int | None, options: Options) -> 
 
     def to_go(v: Tensor) -> Tensor:  # (dense steps only: ragged ones are rejected on reading)
         per_step = elements.per_step
-        return _rewards_to_go(v, steps=steps, per_step=per_step, gamma=gamma, width=width)
+        return _rewards_to_go(
+            v, steps=steps, per_step=per_step, gamma=gamma, width=width, longest=longest
+        )
 
     per_key = None
     if keys.reward_weights:  # GDPO: each reward's elements, and their weighted sum
@@ -131,14 +143,15 @@ def _samples(out: Steps, steps: Tensor, width: int | None, options: Options) -> 
         values = sum(w * v for (_, w), v in zip(keys.reward_weights, per_key))  # (E,)
     elif gamma is not None:
         values = to_go(values)  # (E,) float64
-    return _Samples(values, dtype, steps, elems, elements, width, per_key)
+    return _Samples(values, dtype, steps, elems, elements, width, per_key, len(out))
 
 
-def _group_advantage(x, runs, per_key, member_round, num_rounds: int, options: Options):
+def _group_advantage(x, runs, width, per_key, member_round, num_rounds: int, options: Options):
     """The group-level advantage of every sample: per trajectory (a return mode) or per reward
-    element (``runs``: elements per trajectory)."""
+    element (``runs``: elements per trajectory, ``width`` of each when equal)."""
     estimator = options.estimator
     kw = dict(
+        width=width,
         baseline=estimator.baseline,
         scale_rewards=estimator.scale_rewards,
         epsilon=estimator.epsilon,
@@ -164,14 +177,13 @@ def _identical_to_zero(adv: Tensor, samples: _Samples, member_round, num_rounds:
     have, reward by reward, the same samples at every time step (identical episodes), which the
     constant baseline would otherwise rank by time step. The group's trajectories then differ in
     nothing, and the other modes give them ``0`` too."""
-    runs = samples.elems
+    runs, width = samples.elems, samples.elems_width
     values = samples.per_key or [samples.values]
     spread = sum(
-        group_std(v, member_round, num_rounds, lengths=runs, by_time_step=True) for v in values
+        group_std(v, member_round, num_rounds, lengths=runs, by_time_step=True, width=width)
+        for v in values
     )
     same = spread == 0  # (rounds,) exact: equal samples have deviations of exactly 0
-    if not bool(same.any()):
-        return adv
     return adv.masked_fill(samples.by_elems().expand(same[member_round]), 0.0)
 
 
@@ -228,18 +240,23 @@ def _on_elements(adv: Tensor, samples: _Samples, options: Options) -> Tensor:
     return samples.elements.spread(adv)  # (E,)
 
 
-def _written(out: Steps, keep, samples: _Samples, member_round, num_rounds: int, selected: int):
-    """What storage receives: every released step, or those of the groups the filters keep."""
-    if keep is None or bool(keep.all()):
+def _written(out: Steps, selection, keep, samples: _Samples, member_round, num_rounds, selected):
+    """What storage receives: every released step, or those of the groups the filters keep
+    (their counts read at once)."""
+    if keep is None:
         return Released(out.output(), num_rounds, selected)
-    written = int(keep.sum())
     keep_step = samples.by_steps().expand(keep[member_round])  # (S,)
-    kept = out.keep(keep_step) if written else None
-    return Released(None if kept is None else kept.output(), written, selected)
+    selected, written, steps = read_ints(selection.sum(), keep.sum(), keep_step.sum())
+    if written == num_rounds:
+        return Released(out.output(), num_rounds, selected)
+    if not written:
+        return Released(None, 0, selected)
+    kept = out.take(torch.nonzero_static(keep_step, size=steps).squeeze(1))
+    return Released(kept.output(), written, selected)
 
 
 def _rewards_to_go(
-    values: Tensor, *, steps: Tensor, per_step: int, gamma: float, width: int | None
+    values: Tensor, *, steps: Tensor, per_step: int, gamma: float, width: int | None, longest=None
 ) -> Tensor:
     """Each reward element's discounted sum to the end of its trajectory, float64 ``(E,)``.
 
@@ -247,10 +264,12 @@ def _rewards_to_go(
     the other (``steps`` each); element ``j`` of a step is discounted along element ``j`` of the
     later steps of its trajectory, as torchrl's ``reward2go`` treats trailing dimensions.
     """
+    longest = None if width is None else longest  # (read with the released sizes)
     if per_step == 1:
-        return discounted_returns(values, steps, gamma, width=width)
+        return discounted_returns(values, steps, gamma, width=width, longest=longest)
     columns = values.view(-1, per_step).T.reshape(-1)  # (k * S,): element j of every step, ...
-    to_go = discounted_returns(columns, steps.repeat(per_step), gamma, width=width)
+    steps = steps.repeat(per_step)
+    to_go = discounted_returns(columns, steps, gamma, width=width, longest=longest)
     return to_go.view(per_step, -1).T.reshape(-1)
 
 

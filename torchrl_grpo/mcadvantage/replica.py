@@ -19,7 +19,7 @@ from torchrl_grpo.mcadvantage.insert import commit, insert
 from torchrl_grpo.mcadvantage.options import Options
 from torchrl_grpo.mcadvantage.records import TAIL_ID, Outcome, Pending, State, Tails
 from torchrl_grpo.mcadvantage.registry import GIVEN_UP
-from torchrl_grpo.mcadvantage.stats import fresh_stats, snapshot
+from torchrl_grpo.mcadvantage.stats import fresh_stats, plain, snapshot
 from torchrl_grpo.mcadvantage.store import LENGTH
 
 __all__ = ["OPERATIONS", "NoLock", "Replica", "fresh_state"]
@@ -93,7 +93,7 @@ class Replica:
 
     def commit(self, outcome: Outcome) -> None:
         """Make ``outcome``'s state the state."""
-        self.state = commit(outcome.state, outcome.marks)
+        self.state = commit(outcome.state, outcome.marks, outcome.tops)
 
     # --- counters ----------------------------------------------------------------------------
 
@@ -104,7 +104,7 @@ class Replica:
 
     def counter(self, name: str):
         with self.lock:
-            return self.state.stats[name]
+            return plain({name: self.state.stats[name]})[name]
 
     def set_counter(self, name: str, value) -> None:
         with self.lock:

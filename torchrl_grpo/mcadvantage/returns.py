@@ -29,11 +29,17 @@ def insertion_returns(batch: Insertion, mode: str | None, *, exact: bool) -> Ret
     else:
         runs = Segments(None, lengths=batch.reward_lengths, width=batch.reward_width)
         value = RETURN_REDUCTIONS[mode](batch.rewards.double(), runs)
-    exact = torchrl_returns(batch.rewards, batch.reward_lengths, mode) if exact else None
+    exact = (
+        torchrl_returns(batch.rewards, batch.reward_lengths, mode, width=batch.reward_width)
+        if exact
+        else None
+    )
     return Returns(value, exact)
 
 
-def torchrl_returns(rewards: Tensor, lengths: Tensor, mode: str) -> Tensor:
+def torchrl_returns(
+    rewards: Tensor, lengths: Tensor, mode: str, *, width: int | None = None
+) -> Tensor:
     """Returns as torchrl computes them: ``reward.sum()`` (``.max()``, ``.mean()``) of each
     trajectory's reward tensor, in its dtype, so that they round as torchrl's do.
 
@@ -44,6 +50,8 @@ def torchrl_returns(rewards: Tensor, lengths: Tensor, mode: str) -> Tensor:
         rewards: ``(E,)`` every reward element, trajectory after trajectory.
         lengths: ``(n,)`` reward elements of each trajectory.
         mode: ``"sum"``, ``"max"``, ``"mean"`` or ``"last"``.
+        width: the length of every trajectory when they all have one (``0``: they differ), if
+            known (else found from ``lengths``).
 
     Returns:
         ``(n,)`` in the reward's dtype (the default float dtype for integer rewards).
@@ -63,9 +71,11 @@ def torchrl_returns(rewards: Tensor, lengths: Tensor, mode: str) -> Tensor:
             return rows.sum(1)
         return rows.amax(1) if mode == "max" else rows.mean(1)
 
-    shortest, longest = (int(v) for v in torch.aminmax(lengths))
-    if shortest == longest:
-        return reduce(rewards.view(-1, shortest))
+    if width is None:
+        shortest, longest = (int(v) for v in torch.aminmax(lengths))
+        width = shortest if shortest == longest else 0
+    if width:
+        return reduce(rewards.view(-1, width))
     out = torch.empty(lengths.shape[0], dtype=rewards.dtype)
     starts = torch.cumsum(lengths, 0) - lengths
     for length in torch.unique(lengths).tolist():

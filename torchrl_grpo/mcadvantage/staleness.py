@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from torchrl_grpo.mcadvantage import pending as pending_
+from torchrl_grpo.mcadvantage.host import read_ints
 from torchrl_grpo.mcadvantage.options import Options
 from torchrl_grpo.mcadvantage.records import NO_VERSION, VERSION, Insertion, Pending, Rounds, State
 from torchrl_grpo.mcadvantage.store import ranges
@@ -40,22 +41,27 @@ def drop_stale(options: Options, state: State, batch: Insertion | None):
         return state, batch  # nothing read, nothing bounded: the usual case, at no cost
     newest = state.newest_version
     if batch is not None and batch.versions is not None:
-        top = int(batch.versions.max())
+        top = batch.newest if batch.newest is not None else int(batch.versions.max())
         newest = top if newest is None else max(newest, top)
         state = state._replace(newest_version=newest)
     ref = reference(options, newest)
     if max_lag is None or ref is None:
         return state, batch
-    pending, gone = state.pending, 0
+    pending = state.pending
+    stale_pending = stale_incoming = None  # how many lag too much, read at once
     if pending.num_pending:
-        stale = _stale(pending.spans[:, VERSION], ref, max_lag)
-        if bool(stale.any()):
-            pending, gone = pending_.drop(pending, ~stale), int(stale.sum())
+        stale_pending = _stale(pending.spans[:, VERSION], ref, max_lag)
     if batch is not None and batch.versions is not None:
-        stale = _stale(batch.versions, ref, max_lag)
-        if bool(stale.any()):
-            gone += int(stale.sum())
-            batch = keep_trajectories(batch, ~stale)
+        stale_incoming = _stale(batch.versions, ref, max_lag)
+    gone_pending, gone_incoming = read_ints(
+        None if stale_pending is None else stale_pending.sum(),
+        None if stale_incoming is None else stale_incoming.sum(),
+    )
+    if gone_pending:
+        pending = pending_.drop(pending, ~stale_pending)
+    if gone_incoming:
+        batch = keep_trajectories(batch, ~stale_incoming)
+    gone = (gone_pending or 0) + (gone_incoming or 0)
     if gone:
         stats = {**state.stats, "stale_trajectories": state.stats["stale_trajectories"] + gone}
         state = state._replace(pending=pending, stats=stats)
@@ -129,22 +135,26 @@ def lag_stats(
         incoming = torch.full((batch.num_trajectories,), NO_VERSION, dtype=torch.long)
     versions = torch.cat([pending.spans[:, VERSION], incoming]).index_select(0, rounds.members)
     known = versions != NO_VERSION
-    if not bool(known.any()):
-        return stats
-    versions, group = versions[known].double(), rounds.member_round[known]
-    lag = ref - versions
+    versions, group = versions.double(), rounds.member_round
     size = (rounds.num_rounds,)
     top = torch.full(size, -torch.inf, dtype=torch.float64).scatter_reduce(
-        0, group, versions, "amax"
+        0, group, versions.masked_fill(~known, -torch.inf), "amax"
     )
     bottom = torch.full(size, torch.inf, dtype=torch.float64).scatter_reduce(
-        0, group, versions, "amin"
+        0, group, versions.masked_fill(~known, torch.inf), "amin"
     )
-    seen = torch.isfinite(top)
-    return {
-        **stats,
-        "policy_lag_min": float(lag.min()),
-        "policy_lag_max": float(lag.max()),
-        "policy_lag_mean": float(lag.mean()),
-        "policy_version_spread": float((top - bottom)[seen].max()),
-    }
+    lag = ref - versions
+    count = known.sum()
+    values = torch.stack(  # read at once (lags are whole numbers: their sum is exact)
+        [
+            count.double(),
+            lag.masked_fill(~known, torch.inf).min(),
+            lag.masked_fill(~known, -torch.inf).max(),
+            lag.masked_fill(~known, 0.0).sum() / count,
+            (top - bottom).masked_fill(~torch.isfinite(top), -torch.inf).max(),
+        ]
+    ).tolist()
+    if not values[0]:
+        return stats
+    names = ("policy_lag_min", "policy_lag_max", "policy_lag_mean", "policy_version_spread")
+    return {**stats, **dict(zip(names, values[1:]))}

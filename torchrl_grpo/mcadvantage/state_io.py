@@ -25,7 +25,7 @@ from torchrl_grpo.mcadvantage.records import (
     Tails,
 )
 from torchrl_grpo.mcadvantage.registry import IdRegistry
-from torchrl_grpo.mcadvantage.stats import fresh_stats
+from torchrl_grpo.mcadvantage.stats import fresh_stats, plain
 from torchrl_grpo.mcadvantage.steps import DenseSteps, RaggedSteps
 from torchrl_grpo.mcadvantage.store import LENGTH, Chunks
 from torchrl_grpo.mcadvantage.tails import held_steps
@@ -59,7 +59,7 @@ def to_plain(state: State) -> dict:
         "versions": pending.spans[:, VERSION].clone(),
         "newest_version": state.newest_version,
         "insertions": state.insertions,
-        "stats": dict(state.stats),
+        "stats": plain(state.stats),
     }
 
 

@@ -1,14 +1,21 @@
 """The transform's counters: torchrl's ``MCAdvantage`` statistics, and those of its limits.
 
 The counters are a plain dict in the state, replaced (never changed in place) by each insertion
-that goes through, so that a rejected one changes none of them.
+that goes through, so that a rejected one changes none of them. What they need of the
+returns (:func:`tally`) is read with the counts of the rounds; the completed groups' statistics
+(:func:`group_stats`) stay 0-d tensors until the counters are read (:func:`snapshot`,
+:func:`plain`): an insertion reads nothing of its own for them.
 """
 
 from __future__ import annotations
 
+import struct
+
+import torch
 from torch import Tensor
 
 from torchrl_grpo.advantages import Segments
+from torchrl_grpo.mcadvantage.host import read_ints
 from torchrl_grpo.mcadvantage.records import Insertion, Released, Rounds, State
 from torchrl_grpo.mcadvantage.store import LENGTH
 
@@ -19,7 +26,9 @@ __all__ = [
     "count",
     "fresh_stats",
     "group_stats",
+    "plain",
     "snapshot",
+    "tally",
 ]
 
 STAT_NAMES = (
@@ -66,6 +75,23 @@ def fresh_stats() -> dict:
     return stats
 
 
+def tally(batch: Insertion, returns: Tensor, trajectory_return: str | None) -> tuple:
+    """What :func:`count` needs of the incoming trajectories, as int64 tensors to read: the
+    bits of the float64 sum and maximum of their summed rewards (torchrl sums the rewards,
+    whatever the return mode) and how many are positive; one trajectory's sum alone. Empty
+    without a return mode."""
+    if trajectory_return is None:
+        return ()
+    if trajectory_return == "sum":
+        sums = returns
+    else:
+        runs = Segments(None, lengths=batch.reward_lengths, width=batch.reward_width)
+        sums = runs.sum(batch.rewards.double())  # (n,)
+    if sums.shape[0] == 1:  # one value: read once
+        return (sums.view(torch.int64).squeeze(0),)
+    return sums.sum().view(torch.int64), sums.max().view(torch.int64), (sums > 0).sum()
+
+
 def count(
     stats: dict,
     batch: Insertion,
@@ -75,6 +101,7 @@ def count(
     *,
     trajectory_return: str | None,
     group_size: int,
+    tallied: list | None = None,
 ) -> dict:
     """The counters after an insertion (a new dict).
 
@@ -86,22 +113,19 @@ def count(
         released: how many of them were selected and written.
         trajectory_return: the return mode (``None``: per-step samples).
         group_size: ``grpo_size``.
+        tallied: :func:`tally`, read on the host (else read here).
     """
     stats = dict(stats)
     stats["completed_trajectories"] += batch.num_trajectories
     stats["completed_decisions"] += batch.num_steps
-    if trajectory_return is not None:  # torchrl sums the rewards, whatever the return mode
-        if trajectory_return == "sum":
-            sums = returns
-        else:
-            runs = Segments(None, lengths=batch.reward_lengths, width=batch.reward_width)
-            sums = runs.sum(batch.rewards.double())  # (n,)
-        if sums.shape[0] == 1:  # one value: read once
-            total = most = sums.item()
+    if trajectory_return is not None:
+        if tallied is None:
+            tallied = read_ints(*tally(batch, returns, trajectory_return))
+        if len(tallied) == 1:  # one trajectory
+            total = most = _float(tallied[0])
             successful = int(total > 0)
         else:
-            total, most = float(sums.sum()), float(sums.max())
-            successful = int((sums > 0).sum())
+            total, most, successful = _float(tallied[0]), _float(tallied[1]), tallied[2]
         stats["trajectory_return_sum"] += total
         stats["trajectory_return_max"] = max(stats["trajectory_return_max"], most)
         stats["successful_trajectories"] += successful
@@ -112,6 +136,11 @@ def count(
     stats["rescued_groups"] += rounds.rescued
     stats["unselected_trajectories"] += rounds.unselected
     return stats
+
+
+def _float(bits: int) -> float:
+    """The float64 whose bits are ``bits`` (a signed 64-bit integer)."""
+    return struct.unpack("<d", struct.pack("<q", bits))[0]
 
 
 def group_stats(stats: dict, returns: Tensor, rounds: Rounds, group_size: int) -> dict:
@@ -128,18 +157,18 @@ def group_stats(stats: dict, returns: Tensor, rounds: Rounds, group_size: int) -
     mean = groups.sum(values) / size
     square = groups.sum((values - groups.expand(mean)).square())
     std = (square / (size - 1).clamp_min(1)).sqrt()  # a group of one: 0
-    return {
+    return {  # 0-d tensors, read with the counters
         **stats,
-        "short_groups": stats["short_groups"] + int((size < group_size).sum()),
-        "group_return_mean": float(mean.mean()),
-        "group_return_std": float(std.mean()),
+        "short_groups": stats["short_groups"] + (size < group_size).sum(),
+        "group_return_mean": mean.mean(),
+        "group_return_std": std.mean(),
     }
 
 
 def snapshot(state: State) -> dict:
     """The counters and the sizes of what is held: every name of torchrl's ``get_stats()``,
     and ``held_trajectories`` / ``held_steps`` of the unfinished tails."""
-    stats = dict(state.stats)
+    stats = plain(state.stats)
     pending, tails = state.pending, state.tails
     counts = pending.ids.counts() if pending.num_pending else []
     stats.update(
@@ -150,3 +179,22 @@ def snapshot(state: State) -> dict:
         held_steps=int(tails.pieces[:, LENGTH].sum()) if tails.pieces.shape[0] else 0,
     )
     return stats
+
+
+def plain(stats: dict) -> dict:
+    """The counters as Python numbers: those left as tensors by the insertions read at once.
+
+    Examples:
+        >>> import torch
+        >>> plain({"written_groups": 2, "trajectory_return_sum": torch.tensor(1.5)})
+        {'written_groups': 2, 'trajectory_return_sum': 1.5}
+    """
+    names = [name for name, value in stats.items() if isinstance(value, Tensor)]
+    if not names:
+        return dict(stats)
+    values = torch.stack([stats[name].double() for name in names]).tolist()
+    read = {
+        name: value if stats[name].is_floating_point() else int(value)
+        for name, value in zip(names, values)
+    }
+    return {**stats, **read}

@@ -81,9 +81,10 @@ class Steps:
             )
         return self.take(index)
 
-    def entries(self, key, role: str, at: Tensor | None = None) -> Tensor | list:
-        """The entry ``key`` of every step (or of steps ``at``): a tensor with one row per step,
-        or a list of one value per step (strings, or tensors of different shapes).
+    def entries(self, key, role: str, at: Tensor | list | None = None) -> Tensor | list:
+        """The entry ``key`` of every step (or of steps ``at``, a tensor or a list read on the
+        host): a tensor with one row per step, or a list of one value per step (strings, or
+        tensors of different shapes).
 
         Raises:
             KeyError: a step lacks ``key`` (the message names the ``role``).
@@ -141,16 +142,18 @@ class DenseSteps(Steps):
         reference = self.data.get(like)
         self.data.set(key, values.to(reference.device).reshape(reference.shape))
 
-    def entries(self, key, role: str, at: Tensor | None = None) -> Tensor | list:
+    def entries(self, key, role: str, at: Tensor | list | None = None) -> Tensor | list:
         value = get_entry(self.data, key, role)
         if isinstance(value, Tensor):
-            return value if at is None else value.index_select(0, at.to(value.device))
+            if at is None:
+                return value
+            return value.index_select(0, torch.as_tensor(at, device=value.device))
         if hasattr(value, "tolist"):  # NonTensorStack / NonTensorData: strings
             values = value.tolist()
             values = values if isinstance(values, list) else [values] * self.data.shape[0]
         else:
             values = [value] * self.data.shape[0]
-        return values if at is None else [values[i] for i in at.tolist()]
+        return values if at is None else [values[i] for i in _host(at)]
 
     def device(self) -> torch.device | None:
         if self.data.device is not None:
@@ -199,7 +202,7 @@ class RaggedSteps(Steps):
         flat = torch.cat([value.reshape(-1).cpu() for value in values])
         if counts and all(count == counts[0] for count in counts):  # ragged tokens, one reward
             return flat, Uniform(counts[0])
-        return flat, Varying(torch.tensor(counts))
+        return flat, Varying(torch.tensor(counts), counts)
 
     def write(self, key, values: Tensor, like) -> None:
         """Set ``key`` at each step to its share of ``values``, shaped and placed as ``like``."""
@@ -208,8 +211,8 @@ class RaggedSteps(Steps):
         for step, piece, reference in zip(self.data, pieces, references):
             step.set(key, piece.to(reference.device).reshape(reference.shape))
 
-    def entries(self, key, role: str, at: Tensor | None = None) -> Tensor | list:
-        steps = self.data if at is None else [self.data[i] for i in at.tolist()]
+    def entries(self, key, role: str, at: Tensor | list | None = None) -> Tensor | list:
+        steps = self.data if at is None else [self.data[i] for i in _host(at)]
         values = (get_entry(step, key, role) for step in steps)
         return [getattr(value, "data", value) for value in values]
 
@@ -275,12 +278,15 @@ class Uniform(Elements):
 class Varying(Elements):
     """``counts[i]`` elements at step ``i`` (ragged steps)."""
 
-    __slots__ = ("counts",)
+    __slots__ = ("counts", "host")
 
-    def __init__(self, counts: Tensor):
+    def __init__(self, counts: Tensor, host: list[int] | None = None):
         self.counts = counts  # (N,)
+        self.host = host  # the same as a list, when the counts were found on the host
 
     def empty_step(self, num_steps: int) -> int | None:
+        if self.host is not None:
+            return self.host.index(0) if 0 in self.host else None
         empty = self.counts == 0
         return int(empty.nonzero()[0]) if bool(empty.any()) else None
 
@@ -288,7 +294,11 @@ class Varying(Elements):
         return int(torch.searchsorted(torch.cumsum(self.counts, 0), element, right=True))
 
     def same(self, other: Elements) -> bool:
-        return isinstance(other, Varying) and torch.equal(other.counts, self.counts)
+        if not isinstance(other, Varying):
+            return False
+        if self.host is not None and other.host is not None:
+            return self.host == other.host
+        return torch.equal(other.counts, self.counts)
 
     def per_run(self, steps: Tensor) -> Tensor:
         ends = torch.cumsum(steps, 0) - 1  # differences of the running count at the run ends
@@ -298,10 +308,17 @@ class Varying(Elements):
         return None  # not known without a pass over the counts
 
     def step_sums(self, values: Tensor) -> Tensor:
-        return Segments(None, lengths=self.counts).sum(values.double())
+        width = None if self.host is None else 0  # counts found on the host differ (else Uniform)
+        return Segments(None, lengths=self.counts, width=width).sum(values.double())
 
     def spread(self, per_step: Tensor) -> Tensor:
-        return per_step.repeat_interleave(self.counts)
+        total = None if self.host is None else sum(self.host)
+        return per_step.repeat_interleave(self.counts, output_size=total)
+
+
+def _host(index: Tensor | list) -> list:
+    """An index as a list (a tensor is read on the host)."""
+    return index if isinstance(index, list) else index.tolist()
 
 
 def _on_one_device(parts: list[Steps]) -> list[Steps]:

@@ -18,6 +18,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from torchrl_grpo.mcadvantage.host import read_ints
 from torchrl_grpo.mcadvantage.steps import Steps
 
 __all__ = ["CHUNK", "LENGTH", "LENIENT", "OFFSET", "REBUILD_ABOVE", "Chunks", "ranges"]
@@ -41,17 +42,19 @@ REBUILD_ABOVE = (2, 1024)
 LENIENT = (4, 16384)
 
 
-def ranges(starts: Tensor, lengths: Tensor) -> Tensor:
-    """Concatenate ``arange(s, s + l)`` for each pair, without a Python loop.
+def ranges(starts: Tensor, lengths: Tensor, total: int | None = None) -> Tensor:
+    """Concatenate ``arange(s, s + l)`` for each pair, without a Python loop; ``total``, the sum
+    of ``lengths`` when the caller knows it (else it is read on the host).
 
     Examples:
         >>> import torch
         >>> ranges(torch.tensor([5, 0]), torch.tensor([2, 3]))
         tensor([5, 6, 0, 1, 2])
     """
-    total = int(lengths.sum())
+    total = int(lengths.sum()) if total is None else total
     offsets = torch.cumsum(lengths, 0) - lengths  # (n,)
-    return torch.arange(total) - torch.repeat_interleave(offsets - starts, lengths)
+    shift = torch.repeat_interleave(offsets - starts, lengths, output_size=total)
+    return torch.arange(total) - shift
 
 
 class Chunks(NamedTuple):
@@ -84,10 +87,14 @@ class Chunks(NamedTuple):
         chunk = torch.repeat_interleave(spans[:, CHUNK], lengths)  # (K,) in output order
         return self.take(chunk, ranges(spans[:, OFFSET], lengths))
 
-    def parts(self, spans: Tensor) -> list[Steps]:
+    def parts(self, spans: Tensor, taken: list | None = None) -> list[Steps]:
         """The steps of ``spans``, given in increasing ``(chunk, offset)`` order, as parts to
         concatenate: one view per span when there are a few, each from its own chunk; else one
-        take (a view for a contiguous run) per chunk."""
+        take (a view for a contiguous run) per chunk. ``taken``: the steps of ``spans`` in each
+        chunk, when read with them: then one take per chunk (a whole chunk as it is), reading
+        nothing more."""
+        if taken is not None:
+            return self._parts_known(spans, taken)
         windows = self._windows(spans)
         if windows is not None:
             return windows
@@ -98,6 +105,16 @@ class Chunks(NamedTuple):
         return [
             self.steps[c].take_sorted(pos)
             for c, pos in zip(numbers.tolist(), position.split(counts.tolist()))
+        ]
+
+    def _parts_known(self, spans: Tensor, taken: list) -> list[Steps]:
+        used = [(c, k) for c, k in enumerate(taken) if k]
+        lengths = spans[:, LENGTH]
+        position = ranges(spans[:, OFFSET], lengths, sum(k for _, k in used))  # in chunk order
+        pieces = position.split([k for _, k in used])
+        return [
+            self.steps[c] if k == self.sizes[c] else self.steps[c].take(piece)
+            for (c, k), piece in zip(used, pieces)
         ]
 
     def _windows(self, spans: Tensor) -> list[Steps] | None:
@@ -149,7 +166,13 @@ class Chunks(NamedTuple):
         return chunk if length == self.sizes[c] else chunk.window(offset, offset + length)
 
     def tidy(
-        self, spans: Tensor, dropped: Tensor | None = None, rebuild_above=REBUILD_ABOVE
+        self,
+        spans: Tensor,
+        dropped: Tensor | None = None,
+        rebuild_above=REBUILD_ABOVE,
+        *,
+        emptied: list[int] | None = None,
+        live: int | None = None,
     ) -> tuple[Chunks, Tensor]:
         """Release the chunks that no span of ``spans`` holds any more; rebuild the live steps
         into one chunk once released steps inside held chunks outnumber them, or drop the empty
@@ -161,6 +184,9 @@ class Chunks(NamedTuple):
                 lost their last span (``None``: look at every chunk).
             rebuild_above: ``(factor, slack)``: rebuild once the held chunks hold more than
                 ``factor * live + slack`` steps.
+            emptied: the chunks no span holds any more, when the caller read them (``dropped``
+                is then not looked at).
+            live: the steps of ``spans``, when the caller read them.
 
         Returns:
             The chunks, and ``spans`` with their chunk numbers (and offsets, when rebuilt)
@@ -169,26 +195,37 @@ class Chunks(NamedTuple):
         if not spans.shape[0]:
             return Chunks(), spans
         chunks, (factor, slack) = self, rebuild_above
-        if dropped is None or dropped.numel():
-            counts = torch.bincount(spans[:, CHUNK], minlength=len(self.steps))  # (C,)
-            candidates = torch.arange(len(self.steps)) if dropped is None else dropped
-            gone = {c for c in candidates[counts[candidates] == 0].tolist() if self.sizes[c]}
-            if gone:
-                steps, sizes = list(self.steps), list(self.sizes)
-                for c in gone:
-                    steps[c], sizes[c] = None, 0
-                chunks = Chunks(tuple(steps), tuple(sizes), sum(sizes))
-        if chunks.held > slack and chunks.held > factor * int(spans[:, LENGTH].sum()) + slack:
-            return chunks._rebuilt(spans)
+        if emptied is None and (dropped is None or dropped.numel()):
+            emptied = self._emptied(spans, dropped)
+        gone = {c for c in emptied or () if self.sizes[c]}
+        if gone:
+            steps, sizes = list(self.steps), list(self.sizes)
+            for c in gone:
+                steps[c], sizes[c] = None, 0
+            chunks = Chunks(tuple(steps), tuple(sizes), sum(sizes))
+        if chunks.held > slack:
+            live = int(spans[:, LENGTH].sum()) if live is None else live
+            if chunks.held > factor * live + slack:
+                return chunks._rebuilt(spans)
         slots = len(chunks.sizes)
         if slots > 2 * (slots - chunks.sizes.count(0)) + _SLACK_SLOTS:
-            live = torch.tensor([size > 0 for size in chunks.sizes])  # (C,)
-            renumber = torch.cumsum(live, 0) - 1  # (C,) new number of each live chunk
+            held = torch.tensor([size > 0 for size in chunks.sizes])  # (C,)
+            renumber = torch.cumsum(held, 0) - 1  # (C,) new number of each live chunk
             spans = spans.clone()
             spans[:, CHUNK] = renumber[spans[:, CHUNK]]
             kept = [c for c in chunks.steps if c is not None]
             return Chunks(tuple(kept), tuple(len(c) for c in kept), chunks.held), spans
         return chunks, spans
+
+    def _emptied(self, spans: Tensor, dropped: Tensor | None) -> list[int]:
+        """The chunks among ``dropped`` (all for ``None``) that no span of ``spans`` holds."""
+        chunk = spans[:, CHUNK]
+        counts = torch.zeros(len(self.steps), dtype=torch.long).index_add_(
+            0, chunk, torch.ones_like(chunk)
+        )  # (C,)
+        candidates = torch.arange(len(self.steps)) if dropped is None else dropped
+        numbers, empty = read_ints(candidates, counts.index_select(0, candidates) == 0)
+        return [c for c, e in zip(numbers, empty) if e]
 
     def _rebuilt(self, spans: Tensor) -> tuple[Chunks, Tensor]:
         """One chunk of the steps of ``spans``, in span order (a copy)."""

@@ -26,10 +26,13 @@ are not data and are left out.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from tensordict import LazyStackedTensorDict, TensorDictBase, lazy_stack
 from torch import Tensor
 
+from torchrl_grpo.mcadvantage.host import read_ints
 from torchrl_grpo.mcadvantage.options import TrajectoryKeys
 from torchrl_grpo.mcadvantage.records import LAST_COUNT, TAIL_ID, TRAJ, Joined, Tails
 from torchrl_grpo.mcadvantage.registry import ENDED, GIVEN_UP, RUNNING, IdRegistry
@@ -87,6 +90,22 @@ def join(tails: Tails, tensordict: TensorDictBase, keys: TrajectoryKeys, clock: 
         ValueError: an id that already ended comes back, a done step inside an id's steps, a
             step count that does not continue, or a per-step entry of the wrong shape.
     """
+    registry = tails.registry if tails.registry is not None else IdRegistry()
+    flat, ids, done, count = _per_step_entries(tensordict, keys, keep_all=True)
+    if not ids.shape[0]:  # nothing to split
+        return _join_read(tails, tensordict, keys, clock)
+    split = _split(tails._replace(registry=registry), ids, done, count)
+    known = read_ints(*split.read)
+    if any(known[:_RARE]):  # a check failed, frames not collected, ids restarted or given up
+        return _join_read(tails, tensordict, keys, clock)
+    sizes = _JoinSizes(*known[_RARE:])
+    return _joined(tails._replace(registry=registry), flat, split, sizes, count, clock)
+
+
+def _join_read(tails: Tails, tensordict: TensorDictBase, keys: TrajectoryKeys, clock: int):
+    """:func:`join` step after step, reading what each step needs: the path of an input that
+    needs a closer look (a check that failed and names its cause, frames a collector did not
+    collect, ids that restarted or were given up)."""
     registry = tails.registry if tails.registry is not None else IdRegistry()
     flat, ids, done, count = _per_step_entries(tensordict, keys)
     pieces = _split_by_id(ids, done, keys)
@@ -146,6 +165,154 @@ def join(tails: Tails, tensordict: TensorDictBase, keys: TrajectoryKeys, clock: 
         dropped_tails=restarted[0].numel(),
         restarted=restarted[2],
     )
+
+
+#: How many of :class:`_Split`'s values are flags: any set sends the insertion to the step by
+#: step path (:func:`_join_read`).
+_RARE = 6
+
+
+class _Split(NamedTuple):
+    """An insertion split by trajectory id without reading anything: each piece's tensors are
+    padded to ``(N,)`` (the pieces first, then a padding of empty pieces), and ``read`` lists
+    what the host needs: the ``_RARE`` flags, then :class:`_JoinSizes`."""
+
+    order: Tensor  # (N,) the steps grouped by id, in input order within an id
+    starts: Tensor  # (N,) the first step of each piece, in ``order``
+    ends: Tensor  # (N,) its last step, in ``order``
+    lengths: Tensor  # (N,) its steps (0: padding)
+    ids: Tensor  # (N,) its trajectory id
+    completes: Tensor  # (N,) bool: it ends with a done step
+    opens: Tensor  # (N,) bool: it does not (a piece, not padding)
+    held: Tensor  # (N,) bool: it continues a held tail, ``slot`` its row of ``meta``
+    slot: Tensor
+    closing: Tensor | None  # (P,) bool: the held pieces whose trajectory completes
+    closed: Tensor | None  # (H,) bool: the held tails that complete
+    read: tuple
+
+
+class _JoinSizes(NamedTuple):
+    """What :func:`join` reads of a :class:`_Split` once its flags are clear."""
+
+    complete: int  # pieces that complete their trajectory
+    opens: int  # pieces that do not
+    complete_steps: int  # the steps of the first (their held steps not counted)
+    open_steps: int  # the steps of the second
+    top: int  # one more than the largest id that completes (0: none)
+    fresh: int  # open pieces that start a new tail
+    closed: int  # held tails that complete
+    closing: int  # their held pieces
+    closing_steps: int  # and steps
+    left_steps: int  # the held steps of the tails that stay
+    used: list | None  # (C,) pieces that complete taken from each chunk of the tails' store
+    left: list | None  # (C,) pieces left in each
+
+
+def _split(tails: Tails, ids: Tensor, done: Tensor, count: Tensor | None) -> _Split:
+    """The pieces of an insertion (each id's steps, in input order), the checks of
+    :func:`_join_read` as flags, and the sizes of what completes and what stays held."""
+    num = ids.shape[0]
+    order = torch.argsort(ids, stable=True)  # (N,) grouped by id, input order within an id
+    sorted_ids, sorted_done = ids[order], done[order]
+    first = torch.ones_like(sorted_ids, dtype=torch.bool)
+    torch.ne(sorted_ids[1:], sorted_ids[:-1], out=first[1:])
+    last = first.roll(-1)  # the step before the next piece's first (the last step: last)
+    starts = torch.nonzero_static(first, size=num, fill_value=num).view(-1)  # (N,) padded
+    ends = torch.nonzero_static(last, size=num, fill_value=num - 1).view(-1)
+    lengths = ends - starts + 1  # (N,) 0 for the padding
+    piece_ids = sorted_ids[starts.clamp_max(num - 1)]
+    real = lengths > 0
+    completes = sorted_done[ends] & real
+    opens = real & ~completes
+    held, slot = tail_index(tails, piece_ids)
+    held &= real
+    flags = [
+        (ids < 0).sum(),  # frames a preemptive collector did not collect
+        (sorted_done & ~last).sum(),  # a done step inside an id's steps
+        ((tails.registry.status(piece_ids) != RUNNING) & real).sum(),  # ended, given up
+        *_count_flags(tails, count, order, first, starts, held, slot, real),
+    ]
+    closing, closed, store = _closing(tails, held & completes, slot)
+    top = torch.where(completes, piece_ids + 1, 0).max()
+    sizes = [
+        completes.sum(),
+        opens.sum(),
+        (lengths * completes).sum(),
+        (lengths * opens).sum(),
+        top,
+        (opens & ~held).sum(),
+        *store,
+    ]
+    split = (order, starts, ends, lengths, piece_ids, completes, opens, held, slot)
+    return _Split(*split, closing, closed, (*flags, *sizes))
+
+
+def _count_flags(tails: Tails, count, order, first, starts, held, slot, real) -> list:
+    """With a step counter, how many pieces restart a held tail (step 0 while one is held),
+    do not continue their tail's count (or start without step 0), or skip a step: flags of
+    :func:`_split` (``None`` without a counter)."""
+    if count is None:
+        return [None, None, None]
+    sorted_count = count[order]
+    first_count = sorted_count[starts.clamp_max(count.shape[0] - 1)]  # (N,)
+    expected = torch.zeros_like(first_count)
+    if tails.num_tails:
+        tail_last = tails.meta[slot, LAST_COUNT]  # -1 where the tail was held without counts
+        continued = torch.where(tail_last >= 0, tail_last + 1, first_count)
+        expected = torch.where(held, continued, expected)
+    restarted = held & (first_count == 0)
+    gaps = ~first & (sorted_count - sorted_count.roll(1) != 1)
+    return [restarted.sum(), ((first_count != expected) & real).sum(), gaps.sum()]
+
+
+def _closing(tails: Tails, closes: Tensor, slot: Tensor) -> tuple:
+    """``(closing, closed, sizes)``: which held pieces and tails complete with the pieces
+    ``closes`` (their rows ``slot``), and the sizes :class:`_JoinSizes` reads of them."""
+    if not tails.num_tails:
+        return None, None, (0, 0, 0, 0, None, None)
+    rows = tails.num_tails
+    closed = torch.zeros(rows + 1, dtype=torch.bool)
+    closed.index_fill_(0, torch.where(closes, slot, rows), True)
+    closed = closed[:rows]  # (H,)
+    _, tail = tail_index(tails, tails.pieces[:, TRAJ].contiguous())
+    closing = closed[tail]  # (P,)
+    chunk, lengths = tails.pieces[:, CHUNK], tails.pieces[:, LENGTH]
+    num = len(tails.chunks.steps)
+    used = torch.zeros(num, dtype=torch.long).index_add_(0, chunk, closing.long())
+    left = torch.zeros(num, dtype=torch.long).index_add_(0, chunk, (~closing).long())
+    closing_steps = (lengths * closing).sum()
+    sizes = (closed.sum(), closing.sum(), closing_steps, lengths.sum() - closing_steps, used, left)
+    return closing, closed, sizes
+
+
+def _joined(tails: Tails, flat, split: _Split, sizes: _JoinSizes, count, clock: int) -> Joined:
+    """:func:`join` from the split and what was read of it."""
+    order, starts, lengths, piece_ids = split.order, split.starts, split.lengths, split.ids
+    done_pieces = torch.nonzero_static(split.completes, size=sizes.complete).view(-1)  # (c,)
+    done_pieces = done_pieces[torch.argsort(order[split.ends[done_pieces]])]  # by last step
+    ended = piece_ids[done_pieces]
+    complete = None
+    if sizes.complete:
+        index = order[ranges(starts[done_pieces], lengths[done_pieces], sizes.complete_steps)]
+        complete = _complete(
+            tails, flat, index, lengths[done_pieces], ended, known=(split.closing, sizes)
+        )
+    open_pieces = torch.nonzero_static(split.opens, size=sizes.opens).view(-1)  # (o,)
+    last_count = None
+    if count is not None and sizes.opens:
+        last_count = count[order[split.ends[open_pieces]]]
+    new_tails = _next_tails(
+        tails,
+        leaving=ended,
+        flat=flat,
+        index=order[ranges(starts[open_pieces], lengths[open_pieces], sizes.open_steps)],
+        ids=piece_ids[open_pieces],
+        lengths=lengths[open_pieces],
+        last_count=last_count,
+        clock=clock,
+        known=(split, sizes),
+    )
+    return Joined(complete, new_tails, ended, 0, top=sizes.top)
 
 
 def _restarts(tails: Tails, pieces: _Pieces, count: Tensor | None, status: Tensor):
@@ -215,9 +382,10 @@ class _Pieces:
         self.last_done = last_done  # (p,) whether the piece ends with a done step
 
 
-def _per_step_entries(tensordict: TensorDictBase, keys: TrajectoryKeys):
-    """The flat steps (frames a preemptive collector did not fill left out), and their ids,
-    done flags and step counts (``None`` without a counter), each ``(N,)`` on the CPU."""
+def _per_step_entries(tensordict: TensorDictBase, keys: TrajectoryKeys, keep_all: bool = False):
+    """The flat steps (frames a preemptive collector did not fill left out, unless
+    ``keep_all``: then not looked at), and their ids, done flags and step counts (``None``
+    without a counter), each ``(N,)`` on the CPU."""
     shape = tensordict.batch_size
     flat = tensordict.reshape(-1) if len(shape) > 1 else tensordict  # ragged steps: already 1-D
     ids = _per_step(flat, keys.traj, "trajectory id", shape).long()  # (N,)
@@ -226,7 +394,7 @@ def _per_step_entries(tensordict: TensorDictBase, keys: TrajectoryKeys):
     if keys.count is not None and flat.get(keys.count, None) is not None:
         count = _per_step(flat, keys.count, "step count", shape).long()
     valid = ids >= 0
-    if not bool(valid.all()):  # frames a preemptive collector did not fill: not data
+    if not keep_all and not bool(valid.all()):  # frames a preemptive collector did not fill
         keep = valid.nonzero().squeeze(1)
         flat, ids, done = flat[keep], ids[keep], done[keep]
         count = None if count is None else count[keep]
@@ -301,55 +469,97 @@ def _check_counts(count, pieces: _Pieces, held, slot, tails: Tails, keys, skip) 
         )
 
 
-def _complete(tails: Tails, flat, index: Tensor, lengths: Tensor, ids: Tensor):
+def _complete(tails: Tails, flat, index: Tensor, lengths: Tensor, ids: Tensor, known=None):
     """Trajectories ``ids`` as their held pieces then their new steps (``flat[index]``,
     trajectory after trajectory, ``lengths`` each), one after the other: one concatenation of
     the chunks involved and the insertion, and one indexing (held chunks are small: only the
-    unfinished pieces of an insertion)."""
-    held = torch.isin(tails.pieces[:, TRAJ], ids) if tails.num_tails else None
-    if held is None or not bool(held.any()):
-        return flat[index]
-    pieces = tails.pieces[held]
+    unfinished pieces of an insertion). ``known``: ``(closing, sizes)`` of :func:`join`, which
+    say which held pieces complete, from which chunks (else found here, reading them)."""
+    if known is None:
+        held = torch.isin(tails.pieces[:, TRAJ], ids) if tails.num_tails else None
+        if held is None or not bool(held.any()):
+            return flat[index]
+        pieces, renumber, held_steps = tails.pieces[held], None, None
+    else:
+        closing, sizes = known
+        if not sizes.closing:
+            return flat[index]
+        rows = torch.nonzero_static(closing, size=sizes.closing).view(-1)
+        pieces, held_steps = tails.pieces.index_select(0, rows), sizes.closing_steps
+        used = [c for c, taken in enumerate(sizes.used) if taken]
+        renumber = torch.zeros(len(sizes.used), dtype=torch.long)  # (C,) chunk -> its place
+        renumber[torch.tensor(used)] = torch.arange(len(used))
     sorted_ids, rank = torch.sort(ids)
     position = rank[torch.searchsorted(sorted_ids, pieces[:, TRAJ].contiguous())]  # (P',)
     by_trajectory = torch.argsort(position, stable=True)  # arrival order kept within one
     pieces, position = pieces[by_trajectory], position[by_trajectory]
     held_lengths = torch.zeros_like(lengths).index_add_(0, position, pieces[:, LENGTH])
-    used, local = torch.unique(pieces[:, CHUNK], return_inverse=True)  # the chunks involved
+    if renumber is None:
+        used, local = torch.unique(pieces[:, CHUNK], return_inverse=True)  # the chunks involved
+        used = used.tolist()
+    else:
+        local = renumber[pieces[:, CHUNK]]
     chunks = tails.chunks.add(_steps(flat))  # the insertion as the last chunk
-    whole, starts = chunks.concatenated([*used.tolist(), len(tails.chunks.steps)])
+    whole, starts = chunks.concatenated([*used, len(tails.chunks.steps)])
     total = held_lengths + lengths  # (c,)
     out_start = torch.cumsum(total, 0) - total
-    out = torch.empty(int(total.sum()), dtype=torch.long)
-    old = ranges(starts[local] + pieces[:, OFFSET], pieces[:, LENGTH])
-    out[ranges(out_start, held_lengths)] = old
-    out[ranges(out_start + held_lengths, lengths)] = starts[-1] + index
+    steps = int(total.sum()) if held_steps is None else held_steps + index.shape[0]
+    out = torch.empty(steps, dtype=torch.long)
+    old = ranges(starts[local] + pieces[:, OFFSET], pieces[:, LENGTH], held_steps)
+    out[ranges(out_start, held_lengths, held_steps)] = old
+    out[ranges(out_start + held_lengths, lengths, index.shape[0])] = starts[-1] + index
     return whole.take(out).output()
 
 
-def _next_tails(tails: Tails, *, leaving, flat, index, ids, lengths, last_count, clock) -> Tails:
+def _next_tails(
+    tails: Tails, *, leaving, flat, index, ids, lengths, last_count, clock, known=None
+) -> Tails:
     """``tails`` without the trajectories ``leaving``, with the unfinished pieces (``flat[index]``,
-    ``lengths`` steps each, of trajectories ``ids``) appended as one new chunk."""
+    ``lengths`` steps each, of trajectories ``ids``) appended as one new chunk. ``known``:
+    ``(split, sizes)`` of :func:`join`, which say which tails leave and how many stay or
+    start (else found here, reading them)."""
     pieces, meta, chunks = tails.pieces, tails.meta, tails.chunks
-    dropped = pieces[:0, CHUNK]
-    if leaving.numel() and tails.num_tails:
+    dropped, tidy = pieces[:0, CHUNK], {}
+    if known is None and leaving.numel() and tails.num_tails:
         left = torch.isin(pieces[:, TRAJ], leaving)
         pieces, dropped = pieces[~left], pieces[left, CHUNK]
         meta = meta[~torch.isin(meta[:, TAIL_ID], leaving)]
+    elif known is not None:
+        split, sizes = known
+        if sizes.closed:
+            kept = torch.nonzero_static(~split.closing, size=pieces.shape[0] - sizes.closing)
+            pieces = pieces.index_select(0, kept.view(-1))
+            kept = torch.nonzero_static(~split.closed, size=meta.shape[0] - sizes.closed)
+            meta = meta.index_select(0, kept.view(-1))
+        emptied = [c for c, k in enumerate(sizes.left or ()) if not k and chunks.sizes[c]]
+        tidy = dict(emptied=emptied, live=sizes.left_steps + sizes.open_steps)
     if ids.numel():
         offset = torch.cumsum(lengths, 0) - lengths
         number = torch.full_like(offset, len(chunks.steps))
         pieces = torch.cat([pieces, torch.stack([number, offset, lengths, ids], 1)])
         chunks = chunks.add(_steps(flat[index]))
-        held, slot = tail_index(Tails(meta=meta), ids)
-        counts = torch.full_like(ids, -1) if last_count is None else last_count
-        if bool(held.any()):  # continued tails: their last count moves on
-            meta = meta.clone()
-            meta[slot[held], LAST_COUNT] = counts[held]
-        fresh = ~held
-        if bool(fresh.any()):
-            started = torch.full_like(ids[fresh], clock)
-            meta = torch.cat([meta, torch.stack([ids[fresh], started, counts[fresh]], 1)])
-            meta = meta[torch.argsort(meta[:, TAIL_ID])]
-    chunks, pieces = chunks.tidy(pieces, dropped, LENIENT)
+        meta = _held_meta(meta, ids, last_count, clock, known)
+    chunks, pieces = chunks.tidy(pieces, None if tidy else dropped, LENIENT, **tidy)
     return Tails(chunks=chunks, pieces=pieces, meta=meta, registry=tails.registry)
+
+
+def _held_meta(meta: Tensor, ids: Tensor, last_count, clock: int, known) -> Tensor:
+    """``meta`` once the unfinished pieces of ``ids`` are held: a continued tail's last count
+    moves on, a new tail gets a row (kept sorted by id)."""
+    held, slot = tail_index(Tails(meta=meta), ids)
+    counts = torch.full_like(ids, -1) if last_count is None else last_count
+    if known is None:
+        continued, fresh = int(held.sum()), int((~held).sum())
+    else:
+        fresh = known[1].fresh
+        continued = ids.shape[0] - fresh
+    if continued:  # continued tails: their last count moves on
+        rows = torch.nonzero_static(held, size=continued).view(-1)
+        meta = meta.clone()
+        meta[slot[rows], LAST_COUNT] = counts[rows]
+    if fresh:
+        rows = torch.nonzero_static(~held, size=fresh).view(-1)
+        started = torch.full((fresh,), clock, dtype=torch.long)
+        meta = torch.cat([meta, torch.stack([ids[rows], started, counts[rows]], 1)])
+        meta = meta[torch.argsort(meta[:, TAIL_ID])]
+    return meta
