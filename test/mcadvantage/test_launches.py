@@ -100,6 +100,16 @@ class TestInsertionLaunches:
         launches = launches_of(transform, ragged_rows(4), ragged_rows(4, seed=1))
         assert launches.syncs == 2, launches.by_sync
 
+    def test_ragged_rows_operators_do_not_grow_with_the_rows(self):
+        """Ragged rows (a lazy stack of one TensorDict per completion): the rewards read and
+        the advantages written back with a fixed number of operators, 8 groups as 64."""
+        counts = {}
+        for groups in (8, 64):
+            transform = MCAdvantage(8, prompt_key="query")
+            launches = launches_of(transform, ragged_rows(groups), ragged_rows(groups, seed=1))
+            counts[groups] = (launches.syncs, launches.ops)
+        assert counts[8] == counts[64] and counts[8][0] == 2
+
     def test_streamed_trajectories_joined_across_batches(self):
         batches, _ = collector_stream(8, 16, 4, seed=0, steps_per_batch=8)
         transform = MCAdvantage(4, prompt_key="seed", traj_key=("collector", "traj_ids"))

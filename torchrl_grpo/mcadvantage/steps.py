@@ -199,14 +199,24 @@ class RaggedSteps(Steps):
     def reward_elements(self, key) -> tuple[Tensor, Elements]:
         values = [get_entry(step, key, "reward") for step in self.data]
         counts = [value.numel() for value in values]
-        flat = torch.cat([value.reshape(-1).cpu() for value in values])
+        if values and len({value.shape for value in values}) == 1:  # one shape: no op per step
+            flat = torch.cat(values).reshape(-1).cpu()
+        else:
+            flat = torch.cat([value.reshape(-1).cpu() for value in values])
         if counts and all(count == counts[0] for count in counts):  # ragged tokens, one reward
             return flat, Uniform(counts[0])
         return flat, Varying(torch.tensor(counts), counts)
 
     def write(self, key, values: Tensor, like) -> None:
-        """Set ``key`` at each step to its share of ``values``, shaped and placed as ``like``."""
+        """Set ``key`` at each step to its share of ``values``, shaped and placed as ``like``
+        (a fixed number of operators when every step's ``like`` has one shape and device)."""
         references = [step.get(like) for step in self.data]
+        if references and len({(r.shape, r.device) for r in references}) == 1:
+            first = references[0]
+            pieces = values.to(first.device).reshape(len(references), *first.shape).unbind(0)
+            for step, piece in zip(self.data, pieces, strict=True):
+                step.set(key, piece)
+            return
         pieces = values.split([reference.numel() for reference in references])
         for step, piece, reference in zip(self.data, pieces, references):
             step.set(key, piece.to(reference.device).reshape(reference.shape))
