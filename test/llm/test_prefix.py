@@ -230,6 +230,29 @@ class TestSharedHidden:
         for s, d in zip(_rows_of(hidden, rows), _dense(body, rows), strict=True):
             torch.testing.assert_close(s, d, rtol=1e-5, atol=1e-5)
 
+    def test_flex_attention_takes_a_block_mask(self):
+        """flex_attention gets the mask as a BlockMask (without gradient: torch 2.13's CPU flex
+        attention has no backward; on a GPU it has)."""
+        import transformers as tf
+
+        config = tf.Qwen2Config(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            attn_implementation="flex_attention",
+        )
+        torch.manual_seed(0)
+        body = tf.Qwen2ForCausalLM(config).eval().base_model.requires_grad_(False)
+        rows = _rows()
+        with torch.no_grad():
+            hidden = shared_hidden(body, prefix_plan(rows, min_shared=4))
+            dense = _dense(body, rows)
+        for s, d in zip(_rows_of(hidden, rows), dense, strict=True):
+            torch.testing.assert_close(s, d, rtol=1e-5, atol=1e-5)
+
     def test_flash_attention_takes_no_packed_mask(self):
         model = _family_model("qwen2")
         model.config._attn_implementation = "flash_attention_2"

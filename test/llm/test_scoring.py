@@ -24,7 +24,7 @@ from torchrl.objectives.llm import GRPOLoss as TorchrlGRPOLoss
 
 from torchrl_grpo import GRPOLoss
 from torchrl_grpo.launches import count_launches
-from torchrl_grpo.llm.scoring import read_index, read_token_rows, response_starts
+from torchrl_grpo.llm.scoring import read_index, read_token_rows, response_starts, token_rows
 
 MASKS = (("masks", "all_attention_mask"),)
 
@@ -92,6 +92,21 @@ class TestReadTokenRows:
             masks=[TensorDict(all_attention_mask=torch.ones(1, dtype=torch.bool))],
         )
         assert read_token_rows(short_mask, ("tokens", "full"), MASKS, 0) is None
+
+    def test_rows_padded_by_two_tokenizers_are_refused(self):
+        full = [torch.tensor([9, 5, 6]), torch.tensor([7, 7, 1, 2])]
+        masks = [torch.tensor([0, 1, 1]).bool(), torch.tensor([0, 0, 1, 1]).bool()]
+        td = _stack(
+            tokens=[Tokens(full=f) for f in full],
+            masks=[TensorDict(all_attention_mask=m) for m in masks],
+        )
+        with pytest.raises(ValueError, match=r"padded with different token ids \(\[7, 9\]\)"):
+            read_token_rows(td, ("tokens", "full"), MASKS, 9)
+
+    def test_rows_on_several_devices_are_refused(self):
+        rows = [torch.tensor([1, 2]), torch.tensor([3], device="meta")]
+        with pytest.raises(ValueError, match="several devices"):
+            token_rows(rows, None, 0)
 
     def test_a_prompt_that_does_not_start_its_row_scores_everything(self):
         td = _stack(tokens=[Tokens(full=torch.tensor([1, 2, 3]), prompt=torch.tensor([2]))])

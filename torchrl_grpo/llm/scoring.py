@@ -118,8 +118,18 @@ def token_rows(rows, masks=None, pad_val=None, prompts=None) -> TokenRows:
 
     ``rows``, ``masks`` and ``prompts`` are lists of ragged rows, or each one ``[B, L]``
     tensor of rows of one length.
+
+    Raises:
+        ValueError: the rows lie on several devices, or the padding their masks leave out
+            holds several token ids (rows padded by different tokenizers: without a mask the
+            scorer would take another tokenizer's pad id for a token).
     """
     dense = isinstance(rows, torch.Tensor)
+    if not dense and len({r.device for r in rows}) > 1:
+        raise ValueError(
+            f"The rows of one scoring call lie on several devices "
+            f"({sorted({str(r.device) for r in rows})}): move the batch to one device first."
+        )
     flat = (lambda x: x.reshape(-1)) if dense else torch.cat
     parts = [flat(rows).long()]
     if masks is not None:
@@ -137,6 +147,7 @@ def token_rows(rows, masks=None, pad_val=None, prompts=None) -> TokenRows:
         seen = [row != pad_val for row in values]
     else:
         seen = [m.astype(bool) for m in np.split(host[n : 2 * n], cuts)]
+        _check_one_pad_id(host[:n], host[n : 2 * n])
     tokens = rows if dense else ragged.padded(rows, pad_val)
     if masks is None:
         attention = tokens != pad_val
@@ -161,6 +172,17 @@ def token_rows(rows, masks=None, pad_val=None, prompts=None) -> TokenRows:
         prompts=_prompt_lengths(prompts, host, start, values),
         attended=attended,
     )
+
+
+def _check_one_pad_id(tokens: np.ndarray, mask: np.ndarray) -> None:
+    """The tokens the masks leave out (the rows' padding) hold one id, or a ValueError."""
+    pads = np.unique(tokens[mask == 0])
+    if len(pads) > 1:
+        raise ValueError(
+            f"The rows of one scoring call are padded with different token ids "
+            f"({pads.tolist()[:8]}): a batch that mixes the outputs of several tokenizers. "
+            "Score each tokenizer's rows with a wrapper of that tokenizer."
+        )
 
 
 def _prompt_lengths(prompts, host, start, values) -> np.ndarray | None:
