@@ -105,19 +105,24 @@ def _tree_nodes(rows, order, common):
     ``(parent, depth, source row)`` each, and the node each row ends at. Node 0 is the root."""
     parent, depth, source = [-1], [0], [order[0]]
     end = {}
-    stack = [0]
+    stack = [0]  # the path from the root to the last row's node
+
+    def add(up: int, at: int, row: int) -> int:
+        parent.append(up)
+        depth.append(at)
+        source.append(row)
+        return len(parent) - 1
+
     for k, row in enumerate(order):
         shared = 0 if k == 0 else common[k]
         last = None
         while depth[stack[-1]] > shared:
             last = stack.pop()
         if depth[stack[-1]] < shared:  # the branch point: a new node between top and last
-            parent.append(stack[-1]), depth.append(shared), source.append(row)
-            parent[last] = len(parent) - 1
-            stack.append(len(parent) - 1)
+            parent[last] = add(stack[-1], shared, row)
+            stack.append(parent[last])
         if len(rows[row]) > depth[stack[-1]]:
-            parent.append(stack[-1]), depth.append(len(rows[row])), source.append(row)
-            stack.append(len(parent) - 1)
+            stack.append(add(stack[-1], len(rows[row]), row))
         end[row] = stack[-1]
     return parent, depth, source, end
 
