@@ -27,6 +27,7 @@ def upload(array, device: torch.device | str | None = None) -> torch.Tensor:
 
     Examples:
         >>> import numpy as np
+        >>> from torchrl_grpo.ragged import upload
         >>> upload(np.arange(3))
         tensor([0, 1, 2])
     """
@@ -44,6 +45,7 @@ def host_rows(rows: Sequence[torch.Tensor]) -> list[np.ndarray]:
 
     Examples:
         >>> import torch
+        >>> from torchrl_grpo.ragged import host_rows
         >>> [r.tolist() for r in host_rows([torch.tensor([1, 2]), torch.tensor([3])])]
         [[1, 2], [3]]
     """
@@ -58,6 +60,7 @@ def padded_index(lengths: Sequence[int], width: int, side: str = "left") -> np.n
     """Where each row's elements go in a ``[B, width]`` tensor flattened: ``[sum(lengths)]``.
 
     Examples:
+        >>> from torchrl_grpo.ragged import padded_index
         >>> padded_index([2, 1], 3).tolist()  # row 0 at columns 1, 2; row 1 at column 2
         [1, 2, 5]
         >>> padded_index([2, 1], 3, side="right").tolist()
@@ -92,6 +95,7 @@ def padded(
 
     Examples:
         >>> import torch
+        >>> from torchrl_grpo.ragged import padded
         >>> padded([torch.tensor([1, 2]), torch.tensor([3])], value=-1)
         tensor([[ 1,  2],
                 [-1,  3]])
@@ -119,6 +123,7 @@ def rows_of(x: torch.Tensor, lengths: Sequence[int], side: str = "left") -> list
 
     Examples:
         >>> import torch
+        >>> from torchrl_grpo.ragged import rows_of
         >>> rows_of(torch.tensor([[1, 2], [-1, 3]]), [2, 1])
         [tensor([1, 2]), tensor([3])]
     """
@@ -134,6 +139,7 @@ def kept(rows: Sequence[torch.Tensor], keep: Sequence[np.ndarray]) -> list[torch
 
     Examples:
         >>> import numpy as np, torch
+        >>> from torchrl_grpo.ragged import kept
         >>> kept([torch.tensor([1, 2, 3]), torch.tensor([4])], [np.array([1, 0, 1]), np.array([0])])
         [tensor([1, 3]), tensor([], dtype=torch.int64)]
     """

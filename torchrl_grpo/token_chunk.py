@@ -60,6 +60,8 @@ def chunk_stats(x, index, lse, entropy, log_prob) -> None:
         log_prob (torch.Tensor): ``(n,)`` output, same dtype.
 
     Examples:
+        >>> import torch
+        >>> from torchrl_grpo.token_chunk import chunk_stats
         >>> x = torch.tensor([[0.0, 0.0], [2.0, 0.0]])
         >>> lse, entropy, log_prob = torch.empty(3, 2)
         >>> chunk_stats(x, torch.tensor([[1], [0]]), lse, entropy, log_prob)
@@ -99,6 +101,8 @@ def chunk_grad(x, lse, scale, shift, out=None) -> torch.Tensor:
         torch.Tensor: ``out``, or a new ``(n, V)`` tensor in ``lse``'s dtype.
 
     Examples:
+        >>> import torch
+        >>> from torchrl_grpo.token_chunk import chunk_grad
         >>> x = torch.tensor([[0.0, 0.0]])  # p = (1/2, 1/2); d log pi(a) / dx = [v = a] - p
         >>> chunk_grad(x, x.logsumexp(-1, keepdim=True), None, torch.tensor([[-1.0]]))
         tensor([[-0.5000, -0.5000]])
@@ -130,6 +134,8 @@ def use_compile(device: torch.device, compile: bool | None = None) -> bool:
         ValueError: if ``TORCHRL_GRPO_COMPILE`` is set to something else than 0/1.
 
     Examples:
+        >>> import torch
+        >>> from torchrl_grpo.token_chunk import use_compile
         >>> use_compile(torch.device("cpu")), use_compile(torch.device("cpu"), compile=True)
         (False, True)
     """
@@ -195,6 +201,7 @@ def compiled(fn):
         A callable that runs ``torch.compile(fn)``, or ``fn`` after a compilation failure.
 
     Examples:
+        >>> from torchrl_grpo.token_chunk import chunk_grad, compiled
         >>> compiled(chunk_grad).__name__
         'compiled(chunk_grad)'
     """
