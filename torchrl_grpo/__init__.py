@@ -13,6 +13,8 @@
 * :class:`GroupSampler`: minibatches of whole groups, each stored row once per epoch, so that a
   group's shared prompt is scored once per minibatch.
 * :class:`OverlongPenalty`: DAPO's soft overlong penalty, a reward transform.
+* :func:`evaluate`: a policy's returns over N whole episodes of any torchrl env (each played to
+  its own end, counted once), as an :class:`Evaluation`.
 * :mod:`torchrl_grpo.advantages` and :mod:`torchrl_grpo.loss_terms`: the math, as pure functions.
 """
 
@@ -23,6 +25,7 @@ from torchrl_grpo.advantages import (
     trajectory_returns,
 )
 from torchrl_grpo.envs import SameStartGroups
+from torchrl_grpo.evaluation import Evaluation, evaluate
 from torchrl_grpo.llm import HiddenLLMMaskedCategorical, LeanTransformersWrapper
 from torchrl_grpo.loss import (
     DAPO,
@@ -61,6 +64,7 @@ __all__ = [
     "DAPOLossOutput",
     "DPPOLoss",
     "DrGRPOLoss",
+    "Evaluation",
     "GroupSampler",
     "GRPOLoss",
     "GRPOLossOutput",
@@ -78,6 +82,7 @@ __all__ = [
     "SameStartGroups",
     "TokenCategorical",
     "VESPOLoss",
+    "evaluate",
     "group_mean",
     "group_relative_advantage",
     "group_std",
