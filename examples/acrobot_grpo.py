@@ -7,8 +7,10 @@ marked DECISION, explained on the docs page. Run::
     python examples/acrobot_grpo.py                  # seed 0, stops at a mean return of -100
     python examples/acrobot_grpo.py --seed 1 --time-budget 300
 
+Then the greedy policy plays 100 fresh episodes, each to its own end (torchrl_grpo.evaluate).
 The last line printed is ``RESULT solved=<true|false> wall_s=<float> env_steps=<int>
-return=<float>`` (the mean return of the last training batch's episodes, sampled actions).
+return=<float> eval_return=<float>``: the mean return of the last training batch's episodes
+(sampled actions), and of the greedy episodes.
 """
 
 import argparse
@@ -24,15 +26,16 @@ from torchrl.envs import ExplorationType, GymWrapper, TransformedEnv
 from torchrl.modules import MLP, ProbabilisticActor
 from tqdm import tqdm
 
-from torchrl_grpo import GRPOLoss, MCAdvantage, SameStartGroups
+from torchrl_grpo import GRPOLoss, MCAdvantage, SameStartGroups, evaluate
 
 GROUP_SIZE = 4  # DECISION group size: episodes per reset seed
 NUM_ENVS = 32  # sub-environments stepped together
 EPISODES_PER_BATCH = 64  # DECISION when to train: once 64 episodes (16 groups) are released
 MAX_STEPS = 500  # Acrobot-v1's time limit
+EVAL_EPISODES = 100  # greedy episodes after training, from seeds no training episode used
 
 
-def make_env(seed: int) -> TransformedEnv:
+def make_env(seeds: range, group_size: int = GROUP_SIZE) -> TransformedEnv:
     """Sub-envs that torchrl resets (DISABLED auto-reset), each reset seeded by SameStartGroups."""
     vector_env = gym.make_vec(
         "Acrobot-v1",
@@ -41,8 +44,7 @@ def make_env(seed: int) -> TransformedEnv:
         vector_kwargs={"autoreset_mode": gym.vector.AutoresetMode.DISABLED},
     )
     env = GymWrapper(vector_env, categorical_action_encoding=True)
-    seeds = range(seed * 1_000_000, (seed + 1) * 1_000_000)  # run `seed` never reuses another's
-    return TransformedEnv(env, SameStartGroups(GROUP_SIZE, seeds=seeds))  # writes "reset_seed"
+    return TransformedEnv(env, SameStartGroups(group_size, seeds=seeds))  # writes "reset_seed"
 
 
 def main(argv=None) -> dict:
@@ -85,8 +87,9 @@ def main(argv=None) -> dict:
         batch_size=2048,
     )
     buffer.append_transform(advantage)  # extend() writes advantages, stores complete groups
+    seeds = range(args.seed * 1_000_000, (args.seed + 1) * 1_000_000)  # never another run's
     collector = Collector(
-        make_env(args.seed),
+        make_env(seeds),
         actor,
         frames_per_batch=NUM_ENVS * 32,  # cut anywhere: MCAdvantage joins the pieces
         total_frames=-1,
@@ -120,12 +123,23 @@ def main(argv=None) -> dict:
             break
     bar.close()
     collector.shutdown()
+    # the greedy policy, each episode played to its own end: env.rollout would stop all 32
+    # sub-envs at the first episode that reaches the goal
+    eval_env = make_env(range(2**30 + seeds.start, 2**30 + seeds.stop), group_size=1)
+    greedy = evaluate(eval_env, actor, EVAL_EPISODES)  # ExplorationType.DETERMINISTIC
+    eval_env.close()
     wall_s = time.perf_counter() - start
     print(
         f"RESULT solved={str(solved).lower()} wall_s={wall_s:.2f} env_steps={env_steps} "
-        f"return={mean_return:.1f}"
+        f"return={mean_return:.1f} eval_return={greedy.mean_return:.1f}"
     )
-    return {"solved": solved, "wall_s": wall_s, "env_steps": env_steps, "return": mean_return}
+    return {
+        "solved": solved,
+        "wall_s": wall_s,
+        "env_steps": env_steps,
+        "return": mean_return,
+        "eval_return": greedy.mean_return,
+    }
 
 
 if __name__ == "__main__":

@@ -31,10 +31,11 @@ import torch
 from tensordict.nn import NormalParamExtractor, TensorDictModule
 from torchrl.collectors import Collector
 from torchrl.data import LazyTensorStorage, ReplayBuffer, SamplerWithoutReplacement
-from torchrl.envs import ExplorationType, GymWrapper, TransformedEnv, set_exploration_type
+from torchrl.envs import ExplorationType, GymWrapper, TransformedEnv
 from torchrl.modules import MLP, IndependentNormal, ProbabilisticActor, TanhNormal
 from tqdm import tqdm
 
+import torchrl_grpo
 from torchrl_grpo import GRPOLoss, MCAdvantage, SameStartGroups
 
 GROUP_SIZE = 8  # DECISION group size: episodes per reset seed
@@ -102,12 +103,12 @@ def make_actor(dist: str, state_std: bool) -> ProbabilisticActor:
 
 
 def evaluate(actor: ProbabilisticActor, seed: int) -> float:
-    """Mean return of the greedy policy (the Gaussian's mean) from EVAL_EPISODES fresh starts."""
+    """Mean return of the greedy policy (the Gaussian's mean) from EVAL_EPISODES fresh starts,
+    each episode played to its own end by torchrl_grpo.evaluate (here all end at step 200)."""
     env = make_env(EVAL_SEEDS + seed * TRAIN_SEEDS, 1, EVAL_EPISODES)
-    with torch.no_grad(), set_exploration_type(ExplorationType.DETERMINISTIC):
-        rollout = env.rollout(MAX_STEPS, actor)
+    played = torchrl_grpo.evaluate(env, actor, EVAL_EPISODES)  # greedy: DETERMINISTIC
     env.close()
-    return float(rollout["next", "reward"].sum()) / EVAL_EPISODES
+    return played.mean_return
 
 
 def parse(argv) -> argparse.Namespace:

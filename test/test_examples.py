@@ -16,7 +16,9 @@ import pytest
 import torch
 from tensordict import TensorDict
 from torchrl.collectors import Collector
-from torchrl.envs import ExplorationType
+from torchrl.envs import ExplorationType, GymWrapper
+
+from torchrl_grpo import evaluate
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "cartpole_grpo.py"
@@ -93,6 +95,21 @@ class TestEnvironments:
         assert len(set(by_hand)) > 2  # the episodes differ, so the mean tests the bookkeeping
         assert first == pytest.approx(sum(by_hand[:5]) / 5)
         assert second == pytest.approx(sum(by_hand[5:]) / 5)
+
+    def test_evaluate_matches_torchrl_grpo_evaluate(self, example):
+        """The demo's own loop plays the episodes that torchrl_grpo.evaluate plays through
+        torchrl (the actor's mode, each episode to its end), 10x faster."""
+        torch.manual_seed(0)
+        actor = example.make_actor(hidden=8)
+        with torch.no_grad():
+            actor.module[0].module[-1].weight[:, 3] += torch.tensor([-3.0, 3.0])
+        episodes = example.EvalEpisodes(5, range(40, 45))
+        demo = example.episode_returns(episodes, actor)
+        episodes.close()
+        env = GymWrapper(example.CartPoles(5), categorical_action_encoding=True)
+        played = evaluate(env, actor, 5, reset_kwargs={"seed": list(range(40, 45))})
+        assert len(set(demo.tolist())) > 2
+        assert played.returns.tolist() == demo.tolist()
 
 
 class TestCartPoles:
@@ -354,6 +371,7 @@ class TestAcrobot:
         assert 32 * 32 <= result["env_steps"] <= 40000 + 32 * 32
         assert -500.0 <= result["return"] < 0.0  # trained at least once (nan before)
         assert result["solved"] is (result["return"] >= -100.0)
+        assert -500.0 <= result["eval_return"] < 0.0  # 100 greedy episodes, each to its end
 
     def test_reward_to_go_mode(self, acrobot):
         result = acrobot.main(["--max-env-steps", "40000", "--reward-to-go", "0.99"])
