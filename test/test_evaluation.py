@@ -210,6 +210,13 @@ class TestErrors:
         with pytest.raises(KeyError, match=r"no action \['action'\].*'move'"):
             evaluate(vector_countdown(LENGTHS), policy, 3)
 
+    def test_policy_that_is_not_a_tensordict_module(self):
+        def policy(td):  # returns the action, not the tensordict
+            return td["observation"] * 0
+
+        with pytest.raises(TypeError, match="must read and return a TensorDict.*got Tensor"):
+            evaluate(vector_countdown(LENGTHS), policy, 3)
+
     def test_env_without_done_keys(self):
         env = types.SimpleNamespace(done_keys=[], full_done_spec={}, batch_size=torch.Size([]))
         with pytest.raises(ValueError, match="evaluate needs an env with done keys"):
