@@ -2,14 +2,14 @@
 
 torchrl's ``env.rollout(max_steps, policy)`` stops a batched env at the first ``done`` of any
 sub-env (``break_when_any_done=True``, its default): on a batch whose episodes end at different
-steps, every other episode is cut there, its return partial and its goal never reached: a
+steps, every other episode is cut there, its return partial and its goal never reached. A
 MountainCarContinuous policy whose 20 episodes all reach the goal, with a mean return of 95.5,
 reads 5% success and a mean return of 0.8 that way (``docs/your_own_task.rst``, "Evaluating a
-policy"). ``break_when_all_done=True`` steps the finished
-sub-envs no more through a ``"_step"`` mask, which torchrl's ``SerialEnv`` and ``ParallelEnv``
-honour and a gymnasium vector env behind ``GymWrapper`` does not (gymnasium asserts that a
-finished sub-env was reset). :func:`evaluate` plays each episode to its own end instead, on any
-torchrl env, and returns each episode's return and length (:class:`Evaluation`).
+policy"). ``break_when_all_done=True`` skips the steps of the finished sub-envs with a
+``"_step"`` mask, which torchrl's ``SerialEnv`` and ``ParallelEnv`` honour and a gymnasium vector
+env behind ``GymWrapper`` does not (gymnasium asserts that a finished sub-env was reset).
+:func:`evaluate` plays each episode to its own end instead, on any torchrl env, and returns each
+episode's return and length (:class:`Evaluation`).
 
 Decisions, in one place:
 
