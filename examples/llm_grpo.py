@@ -80,7 +80,7 @@ from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 from transformers.utils import logging as hf_logging
 
 from torchrl_grpo import GroupSampler, GRPOLoss, LeanTransformersWrapper, MCAdvantage
-from torchrl_grpo.llm import ragged_prompts
+from torchrl_grpo.llm import check_vocabulary, ragged_prompts
 
 set_list_to_stack(True).set()  # torchrl's LLM envs keep lists of strings as stacks
 
@@ -610,7 +610,10 @@ def make_sampler(
     wrapper silently drops generation arguments it does not list, ``suppress_tokens`` among them).
     Here the loss's log-probs come from the scoring wrapper; the asynchronous example passes
     ``cls=ExactLogProbsTransformersWrapper, return_log_probs=True`` (the behaviour policy's).
+    A model with fewer token rows than the tokenizer has ids is refused here, both sizes named
+    (torchrl's wrapper would fail inside the embedding: "index out of range in self").
     """
+    check_vocabulary(model, tokenizer)
     return cls(
         model,
         tokenizer=tokenizer,
