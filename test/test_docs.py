@@ -26,6 +26,7 @@ PAGES_WITH_TESTCODE = [
     "migration.rst",
     "variants.rst",
     "loss.rst",
+    "tutorial_multiturn.rst",
 ]
 DIRECTIVE = re.compile(r"^\.\. (testcode|testoutput)::\s*(\S*)\s*$")
 
