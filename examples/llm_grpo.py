@@ -70,7 +70,7 @@ from torchrl.data import (
     SamplerWithoutReplacement,
     Unbounded,
 )
-from torchrl.envs import Compose, ExcludeTransform, StepCounter, Transform
+from torchrl.envs import Compose, ExcludeTransform, InitTracker, StepCounter, Transform
 from torchrl.envs.llm import DatasetChatEnv, RetrieveLogProb
 from torchrl.modules.llm import TransformersWrapper
 from torchrl.record.loggers import generate_exp_name, get_logger
@@ -81,6 +81,7 @@ from transformers.utils import logging as hf_logging
 
 from torchrl_grpo import GroupSampler, GRPOLoss, LeanTransformersWrapper, MCAdvantage
 from torchrl_grpo.llm import ragged_prompts
+from torchrl_grpo.llm.head import check_vocabulary
 
 set_list_to_stack(True).set()  # torchrl's LLM envs keep lists of strings as stacks
 
@@ -610,7 +611,10 @@ def make_sampler(
     wrapper silently drops generation arguments it does not list, ``suppress_tokens`` among them).
     Here the loss's log-probs come from the scoring wrapper; the asynchronous example passes
     ``cls=ExactLogProbsTransformersWrapper, return_log_probs=True`` (the behaviour policy's).
+    A model with fewer token rows than the tokenizer has ids is refused here, both sizes named
+    (torchrl's wrapper would fail inside the embedding: "index out of range in self").
     """
+    check_vocabulary(model, tokenizer)
     return cls(
         model,
         tokenizer=tokenizer,
@@ -690,6 +694,9 @@ def make_collector(cfg: Settings, task: Task, model, ref_model, tokenizer, gen, 
         collate_fn=lambda td: td,
     )
     env = make_env(tokenizer, task, loader, batch=rows, repeats=cfg.group_size)
+    # torchrl's collectors want an "is_init" entry for any policy module (a FutureWarning
+    # without it in torchrl 0.14; from 0.15 they append InitTracker themselves); not stored
+    env.append_transform(InitTracker())
     rb = ReplayBuffer(
         storage=LazyStackStorage(rows),
         sampler=(  # a prompt's completions in one minibatch, or spread over the epoch
@@ -712,7 +719,7 @@ def make_collector(cfg: Settings, task: Task, model, ref_model, tokenizer, gen, 
             keep_return_bounds=(0.0, 1.0) if cfg.dynamic_sampling else None,
         )
     )
-    unread = ("answer", "step_count", "terminated", "truncated")  # the loss reads none of them
+    unread = ("answer", "step_count", "terminated", "truncated", "is_init")  # the loss reads none
     ref_scorer = make_scorer(  # ref_model None: the LoRA policy with its adapters disabled
         model if ref_model is None else ref_model,
         tokenizer,

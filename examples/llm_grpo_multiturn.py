@@ -1,10 +1,11 @@
 """Multi-turn GRPO: a tiny language model learns to use what the environment tells it, on a CPU.
 
-The task: four digits, one of them hidden (``"3 ? 1 4="``); the answer is their sum. One turn
-can only guess the hidden digit. When the answer is wrong and turns remain, the environment
-replies with the digits revealed (``"|3 5 1 4="``) and the model answers again: what the
-environment says after the first turn decides whether the second can succeed. A dialog succeeds
-(reward 1) when an answer is exactly the sum followed by end-of-sequence.
+The task: four digits, one of them hidden (``"3 ? 1 4="``); the answer is their sum. At each
+turn the model either answers (a number and end-of-sequence: the dialog ends, with reward 1 if
+it is the sum) or calls a tool (``"?"`` and end-of-sequence: reward 0, and the environment
+replies with the digits, none hidden, ``"|3 5 1 4="``). One turn can only guess the hidden
+digit; two can ask first and then compute the sum: the first turn has to learn to ask, the
+second to use the reply.
 
 Step-wise GRPO: each turn is a step of a trajectory (the dialog), the group is the task (the
 same digits, ``--group-size`` dialogs), and the group-relative advantage of the dialog's final
@@ -13,7 +14,8 @@ from torchrl's LLM stack, as ``examples/llm_grpo.py``, nothing downloaded:
 
 * a ``DatasetChatEnv`` in tokens mode whose transforms score each turn and write the tool's
   reply (``AskOrAnswer``), end dialogs after ``--max-turns`` (``StepCounter``), and keep each
-  dialog's tokens exact across turns and give it an id (``torchrl_grpo.llm.ExactTurns``);
+  dialog's tokens exact across turns and give it an id (``torchrl_grpo.llm.ExactTurns``), with
+  torchrl's ``InitTracker`` (its collectors ask for it);
 * an ``LLMCollector`` sampling with torchrl's ``TransformersWrapper``, writing each batch of
   turns into a ``ReplayBuffer`` whose ``torchrl_grpo.MCAdvantage`` joins the turns of a dialog
   cut by a batch (``traj_key="dialog_id"``), groups the dialogs by task (``task_id``) and
@@ -28,8 +30,8 @@ ratio is exactly 1: its ESS (``first_minibatch_ess_min``, the smallest over the 
 that no log-prob, mask or advantage is shifted against its token. Each stored turn's tokens are
 asserted equal to the sampled ones (prompt and answer, no re-tokenization).
 
-``--max-turns 1`` is the single-turn policy: the same run with one answer per task. Run (needs
-the ``llm`` and ``examples`` extras)::
+``--max-turns 1`` is the single-turn policy: the same run with one answer per task (a tool
+call is then a wrong answer). Run (needs the ``llm`` and ``examples`` extras)::
 
     .venv/bin/python examples/llm_grpo_multiturn.py                  # about 4 minutes
     .venv/bin/python examples/llm_grpo_multiturn.py --max-turns 1    # the single-turn policy
@@ -63,7 +65,7 @@ from tensordict import TensorDict, lazy_stack, set_list_to_stack
 from torch.utils.data import DataLoader, IterableDataset
 from torchrl.collectors.llm import LLMCollector
 from torchrl.data import LazyStackStorage, ReplayBuffer, Unbounded
-from torchrl.envs import StepCounter, Transform
+from torchrl.envs import InitTracker, StepCounter, Transform
 from torchrl.envs.llm import DatasetChatEnv, RetrieveLogProb
 from torchrl.envs.utils import step_mdp
 from torchrl.record.loggers import CSVLogger, generate_exp_name
@@ -95,8 +97,9 @@ class Settings(llm_grpo.Settings):
     max_turns: int = field(
         default=2,
         metadata={
-            "help": "answers a dialog may take (1: the single-turn policy); after a wrong "
-            "answer the environment reveals the hidden digit"
+            "help": "turns a dialog may take, at least 1 (1: the single-turn policy, which "
+            "can only guess); a turn '?' calls the tool, which reveals the hidden digit, and "
+            "the dialog goes on; an answer ends it"
         },
     )
     sft_ask: float = field(
@@ -106,10 +109,11 @@ class Settings(llm_grpo.Settings):
     estimator: str = field(
         default="broadcast",
         metadata={
+            "choices": ("broadcast", "per_step"),
             "help": "broadcast: the dialog's final reward, group-relative, on every turn "
             "(Trinity-RFT's step_wise_grpo, rLLM's broadcast); per_step: each turn's "
             "discounted return compared with the same turn of the task's other dialogs "
-            "(rLLM's per_step)"
+            "(rLLM's per_step)",
         },
     )
     turn_gamma: float = field(
@@ -254,16 +258,56 @@ def make_env(
     env.append_transform(AskOrAnswer(tokenizer))
     env.append_transform(StepCounter(max_steps=max_turns or cfg.max_turns))  # ends dialogs...
     # ... before ExactTurns builds the next prompts: an ended dialog's is not checked, and one
-    # that goes on past the model's context raises, naming the row
+    # that would go on past the model's context ends there, truncated and counted (context()
+    # leaves room: none does)
     max_length = context(cfg) - cfg.max_new_tokens
     turns = ExactTurns(tokenizer.pad_token_id, tokenizer.eos_token_id, max_length=max_length)
     env.append_transform(turns)
+    # torchrl's collectors want an "is_init" entry for any policy module (a FutureWarning
+    # without it in torchrl 0.14; from 0.15 they append this transform themselves)
+    env.append_transform(InitTracker())
     return env
 
 
 def context(cfg: Settings) -> int:
-    """The model's context: room for ``--max-turns`` turns of a prompt, an answer and a reply."""
+    """The model's context: room for ``--max-turns`` turns of a prompt, an answer and a reply
+    (twice what a dialog needs: ``prompt + (turns - 1) * (answer + reply) + answer``)."""
     return 2 * cfg.max_turns * (2 * cfg.digits + cfg.max_new_tokens)
+
+
+def parse_args(argv=None) -> Settings:
+    """The settings of the run (``--help``); values that make no sense are refused, the flag
+    and the value named, before anything is built."""
+    cfg = llm_grpo.parse_args(argv, None, Settings)  # the answer: a sum of --digits digits
+    at_least_one = (
+        "max_turns",
+        "prompts_per_step",
+        "minibatch",
+        "epochs",
+        "digits",
+        "eval_prompts",
+        "eval_every",
+        "sft_batch",
+        "sft_max_steps",
+        "sft_check_every",
+    )
+    shares = ("sft_ask", "sft_target", "turn_gamma")
+    wrong = [
+        f"--{name.replace('_', '-')} {getattr(cfg, name)}: at least 1"
+        for name in at_least_one
+        if getattr(cfg, name) < 1
+    ]
+    wrong += [
+        f"--{name.replace('_', '-')} {getattr(cfg, name)}: between 0 and 1"
+        for name in shares
+        if not 0 <= getattr(cfg, name) <= 1
+    ]
+    if not cfg.time_limit > 0:
+        wrong.append(f"--time-limit {cfg.time_limit}: seconds, more than 0")
+    if wrong:
+        print(f"{Path(sys.argv[0]).name}: error: " + "; ".join(wrong), file=sys.stderr)
+        sys.exit(2)
+    return cfg
 
 
 class GreedySuccess:
@@ -458,7 +502,7 @@ def main(argv=None) -> dict:
     """Warm start, then step-wise GRPO over dialogs of ``--max-turns`` turns."""
     start = T0 if main.first_call else time.perf_counter()
     main.first_call = False
-    cfg = llm_grpo.parse_args(argv, None, Settings)  # the answer: a sum of --digits digits
+    cfg = parse_args(argv)
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     hf_logging.set_verbosity_error()

@@ -27,6 +27,7 @@ PAGES_WITH_TESTCODE = [
     "variants.rst",
     "loss.rst",
     "your_own_task.rst",
+    "tutorial_multiturn.rst",
 ]
 DIRECTIVE = re.compile(r"^\.\. (testcode|testoutput)::\s*(\S*)\s*$")
 

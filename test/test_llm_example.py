@@ -184,6 +184,25 @@ class TestPipeline:
         assert abs(out.kl_to_ref.item()) < 1e-5
         assert 0.0 < out.entropy.item() < math.log(len(tokenizer))
 
+    def test_no_torchrl_future_warning(self, ex, tokenizer):
+        """torchrl 0.14's collectors warn (``FutureWarning``: "missing transforms required by
+        the policy (InitTracker)") on an env without ``"is_init"``; the example's env has
+        torchrl's ``InitTracker``, whose entry the buffer does not store."""
+        import warnings
+
+        cfg, task = ex.parse_args(TINY), ex.digit_sum_task()
+        model = ex.make_model(cfg, tokenizer, task.prompt_length + cfg.max_new_tokens)
+        gen = torch.Generator().manual_seed(0)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            collector, rb = ex.make_collector(
+                cfg, task, model, copy.deepcopy(model), tokenizer, gen, set()
+            )
+            next(iter(collector))
+        future = [str(w.message) for w in caught if issubclass(w.category, FutureWarning)]
+        assert not future, future
+        assert "is_init" not in rb[:].keys() and ("next", "is_init") not in rb[:].keys(True)
+
 
 def copy_letters(ex):
     """A task whose prompts differ in length: ``"cab>"`` is answered ``"cab"`` (1 to 4 letters)."""

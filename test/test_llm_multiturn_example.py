@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -107,6 +108,49 @@ class TestTurns:
         td = env.step(self.answer(ex.step_mdp(td), tokenizer, ["13<eos>", "?<eos>"]))
         assert td["next", "reward"].reshape(-1).tolist()[0] == 1.0
         assert td["next", "done"].reshape(-1).tolist() == [True, True]  # max turns: 2
+
+
+class TestCollector:
+    def test_no_torchrl_future_warning(self, ex, tokenizer):
+        """torchrl 0.14's collectors warn (``FutureWarning``: "missing transforms required by
+        the policy (InitTracker)") on an env without ``"is_init"``, whatever the policy; the
+        example's env has torchrl's ``InitTracker``, so a run prints none."""
+        cfg = ex.parse_args(["--prompts-per-step", "2", "--group-size", "2"])
+        model = ex.llm_grpo.make_model(cfg, tokenizer, ex.context(cfg))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            collector, rb, _ = ex.make_collector(
+                cfg, model, tokenizer, torch.Generator().manual_seed(0), set()
+            )
+            for i, _ in enumerate(collector):  # two batches: every dialog's two turns
+                if i == 1:
+                    break
+            collector.shutdown()
+        assert len(rb) > 0
+        future = [str(w.message) for w in caught if issubclass(w.category, FutureWarning)]
+        assert not future, future
+
+
+class TestSettings:
+    @pytest.mark.parametrize(
+        "flags, named",
+        [
+            (["--max-turns", "0"], "--max-turns 0: at least 1"),
+            (["--minibatch", "0", "--epochs", "0"], "--minibatch 0: at least 1; --epochs 0"),
+            (["--sft-ask", "1.5"], "--sft-ask 1.5: between 0 and 1"),
+            (["--eval-every", "0"], "--eval-every 0: at least 1"),
+            (["--time-limit", "0"], "--time-limit 0.0: seconds, more than 0"),
+        ],
+    )
+    def test_nonsense_is_refused_naming_the_flag(self, ex, capsys, flags, named):
+        with pytest.raises(SystemExit) as stop:
+            ex.parse_args(flags)
+        assert stop.value.code == 2 and named in capsys.readouterr().err
+
+    def test_an_unknown_estimator_is_refused(self, ex, capsys):
+        with pytest.raises(SystemExit):
+            ex.parse_args(["--estimator", "per-step"])
+        assert "invalid choice: 'per-step'" in capsys.readouterr().err
 
 
 class TestRun:

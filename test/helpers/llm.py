@@ -8,15 +8,19 @@ import torch
 LLM_CHARS = "0123456789 ="
 
 
-def tiny_tokenizer():
-    """A character-level ``PreTrainedTokenizerFast`` over ``LLM_CHARS`` plus EOS and PAD."""
+def tiny_tokenizer(chars: str = LLM_CHARS, *, strict: bool = False):
+    """A character-level ``PreTrainedTokenizerFast`` over ``chars`` plus EOS and PAD.
+
+    A character it does not have is encoded as PAD, or, ``strict``, raises (``WordLevel error:
+    Missing [UNK] token``), as the examples' tokenizer (``examples/llm_grpo.py``) does.
+    """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {c: i for i, c in enumerate(LLM_CHARS)}
+    vocab = {c: i for i, c in enumerate(chars)}
     vocab["<eos>"] = len(vocab)
     vocab["<pad>"] = len(vocab)
-    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=None if strict else "<pad>"))
     core.pre_tokenizer = pre_tokenizers.Split("", "isolated")
     core.decoder = decoders.Fuse()
     return PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<eos>", pad_token="<pad>")
@@ -153,6 +157,9 @@ def dialog_env(
     exact: bool = True,
     early=(),
     tool=None,
+    extra=(),
+    max_length=None,
+    on_overflow="truncate",
 ):
     """A two-turn agent on torchrl's ``DatasetChatEnv`` in tokens mode, one dialog per query
     (every reset serves ``queries`` again).
@@ -163,7 +170,9 @@ def dialog_env(
         :class:`~torchrl_grpo.llm.ExactTurns` (else torchrl's ``ChatEnv`` alone, which makes the
         sampler's whole padded output the next prompt and appends no reply). ``tool``: a reply
     function ``(text, row) -> str | None`` for :class:`~torchrl_grpo.llm.ToolReply`, whose
-    replies then replace ``reply``.
+    replies then replace ``reply``. ``extra``: transforms appended after the helper's own (a
+    :class:`~torchrl_grpo.llm.TurnReward`, ...). ``turns=None``: no ``StepCounter``.
+    ``max_length``, ``on_overflow``: :class:`~torchrl_grpo.llm.ExactTurns`'.
     """
     from tensordict import TensorDict
     from torchrl.data import Unbounded
@@ -176,7 +185,8 @@ def dialog_env(
         def _step(self, tensordict, next_tensordict):
             n = next_tensordict.shape[0]
             next_tensordict.set("reward", torch.zeros(n, 1, 1))
-            first = tensordict.get("step_count").reshape(n) == 0
+            count = tensordict.get("step_count", None)  # none: no StepCounter
+            first = torch.ones(n, dtype=torch.bool) if count is None else count.reshape(n) == 0
             ends = torch.zeros(n, 1, dtype=torch.bool)
             ends[list(early)] = True
             ends &= first.unsqueeze(-1)
@@ -207,14 +217,42 @@ def dialog_env(
         template_kwargs={"chat_template": PLAIN_TEMPLATE},
     )
     env.append_transform(Reply())
+    for transform in extra:
+        env.append_transform(transform)
     if tool is not None:
         from torchrl_grpo.llm import ToolReply
 
         env.append_transform(ToolReply(tool, tokenizer))
-    env.append_transform(StepCounter(max_steps=turns))
+    if turns is not None:
+        env.append_transform(StepCounter(max_steps=turns))
     if exact:
-        env.append_transform(ExactTurns(tokenizer.pad_token_id, tokenizer.eos_token_id))
+        env.append_transform(
+            ExactTurns(
+                tokenizer.pad_token_id,
+                tokenizer.eos_token_id,
+                max_length=max_length,
+                on_overflow=on_overflow,
+            )
+        )
     return env
+
+
+def answered(td, tokenizer, texts):
+    """The env's step input ``td`` answered by hand: each row's response is the tokens of its
+    text (``"13<eos>"``), after its prompt's real tokens (a lazy stack of rows)."""
+    from tensordict import lazy_stack
+    from torchrl.modules.llm.policies.common import Tokens
+
+    rows = []
+    for row, text in zip(td.unbind(0), texts, strict=True):
+        prompt = row["tokens", "prompt"]
+        prompt = prompt[prompt != tokenizer.pad_token_id]
+        response = torch.tensor(tokenizer(text)["input_ids"])
+        row.set(
+            "tokens", Tokens(prompt=prompt, response=response, full=torch.cat([prompt, response]))
+        )
+        rows.append(row)
+    return lazy_stack(rows)
 
 
 def dialog_sampler(model, tokenizer, *, pad_output: bool = True, max_new_tokens: int = 3):
@@ -234,3 +272,58 @@ def dialog_sampler(model, tokenizer, *, pad_output: bool = True, max_new_tokens:
             "bad_words_ids": [[tokenizer.pad_token_id]],
         },
     )
+
+
+#: Two groups of two dialogs (one task each): the queries of :func:`dialog_env` in the fault
+#: tests' collection loops.
+GROUPED_QUERIES = ["3 9 1 4=", "3 9 1 4=", "1 2 0 5=", "1 2 0 5="]
+
+
+def dialog_collector(env, model, tokenizer, *, max_pending_age=None, rb=None):
+    """A multi-turn collection loop as the example's: torchrl's ``LLMCollector`` over ``env``
+    (one turn of every dialog per batch; its first batch resets ``env``) writing into a
+    ``ReplayBuffer`` whose :class:`~torchrl_grpo.MCAdvantage` joins a dialog's turns
+    (``dialog_id``), groups dialogs by ``query`` (groups of 2) and gives each turn the dialog's
+    last reward. ``rb``: such a buffer already built (a second collector on it).
+
+    Returns:
+        ``(collector, rb, advantage)``.
+    """
+    from torchrl.collectors.llm import LLMCollector
+    from torchrl.data import LazyStackStorage, ReplayBuffer
+    from torchrl.envs import InitTracker
+
+    from torchrl_grpo import MCAdvantage
+
+    if "is_init" not in env.observation_spec.keys():  # torchrl's collectors ask for it
+        env.append_transform(InitTracker())
+    if rb is None:
+        advantage = MCAdvantage(
+            grpo_size=2,
+            prompt_key="query",
+            traj_key="dialog_id",
+            step_count_key="step_count",
+            trajectory_return="last",
+            max_pending_age=max_pending_age,
+        )
+        rb = ReplayBuffer(storage=LazyStackStorage(1000), transform=advantage)
+    collector = LLMCollector(
+        env,
+        policy=dialog_sampler(model, tokenizer),
+        dialog_turns_per_batch=env.batch_size[0],
+        total_dialog_turns=-1,
+        replay_buffer=rb,
+    )
+    return collector, rb, rb.transform[0]
+
+
+def assert_exact_turns(batch, pad_id: int) -> None:
+    """Each stored turn is its prompt then its answer, with no padding inside."""
+    for full, prompt, response in zip(
+        batch.get(("tokens", "full"), as_list=True),
+        batch.get(("tokens", "prompt"), as_list=True),
+        batch.get(("tokens", "response"), as_list=True),
+        strict=True,
+    ):
+        assert full.tolist() == torch.cat([prompt, response]).tolist()
+        assert not bool((full == pad_id).any())

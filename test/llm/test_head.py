@@ -1,5 +1,6 @@
 """Tests of torchrl_grpo/llm/head.py: the output layer the lean path computes, LoRA adapters
-included, and the check that refuses a model whose logits are something else.
+included, the check that refuses a model whose logits are something else, and the one that
+refuses a model whose vocabulary is smaller than its tokenizer's.
 
 LoRA models are ``peft`` ``PeftModel``s on the tiny Qwen2, compared with torchrl's
 ``TransformersWrapper`` on the same ``PeftModel`` (log-probs, the loss, and the gradients of the
@@ -20,11 +21,13 @@ except ImportError:
     pytest.skip("needs the llm extra: pip install -e '.[llm]'", allow_module_level=True)
 
 import tensordict
+from helpers.llm import tiny_qwen2, tiny_tokenizer
 from tensordict import TensorDict, lazy_stack
 from torchrl.modules.llm.policies.common import Tokens
 from torchrl.objectives.llm import GRPOLoss as TorchrlGRPOLoss
 
 from torchrl_grpo import GRPOLoss
+from torchrl_grpo.llm import check_vocabulary
 from torchrl_grpo.llm.head import causal_lm, head_bias, head_tensors
 
 
@@ -248,3 +251,69 @@ def test_a_trained_copy_of_the_output_layer(tiny_llm, make_llm_batch, make_llm_s
         theirs = make_llm_scorer(lora, tokenizer)(batch.copy())
     for a, b in zip(*(t.get(("log_probs", "full"), as_list=True) for t in (ours, theirs))):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+class TestCheckVocabulary:
+    """A model with fewer token rows than its tokenizer has ids is refused, both sizes named;
+    torch alone fails at the first such id with "index out of range in self"."""
+
+    def test_a_smaller_model_fails_in_torch_and_is_refused_here(self, make_llm_scorer):
+        tokenizer = tiny_tokenizer()  # 14 ids
+        model = tiny_qwen2(_Vocab(12))
+        batch = TensorDict(tokens=Tokens(full=torch.tensor([[13, 12, 3]])), batch_size=[1])
+        with pytest.raises(IndexError, match="index out of range in self"):
+            make_llm_scorer(model, tokenizer)(batch)  # torchrl's wrapper
+        message = r"12 token rows \(input embedding 12, output layer 12.*writes 14 ids"
+        with pytest.raises(ValueError, match=message):
+            check_vocabulary(model, tokenizer)
+        with pytest.raises(ValueError, match=message):
+            make_llm_scorer(model, tokenizer, lean=True)
+
+    def test_added_tokens_count(self):
+        """``len(tokenizer)``, not ``vocab_size``: a token added to the tokenizer (a tool
+        marker) needs its row too."""
+        tokenizer = tiny_tokenizer()
+        model = tiny_qwen2(tokenizer)
+        check_vocabulary(model, tokenizer)
+        tokenizer.add_special_tokens({"additional_special_tokens": ["<tool>"]})
+        with pytest.raises(ValueError, match=r"14 token rows .* writes 15 ids .*vocab_size=14"):
+            check_vocabulary(model, tokenizer)
+        model.resize_token_embeddings(len(tokenizer))
+        check_vocabulary(model, tokenizer)
+
+    def test_a_larger_model_is_accepted(self, make_llm_scorer):
+        """Padded tables (Qwen2.5's 151,936 rows for 151,665 ids) are normal."""
+        tokenizer = tiny_tokenizer()
+        model = tiny_qwen2(_Vocab(64))
+        check_vocabulary(model, tokenizer)
+        make_llm_scorer(model, tokenizer, lean=True)
+
+    def test_the_smaller_table_counts(self):
+        tokenizer = tiny_tokenizer()
+        model = tiny_qwen2(tokenizer)
+        model.lm_head = torch.nn.Linear(32, 12, bias=False)
+        with pytest.raises(
+            ValueError, match=r"12 token rows \(input embedding 14, output layer 12"
+        ):
+            check_vocabulary(model, tokenizer)
+
+    def test_through_a_lora_model(self):
+        tokenizer = tiny_tokenizer()
+        lora = _lora(tiny_qwen2(_Vocab(12)))
+        with pytest.raises(ValueError, match="12 token rows"):
+            check_vocabulary(lora, tokenizer)
+
+    def test_no_tokenizer_is_not_checked(self, tiny_llm):
+        model, _ = tiny_llm
+        check_vocabulary(model, None)
+
+
+class _Vocab:
+    """What :func:`helpers.llm.tiny_causal_lm` reads of a tokenizer, for a model of ``n``
+    token rows (pad and end-of-sequence ids inside them)."""
+
+    def __init__(self, n: int):
+        self.n, self.eos_token_id, self.pad_token_id = n, 1, 0
+
+    def __len__(self):
+        return self.n

@@ -6,6 +6,8 @@ dialog ids and the stored turns are checked against the tokens the sampler produ
 """
 
 import os
+import re
+import warnings
 
 import pytest
 import torch
@@ -70,13 +72,14 @@ class TestNextPrompt:
                 assert new.tolist() == torch.cat([prompt, answer, reply]).tolist()
                 assert mask.shape == new.shape and bool(mask.all())
 
-    def test_a_dialog_too_long_for_the_model_raises(self, tiny_llm):
+    def test_a_dialog_too_long_for_the_model_raises_when_asked(self, tiny_llm):
         model, tokenizer = tiny_llm
-        env = dialog_env(tokenizer, QUERIES)
-        next(t for t in env.transform if isinstance(t, ExactTurns)).max_length = 12
+        env = dialog_env(tokenizer, QUERIES, max_length=12, on_overflow="raise")
+        turns = next(t for t in env.transform if isinstance(t, ExactTurns))
         sampled = dialog_sampler(model, tokenizer)(reset(env))
         with pytest.raises(ValueError, match=r"row 0 holds \d+ tokens .* max_length=12"):
             env.step(sampled)
+        assert turns.overflows == 0
 
     def test_a_ragged_sampler_output_is_not_changed(self, tiny_llm):
         """ChatEnv is handed a padded copy of a ragged ``("tokens", "full")``: the sampler's
@@ -95,6 +98,56 @@ class TestNextPrompt:
         env.step(td)
         after = td.get(("tokens", "full"), as_list=True)
         assert [a.tolist() for a in after] == [b.tolist() for b in before]
+
+
+class TestOverflow:
+    """A dialog that grows past ``max_length`` ends there, truncated, counted, warned once."""
+
+    def test_ended_truncated_counted_and_warned_once(self, tiny_llm):
+        """Prompts of 8 tokens, answers of 1 to 3, replies of 4: after the first turn every
+        dialog that goes on holds 13 to 15 > 12 tokens. Rows 1 and 3 end at their first turn (not
+        checked); rows 0 and 2 end truncated, their reward left as it was (0), and the run
+        goes on: a collector's step resets them with new dialogs."""
+        model, tokenizer = tiny_llm
+        env = dialog_env(tokenizer, QUERIES, early=(1, 3), max_length=12)
+        turns = next(t for t in env.transform if isinstance(t, ExactTurns))
+        policy = dialog_sampler(model, tokenizer)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            stored, td = env.step_and_maybe_reset(policy(reset(env)))
+            stored_again, _ = env.step_and_maybe_reset(policy(td))
+        assert stored["next", "truncated"].reshape(-1).tolist() == [True, False, True, False]
+        assert stored["next", "done"].reshape(-1).tolist() == [True] * 4
+        assert stored["next", "reward"].reshape(-1).tolist() == [0.0] * 4
+        assert td["dialog_id"].tolist() == [4, 5, 6, 7]  # every row reset: new dialogs
+        assert turns.overflows == 4  # rows 0 and 2, then rows 0 and 2 of the new dialogs
+        mine = [w for w in caught if "ExactTurns" in str(w.message)]
+        assert len(mine) == 1
+        message = r"row 0 holds 1[3-5] tokens after this turn, more than max_length=12"
+        assert re.search(message, str(mine[0].message))
+        truncated = stored_again["next", "truncated"].reshape(-1).tolist()
+        assert truncated == [True, False, True, False]
+
+    def test_without_step_counter_the_truncated_entry_exists(self, tiny_llm):
+        """An env with no ``StepCounter``: ``ExactTurns`` declares ``"truncated"`` itself
+        (``False`` at reset) and sets it on an overflow."""
+        model, tokenizer = tiny_llm
+        env = dialog_env(tokenizer, QUERIES, turns=None, max_length=12)
+        assert "truncated" in env.full_done_spec.keys()
+        td = reset(env)
+        assert td["truncated"].shape == td["done"].shape and not bool(td["truncated"].any())
+        with pytest.warns(UserWarning, match="ends here, truncated"):
+            td = env.step(dialog_sampler(model, tokenizer)(td))
+        assert bool(td["next", "truncated"].all()) and bool(td["next", "done"].all())
+
+    def test_a_dialog_that_fits_is_not_touched(self, tiny_llm):
+        model, tokenizer = tiny_llm
+        env = dialog_env(tokenizer, QUERIES, max_length=15)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", UserWarning)
+            warnings.filterwarnings("ignore", message="size_average")  # torch, not ours
+            td = env.step(dialog_sampler(model, tokenizer)(reset(env)))
+        assert not bool(td["next", "done"].any()) and not bool(td["next", "truncated"].any())
 
 
 class TestStoredTurns:
@@ -177,6 +230,15 @@ class TestErrors:
     def test_a_pad_token_that_ends_sequences_is_refused(self):
         with pytest.raises(ValueError, match=r"pad token id \(2\) is the end-of-sequence id"):
             ExactTurns(pad_token_id=2, eos_token_id=2)
+
+    @pytest.mark.parametrize("bad", [0, -3, 2.0, True])
+    def test_max_length_is_a_positive_integer(self, bad):
+        with pytest.raises(ValueError, match=f"max_length must be .* got {bad!r}"):
+            ExactTurns(pad_token_id=0, max_length=bad)
+
+    def test_on_overflow_is_named(self):
+        with pytest.raises(ValueError, match="on_overflow must be one of .* got 'drop'"):
+            ExactTurns(pad_token_id=0, on_overflow="drop")
 
 
 def _padded_turns(rows: int, pad: int = 13, seed: int = 0):

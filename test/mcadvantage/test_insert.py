@@ -157,6 +157,37 @@ class TestBadInputUnderLoad:
         assert failures > 10 and loaded.get_stats() == clean.get_stats()
 
 
+class TestRewardsOnArrival:
+    """With trajectory ids, the steps of an unfinished trajectory are held; their rewards are
+    checked when they arrive, so that a NaN is refused by the insertion that brings it."""
+
+    def stream(self):
+        batches, _ = collector_stream(4, 4, 2, seed=3, max_len=6, steps_per_batch=3)
+        return batches
+
+    def test_a_nan_on_an_unfinished_step_is_refused_as_it_arrives(self):
+        batches = self.stream()
+        options = make_options(2, "seed", traj_key=("collector", "traj_ids"))
+        state = insert(options, fresh_state(), batches[0]).state
+        bad = batches[1].clone()
+        rows, width = bad.batch_size
+        last = bad["next", "done"].reshape(rows, width)[:, -1]  # (rows,) each row's last step
+        row = int((~last).nonzero()[0])  # its trajectory goes on past this batch: held
+        at = row * width + width - 1
+        bad["next", "reward"].view(-1)[at] = float("nan")
+        with pytest.raises(ValueError, match=rf"non-finite reward value\(s\) .* step {at} "):
+            insert(options, state, bad)
+        clean = insert(options, state, batches[1])  # the state is as it was: the good one goes
+        assert clean.state.insertions == 2
+
+    def test_the_rewards_of_every_input_layout_are_checked(self):
+        options = make_options(2, "seed", traj_key=("collector", "traj_ids"))
+        flat = self.stream()[0].reshape(-1).clone()
+        flat["next", "reward"][-1] = float("inf")
+        with pytest.raises(ValueError, match="non-finite reward"):
+            insert(options, fresh_state(), flat)
+
+
 class TestInsert:
     def test_a_function_of_the_state(self):
         """``insert`` builds the next state and changes none it was given; ``commit`` marks the

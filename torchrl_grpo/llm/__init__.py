@@ -16,12 +16,17 @@
   token lengths (torchrl 0.14.1 fails to stack them), also defined in :mod:`torchrl_grpo._compat`.
 * :class:`ToolReply`: the environment's reply to each turn from a Python function (a tool,
   feedback on a wrong answer), in tokens, for :class:`ExactTurns`; a function that raises
-  replies with its error and the dialog goes on.
+  replies with its error (encodable by construction) and the dialog goes on.
+* :class:`TurnReward`: each turn's reward from a Python function, and the dialogs it ends, in
+  torchrl's LLM shapes: the reward transform beside :class:`ToolReply`.
+* :func:`check_vocabulary`: refuses a model whose vocabulary is smaller than its tokenizer's,
+  naming both sizes (torch would fail later with "index out of range in self").
 """
 
 from torchrl_grpo._compat import ExactLogProbsTransformersWrapper, ragged_prompts
+from torchrl_grpo.llm.head import check_vocabulary
 from torchrl_grpo.llm.lean_wrapper import HiddenLLMMaskedCategorical, LeanTransformersWrapper
-from torchrl_grpo.llm.replies import ToolReply
+from torchrl_grpo.llm.replies import ToolReply, TurnReward
 from torchrl_grpo.llm.turns import ExactTurns
 
 __all__ = [
@@ -30,5 +35,7 @@ __all__ = [
     "HiddenLLMMaskedCategorical",
     "LeanTransformersWrapper",
     "ToolReply",
+    "TurnReward",
+    "check_vocabulary",
     "ragged_prompts",
 ]

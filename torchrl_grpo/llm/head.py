@@ -1,4 +1,4 @@
-"""The output layer as the lean path computes it: tensors, adapters included, and a check.
+"""The output layer as the lean path computes it: tensors, adapters included, and checks.
 
 ``LeanTransformersWrapper`` never calls the causal LM's head: it multiplies the last hidden
 states by the head's weight chunk by chunk. That is exact only if the head is what its weight
@@ -10,13 +10,17 @@ says. Two things here keep it so:
 * :func:`check_logits` compares, on a few tokens, the model's own logits with the lean path's,
   and refuses a model whose logits are something else (a multiplier, an adapter variant,
   anything unforeseen), naming its class.
+
+And :func:`check_vocabulary` refuses, naming both sizes, a model with fewer token rows than
+its tokenizer has ids: torch would fail at the first such token with "index out of range in
+self", inside the embedding, far from the cause.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["causal_lm", "check_logits", "head_bias", "head_tensors"]
+__all__ = ["causal_lm", "check_logits", "check_vocabulary", "head_bias", "head_tensors"]
 
 #: Largest relative difference of the logits (norm of the difference over the norm) accepted by
 #: :func:`check_logits`, by precision: rounding, not a transform (bf16 rounds at 4e-3).
@@ -176,4 +180,71 @@ def check_logits(model: torch.nn.Module, logits_fn, tokens: int = 8) -> None:
             f"the output layer applied to the last hidden state (they differ by {gap:.3g}, "
             f"relative, on {tokens} tokens; at most {tolerance:g} accepted). Models that scale, "
             "soft-cap or otherwise transform their logits need torchrl's TransformersWrapper."
+        )
+
+
+def check_vocabulary(model: torch.nn.Module, tokenizer) -> None:
+    """Refuse a model whose vocabulary is smaller than its tokenizer's, naming both sizes.
+
+    The tokenizer's size is ``len(tokenizer)``: its ``vocab_size`` plus the tokens added to it
+    (a pad token, chat markers), every id it can write. The model's is the smaller of its input
+    embedding's rows (``get_input_embeddings().num_embeddings``) and its output layer's
+    (``get_output_embeddings()``): the tables a token id indexes; its ``config.vocab_size`` is
+    named in the message, not trusted. A model *larger* than its tokenizer is accepted: many
+    pad their tables to a round size (Qwen2.5's 151,936 rows for 151,665 ids). ``torchrl``'s
+    ``TransformersWrapper`` does not check it; :class:`~torchrl_grpo.LeanTransformersWrapper`
+    calls this at construction, and the examples call it before building torchrl's.
+
+    Args:
+        model (torch.nn.Module): a Hugging Face causal LM (a ``peft`` model included); one
+            without embeddings to read is not checked.
+        tokenizer: its ``transformers`` tokenizer; ``None`` is not checked.
+
+    Raises:
+        ValueError: the model has fewer rows than the tokenizer has ids.
+
+    Examples:
+        >>> from transformers import Qwen2Config, Qwen2ForCausalLM
+        >>> from torchrl_grpo.llm import check_vocabulary
+        >>> class Tokenizer:  # 40 ids: a vocab_size of 38 and 2 added tokens
+        ...     vocab_size = 38
+        ...     def __len__(self):
+        ...         return 40
+        >>> def model(vocab_size):
+        ...     return Qwen2ForCausalLM(Qwen2Config(vocab_size=vocab_size, hidden_size=8,
+        ...         intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+        ...         num_key_value_heads=2))
+        >>> check_vocabulary(model(64), Tokenizer())  # padded to 64 rows: accepted
+        >>> check_vocabulary(model(38), Tokenizer())
+        Traceback (most recent call last):
+        ...
+        ValueError: The model has 38 token rows (input embedding 38, output layer 38, ...
+    """
+    if tokenizer is None:
+        return
+    lm = causal_lm(model)
+    tables = {}
+    for name, getter in (
+        ("input embedding", "get_input_embeddings"),
+        ("output layer", "get_output_embeddings"),
+    ):
+        get = getattr(lm, getter, None)
+        table = get() if callable(get) else None
+        weight = getattr(table, "weight", None) if table is not None else None
+        if isinstance(weight, torch.Tensor) and weight.ndim == 2:
+            tables[name] = int(weight.shape[0])
+    if not tables:
+        return
+    ids = len(tokenizer)
+    rows = min(tables.values())
+    if rows < ids:
+        sizes = ", ".join(f"{name} {n}" for name, n in tables.items())
+        config = getattr(getattr(lm, "config", None), "vocab_size", None)
+        raise ValueError(
+            f"The model has {rows} token rows ({sizes}, config.vocab_size={config}) but its "
+            f"tokenizer writes {ids} ids (len(tokenizer): vocab_size="
+            f"{getattr(tokenizer, 'vocab_size', None)} plus added tokens): a token id of "
+            f"{rows} or more would fail inside the model with torch's 'index out of range in "
+            "self'. Use the tokenizer the model was trained with, or grow its tables "
+            "(model.resize_token_embeddings(len(tokenizer)))."
         )

@@ -31,7 +31,13 @@ from torchrl.modules.distributions import LLMMaskedCategorical
 from torchrl.modules.llm import TransformersWrapper
 
 from torchrl_grpo import _compat, ragged
-from torchrl_grpo.llm.head import causal_lm, check_logits, head_bias, head_tensors
+from torchrl_grpo.llm.head import (
+    causal_lm,
+    check_logits,
+    check_vocabulary,
+    head_bias,
+    head_tensors,
+)
 from torchrl_grpo.llm.prefix import PrefixSharing
 from torchrl_grpo.llm.scoring import (
     TokenRows,
@@ -407,7 +413,9 @@ class LeanTransformersWrapper(TransformersWrapper):
     Raises:
         ValueError: ``chunk_size`` or ``min_shared_length`` is not a positive integer,
             ``log_probs_at`` is neither ``"all"`` nor ``"response"``, or the model has no body
-            or linear output layer this can find (the message names the attribute looked for).
+            or linear output layer this can find (the message names the attribute looked for),
+            or fewer token rows than its tokenizer has ids (both sizes named:
+            :func:`~torchrl_grpo.llm.check_vocabulary`; a larger model is accepted).
         NotImplementedError: the model transforms its logits beyond the head.
         RuntimeError: the installed torchrl no longer scores through the methods this class
             overrides (see ``torchrl_grpo._compat``).
@@ -463,6 +471,7 @@ class LeanTransformersWrapper(TransformersWrapper):
         _compat.check_transformers_wrapper_scoring()
         super().__init__(model, **kwargs)
         output_layer(self.model)  # fail now, not at the first batch
+        check_vocabulary(self.model, self.tokenizer)  # named now, not "index out of range" later
         self.chunk_size = chunk_size
         self.cast_head_to_float32 = bool(cast_head_to_float32)
         self.sharing = sharing

@@ -44,6 +44,8 @@ prompt part (torchrl's ``Transform._post_step_mdp_hooks``, checked in
 from __future__ import annotations
 
 import itertools
+import warnings
+from numbers import Integral
 
 import numpy as np
 import torch
@@ -55,6 +57,9 @@ from torchrl.modules.llm import Masks
 from torchrl_grpo import _compat, ragged
 
 __all__ = ["ExactTurns"]
+
+#: What :class:`ExactTurns` does with a dialog that grows past its ``max_length``.
+ON_OVERFLOW = ("truncate", "raise")
 
 #: The per-token entries of a stored turn and the part of the sequence each one covers.
 _ENTRIES = {
@@ -90,11 +95,25 @@ class ExactTurns(Transform):
             1-D integer tensor of token ids per row (empty, or absent, for no reply).
         dialog_id_key: where the dialog id is written (``int64``, one per row).
         max_length: the most tokens a prompt may hold (the model's context less the tokens of
-            an answer); a dialog that goes on longer raises ``ValueError`` naming the row (one
-            that ended is not checked: its next prompt is never read). ``None``: no bound.
+            an answer); what a dialog that goes on longer does is ``on_overflow``'s (one that
+            ended is not checked: its next prompt is never read). ``None``: no bound. Sizing:
+            ``prompt + (turns - 1) * (answer + reply)`` tokens at least, where ``reply`` is
+            the longest of the tool's replies and of an error's (``ToolReply``'s
+            ``max_error_tokens``, 32); see :doc:`tutorial_multiturn`.
+        on_overflow: ``"truncate"`` (the default: a run of hours goes on) ends such a dialog
+            after the turn that made it too long: ``("next", "truncated")`` and ``("next",
+            "done")`` set, as ``StepCounter`` ends one, the turn's reward left as the reward
+            transform wrote it (under ``MCAdvantage(trajectory_return="last")`` that is the
+            dialog's return), counted in :attr:`overflows`, one warning the first time.
+            ``"raise"``: ``ValueError`` naming the row, before anything is written.
+
+    Attributes:
+        overflows (int): the dialogs ended at ``max_length`` so far.
 
     Raises:
-        ValueError: ``pad_token_id`` is ``None`` or equal to ``eos_token_id``.
+        ValueError: ``pad_token_id`` is ``None`` or equal to ``eos_token_id``, ``max_length`` is
+            not a positive integer or ``None``, or ``on_overflow`` is neither ``"truncate"``
+            nor ``"raise"``.
 
     Examples:
         >>> import torch
@@ -115,6 +134,7 @@ class ExactTurns(Transform):
         reply_key="reply_tokens",
         dialog_id_key="dialog_id",
         max_length: int | None = None,
+        on_overflow: str = "truncate",
     ):
         if pad_token_id is None:
             raise ValueError(
@@ -129,12 +149,24 @@ class ExactTurns(Transform):
                 "tokenizer.add_special_tokens({'pad_token': '<pad>'}) and resize the model's "
                 "embeddings), as torchrl's wrappers also mask every pad id."
             )
+        if max_length is not None and (
+            isinstance(max_length, bool) or not isinstance(max_length, Integral) or max_length < 1
+        ):
+            raise ValueError(
+                f"ExactTurns: max_length must be a positive integer or None, got {max_length!r}."
+            )
+        if on_overflow not in ON_OVERFLOW:
+            raise ValueError(
+                f"ExactTurns: on_overflow must be one of {ON_OVERFLOW}, got {on_overflow!r}."
+            )
         _compat.check_post_step_mdp_hook()  # the stored turns are cut through it
         super().__init__(in_keys=[("tokens", "full")], out_keys=[("tokens", "prompt")])
         self.pad_token_id = int(pad_token_id)
         self.reply_key = reply_key
         self.dialog_id_key = dialog_id_key
-        self.max_length = max_length
+        self.max_length = None if max_length is None else int(max_length)
+        self.on_overflow = on_overflow
+        self.overflows = 0
         self._ids = itertools.count()
 
     @staticmethod
@@ -158,23 +190,10 @@ class ExactTurns(Transform):
     def _step(self, tensordict: TensorDictBase, next_tensordict: TensorDictBase):
         rows = self._real_rows(tensordict, ("tokens", "full"))
         replies = _rows_of(next_tensordict, self.reply_key, len(rows))
-        done = next_tensordict.get("done", None)
-        ended = [False] * len(rows) if done is None else done.reshape(len(rows), -1).any(-1)
-        # (read on the host only if a dialog is too long)
         prompts = _joined(rows, replies)
-        if self.max_length is not None:
-            lengths = [prompt.numel() for prompt in prompts]
-            too_long = [i for i, n in enumerate(lengths) if n > self.max_length]
-            if too_long:  # an ended dialog's next prompt is unused
-                too_long = [i for i in too_long if not bool(ended[i])]
-            if too_long:
-                index = too_long[0]
-                raise ValueError(
-                    f"ExactTurns: the dialog of row {index} holds {lengths[index]} tokens after "
-                    f"this turn, more than max_length={self.max_length} (the model's context "
-                    "less an answer's tokens). End such dialogs sooner (StepCounter(max_steps="
-                    "...)), shorten the replies, or use a model with a longer context."
-                )
+        too_long = self._too_long(prompts, next_tensordict.get("done", None))
+        if too_long:
+            next_tensordict = self._overflow(next_tensordict, too_long, prompts)
         next_tensordict = _as_rows(next_tensordict)
         masks = _ones_like_rows(prompts)
         _set_rows(next_tensordict, ("tokens", "prompt"), prompts)
@@ -184,6 +203,52 @@ class ExactTurns(Transform):
         dialog_id = tensordict.get(self.dialog_id_key, None)
         if dialog_id is not None:
             next_tensordict.set(self.dialog_id_key, dialog_id)
+        return next_tensordict
+
+    def _too_long(self, prompts: list[torch.Tensor], done) -> list[int]:
+        """The rows whose dialog goes on with a next prompt over ``max_length`` (the lengths
+        are shapes; the done flags are read on the host only if a prompt is too long)."""
+        if self.max_length is None:
+            return []
+        too_long = [i for i, prompt in enumerate(prompts) if prompt.numel() > self.max_length]
+        if too_long and done is not None:  # an ended dialog's next prompt is unused
+            ended = done.reshape(len(prompts), -1).any(-1).tolist()
+            too_long = [i for i in too_long if not ended[i]]
+        return too_long
+
+    def _overflow(self, next_tensordict, too_long: list[int], prompts) -> TensorDictBase:
+        """End the dialogs of the rows ``too_long`` (``truncated`` and ``done``), or raise
+        (``on_overflow="raise"``) before anything is written."""
+        index, length = too_long[0], prompts[too_long[0]].numel()
+        where = (
+            f"the dialog of row {index} holds {length} tokens after this turn, more than "
+            f"max_length={self.max_length} (the model's context less an answer's tokens)"
+        )
+        if self.on_overflow == "raise":
+            raise ValueError(
+                f"ExactTurns: {where}. End such dialogs sooner (StepCounter(max_steps=...)), "
+                "shorten the replies, use a model with a longer context, or pass "
+                'on_overflow="truncate" to end them there.'
+            )
+        if not self.overflows:
+            warnings.warn(
+                f"ExactTurns: {where}: it ends here, truncated (its reward is its last turn's). "
+                "Later dialogs ended so are counted in ExactTurns.overflows without a warning. "
+                "Size max_length as docs/tutorial_multiturn.rst says, or pass "
+                'on_overflow="raise" to stop instead.',
+                UserWarning,
+                stacklevel=2,
+            )
+        self.overflows += len(too_long)
+        done = next_tensordict.get("done", None)
+        shape = (len(prompts), 1) if done is None else done.shape
+        device = None if done is None else done.device
+        ends = torch.zeros(len(prompts), dtype=torch.bool, device=device)
+        ends[too_long] = True
+        ends = ends.reshape(shape)
+        for key in ("truncated", "done"):
+            flags = next_tensordict.get(key, None)
+            next_tensordict.set(key, ends if flags is None else flags | ends)
         return next_tensordict
 
     def _real_rows(self, tensordict: TensorDictBase, key) -> list[torch.Tensor]:
@@ -211,12 +276,21 @@ class ExactTurns(Transform):
             [next(self._ids) for _ in range(int(reset.sum()))], dtype=torch.long
         )
         tensordict_reset.set(self.dialog_id_key, ids)
+        done = tensordict_reset.get("done", None)
+        if done is not None and "truncated" not in tensordict_reset.keys():
+            tensordict_reset.set("truncated", torch.zeros_like(done))  # declared: see below
         prompts = tensordict_reset.get(("tokens", "prompt"), None, as_list=True)
         if prompts is not None:  # a reset row's mask is its new prompt's, not the last turn's
             tensordict_reset = _as_rows(tensordict_reset)
             masks = _ones_like_rows(prompts)
             _set_rows(tensordict_reset, ("masks", "all_attention_mask"), masks)
         return tensordict_reset
+
+    def transform_done_spec(self, done_spec: Composite) -> Composite:
+        # a dialog ended at max_length is truncated: the entry exists without StepCounter too
+        if "truncated" not in done_spec.keys() and "done" in done_spec.keys():
+            done_spec["truncated"] = done_spec["done"].clone()
+        return done_spec
 
     def transform_observation_spec(self, observation_spec: Composite) -> Composite:
         # the prompt's mask is an observation: step_mdp then carries it to the next step in

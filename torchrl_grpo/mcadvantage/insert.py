@@ -121,7 +121,8 @@ def _join_tails(options: Options, state: State, tensordict: TensorDictBase):
     dense = tails.streamed(state.tails, tensordict, options.trajectory_keys)
     if dense is None:
         return state, (), (), tensordict
-    joined = tails.join(state.tails, dense, options.trajectory_keys, state.insertions)
+    checks = read.arrival_checks(dense, options.keys)  # a NaN refused now, not held
+    joined = tails.join(state.tails, dense, options.trajectory_keys, state.insertions, checks)
     stats = state.stats
     if joined.dropped_steps:  # steps of given-up trajectories, left out
         stats = {

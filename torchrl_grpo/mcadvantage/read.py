@@ -33,7 +33,15 @@ from torchrl_grpo.mcadvantage.options import Keys
 from torchrl_grpo.mcadvantage.records import NO_VERSION, Insertion, Pending
 from torchrl_grpo.mcadvantage.steps import DenseSteps, Elements, RaggedSteps, Steps, get_entry
 
-__all__ = ["PADDING_MASK", "drop_padding", "read_insertion", "read_versions", "trajectory_bounds"]
+__all__ = [
+    "PADDING_MASK",
+    "arrival_checks",
+    "drop_padding",
+    "fail_checks",
+    "read_insertion",
+    "read_versions",
+    "trajectory_bounds",
+]
 
 #: The entry torchrl's collectors write with ``split_trajs=True``: ``True`` on real steps,
 #: ``False`` on the zero padding of each ``[trajectories, max length]`` row.
@@ -104,9 +112,7 @@ def read_insertion(
     census = _census(done, row_ends, checks, ids, pending, dense_versions, host_indexed=ids is None)
     if census.bounds is None:  # a row does not end with a done step
         raise _not_ended(done if row_ends is None else row_ends, tensordict.batch_size, keys.done)
-    for check, bits in zip(checks, census.checks):
-        if not _is_finite(bits):
-            check.fail()  # raises, unless a closer look clears it
+    fail_checks(checks, census.checks)  # raises, unless a closer look clears it
     starts, lengths, width = census.bounds
     at = starts if ids is not None else census.starts  # a list where the host indexes steps
     return Insertion(
@@ -126,6 +132,42 @@ def read_insertion(
         id_range=census.id_range,
         newest=census.newest,
     )
+
+
+def arrival_checks(tensordict: TensorDictBase, keys: Keys) -> list[_Check]:
+    """The checks that the rewards of every step of an insertion joined by trajectory id are
+    finite, to read with the join's sizes (:func:`~torchrl_grpo.mcadvantage.tails.join`).
+
+    The steps of an unfinished trajectory are held, not read (:func:`read_insertion` reads a
+    trajectory once it completes): without this, a NaN on a dialog's first turn would be held
+    and refused in the later insertion that completes the dialog, a good one, and refused again
+    at every insertion that brings the rest of that dialog. Checked on arrival, the insertion
+    that brings it is refused, naming its step, and nothing is held.
+
+    Args:
+        tensordict: the insertion as :func:`~torchrl_grpo.mcadvantage.tails.streamed` gives
+            it: dense steps (``[N]`` or ``[B, T]``) or a lazy stack of ragged steps.
+        keys: where the rewards are.
+
+    Raises:
+        KeyError: a step lacks a reward.
+        ValueError: a reward is empty at a step, or of the wrong shape.
+    """
+    if isinstance(tensordict, LazyStackedTensorDict):
+        steps = RaggedSteps(list(tensordict.unbind(0)))
+    else:
+        steps = DenseSteps(tensordict.reshape(-1) if tensordict.batch_dims > 1 else tensordict)
+    if keys.reward_weights:
+        return _weighted_rewards(steps, keys.reward_weights)[2]
+    return _checked_rewards(steps, keys.reward)[2]
+
+
+def fail_checks(checks: list[_Check], sums: list[int]) -> None:
+    """Raise for the first check whose sum (read on the host) is not finite, naming its
+    cause (a sum that overflows while every value is finite passes)."""
+    for check, bits in zip(checks, sums, strict=True):
+        if not _is_finite(bits):
+            check.fail()
 
 
 def trajectory_bounds(done: Tensor) -> tuple[Tensor, Tensor, int]:

@@ -34,6 +34,7 @@ from torch import Tensor
 
 from torchrl_grpo.mcadvantage.host import read_ints
 from torchrl_grpo.mcadvantage.options import TrajectoryKeys
+from torchrl_grpo.mcadvantage.read import fail_checks
 from torchrl_grpo.mcadvantage.records import LAST_COUNT, TAIL_ID, TRAJ, Joined, Tails
 from torchrl_grpo.mcadvantage.registry import ENDED, GIVEN_UP, RUNNING, IdRegistry
 from torchrl_grpo.mcadvantage.steps import DenseSteps, RaggedSteps, Steps, get_entry
@@ -71,7 +72,9 @@ def _steps(tensordict: TensorDictBase) -> Steps:
     return DenseSteps(tensordict)
 
 
-def join(tails: Tails, tensordict: TensorDictBase, keys: TrajectoryKeys, clock: int) -> Joined:
+def join(
+    tails: Tails, tensordict: TensorDictBase, keys: TrajectoryKeys, clock: int, checks=()
+) -> Joined:
     """Split ``tensordict`` by trajectory id and join it with the held tails.
 
     Args:
@@ -80,6 +83,9 @@ def join(tails: Tails, tensordict: TensorDictBase, keys: TrajectoryKeys, clock: 
             layout: each row one environment's steps, in time order).
         keys: where the ids, done flags and (optionally) step counts are.
         clock: the insertion's number (a new tail's ``STARTED_AT``).
+        checks: checks of the insertion's values
+            (:func:`~torchrl_grpo.mcadvantage.read.arrival_checks`: its rewards are finite),
+            read with the join's sizes; one that fails raises before anything is joined.
 
     Returns:
         The completed trajectories, in the order their last step comes in the row-major
@@ -92,10 +98,13 @@ def join(tails: Tails, tensordict: TensorDictBase, keys: TrajectoryKeys, clock: 
     """
     registry = tails.registry if tails.registry is not None else IdRegistry()
     flat, ids, done, count = _per_step_entries(tensordict, keys, keep_all=True)
+    sums = [check.sum for check in checks]  # (1,) each
     if not ids.shape[0]:  # nothing to split
+        fail_checks(checks, [bits for (bits,) in read_ints(*sums)])
         return _join_read(tails, tensordict, keys, clock)
     split = _split(tails._replace(registry=registry), ids, done, count)
-    known = read_ints(*split.read)
+    *known, bits = read_ints(*split.read, torch.cat(sums) if sums else None)
+    fail_checks(checks, bits or [])  # a non-finite reward: refused as it arrives
     if any(known[:_RARE]):  # a check failed, frames not collected, ids restarted or given up
         return _join_read(tails, tensordict, keys, clock)
     sizes = _JoinSizes(*known[_RARE:])
