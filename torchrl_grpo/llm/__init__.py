@@ -17,11 +17,15 @@
 * :class:`ToolReply`: the environment's reply to each turn from a Python function (a tool,
   feedback on a wrong answer), in tokens, for :class:`ExactTurns`; a function that raises
   replies with its error and the dialog goes on.
+* :class:`TeacherLogProbs`: on-policy distillation's teacher, torchrl's ``RetrieveLogProb`` on
+  a teacher wrapper, or on each row's task's teacher; a teacher with another tokenizer is
+  refused.
 """
 
 from torchrl_grpo._compat import ExactLogProbsTransformersWrapper, ragged_prompts
 from torchrl_grpo.llm.lean_wrapper import HiddenLLMMaskedCategorical, LeanTransformersWrapper
 from torchrl_grpo.llm.replies import ToolReply
+from torchrl_grpo.llm.teacher import TeacherLogProbs
 from torchrl_grpo.llm.turns import ExactTurns
 
 __all__ = [
@@ -29,6 +33,7 @@ __all__ = [
     "ExactTurns",
     "HiddenLLMMaskedCategorical",
     "LeanTransformersWrapper",
+    "TeacherLogProbs",
     "ToolReply",
     "ragged_prompts",
 ]
