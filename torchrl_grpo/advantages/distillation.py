@@ -16,6 +16,15 @@ distillation (no reward), ``alpha = 1, beta > 0`` GRPO with a teacher, ``gamma =
 default of Tinker's ``kl_discount_factor``) the token's own reverse KL, ``gamma = 1`` the whole
 future's (the gradient of the sequence's reverse KL).
 
+The advantage is not torchrl's ``DistillationLoss`` (``kl_direction="reverse"``), a loss on the
+k3 estimate ``pi_T / pi - 1 - log(pi_T / pi)``: that loss is :class:`~torchrl_grpo.GRPOLoss`'s
+``KLToReference`` with the teacher as the reference (unclamped k3; ``seq_mean_token_mean`` for
+its ``normalize_by_seq_length=True``), the same value and gradient. On the student's samples at
+ratio 1 the advantage form's gradient per token is ``beta (log pi - log pi_T) grad log pi`` (the
+score function of the reverse KL; with ``gamma = 1`` of the sequence's), torchrl's is
+``(1 - pi_T / pi) grad log pi`` (the k3 path derivative, the forward KL's gradient in
+expectation): equal to first order in ``log pi - log pi_T``, apart beyond it.
+
 Four functions, on flat tensors of real tokens (padding never enters): :func:`token_reverse_kl`,
 :func:`future_reverse_kl`, :func:`distillation_advantage` and :func:`distillation_metrics`.
 The transform that reads them from torchrl's LLM rows is
