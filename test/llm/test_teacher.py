@@ -103,6 +103,24 @@ class TestOneTeacherPerTask:
             torch.testing.assert_close(got[row], alone[task][row])
         assert not torch.equal(alone["math"][0], alone["code"][0])  # the teachers differ
 
+    def test_a_dense_batch(self, tok):
+        """Rows of one length in one ``TensorDict`` (a padded sampler's): written back as one
+        stacked entry, each row its task's teacher's."""
+        g = torch.Generator().manual_seed(1)
+        full = torch.randint(0, 12, (4, 5), generator=g)
+        data = TensorDict(
+            task=torch.tensor([0, 1, 1, 0]),
+            tokens=TensorDict(full=full, prompt=full[:, :2], batch_size=[4]),
+            next=TensorDict(done=torch.ones(4, 1, dtype=torch.bool), batch_size=[4]),
+            batch_size=[4],
+        )
+        teachers = {0: teacher(tok, 1), 1: teacher(tok, 2)}
+        got = TeacherLogProbs(teachers, tokenizer=tok, task_key="task")(data.clone())[KEY]
+        for task, wrapper in teachers.items():
+            alone = TeacherLogProbs(wrapper, tokenizer=tok)(data.clone())[KEY]
+            rows = data["task"] == task
+            torch.testing.assert_close(got[rows], alone[rows])
+
     def test_a_task_without_a_teacher_is_refused_before_any_scoring(self, tok):
         transform = TeacherLogProbs({"math": teacher(tok, 1)}, tokenizer=tok, task_key="task")
         data = batch(["math", "poetry", "math"])

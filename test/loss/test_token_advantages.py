@@ -34,7 +34,20 @@ from tensordict import TensorDict, lazy_stack
 from torchrl.objectives.llm import DistillationLoss
 
 from torchrl_grpo import GRPOLoss, MCAdvantage
-from torchrl_grpo.loss.variants import KLToReference
+from torchrl_grpo.loss.variants import (
+    TIS,
+    Clip,
+    Decoupled,
+    InferenceCorrection,
+    InferenceVeto,
+    KLMask,
+    KLToInference,
+    KLToReference,
+    OffPolicyMask,
+    Rejection,
+    TopEntropy,
+    TrustRegion,
+)
 from torchrl_grpo.loss_terms import kl_k3
 from torchrl_grpo.mcadvantage import Distillation
 
@@ -141,6 +154,79 @@ def test_every_objective_and_aggregation_on_a_per_token_advantage(objective, lev
         strict=True,
     ):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def check_against(loss, batch, log_prob, want, key="loss_objective"):
+    got = loss(batch)[key]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    params = list(loss.actor_network.parameters())
+    for a, b in zip(
+        torch.autograd.grad(got, params, retain_graph=True),
+        torch.autograd.grad(want, params),
+        strict=True,
+    ):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("variant", ["dual_clip", "off_policy_mask", "dppo_tv"])
+def test_the_variants_that_read_the_advantage_read_it_per_token(variant):
+    """The dual clip, OPSM and DPPO's trust region take each token's advantage's sign."""
+    policy = token_policy()
+    batch, log_prob = per_token_batch(policy, seed=6)
+    adv, mask, old = batch["advantage"], batch["mask"], batch["tokens_log_prob"]
+    lr = log_prob - old
+    loss = surrogate("clip", lr, adv, log_prob)  # (B, T)
+    if variant == "dual_clip":
+        grpo = GRPOLoss(policy, clip_epsilon=EPS, objective=Clip(clip_ratio_c=1.1))
+        loss = torch.where(adv < 0, torch.minimum(loss, -1.1 * adv), loss)
+    elif variant == "off_policy_mask":
+        grpo = GRPOLoss(policy, clip_epsilon=EPS, corrections=[OffPolicyMask(0.05)])
+        drift = torch.where(mask, batch["inference_log_prob"] - log_prob.detach(), 0.0)
+        seq_kl = drift.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True)
+        loss = torch.where((adv >= 0) | (seq_kl <= 0.05), loss, 0.0)
+    else:
+        grpo = GRPOLoss(policy, clip_epsilon=EPS, corrections=[TrustRegion("dppo_tv", 0.05)])
+        moved = (log_prob.exp() - old.exp()).detach()
+        loss = torch.where(torch.where(adv > 0, moved <= 0.05, moved >= -0.05), loss, 0.0)
+    check_against(grpo, batch, log_prob, aggregate("token_mean", loss, mask))
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [
+        Clip(clip_ratio_c=3.0),
+        Clip(delta=4.0),
+        KLMask(0.05),
+        InferenceVeto(1.0),
+        Rejection("token_k1,seq_max_k2", "0.4_1.8,3.0"),
+        Decoupled(behaviour_weight_cap=5.0),
+        InferenceCorrection("token_mask", (0.5, 5.0)),
+        TIS(2.0),
+        OffPolicyMask(0.5),
+        TrustRegion("dppo_kl"),
+        TopEntropy(0.5),
+        KLToReference(0.1),
+        KLToInference(0.1),
+    ],
+    ids=lambda v: type(v).__name__,
+)
+def test_every_variant_takes_a_per_token_advantage(variant):
+    """A sequence's advantage given on each of its tokens: the same terms as given once."""
+    policy = token_policy()
+    batch, _ = per_token_batch(policy, seed=7)
+    batch["proximal_log_prob"] = batch["inference_log_prob"]
+    batch["advantage"] = batch["advantage"][:, :1]  # (B, 1)
+    where = (
+        "objective"
+        if isinstance(variant, Clip)
+        else ("penalties" if isinstance(variant, (KLToReference, KLToInference)) else "corrections")
+    )
+    loss = GRPOLoss(policy, **{where: variant if where == "objective" else [variant]})
+    per_token = batch.clone()
+    per_token["advantage"] = batch["advantage"].expand(-1, 6).clone()
+    want, got = loss(batch), loss(per_token)
+    for name, value in want.items():
+        torch.testing.assert_close(got[name], value, msg=name)
 
 
 def test_a_per_token_advantage_is_not_a_sequence_advantage():
