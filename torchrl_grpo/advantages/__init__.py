@@ -9,8 +9,9 @@ a whole batch of groups is one pass.
 
 The package, one concern a module: ``returns`` (trajectory returns, group means, batch
 whitening), ``group_relative`` (GRPO's advantage, its baselines and scales, the group std),
-``estimators`` (REINFORCE++-baseline, pass@k, GDPO) and ``step_groups`` (GiGPO). Every public
-name is imported here: import them from ``torchrl_grpo.advantages``.
+``estimators`` (REINFORCE++-baseline, pass@k, GDPO), ``step_groups`` (GiGPO) and
+``distillation`` (on-policy distillation: a teacher's per-token reverse KL as the advantage).
+Every public name is imported here: import them from ``torchrl_grpo.advantages``.
 
 Degenerate cases, decided once for the whole package:
 
@@ -37,9 +38,17 @@ And for the estimators beyond GRPO's mean and std:
   constant within a group contributes ``0`` to that group, never ``nan``.
 * **Step groups** (GiGPO) of one step have no peer: their step-level advantage is ``0``, as in
   verl-agent and ROLL.
+* **Distillation**'s per-token reverse KL is Schulman's k1, never clamped; a sequence without a
+  real token sums to ``0``, and its metrics follow the rules above (Bessel, ``0`` for one sample).
 """
 
 from torchrl_grpo._segments import Segments
+from torchrl_grpo.advantages.distillation import (
+    distillation_advantage,
+    distillation_metrics,
+    future_reverse_kl,
+    token_reverse_kl,
+)
 from torchrl_grpo.advantages.estimators import (
     multi_reward_advantage,
     pass_at_k_advantage,
@@ -74,6 +83,9 @@ __all__ = [
     "anchor_step_groups",
     "batch_whiten",
     "discounted_returns",
+    "distillation_advantage",
+    "distillation_metrics",
+    "future_reverse_kl",
     "gigpo_advantage",
     "group_mean",
     "group_relative_advantage",
@@ -82,5 +94,6 @@ __all__ = [
     "pass_at_k_advantage",
     "reinforce_pp_baseline_advantage",
     "step_level_advantage",
+    "token_reverse_kl",
     "trajectory_returns",
 ]

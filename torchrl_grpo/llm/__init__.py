@@ -21,12 +21,16 @@
   torchrl's LLM shapes: the reward transform beside :class:`ToolReply`.
 * :func:`check_vocabulary`: refuses a model whose vocabulary is smaller than its tokenizer's,
   naming both sizes (torch would fail later with "index out of range in self").
+* :class:`TeacherLogProbs`: on-policy distillation's teacher, torchrl's ``RetrieveLogProb`` on
+  a teacher wrapper, or on each row's task's teacher; a teacher with another tokenizer is
+  refused.
 """
 
 from torchrl_grpo._compat import ExactLogProbsTransformersWrapper, ragged_prompts
 from torchrl_grpo.llm.head import check_vocabulary
 from torchrl_grpo.llm.lean_wrapper import HiddenLLMMaskedCategorical, LeanTransformersWrapper
 from torchrl_grpo.llm.replies import ToolReply, TurnReward
+from torchrl_grpo.llm.teacher import TeacherLogProbs
 from torchrl_grpo.llm.turns import ExactTurns
 
 __all__ = [
@@ -34,6 +38,7 @@ __all__ = [
     "ExactTurns",
     "HiddenLLMMaskedCategorical",
     "LeanTransformersWrapper",
+    "TeacherLogProbs",
     "ToolReply",
     "TurnReward",
     "check_vocabulary",

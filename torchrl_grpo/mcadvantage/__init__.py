@@ -9,7 +9,8 @@ How the folder reads (each module one step, :mod:`.insert` the order of an inser
 * the steps: :mod:`.tails` (trajectories across insertions), :mod:`.read` (the input read and
   checked), :mod:`.returns`, :mod:`.groups` (complete groups), :mod:`.release` (advantages
   written), :mod:`.filters`, :mod:`.stats`, :mod:`.pending` (what is held back),
-  :mod:`.limits` (memory limits);
+  :mod:`.limits` (memory limits), :mod:`.distillation` (a teacher's per-token
+  advantages);
 * the pieces they share: :mod:`.steps` (dense or ragged steps), :mod:`.ids` (group ids),
   :mod:`.store` (the chunked store), :mod:`.registry` (ended trajectory ids);
 * :mod:`.state_io` (checkpoints), :mod:`.shared` (the owner process of a shared transform),
@@ -17,12 +18,19 @@ How the folder reads (each module one step, :mod:`.insert` the order of an inser
   view of the pending groups).
 """
 
-from torchrl_grpo.mcadvantage.options import Limits, RewardToGo, Staleness, StepGroups
+from torchrl_grpo.mcadvantage.options import (
+    Distillation,
+    Limits,
+    RewardToGo,
+    Staleness,
+    StepGroups,
+)
 from torchrl_grpo.mcadvantage.queues import PendingGroups
 from torchrl_grpo.mcadvantage.ray_actor import RayMCAdvantage
 from torchrl_grpo.mcadvantage.transform import MCAdvantage, MCAdvantageSelector
 
 __all__ = [
+    "Distillation",
     "Limits",
     "MCAdvantage",
     "MCAdvantageSelector",

@@ -15,6 +15,7 @@ from tensordict import TensorDictBase
 from torchrl import torchrl_logger
 
 from torchrl_grpo.mcadvantage import (
+    distillation,
     groups,
     limits,
     pending,
@@ -60,6 +61,8 @@ def insert(options: Options, state: State, tensordict: TensorDictBase) -> Outcom
     if batch is None:  # nothing completes, no step, or only stale trajectories
         return _finish(options, None, state._replace(insertions=clock), marks, tops)
     _check_ragged(options, batch)
+    if options.distillation is not None:  # every step scored by the teacher, before any wait
+        distillation.check_insertion(options, batch)
     estimator, group_filter = options.estimator, options.group_filter  # 3.
     exact = options.selects or group_filter.keep_return_bounds is not None
     incoming = returns.insertion_returns(batch, estimator.trajectory_return, exact=exact)
@@ -94,6 +97,8 @@ def insert(options: Options, state: State, tensordict: TensorDictBase) -> Outcom
     )
     if rounds.num_rounds and estimator.trajectory_return is not None:
         stats = stats_.group_stats(stats, all_returns.value, rounds, options.grpo_size)
+    if released.metrics:
+        stats = {**stats, **released.metrics}
     reference = staleness.reference(options, state.newest_version)
     stats = staleness.lag_stats(stats, state.pending, batch, rounds, reference)
     held = pending.remaining(

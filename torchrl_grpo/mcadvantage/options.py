@@ -19,11 +19,13 @@ from tensordict import NestedKey
 from torchrl.objectives.llm import MCAdvantageSelector
 
 from torchrl_grpo.advantages import BASELINES, RETURN_REDUCTIONS, SCALES
+from torchrl_grpo.advantages.distillation import check_weights
 
 __all__ = [
     "KEYWORDS",
     "RECORDS",
     "SETTINGS",
+    "Distillation",
     "Estimator",
     "GroupFilter",
     "Keys",
@@ -43,7 +45,7 @@ class Keys(NamedTuple):
     """What the transform reads from an insertion, and what it writes."""
 
     group: NestedKey  # the group id: a prompt string, or a tensor compared by value
-    reward: NestedKey
+    reward: NestedKey | None  # None: no reward read (pure distillation), zeros stand for it
     done: NestedKey
     advantage: NestedKey  # written on the released steps
     # beyond torchrl: several rewards and their weights (GDPO; () reads ``reward`` alone), and
@@ -162,6 +164,34 @@ class Staleness(NamedTuple):
     consumer_version: int | None = None  # the trainer's reference; None: the newest version read
 
 
+class Distillation(NamedTuple):
+    """On-policy distillation: ``MCAdvantage(distillation=Distillation(...))`` writes on the
+    response tokens of each released turn ``A_t = alpha * A_group - beta * D_t``, ``D_t`` the
+    student's reverse KL to the teacher from token ``t`` on, discounted by ``gamma``
+    (:mod:`torchrl_grpo.advantages.distillation`; how the rows are read:
+    :mod:`torchrl_grpo.mcadvantage.distillation`).
+
+    Examples:
+        >>> from torchrl_grpo.mcadvantage import Distillation
+        >>> d = Distillation(alpha=0.0)  # pure distillation, Tinker's and Trinity-RFT's beta
+        >>> d.beta, d.gamma, d.teacher_key
+        (1.0, 0.0, ('next', 'teacher_log_probs', 'full'))
+    """
+
+    alpha: float = 1.0  # weight of the group-relative advantage (0: no reward needed)
+    beta: float = 1.0  # weight of the reverse KL (Tinker's kl_penalty_coef, Trinity's kl_coef)
+    gamma: float = 0.0  # discount of the future reverse KL (Tinker's kl_discount_factor)
+    # the teacher's log-probs of every token of ("tokens", "full"), as torchrl's RetrieveLogProb
+    # writes them (TeacherLogProbs' default; torchrl's DistillationLoss reads this key too)
+    teacher_key: NestedKey = ("next", "teacher_log_probs", "full")
+    # the sampling policy's (pi_old), as RetrieveLogProb writes them; the loss's sample_log_prob
+    log_prob_key: NestedKey = ("next", "log_probs", "full")
+    tokens_key: NestedKey = ("tokens", "full")  # each row's tokens: the advantage's shape
+    # the response: the tokens after the prompt (None: every token, a policy without prompts)
+    prompt_tokens_key: NestedKey | None = ("tokens", "prompt")
+    mask_key: NestedKey | None = ("masks", "all_attention_mask")  # real tokens, where present
+
+
 class Options(NamedTuple):
     """Every setting of one transform, checked."""
 
@@ -174,6 +204,7 @@ class Options(NamedTuple):
     selection: Selection
     limits: Limits
     staleness: Staleness = Staleness()
+    distillation: Distillation | None = None  # None: the group's advantage per reward element
 
     @property
     def selects(self) -> bool:
@@ -287,6 +318,7 @@ def make_options(
         selection=selection,
         limits=_limits(kw, grpo_size, selection),
         staleness=_staleness(kw),
+        distillation=_distillation(kw["distillation"], rewards_key),
     )
 
 
@@ -347,6 +379,7 @@ KEYWORDS = {
     "traj_key": ("collector", "traj_ids"),
     "step_count_key": "step_count",
     "policy_version_key": "policy_version",
+    "distillation": None,
     **dict.fromkeys(RECORDS),
     **_flat_defaults(),
 }
@@ -372,6 +405,38 @@ def _expand_records(kw: dict, given: dict) -> dict:
         for field, flat in fields.items():
             kw[flat] = getattr(value, field)
     return kw
+
+
+def _distillation(value, rewards_key) -> Distillation | None:
+    """``distillation`` checked: a :class:`Distillation` whose weights are finite, ``beta`` and
+    ``alpha`` at least ``0`` and not both ``0``, ``gamma`` in ``[0, 1]``; ``rewards_key=None``
+    (no reward read) only with ``alpha = 0``."""
+    if value is None:
+        if rewards_key is None:
+            raise ValueError(
+                "rewards_key=None reads no reward: it is for pure distillation, "
+                "distillation=Distillation(alpha=0.0, ...)."
+            )
+        return None
+    if not isinstance(value, Distillation):
+        raise TypeError(
+            f"distillation must be a Distillation (torchrl_grpo.mcadvantage), got {value!r}."
+        )
+    check_weights(value.alpha, value.beta)
+    if value.alpha == 0.0 and value.beta == 0.0:
+        raise ValueError(
+            "Distillation(alpha=0, beta=0) uses neither the reward nor the teacher's log-probs: "
+            "drop distillation=, or give the teacher a weight beta > 0."
+        )
+    gamma = value.gamma
+    if isinstance(gamma, bool) or not isinstance(gamma, numbers.Real) or not 0 <= gamma <= 1:
+        raise ValueError(f"Distillation's gamma must be a number in [0, 1], got {gamma!r}.")
+    if rewards_key is None and value.alpha != 0.0:
+        raise ValueError(
+            f"rewards_key=None reads no reward, but Distillation(alpha={value.alpha}) weighs the "
+            "group's advantage of the reward: give rewards_key, or alpha=0.0."
+        )
+    return value._replace(alpha=float(value.alpha), beta=float(value.beta), gamma=float(gamma))
 
 
 def _integer(name: str, value) -> int:

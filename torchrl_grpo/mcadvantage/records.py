@@ -129,6 +129,7 @@ class Released(NamedTuple):
     written: int  # released groups that passed the filters
     selected: int  # released groups that passed selection; 0 for rounds chosen by candidate
     # selection, which counts its own
+    metrics: dict | None = None  # the released turns' distillation statistics (0-d tensors)
 
 
 #: What an insertion that completes no group releases.

@@ -27,13 +27,13 @@ from torchrl_grpo.advantages import (
     multi_reward_advantage,
     step_level_advantage,
 )
-from torchrl_grpo.mcadvantage import filters
+from torchrl_grpo.mcadvantage import distillation, filters
 from torchrl_grpo.mcadvantage import returns as returns_
 from torchrl_grpo.mcadvantage.host import read_ints
 from torchrl_grpo.mcadvantage.options import Options
 from torchrl_grpo.mcadvantage.pending import gather
 from torchrl_grpo.mcadvantage.records import Insertion, Pending, Released, Returns, Rounds
-from torchrl_grpo.mcadvantage.steps import Elements, Steps
+from torchrl_grpo.mcadvantage.steps import Elements, Steps, Uniform
 from torchrl_grpo.mcadvantage.store import LENGTH
 
 __all__ = ["release", "released_anchors"]
@@ -75,7 +75,7 @@ def release(
         returns: ``(Q + n,)`` the returns of pending ++ incoming.
         options: the estimator, the group filters and the keys.
     """
-    estimator, keys = options.estimator, options.keys
+    estimator = options.estimator
     members, member_round, num_rounds = rounds.members, rounds.member_round, rounds.num_rounds
     q = pending.num_pending
     everything = q == 0 and members.shape[0] == batch.num_trajectories
@@ -116,9 +116,32 @@ def release(
     if estimator.step_groups is not None:
         adv = _with_step_groups(adv, samples, out, member_round, num_rounds, options)
     adv = _on_elements(adv, samples, options)
-    out.write(keys.advantage, adv, keys.reward)  # on the reward's device, in its shape
+    metrics = _write(out, adv, samples, options)
     selected = 0 if rounds.filtered else num_rounds  # with filters: read with what they keep
-    return _written(out, selection, keep, samples, member_round, num_rounds, selected)
+    released = _written(out, selection, keep, samples, member_round, num_rounds, selected)
+    return released._replace(metrics=metrics)
+
+
+def _write(out: Steps, adv: Tensor, samples: _Samples, options: Options) -> dict | None:
+    """Write the advantage of every reward element ``adv`` ``(E,)`` on the released steps, in
+    the reward's shape and device; with distillation, every token's (in the tokens' shape),
+    and return its statistics."""
+    keys, distill = options.keys, options.distillation
+    if distill is None:
+        out.write(keys.advantage, adv, keys.reward)  # on the reward's device, in its shape
+        return None
+    per_step = None if distill.alpha == 0.0 else _per_step(adv, samples.elements)
+    tokens, metrics = distillation.token_advantages(distill, out, per_step, samples.steps)
+    out.write(keys.advantage, tokens, distill.tokens_key)
+    return metrics
+
+
+def _per_step(adv: Tensor, elements: Elements) -> Tensor:
+    """Each step's advantage ``(S,)`` from its reward elements' (the first: a return mode spreads
+    one value on them, and per-step samples have one, checked on insertion)."""
+    if isinstance(elements, Uniform):
+        return adv if elements.per_step == 1 else adv.view(-1, elements.per_step)[:, 0]
+    return adv[torch.cumsum(elements.counts, 0) - elements.counts]
 
 
 def _samples(out: Steps, steps: Tensor, width, options: Options, longest=None) -> _Samples:

@@ -93,7 +93,8 @@ class Steps:
 
     def reward_elements(self, key) -> tuple[Tensor, Elements]:
         """Every element of the reward ``key`` at every step, flat, on the CPU, and how they lie
-        on the steps.
+        on the steps; ``key`` ``None`` (no reward read: pure distillation) gives one ``0`` per
+        step.
 
         Raises:
             KeyError: a step lacks ``key``.
@@ -127,6 +128,8 @@ class DenseSteps(Steps):
         return self.data
 
     def reward_elements(self, key) -> tuple[Tensor, Uniform]:
+        if key is None:
+            return torch.zeros(len(self)), Uniform(1)
         value = get_entry(self.data, key, "reward")
         num_steps = self.data.shape[0]
         if not isinstance(value, Tensor) or value.ndim == 0 or value.shape[0] != num_steps:
@@ -197,6 +200,8 @@ class RaggedSteps(Steps):
         return lazy_stack(self.data)
 
     def reward_elements(self, key) -> tuple[Tensor, Elements]:
+        if key is None:
+            return torch.zeros(len(self)), Uniform(1)
         values = [get_entry(step, key, "reward") for step in self.data]
         counts = [value.numel() for value in values]
         if values and len({value.shape for value in values}) == 1:  # one shape: no op per step

@@ -23,6 +23,7 @@ from torchrl_grpo.mcadvantage import shared
 from torchrl_grpo.mcadvantage.buffer import check_release
 from torchrl_grpo.mcadvantage.options import (
     KEYWORDS,
+    Distillation,
     Limits,
     Options,
     RewardToGo,
@@ -320,6 +321,7 @@ class MCAdvantage(Transform):
         step_groups: StepGroups | None = None,
         limits: Limits | None = None,
         staleness: Staleness | None = None,
+        distillation: Distillation | None = None,
         traj_key: NestedKey | None = ("collector", "traj_ids"),
         step_count_key: NestedKey | None = "step_count",
         policy_version_key: NestedKey | None = "policy_version",
@@ -332,8 +334,11 @@ class MCAdvantage(Transform):
             grpo_size, prompt_key, rewards_key, advantage_key, done_key, verbose, **arguments
         )
         keys = options.keys
-        self.in_keys = [prompt_key, *([k for k, _ in keys.reward_weights] or [keys.reward])]
-        self.in_keys += [done_key] + ([anchor_key] if anchor_key is not None else [])
+        rewards = [k for k, _ in keys.reward_weights] or [keys.reward]
+        self.in_keys = [prompt_key, *(key for key in rewards if key is not None), done_key]
+        self.in_keys += [anchor_key] if anchor_key is not None else []
+        if distillation is not None:
+            self.in_keys += [distillation.log_prob_key, distillation.teacher_key]
         self.out_keys = [advantage_key]
         self._options = options
         self._replica = Replica(options)  # replaced by the owner's handle once shared
@@ -377,6 +382,11 @@ class MCAdvantage(Transform):
     def reward_weights(self) -> dict | None:
         """``{reward key: weight}`` (GDPO), or ``None`` for the one reward under ``rewards_key``."""
         return dict(self._options.keys.reward_weights) or None
+
+    @property
+    def distillation(self) -> Distillation | None:
+        """On-policy distillation's weights and keys; ``None`` without a teacher."""
+        return self._options.distillation
 
     @property
     def step_groups(self) -> StepGroups | None:
