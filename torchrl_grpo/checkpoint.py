@@ -244,8 +244,9 @@ def save_checkpoint(folder: str | os.PathLike, pieces: Mapping[str, Any], stamp:
 
     Args:
         folder: where the checkpoint goes (created; its parent too).
-        pieces: ``{name: value}``; a value with ``dumps(path)`` (a replay buffer) is saved into
-            the sub-folder ``name``, any other with ``torch.save`` into ``name.pt``. Names are
+        pieces: ``{name: value}``; a value with ``dumps(path)`` (a replay buffer; a
+            ``TensorDict`` too, read back with ``TensorDict.load``) is saved into the
+            sub-folder ``name``, any other with ``torch.save`` into ``name.pt``. Names are
             plain file names.
         stamp: a non-negative integer every piece carries, e.g. the batches trained so far.
 
