@@ -65,7 +65,7 @@ from torchrl.modules import MLP, ProbabilisticActor
 from torchrl.record.loggers import get_logger
 from tqdm import tqdm
 
-from torchrl_grpo import GRPOLoss, MCAdvantage, SameStartGroups
+from torchrl_grpo import GRPOLoss, MCAdvantage, SameStartGroups, checkpoint
 
 MAX_EPISODE_STEPS = 500  # CartPole-v1 truncates here
 SEEDS_PER_RUN = 1_000_000  # run --seed s trains on reset seeds [s * 1e6, (s + 1) * 1e6)
@@ -167,6 +167,14 @@ class Settings:
         metadata={
             "help": "save no checkpoint/ when the run stops (up to ~15 MB: the buffer's "
             "storage, when released steps wait there)"
+        },
+    )
+    checkpoint_every: int = field(
+        default=0,
+        metadata={
+            "help": "also save checkpoint/ every this many training batches, so that a killed "
+            "run resumes from the last one (0: only when the run stops); each save replaces "
+            "the last in one swap, never leaving a torn one"
         },
     )
     output_dir: str = field(default="runs/cartpole", metadata={"help": "logs and plot go here"})
@@ -438,9 +446,11 @@ def save_checkpoint(folder: Path, cfg: Settings, parts: dict, progress: dict) ->
     steps and its transform's pending groups and held episode pieces, ``rb.dumps``), the seed
     queue and running episodes of :class:`~torchrl_grpo.SameStartGroups`, the policy, the
     loss's state and the optimizer, the evaluation seeds used, the random number generators and
-    the run's progress (env steps, batches, the curves, the logger's step)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    parts["buffer"].dumps(folder / "buffer")
+    the run's progress (env steps, batches, the curves, the logger's step).
+
+    :func:`torchrl_grpo.checkpoint.save_checkpoint` writes them into a new folder and swaps it
+    into place, each piece stamped with the batches trained: a kill leaves the previous
+    checkpoint or this one, whole."""
     evals = [e.used if e is not None else 0 for e in (parts["eval_env"], parts["confirm_env"])]
     state = {
         "settings": dataclasses.asdict(cfg),
@@ -453,7 +463,8 @@ def save_checkpoint(folder: Path, cfg: Settings, parts: dict, progress: dict) ->
         "progress": progress,
     }
     state["rng"]["python"] = random.getstate()
-    torch.save(state, folder / "state.pt")
+    pieces = {"buffer": parts["buffer"], "state": state}
+    checkpoint.save_checkpoint(folder, pieces, stamp=progress["iterations"])
 
 
 def load_checkpoint(cfg: Settings, parts: dict) -> tuple[dict, dict]:
@@ -462,30 +473,36 @@ def load_checkpoint(cfg: Settings, parts: dict) -> tuple[dict, dict]:
     and the episodes :meth:`~torchrl_grpo.SameStartGroups.resume` plays again, ``{seed: count}``.
 
     Raises:
-        SystemExit: no checkpoint there, or settings that change the data or the network.
+        SystemExit: no complete checkpoint there, one that is torn, truncated or changed
+            (:func:`torchrl_grpo.checkpoint.load_checkpoint`), a buffer whose episodes the
+            env state never started, or settings that change the data or the network.
     """
     folder = Path(cfg.resume)
-    folder = folder if (folder / "state.pt").exists() else folder / CHECKPOINT
-    if not (folder / "state.pt").exists():
-        raise SystemExit(f"--resume {cfg.resume}: no checkpoint there (state.pt).")
-    state = torch.load(folder / "state.pt", weights_only=False)  # our own file: numpy's state
-    saved = state["settings"]
-    changed = [k for k in SAME_ON_RESUME if saved[k] != getattr(cfg, k)]
+    folder = folder if folder.name.startswith(CHECKPOINT) else folder / CHECKPOINT
+    try:  # our own file: numpy's random state is not a tensor
+        saved = checkpoint.load_checkpoint(folder, weights_only=False)
+    except checkpoint.CheckpointError as error:
+        raise SystemExit(f"--resume {cfg.resume}: {error}") from error
+    state = saved.values["state"]
+    saved_cfg = state["settings"]
+    changed = [k for k in SAME_ON_RESUME if saved_cfg[k] != getattr(cfg, k)]
     if changed:
         raise SystemExit(
             "--resume: the checkpoint was made with "
-            + ", ".join(f"--{k.replace('_', '-')} {saved[k]}" for k in changed)
+            + ", ".join(f"--{k.replace('_', '-')} {saved_cfg[k]}" for k in changed)
             + "; pass the same (they shape the data or the network)."
         )
     parts["loss"].load_state_dict(state["loss"])
     parts["optimizer"].load_state_dict(state["optimizer"])
-    parts["buffer"].loads(folder / "buffer")
+    parts["buffer"].loads(saved.values["buffer"])
     parts["env"].transform.load_state_dict(state["env"])
     for episodes, used in zip((parts["eval_env"], parts["confirm_env"]), state["eval_seeds_used"]):
         if episodes is not None:
             episodes.used = used
-    # the episodes running at the checkpoint are lost with the collector: play their seeds again
-    replays = parts["env"].transform.resume(parts["advantage"])
+    try:  # the episodes running at the checkpoint are lost with the collector: play them again
+        replays = parts["env"].transform.resume(parts["advantage"])
+    except ValueError as error:  # a buffer holding episodes the env state never started
+        raise SystemExit(f"--resume {cfg.resume}: {error}") from error
     torch.set_rng_state(state["rng"]["torch"])
     if state.get("cuda_rng") is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda_rng"])
@@ -684,6 +701,13 @@ def main(argv: list[str] | None = None) -> dict:
                 logger.log_scalar(name, float(value), step=env_steps)
         bar.update(env_steps - bar.n)
         bar.set_postfix(ret=f"{train_return:.1f}", eval=f"{eval_return:.1f}")
+        if (
+            cfg.checkpoint_every
+            and len(history) % cfg.checkpoint_every == 0
+            and not cfg.no_checkpoint
+        ):
+            now = dict(progress, env_steps=env_steps, iterations=len(history), trained=trained)
+            save_checkpoint(run_dir / CHECKPOINT, cfg, parts, dict(now, wall_s=wall))
     bar.close()
     collector.shutdown()
     env_steps = sum(polled)

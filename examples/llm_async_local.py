@@ -19,7 +19,11 @@ and nothing is stale by construction (``MCAdvantage(max_policy_lag=...)`` stays 
 **Failures.** An exception in the sampler goes back through the queue with its traceback and is
 raised in the trainer (``RuntimeError``); a sampler that dies without a word (killed, out of
 memory) is noticed within a second by the trainer, which raises with its exit code; what the
-trainer's buffer holds is untouched either way.
+trainer's buffer holds is untouched either way (the example then saves its checkpoint).
+
+**A resumed run.** ``first_version`` (the trainer's version at its checkpoint) is the first
+version published, and ``first_batch`` (the batches the trainer had taken) the sampler's first
+batch number, so that backpressure and the rows' versions go on where they were.
 """
 
 from __future__ import annotations
@@ -72,7 +76,9 @@ class SharedWeights:
         return time.perf_counter() - start
 
 
-def sampler_main(make_sampling, weights: SharedWeights, out, stop, drained, max_lag: int):
+def sampler_main(
+    make_sampling, weights: SharedWeights, out, stop, drained, max_lag: int, first_batch: int = 0
+):
     """The sampler process: ``make_sampling()`` gives ``(policy module, batches iterator)``; each
     batch is generated once the trainer is close enough (see the module's docstring), stamped
     with the version of the weights that sampled it and sent. Ends with its timings, and stays
@@ -82,7 +88,7 @@ def sampler_main(make_sampling, weights: SharedWeights, out, stop, drained, max_
     try:
         torch.set_num_threads(1)
         module, batches = make_sampling()
-        for i in range(1 << 62):
+        for i in range(first_batch, 1 << 62):
             timing["wait_s"] += weights.wait_for(max(i - max_lag, 0), stop)
             if stop.is_set():
                 break
@@ -113,13 +119,23 @@ class LocalSampler:
         weights_of (torch.nn.Module): the trainer's module whose parameters the sampler's
             mirrors (the same class and structure as the sampler's module).
         max_lag (int): the staleness bound, ``>= 0``.
+        first_version (int): the version of the first weights published (a resumed run's).
+        first_batch (int): the number of the sampler's first batch (a resumed run's).
     """
 
-    def __init__(self, make_sampling, weights_of: torch.nn.Module, max_lag: int):
+    def __init__(
+        self,
+        make_sampling,
+        weights_of: torch.nn.Module,
+        max_lag: int,
+        first_version: int = 0,
+        first_batch: int = 0,
+    ):
         if max_lag < 0:
             raise ValueError(f"max_policy_lag must be at least 0, got {max_lag}.")
         context = torch.multiprocessing.get_context("spawn")
         self.weights = SharedWeights(weights_of, context)
+        self.weights.version.value = first_version - 1  # the first publish is first_version
         self.queue, self.stop_event, self.drained = (
             context.Queue(),
             context.Event(),
@@ -128,7 +144,15 @@ class LocalSampler:
         self.timing: dict | None = None
         self.process = context.Process(
             target=sampler_main,
-            args=(make_sampling, self.weights, self.queue, self.stop_event, self.drained, max_lag),
+            args=(
+                make_sampling,
+                self.weights,
+                self.queue,
+                self.stop_event,
+                self.drained,
+                max_lag,
+                first_batch,
+            ),
             daemon=True,
             name="grpo-sampler",
         )

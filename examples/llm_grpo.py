@@ -79,7 +79,7 @@ from tqdm import tqdm
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 from transformers.utils import logging as hf_logging
 
-from torchrl_grpo import GroupSampler, GRPOLoss, LeanTransformersWrapper, MCAdvantage
+from torchrl_grpo import GroupSampler, GRPOLoss, LeanTransformersWrapper, MCAdvantage, checkpoint
 from torchrl_grpo.llm import ragged_prompts
 from torchrl_grpo.llm.head import check_vocabulary
 
@@ -150,9 +150,24 @@ class Settings:
         default="",
         metadata={
             "help": "continue the run saved in this run folder (its checkpoint/, written when "
-            "a run stops): the policy and reference, optimizer, schedule, loss, buffer, prompt "
-            "stream, random state, curves and logger step; --steps counts the steps before it, "
-            "the time limit starts again"
+            "a run stops): the policy and reference, optimizer, schedule and its progress, "
+            "loss, buffer, prompt stream, random state, curves and logger step; --steps and "
+            "--time-limit count what ran before (raise them to train on)"
+        },
+    )
+    checkpoint_every: int = field(
+        default=0,
+        metadata={
+            "help": "also save checkpoint/ every this many GRPO steps, so that a killed run "
+            "resumes from the last one (0: only when the run stops); each save replaces the "
+            "last in one swap, never leaving a torn one"
+        },
+    )
+    stop_at_step: int = field(
+        default=0,
+        metadata={
+            "help": "stop after this GRPO step, its checkpoint saved, while the schedule still "
+            "spans --steps: --resume goes on along the same curve (0: run to --steps)"
         },
     )
     lora_rank: int = field(
@@ -245,17 +260,24 @@ class Settings:
         default=190.0,
         metadata={
             "help": "stop GRPO once the run (imports included) has taken this long, in "
-            "seconds; the learning-rate schedule ends there too"
+            "seconds; the learning-rate schedule ends there too. A resumed run counts the "
+            "seconds of GRPO before its checkpoint (not its own start-up)"
         },
     )
 
 
-def parse_args(argv=None, task: "Task | None" = None, settings_cls: type = Settings) -> Settings:
+def parse_args(
+    argv=None,
+    task: "Task | None" = None,
+    settings_cls: type = Settings,
+    checkpoints: bool | None = None,
+) -> Settings:
     """The settings of the run; ``--help`` documents each, with its default.
 
     ``--max-new-tokens`` defaults to what ``task`` needs (by default the digit sum's, for
     ``--digits``): its longest answer and end-of-sequence. ``settings_cls``: ``Settings`` or a
-    dataclass extending it (another example's settings, each field a flag).
+    dataclass extending it (another example's settings, each field a flag); ``checkpoints``:
+    whether the example saves checkpoints and resumes (default: ``settings_cls is Settings``).
     """
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
@@ -278,11 +300,19 @@ def parse_args(argv=None, task: "Task | None" = None, settings_cls: type = Setti
     if cfg.lora_rank < 0:
         parser.error("--lora-rank: a positive rank (0: every weight trains)")
     single_turn = (cfg.lora_rank, cfg.model, cfg.tokenizer, cfg.eval_only, cfg.logger != "csv")
-    if settings_cls is not Settings and any((*single_turn, cfg.resume)):
+    if settings_cls is not Settings and any(single_turn):
         parser.error(
-            "--lora-rank, --model, --tokenizer, --eval-only, --logger and --resume: "
+            "--lora-rank, --model, --tokenizer, --eval-only and --logger: "
             "examples/llm_grpo.py only (this example logs to CSV)"
         )
+    checkpoints = settings_cls is Settings if checkpoints is None else checkpoints
+    if not checkpoints and any((cfg.resume, cfg.checkpoint_every, cfg.stop_at_step)):
+        parser.error(
+            "--resume, --checkpoint-every and --stop-at-step: examples/llm_grpo.py and "
+            "llm_grpo_async.py only"
+        )
+    if cfg.checkpoint_every < 0 or cfg.stop_at_step < 0:
+        parser.error("--checkpoint-every and --stop-at-step: 0 (off) or a number of steps")
     if cfg.max_new_tokens is None:
         task = task or digit_sum_task(cfg.digits)
         cfg.max_new_tokens = task.answer_length + 1
@@ -765,11 +795,53 @@ def make_loss(scorer, cfg: Settings) -> GRPOLoss:
 # --------------------------------------------------------------------------------------------
 
 
+class GRPOProgress:
+    """How far GRPO has gone, from 0 to 1: the larger of the share of ``--steps`` done and the
+    share of the time limit's seconds of GRPO spent; what the learning-rate schedule follows.
+
+    The seconds of GRPO count from this object's creation on ``clock``; ``deadline`` (the end of
+    the time limit on ``clock``) sets how many the time limit leaves (``budget_s``). A checkpoint
+    saves :meth:`state_dict` (the seconds spent and the budget): a resumed run goes on from them
+    (:meth:`load_state_dict`), so its rate continues the curve, and it stops where the run would
+    have. A ``--time-limit`` raised on the resume adds its difference to the budget, as a raised
+    ``--steps`` adds steps: both stretch what is left of the curve.
+    """
+
+    def __init__(self, cfg: Settings, deadline: float, clock=time.perf_counter):
+        self.steps, self.time_limit, self.clock = cfg.steps, cfg.time_limit, clock
+        self.start = clock()
+        self.budget_s = deadline - self.start  # seconds of GRPO the time limit leaves
+        self.before_s = 0.0  # seconds of GRPO before this process (a resumed run's)
+
+    def seconds(self) -> float:
+        """Seconds of GRPO so far, those before the checkpoint included."""
+        return self.before_s + self.clock() - self.start
+
+    def __call__(self, step: int) -> float:
+        by_time = self.seconds() / self.budget_s if self.budget_s > 0 else 1.0
+        return min(1.0, max(step / self.steps, by_time))
+
+    def out_of_time(self) -> bool:
+        """Whether the time limit is spent (the schedule's end by time: the run stops)."""
+        return self.seconds() >= self.budget_s
+
+    def state_dict(self) -> dict:
+        return {"seconds": self.seconds(), "budget_s": self.budget_s, "time_limit": self.time_limit}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Go on from a checkpoint's progress: its seconds spent, its budget (plus what a
+        raised ``--time-limit`` adds); this process's clock counts from now."""
+        self.before_s = state["seconds"]
+        self.budget_s = state["budget_s"] + self.time_limit - state["time_limit"]
+        self.start = self.clock()
+
+
 def lr_schedule(
     optim, cfg: Settings, deadline: float, clock=time.perf_counter
 ) -> torch.optim.lr_scheduler.LambdaLR:
     """Linear warm-up, then a cosine decay to 0, over GRPO's progress: the larger of the share
-    of ``--steps`` done and the share of the time to ``deadline`` spent.
+    of ``--steps`` done and the share of the time to ``deadline`` spent (:class:`GRPOProgress`,
+    :func:`schedule_progress`, saved with checkpoints).
 
     ``deadline`` is the end of the time budget on ``clock`` (``time.perf_counter``). With time to
     spare the schedule follows the steps (a warm-up of ``warmup_steps``, the cosine reaching 0
@@ -778,16 +850,21 @@ def lr_schedule(
     share of its steps and ends at a small learning rate instead of in mid-schedule.
     """
     warmup = min(cfg.warmup_steps, cfg.steps - 1) / cfg.steps  # a share of the progress
-    start = clock()
+    progress = GRPOProgress(cfg, deadline, clock)
 
     def factor(step: int) -> float:
-        by_time = (clock() - start) / (deadline - start) if deadline > start else 1.0
-        progress = min(1.0, max(step / cfg.steps, by_time))
-        if progress < warmup:
-            return 0.05 + 0.95 * progress / warmup
-        return 0.5 * (1.0 + math.cos(math.pi * (progress - warmup) / (1.0 - warmup)))
+        done = progress(step)
+        if done < warmup:
+            return 0.05 + 0.95 * done / warmup
+        return 0.5 * (1.0 + math.cos(math.pi * (done - warmup) / (1.0 - warmup)))
 
+    factor.progress = progress  # a function's attributes stay out of the schedule's state_dict
     return torch.optim.lr_scheduler.LambdaLR(optim, factor)
+
+
+def schedule_progress(schedule: torch.optim.lr_scheduler.LambdaLR) -> GRPOProgress:
+    """The :class:`GRPOProgress` that the schedule of :func:`lr_schedule` follows."""
+    return schedule.lr_lambdas[0].progress
 
 
 def warm_start(model, tokenizer, cfg: Settings, task: Task, gen, exclude, val_accuracy) -> int:
@@ -865,63 +942,68 @@ SAME_ON_RESUME = ("seed", "digits", "n_layer", "n_embd", "n_head", "lora_rank", 
 SAME_ON_RESUME += ("tokenizer", "group_size", "prompts_per_step", "eval_prompts")
 
 
-def save_reference(folder: Path, model) -> None:
-    """The warm-started weights, once per run: the reference policy, and where a resumed run
-    starts before its adapters or its trained weights are loaded."""
-    folder.mkdir(parents=True, exist_ok=True)
-    torch.save(model.state_dict(), folder / "reference.pt")
-
-
 def save_checkpoint(folder: Path, cfg: Settings, parts: dict, progress: dict) -> None:
-    """What a stopped run needs to go on, beside ``reference.pt``: the replay buffer with its
-    transform's pending groups (``rb.dumps``; ``LazyStackStorage`` through the package's
-    checkpointer), the policy's weights, the optimizer, the schedule, the loss's own state, the
-    prompt generator, torch's random state and the run's progress."""
-    parts["rb"].dumps(folder / "buffer")
+    """What a stopped run needs to go on: the replay buffer with its transform's pending groups
+    (``rb.dumps``; ``LazyStackStorage`` through the package's checkpointer), the warm-started
+    weights (the reference policy, and where a resumed run starts before its trained weights
+    are loaded), the policy's weights, the optimizer, the schedule and its progress (steps and
+    seconds of GRPO), the loss's own state, the prompt generator, torch's random state and the
+    run's progress.
+
+    :func:`torchrl_grpo.checkpoint.save_checkpoint` writes them into a new folder and swaps it
+    into place, each piece stamped with the GRPO steps done: a kill leaves the previous
+    checkpoint or this one, whole."""
     actor = "actor_network"  # the policy's weights are saved once, as "policy"
     state = {
         "settings": dataclasses.asdict(cfg),
         "policy": parts["model"].state_dict(),
         "optimizer": parts["optim"].state_dict(),
         "schedule": parts["schedule"].state_dict(),
+        "schedule_progress": schedule_progress(parts["schedule"]).state_dict(),
         "loss": {k: v for k, v in parts["loss"].state_dict().items() if not k.startswith(actor)},
         "prompts": parts["gen"].get_state(),
         "rng": torch.get_rng_state(),  # the sampler's (numpy and random are not used)
         "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
         "progress": progress,
     }
-    torch.save(state, folder / "state.pt")
+    pieces = {"buffer": parts["rb"], "reference": parts["reference"], "state": state}
+    checkpoint.save_checkpoint(folder, pieces, stamp=progress["seen"]["step"])
 
 
 def load_checkpoint(cfg: Settings) -> dict:
-    """The state :func:`save_checkpoint` wrote in the run folder ``cfg.resume``.
+    """The state :func:`save_checkpoint` wrote in the run folder ``cfg.resume`` (or the
+    checkpoint folder itself), with its ``"reference"`` weights and its ``"buffer"`` folder.
 
     Raises:
-        SystemExit: no checkpoint there, or settings that change the model or the data.
+        SystemExit: no complete checkpoint there, one that is torn, truncated or changed
+            (:func:`torchrl_grpo.checkpoint.load_checkpoint`), or settings that change the
+            model or the data.
     """
     folder = Path(cfg.resume)
-    folder = folder if (folder / "state.pt").exists() else folder / CHECKPOINT
-    if not (folder / "state.pt").exists():
-        raise SystemExit(f"--resume {cfg.resume}: no checkpoint there ({folder / 'state.pt'}).")
-    state = torch.load(folder / "state.pt", weights_only=False)
-    saved = state["settings"]
-    changed = [k for k in SAME_ON_RESUME if saved[k] != getattr(cfg, k)]
+    folder = folder if folder.name.startswith(CHECKPOINT) else folder / CHECKPOINT
+    try:
+        saved = checkpoint.load_checkpoint(folder, weights_only=False)
+    except checkpoint.CheckpointError as error:
+        raise SystemExit(f"--resume {cfg.resume}: {error}") from error
+    state = saved.values["state"]
+    settings = state["settings"]
+    changed = [k for k in SAME_ON_RESUME if settings[k] != getattr(cfg, k)]
     if changed:
         raise SystemExit(
             "--resume: the checkpoint was made with "
-            + ", ".join(f"--{k.replace('_', '-')} {saved[k]!r}" for k in changed)
+            + ", ".join(f"--{k.replace('_', '-')} {settings[k]!r}" for k in changed)
             + "; pass the same (they shape the model or the data)."
         )
-    state["reference"] = torch.load(folder / "reference.pt", weights_only=True)
-    state["buffer"] = folder / "buffer"
-    return state
+    return {**state, "reference": saved.values["reference"], "buffer": saved.values["buffer"]}
 
 
 def restore(parts: dict, state: dict) -> None:
-    """Load a checkpoint's training state into freshly built ``parts`` (before training)."""
+    """Load a checkpoint's training state into freshly built ``parts`` (before training); the
+    schedule goes on from its saved progress (the rate continues the curve)."""
     parts["model"].load_state_dict(state["policy"])
     parts["optim"].load_state_dict(state["optimizer"])
     parts["schedule"].load_state_dict(state["schedule"])
+    schedule_progress(parts["schedule"]).load_state_dict(state["schedule_progress"])
     missing, unexpected = parts["loss"].load_state_dict(state["loss"], strict=False)
     if unexpected or any(not k.startswith("actor_network") for k in missing):
         raise SystemExit(f"--resume: the loss's state does not match: {missing + unexpected}")
@@ -985,8 +1067,7 @@ def main(argv=None, *, task: Task | None = None, model_and_tokenizer=None) -> di
     else:  # the warm start's weights: the reference, and where the policy's are loaded
         model.load_state_dict(state["reference"])
         acc_before = state["progress"]["acc_before"]
-        print(f"resumed {cfg.resume} after {state['progress']['seen']['step']} GRPO steps")
-    save_reference(run_dir / CHECKPOINT, model)
+    reference = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
     ref_model = None  # LoRA on the lean wrapper: the policy itself, its adapters disabled
     if not (cfg.lora_rank and cfg.lean):
         ref_model = copy.deepcopy(model).requires_grad_(False)  # the frozen reference policy
@@ -1001,9 +1082,16 @@ def main(argv=None, *, task: Task | None = None, model_and_tokenizer=None) -> di
     trained = [p for p in model.parameters() if p.requires_grad]  # the adapters, with LoRA
     optim = torch.optim.Adam(trained, lr=cfg.lr)
     schedule = lr_schedule(optim, cfg, deadline=start + cfg.time_limit)
+    grpo = schedule_progress(schedule)  # steps and seconds of GRPO: the schedule's, the stop's
     parts = dict(model=model, optim=optim, schedule=schedule, loss=loss_fn, rb=rb, gen=train_gen)
+    parts["reference"] = reference  # saved with every checkpoint
     if state is not None:  # the buffer's write count carries the trainer's frames and steps on
         restore(parts, state)
+        print(
+            f"resumed {cfg.resume} after {state['progress']['seen']['step']} GRPO steps and "
+            f"{grpo.seconds():.0f} s of GRPO; learning rate "
+            f"{optim.param_groups[0]['lr']:.3g}"
+        )
 
     trainer = GRPOTrainer(
         collector=collector,
@@ -1041,7 +1129,7 @@ def main(argv=None, *, task: Task | None = None, model_and_tokenizer=None) -> di
 
     def evaluate(_batch) -> dict:
         step = seen["step"]
-        out_of_time = time.perf_counter() - start > cfg.time_limit
+        out_of_time = grpo.out_of_time()  # its seconds of GRPO, a resumed run's too
         if out_of_time:
             trainer.request_stop()
             tqdm.write(f"time limit {cfg.time_limit:.0f} s reached after {step} GRPO steps")
@@ -1055,11 +1143,22 @@ def main(argv=None, *, task: Task | None = None, model_and_tokenizer=None) -> di
         )
         return {"accuracy": acc, "log_pbar": True}
 
+    def pause_or_save(_batch) -> None:
+        """After the step's evaluation: --stop-at-step, and --checkpoint-every's save."""
+        if cfg.stop_at_step and seen["step"] >= cfg.stop_at_step:
+            trainer.request_stop()
+        if cfg.checkpoint_every and seen["step"] % cfg.checkpoint_every == 0:
+            progress = {"history": history, "seen": seen, "acc_before": acc_before}
+            save_checkpoint(run_dir / CHECKPOINT, cfg, parts, progress)
+
     trainer.register_op("pre_steps_log", batch_reward)
     trainer.register_op("post_steps", schedule.step)
     trainer.register_op("post_steps_log", evaluate)
+    trainer.register_op("post_steps_log", pause_or_save)
     gc.freeze()  # the model and the pipeline live all run: keep them out of the GC's scans
-    if seen["step"] < cfg.steps:  # a resumed run that already did --steps: nothing to train
+    if state is not None and grpo.out_of_time():
+        print(f"the time limit ({cfg.time_limit:.0f} s) was spent before the checkpoint: raise it")
+    elif seen["step"] < min(cfg.steps, cfg.stop_at_step or cfg.steps):  # else: nothing to train
         trainer.train()
     step = history["eval_step"][-1]
     progress = {"history": history, "seen": seen, "acc_before": acc_before}

@@ -43,6 +43,13 @@ there, prints where the time of each process went and what became of every gener
 ends with one line::
 
     RESULT acc_before=<float> acc_after=<float> wall_s=<float> max_lag=<int>
+
+With the local backend, the run's folder also gets ``checkpoint/`` when it stops, every
+``--checkpoint-every`` steps, and when the sampler process dies (the trainer's state is whole
+then): ``--resume <run folder>`` goes on from it as ``llm_grpo.py`` does (the weights, the
+reference, the optimizer, the schedule and its progress, the loss, the buffer, the version, the
+curves; the sampler starts again where its prompts and versions were). The Ray backend keeps
+none: its collectors' prompt streams and its Ray buffer are not saved.
 """
 
 # ruff: noqa: E402  (the clock starts before the imports: wall_s covers the whole run)
@@ -56,6 +63,7 @@ CLOCK = {"start": T0, "first_call": True}
 import collections
 import contextlib
 import copy
+import dataclasses
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -77,7 +85,7 @@ from torchrl.record.loggers import CSVLogger, generate_exp_name
 from tqdm import tqdm
 from transformers.utils import logging as hf_logging
 
-from torchrl_grpo import GRPOLoss, MCAdvantage
+from torchrl_grpo import GRPOLoss, MCAdvantage, checkpoint
 from torchrl_grpo.llm import ExactLogProbsTransformersWrapper
 from torchrl_grpo.loss.variants import TIS, Decoupled
 
@@ -136,6 +144,11 @@ def check_settings(cfg: AsyncSettings) -> AsyncSettings:
         raise ValueError(f"--max-policy-lag must be at least 0, got {cfg.max_policy_lag}.")
     if cfg.correction not in ("decoupled", "tis"):
         raise ValueError(f"--correction must be decoupled or tis, got {cfg.correction!r}.")
+    if cfg.backend == "ray" and (cfg.resume or cfg.checkpoint_every or cfg.stop_at_step):
+        raise ValueError(
+            "--resume, --checkpoint-every and --stop-at-step: the local backend only (the Ray "
+            "collectors' prompt streams and the Ray buffer are not saved)."
+        )
     if cfg.backend == "local" and cfg.collectors != 1:
         raise ValueError(
             f"--collectors {cfg.collectors}: the local backend runs one sampler process (the "
@@ -191,17 +204,21 @@ class BehaviourLogProbs(Transform):
         return td
 
 
-def collector_env(tokenizer, task, cfg: AsyncSettings, seed: int, exclude: set[str]):
-    """One sampler's env (built in its process): ``llm_grpo.py``'s, fed by its own prompts."""
+def collector_env(tokenizer, task, cfg: AsyncSettings, seed: int, exclude: set[str], skip=0):
+    """One sampler's env (built in its process): ``llm_grpo.py``'s, fed by its own prompts;
+    ``skip``: the batches of prompts a resumed run's trainer had already taken, drawn and left
+    (the prompt stream goes on as if the run had not stopped)."""
     problems = sync.Problems(
         task, torch.Generator().manual_seed(seed), cfg.prompts_per_step, exclude
     )
+    for _ in range(skip):
+        sync.draw_problems(task, problems.gen, cfg.prompts_per_step, exclude, distinct=True)
     loader = DataLoader(problems, batch_size=None, collate_fn=lambda td: td)
     rows = cfg.prompts_per_step * cfg.group_size
     return sync.make_env(tokenizer, task, loader, batch=rows, repeats=cfg.group_size)
 
 
-def local_sampling(cfg: AsyncSettings, exclude: set[str]):
+def local_sampling(cfg: AsyncSettings, exclude: set[str], resumed: dict | None = None):
     """Run in the local backend's sampler process: its model (the weights come from the
     trainer), its sampler and torchrl's ``LLMCollector`` over its env; ``(sampler, batches)``.
 
@@ -209,6 +226,8 @@ def local_sampling(cfg: AsyncSettings, exclude: set[str]):
     "full")``, torchrl's ``RetrieveLogProb``): the reference is the warm-started model, the
     weights of version 0, copied when the first batch is generated; the sampler has the time
     (it waits for the trainer otherwise), and the trainer then scores the proximal policy only.
+    ``resumed``: a resumed run's ``{"batches": taken, "reference": weights}``: the prompts of
+    the batches taken are skipped, and the reference is the checkpoint's.
     """
     hf_logging.set_verbosity_error()
     task = sync.digit_sum_task(cfg.digits)
@@ -216,7 +235,8 @@ def local_sampling(cfg: AsyncSettings, exclude: set[str]):
     sampler = sync.make_sampler(
         model, tokenizer, cfg, cls=ExactLogProbsTransformersWrapper, return_log_probs=True
     )
-    env = collector_env(tokenizer, task, cfg, 1000 * (cfg.seed + 1), exclude)
+    skip = resumed["batches"] if resumed else 0
+    env = collector_env(tokenizer, task, cfg, 1000 * (cfg.seed + 1), exclude, skip)
     rows = cfg.prompts_per_step * cfg.group_size
     collector = LLMCollector(
         env,
@@ -231,6 +251,8 @@ def local_sampling(cfg: AsyncSettings, exclude: set[str]):
         for batch in collector:
             if reference is None:  # version 0 is loaded: the warm-started model
                 ref_model = copy.deepcopy(model).requires_grad_(False)
+                if resumed:  # a later version is loaded: the checkpoint's reference
+                    ref_model.load_state_dict(resumed["reference"])
                 ref = sync.make_scorer(
                     ref_model, tokenizer, cfg, "ref_log_probs", response_only=True
                 )
@@ -245,22 +267,27 @@ class LocalLink:
     """The trainer's end of the local backend: its buffer (``MCAdvantage``), fed by the
     sampler process one batch at a time, emptied once a step's rows are read."""
 
-    def __init__(self, cfg: AsyncSettings, exclude: set[str], view):
+    def __init__(self, cfg: AsyncSettings, exclude: set[str], view, resumed: dict | None = None):
         self.cfg, self.view = cfg, view
         self.rb = ReplayBuffer(storage=LazyStackStorage(cfg.prompts_per_step * cfg.group_size))
         transform = buffer_transform(cfg)
         self.rb.append_transform(transform)
         self.advantage = transform[-1]
+        self.batches = resumed["batches"] if resumed else 0  # taken from the sampler, in all
+        version = resumed["version"] if resumed else 0
+        sampling = partial(local_sampling, cfg, exclude, resumed)
         self.sampler = local.LocalSampler(
-            partial(local_sampling, cfg, exclude), view, cfg.max_policy_lag
+            sampling, view, cfg.max_policy_lag, first_version=version, first_batch=self.batches
         )
         self.timing, self.written = None, 0
 
     def start(self, weights) -> int:
-        """The warm-started weights out, version 0: the sampler (started before the warm
-        start, its imports and model built meanwhile) begins generating."""
-        self.advantage.consumer_version = 0
-        return self.sampler.publish(self.view)
+        """The warm-started weights out, version 0 (a resumed run's: its version): the
+        sampler (started before the warm start, its imports and model built meanwhile) begins
+        generating."""
+        version = self.sampler.publish(self.view)
+        self.advantage.consumer_version = version
+        return version
 
     def next_rows(self) -> TensorDict:
         """The rows of the sampler's next batch that the transform releases (all of them
@@ -269,6 +296,7 @@ class LocalLink:
             batch = self.sampler.next_batch()
             self.written += batch.numel()
             self.rb.extend(batch)
+            self.batches += 1
             if len(self.rb):
                 rows = self.rb[:]
                 self.rb.empty()
@@ -291,10 +319,11 @@ class LocalLink:
         self.timing = self.sampler.close()
 
 
-def start_link(cfg: AsyncSettings, exclude: set[str], view, tokenizer, task):
-    """The backend: ``LocalLink`` or the Ray one (``llm_async_ray.py``, imported only then)."""
+def start_link(cfg: AsyncSettings, exclude: set[str], view, tokenizer, task, resumed=None):
+    """The backend: ``LocalLink`` or the Ray one (``llm_async_ray.py``, imported only then);
+    ``resumed``: what a resumed local sampler needs (:func:`sampler_resume`)."""
     if cfg.backend == "local":
-        return LocalLink(cfg, exclude, view)
+        return LocalLink(cfg, exclude, view, resumed)
     try:
         import llm_async_ray
     except ImportError as err:
@@ -352,6 +381,10 @@ class Profile:
         self.seconds[name] += time.perf_counter() - start
 
 
+class SamplerLost(RuntimeError):
+    """The backend gave no rows (the sampler failed or died): the trainer's state is whole."""
+
+
 class Trainer:
     """The trainer's side of the loop: one GRPO step = the backend's next rows, scored, then
     ``--epochs`` passes of minibatch updates, the weights published."""
@@ -371,15 +404,44 @@ class Trainer:
         self.schedule = sync.lr_schedule(self.optim, cfg, deadline=CLOCK["start"] + cfg.time_limit)
         self.view = view  # the weights the samplers receive: the model as their class sees it
         self.version, self.trained = 0, 0
+        self.trained_before = 0  # a resumed run's rows trained before its checkpoint
         self.lags = collections.Counter()  # the lag of every trained row
         self.profile = Profile()
 
     def weights(self) -> TensorDict:
         return TensorDict.from_module(self.view).data
 
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps of the trainer: the weights, the optimizer, the schedule and
+        its progress, the loss's own state, the version and the counts of trained rows."""
+        actor = "actor_network"  # the policy's weights are saved once, as "policy"
+        return {
+            "policy": self.model.state_dict(),
+            "optimizer": self.optim.state_dict(),
+            "schedule": self.schedule.state_dict(),
+            "schedule_progress": sync.schedule_progress(self.schedule).state_dict(),
+            "loss": {k: v for k, v in self.loss_fn.state_dict().items() if not k.startswith(actor)},
+            "version": self.version,
+            "trained": self.trained,
+            "lags": dict(self.lags),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.model.load_state_dict(state["policy"])
+        self.optim.load_state_dict(state["optimizer"])
+        self.schedule.load_state_dict(state["schedule"])
+        sync.schedule_progress(self.schedule).load_state_dict(state["schedule_progress"])
+        self.loss_fn.load_state_dict(state["loss"], strict=False)
+        self.version, self.trained = state["version"], state["trained"]
+        self.trained_before = state["trained"]
+        self.lags = collections.Counter(state["lags"])
+
     def step(self) -> dict:
         with self.profile("wait for the sampler's rows"):
-            batch = self.link.next_rows()
+            try:
+                batch = self.link.next_rows()
+            except RuntimeError as error:  # nothing of this step has changed yet
+                raise SamplerLost(str(error)) from error
         with self.profile("score"), torch.no_grad():
             batch = self.score(batch)
         metrics = collections.defaultdict(list)
@@ -443,17 +505,24 @@ def log_step(logger, history, metrics: dict, step: int, lags: dict) -> None:
     history["policy_lag_max"].append(lags.get("policy_lag_max", float("nan")))
 
 
-def train(cfg, trainer: Trainer, eval_accuracy, logger, history) -> None:
-    """GRPO steps until ``--steps`` or ``--time-limit``, logging every metric and the
-    staleness of the trained rows (``trained_rows_lag_<k>``, cumulative)."""
-    bar = tqdm(range(1, cfg.steps + 1), desc="GRPO steps")
+def train(cfg, trainer: Trainer, eval_accuracy, logger, history, save=None) -> None:
+    """GRPO steps until ``--steps`` or ``--time-limit`` (a resumed run's count what ran before)
+    or ``--stop-at-step``, logging every metric and the staleness of the trained rows
+    (``trained_rows_lag_<k>``, cumulative); ``save()`` every ``--checkpoint-every`` steps."""
+    done = history["step"][-1] if history["step"] else 0  # a resumed run's steps
+    progress = sync.schedule_progress(trainer.schedule)
+    if progress.out_of_time():
+        print(f"the time limit ({cfg.time_limit:.0f} s) was spent before the checkpoint: raise it")
+        return
+    last = min(cfg.steps, cfg.stop_at_step or cfg.steps)
+    bar = tqdm(range(done + 1, last + 1), desc="GRPO steps")
     for step in bar:
         metrics = trainer.step()
         stats = trainer.link.advantage_stats()
         lags = {k: stats[k] for k in ("policy_lag_max", "policy_lag_mean") if k in stats}
         metrics.update(lags, stale_trajectories=stats["stale_trajectories"])
         metrics.update({f"trained_rows_lag_{k}": n for k, n in trainer.lags.items()})
-        out_of_time = time.perf_counter() - CLOCK["start"] > cfg.time_limit
+        out_of_time = progress.out_of_time()  # its seconds of GRPO, a resumed run's too
         if step % cfg.eval_every == 0 or step == cfg.steps or out_of_time:
             with trainer.profile("evaluate"):
                 metrics["accuracy"] = eval_accuracy()
@@ -461,13 +530,16 @@ def train(cfg, trainer: Trainer, eval_accuracy, logger, history) -> None:
             history["accuracy"].append(metrics["accuracy"])
         log_step(logger, history, metrics, step, lags)
         bar.set_postfix(reward=f"{metrics['reward']:.2f}", lag=metrics["sample_lag_max"])
+        if save is not None and cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
+            save()
         if out_of_time:
             tqdm.write(f"time limit {cfg.time_limit:.0f} s reached after {step} GRPO steps")
             break
 
 
 def report(trainer: Trainer, loop_s: float) -> dict:
-    """Where each process's time went, and what became of every generated row."""
+    """Where each process's time went, and what became of every row generated (in this
+    process: a resumed run's rows before its checkpoint are not counted)."""
     parts = ", ".join(f"{k} {v:.1f} s" for k, v in trainer.profile.seconds.items())
     print(f"profile, trainer ({loop_s:.1f} s of GRPO): {parts}")
     generated = 0
@@ -479,12 +551,13 @@ def report(trainer: Trainer, loop_s: float) -> dict:
     written = trainer.link.rows_written()
     stale = stats["stale_trajectories"]
     filtered = stats.get("dropped_trajectories", 0)
+    trained = trainer.trained - trainer.trained_before
     counts = {
         "generated": generated,
-        "trained": trainer.trained,
+        "trained": trained,
         "stale": stale,
         "filtered": filtered,
-        "overwritten_or_unread": max(0, written - trainer.trained - stale - filtered),
+        "overwritten_or_unread": max(0, written - trained - stale - filtered),
         "unused_at_the_stop": max(0, generated - written),
     }
     print("rows: " + ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in counts.items()))
@@ -498,8 +571,9 @@ def eval_problems(cfg, task):
     return sync.draw_problems(task, torch.Generator().manual_seed(1234), cfg.eval_prompts, set())
 
 
-def warm_started(cfg, task, model, tokenizer):
-    """``llm_grpo.py``'s warm start and evaluation: accuracies compare."""
+def warm_started(cfg, task, model, tokenizer, warm: bool = True):
+    """``llm_grpo.py``'s warm start and evaluation: accuracies compare (``warm=False``: the
+    evaluation only, for a resumed run)."""
     eval_problems_ = eval_problems(cfg, task)
     held_out = set(eval_problems_["query"])
     train_gen = torch.Generator().manual_seed(cfg.seed)
@@ -507,16 +581,43 @@ def warm_started(cfg, task, model, tokenizer):
     greedy = sync.make_sampler(model, tokenizer, cfg, greedy=True)
     val_accuracy = sync.GreedyAccuracy(tokenizer, task, val_problems, greedy)
     eval_accuracy = sync.GreedyAccuracy(tokenizer, task, eval_problems_, greedy)
+    if not warm:
+        return eval_accuracy, 0
     sft_steps = sync.warm_start(model, tokenizer, cfg, task, train_gen, held_out, val_accuracy)
     return eval_accuracy, sft_steps
 
 
+def save_checkpoint(folder: Path, cfg, trainer: Trainer, history, acc_before, reference) -> None:
+    """What a stopped run needs to go on, as ``llm_grpo.py`` saves it (one swap, each piece
+    stamped with the GRPO steps done): the buffer (``MCAdvantage``'s pending groups), the
+    warm-started weights, the trainer's state (:meth:`Trainer.state_dict`), the curves, and
+    the batches taken from the sampler (where a resumed sampler's prompts go on)."""
+    steps = history["step"][-1] if history["step"] else 0
+    progress = {"history": dict(history), "acc_before": acc_before, "step": steps}
+    progress["batches"] = trainer.link.batches
+    state = {"settings": dataclasses.asdict(cfg), **trainer.state_dict(), "progress": progress}
+    state["rng"] = torch.get_rng_state()
+    pieces = {"buffer": trainer.link.rb, "reference": reference, "state": state}
+    checkpoint.save_checkpoint(folder, pieces, stamp=steps)
+
+
+def sampler_resume(state: dict | None) -> dict | None:
+    """What a resumed run's sampler needs of the checkpoint: the batches taken (their prompts
+    are skipped), the version to publish first, the reference weights."""
+    if state is None:
+        return None
+    batches, version = state["progress"]["batches"], state["version"]
+    return {"batches": batches, "version": version, "reference": state["reference"]}
+
+
 def main(argv=None) -> dict:
-    """Warm start, then asynchronous GRPO; returns the accuracies, wall time, largest policy
-    lag, the run's folder, how far the weights moved during GRPO and the rows' counts."""
+    """Warm start (or a checkpoint, ``--resume``), then asynchronous GRPO; returns the
+    accuracies, wall time, largest policy lag, the run's folder, how far the weights moved
+    during GRPO and the rows' counts."""
     CLOCK["start"] = T0 if CLOCK["first_call"] else time.perf_counter()
     CLOCK["first_call"] = False
-    cfg = check_settings(sync.parse_args(argv, settings_cls=AsyncSettings))
+    cfg = check_settings(sync.parse_args(argv, settings_cls=AsyncSettings, checkpoints=True))
+    state = sync.load_checkpoint(cfg) if cfg.resume else None  # refused before any work
     task = sync.digit_sum_task(cfg.digits)
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
@@ -528,25 +629,48 @@ def main(argv=None) -> dict:
         held_out = set(eval_problems(cfg, task)["query"])
         view = sync.make_sampler(model, tokenizer, cfg, cls=ExactLogProbsTransformersWrapper)
         # the backend first: the local sampler process imports and builds its model meanwhile
-        link = start_link(cfg, held_out, view, tokenizer, task)
-        eval_accuracy, sft_steps = warm_started(cfg, task, model, tokenizer)
-        acc_before = eval_accuracy()
-        print(
-            f"warm start: {sft_steps} supervised steps, greedy {task.metric} {acc_before:.3f} on "
-            f"{cfg.eval_prompts} held-out prompts ({time.perf_counter() - CLOCK['start']:.0f} s)"
-        )
+        link = start_link(cfg, held_out, view, tokenizer, task, sampler_resume(state))
+        eval_accuracy, sft_steps = warm_started(cfg, task, model, tokenizer, state is None)
+        if state is None:
+            acc_before = eval_accuracy()
+            print(
+                f"warm start: {sft_steps} supervised steps, greedy {task.metric} "
+                f"{acc_before:.3f} on {cfg.eval_prompts} held-out prompts "
+                f"({time.perf_counter() - CLOCK['start']:.0f} s)"
+            )
+        else:  # the warm start's weights: the reference, and where the policy's are loaded
+            model.load_state_dict(state["reference"])
+            acc_before = state["progress"]["acc_before"]
+        reference = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
         ref_model = copy.deepcopy(model).requires_grad_(False)
         start = [p.detach().clone() for p in model.parameters()]
         trainer = Trainer(cfg, model, ref_model, tokenizer, view)
         trainer.link = link
+        history = collections.defaultdict(list, eval_step=[0], accuracy=[acc_before])
+        if state is not None:
+            trainer.load_state_dict(state)
+            link.rb.loads(state["buffer"])
+            torch.set_rng_state(state["rng"])
+            history.update(state["progress"]["history"])
+            print(f"resumed {cfg.resume} after {state['progress']['step']} GRPO steps")
         trainer.version = link.start(trainer.weights())
         logger = CSVLogger(
             generate_exp_name(task.name + "_async", f"seed{cfg.seed}"), log_dir=cfg.out
         )
-        history = collections.defaultdict(list, eval_step=[0], accuracy=[acc_before])
+        folder = Path(logger.log_dir) / logger.exp_name / sync.CHECKPOINT
+        save = None
+        if cfg.backend == "local":  # the Ray backend's collectors and buffer are not saved
+            save = partial(save_checkpoint, folder, cfg, trainer, history, acc_before, reference)
         loop_start = time.perf_counter()
-        train(cfg, trainer, eval_accuracy, logger, history)
+        try:
+            train(cfg, trainer, eval_accuracy, logger, history, save)
+        except SamplerLost as error:  # the trainer's state is whole: keep it
+            if save is not None:
+                save()
+            raise SamplerLost(f"{error}\nits state is saved: --resume {folder.parent}") from error
         loop_s = time.perf_counter() - loop_start
+        if save is not None:
+            save()
     finally:
         if link is not None:
             link.close()

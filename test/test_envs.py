@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import warnings
 from collections import Counter
@@ -391,8 +392,42 @@ class TestResume:
         assert all(n == 3 for n in stored.values())  # each with exactly G episodes
 
     def test_without_resume_pending_groups_wait_forever(self, tmp_path):
-        pending, _, _, stored = self.run(tmp_path, "stream", resume=False)
-        assert not set(pending) <= set(stored)  # what resume() is for
+        """What resume() is for; the first reset without it names the remedy and the seeds
+        whose groups can no longer complete."""
+        with pytest.warns(RuntimeWarning, match=r"without SameStartGroups.resume") as caught:
+            pending, running, _, stored = self.run(tmp_path, "stream", resume=False)
+        assert not set(pending) <= set(stored)
+        (message,) = [str(w.message) for w in caught if "resume(advantage)" in str(w.message)]
+        assert f"seeds {sorted(set(running))}" in message
+
+    def test_a_torn_buffer_is_refused_naming_the_seeds(self, tmp_path):
+        """The buffer saved two batches after the env state (what a kill between two in-place
+        writes leaves): its pending groups hold episodes the state never started; resume()
+        names them and changes nothing."""
+        torch.manual_seed(0)
+        env, rb, advantage, collector, _ = self.build("stream")
+        batches = iter(collector)
+        rb.extend(next(batches))
+        state = copy.deepcopy(env.transform.state_dict())  # the state of batch 1 ...
+        for _ in range(3):
+            rb.extend(next(batches))
+        collector.shutdown()
+        rb.dumps(tmp_path / "buffer")  # ... beside the buffer of batch 4
+        fresh = TransformedEnv(vector_env(5), SameStartGroups(3, seeds=range(1000)))
+        fresh.transform.load_state_dict(state)
+        restored = MCAdvantage(3, prompt_key="reset_seed", trajectory_return="sum")
+        ReplayBuffer(storage=LazyTensorStorage(50_000)).append_transform(restored).loads(
+            tmp_path / "buffer"
+        )
+        started = fresh.transform.episodes_started
+        never = sorted(s for s, held in restored.queues.items() if s > (started - 1) // 3)
+        held = restored.get_stats()
+        with pytest.raises(ValueError, match=rf"never started \(seed {never[0]}: ") as error:
+            fresh.transform.resume(restored)
+        assert "torn checkpoint" in str(error.value)
+        assert all(f"seed {seed}:" in str(error.value) for seed in never)
+        assert restored.get_stats() == held and fresh.transform.replays == []
+        assert fresh.transform.running_seeds == state["_extra_state"]["running"]
 
     def test_replays_are_served_first_and_saved(self):
         env = TransformedEnv(vector_env(2), SameStartGroups(2, seeds=range(50)))
@@ -436,7 +471,8 @@ class TestResume:
         env.transform.load_state_dict(saved.state_dict())
         assert env.transform.running_seeds == [1, 2, 2]
         env.step(env.rand_action(td))  # no shape error
-        env.reset()
+        with pytest.warns(RuntimeWarning, match=r"seeds \[1, 2\], running at the checkpoint"):
+            env.reset()  # loaded without resume(): those groups can no longer complete
         assert len(env.transform.running_seeds) == 4  # the live sub-envs' seeds
 
     def test_resume_twice_counts_the_replays_still_queued(self):

@@ -20,6 +20,8 @@ from torchrl.envs import ExplorationType, GymWrapper
 
 from torchrl_grpo import evaluate
 
+from torchrl_grpo.checkpoint import load_checkpoint
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "cartpole_grpo.py"
 RESULT = re.compile(
@@ -253,11 +255,17 @@ class TestCartPoleDemo:
             (run_dir,) = (tmp_path / out).glob("seed0-*")
             return run_dir
 
-        first = run("first", "--max-iterations", "2")
-        saved = torch.load(first / "checkpoint" / "state.pt", weights_only=False)
+        def state(run_dir):
+            saved = load_checkpoint(run_dir / "checkpoint", weights_only=False)
+            assert saved.stamp == saved.values["state"]["progress"]["iterations"]
+            return saved.values["state"]
+
+        first = run("first", "--max-iterations", "2", "--checkpoint-every", "1")
+        saved = state(first)
         assert saved["progress"]["iterations"] == 2
+        assert sorted(p.name for p in first.iterdir() if "checkpoint" in p.name) == ["checkpoint"]
         second = run("second", "--max-iterations", "4", "--resume", str(first))
-        state = torch.load(second / "checkpoint" / "state.pt", weights_only=False)
+        state = state(second)
         progress = state["progress"]
         assert progress["iterations"] == 4 and len(progress["evals"]) == 4
         assert progress["env_steps"] > saved["progress"]["env_steps"]
@@ -279,6 +287,9 @@ class TestCartPoleDemo:
 
         with pytest.raises(SystemExit, match="--group-size 4"):
             example.main([*small, "--group-size", "8", "--resume", str(first)])
+        (first / "checkpoint" / "state.pt").write_bytes(b"")  # truncated: refused, named
+        with pytest.raises(SystemExit, match=r"piece 'state' cannot be read .*state.pt: 0 bytes"):
+            example.main([*small, "--resume", str(first)])
 
     def test_zero_epochs_plays_and_logs_without_a_loss(self, example, tmp_path):
         # issue 13: --epochs 0 died with a NameError when logging the loss it never computed

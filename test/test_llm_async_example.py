@@ -170,3 +170,53 @@ def test_the_lag_bound_is_checked_by_the_sampler_too(ex):
 
     with pytest.raises(ValueError, match="max_policy_lag must be at least 0"):
         llm_async_local.LocalSampler(_raising_sampling, torch.nn.Linear(2, 2), max_lag=-1)
+
+
+def _endless_sampling():
+    import torch
+    from tensordict import TensorDict
+
+    batches = (TensorDict(x=torch.zeros(1), batch_size=[1]) for _ in iter(int, 1))
+    return torch.nn.Linear(2, 2), batches
+
+
+def test_a_resumed_sampler_goes_on_from_its_version_and_batch(ex):
+    """A resumed run's sampler: the first version published is the checkpoint's, and its batch
+    numbers go on, so that backpressure lets it generate at once."""
+    import llm_async_local
+    import torch
+
+    sampler = llm_async_local.LocalSampler(
+        _endless_sampling, torch.nn.Linear(2, 2), max_lag=1, first_version=5, first_batch=5
+    )
+    try:
+        assert sampler.publish(torch.nn.Linear(2, 2)) == 5
+        versions = [sampler.next_batch()["policy_version"].tolist() for _ in range(2)]
+        assert versions == [[5], [5]]  # batches 5 and 6 wait for versions 4 and 5
+    finally:
+        sampler.close(timeout=5)
+
+
+def test_a_resumed_sampler_skips_the_prompts_taken(ex):
+    """The prompts of the batches a checkpoint's trainer had taken are not drawn again: the
+    env with ``skip=2`` starts with the third batch of the stream."""
+    import llm_grpo
+
+    cfg = llm_grpo.parse_args(TINY, settings_cls=ex.AsyncSettings)
+    task, tokenizer = llm_grpo.digit_sum_task(), llm_grpo.make_tokenizer()
+    fresh = ex.collector_env(tokenizer, task, cfg, seed=7, exclude=set())
+    queries = [fresh.reset()["query"] for _ in range(3)]
+    resumed = ex.collector_env(tokenizer, task, cfg, seed=7, exclude=set(), skip=2)
+    assert resumed.reset()["query"] == queries[2] != queries[0]
+
+
+def test_checkpoints_are_the_local_backends(ex):
+    import llm_grpo
+
+    cfg = llm_grpo.parse_args(
+        [*TINY, "--backend", "ray", "--checkpoint-every", "2"],
+        settings_cls=ex.AsyncSettings,
+        checkpoints=True,
+    )
+    with pytest.raises(ValueError, match="the local backend only"):
+        ex.check_settings(cfg)

@@ -15,6 +15,8 @@ import pytest
 import torch
 from tensordict import TensorDict
 
+from torchrl_grpo.checkpoint import load_checkpoint
+
 try:
     import transformers  # noqa: F401
 except ImportError:
@@ -310,6 +312,53 @@ class TestLearningRateSchedule:
     def test_no_time_left(self, ex):
         assert self._factors(ex, deadline_s=0.0) == [0.0] * 21
 
+    def _resumed(self, ex, deadline_s: float, stop: int, more_time: float = 0.0) -> list[float]:
+        """The rates of a schedule of 20 steps stopped after ``stop`` (1 s per step) and
+        restored in a new process (its clock elsewhere, its deadline its own), as the example's
+        checkpoint does; the rates from the stop on, the restored one first."""
+        cfg = ex.parse_args([*TINY, "--steps", "20", "--warmup-steps", "4"])
+        optim = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+        clock = self.Clock()
+        schedule = ex.lr_schedule(optim, cfg, deadline=deadline_s, clock=clock)
+        for _ in range(stop):
+            optim.step()
+            clock.now += 1.0
+            schedule.step()
+        progress = ex.schedule_progress(schedule)
+        saved = (optim.state_dict(), schedule.state_dict(), progress.state_dict())
+        cfg.time_limit += more_time  # the resumed run's --time-limit
+        optim = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+        clock = self.Clock()
+        clock.now = 5000.0
+        schedule = ex.lr_schedule(optim, cfg, deadline=clock.now + 7.0, clock=clock)
+        optim.load_state_dict(saved[0])
+        schedule.load_state_dict(saved[1])
+        ex.schedule_progress(schedule).load_state_dict(saved[2])
+        rates = [optim.param_groups[0]["lr"]]
+        for _ in range(stop, 20):
+            optim.step()
+            clock.now += 1.0
+            schedule.step()
+            rates.append(optim.param_groups[0]["lr"])
+        return rates
+
+    @pytest.mark.parametrize("deadline_s", [3600.0, 10.0], ids=["steps", "time"])
+    def test_a_resume_continues_the_curve(self, ex, deadline_s):
+        """Stopped at step 6 (a kill, --stop-at-step): the restored rate is the stop's, and
+        the next ones the uninterrupted run's, whether the steps or the time limit lead (the
+        time's share counts the seconds before the checkpoint, not the new process's clock)."""
+        whole = self._factors(ex, deadline_s=deadline_s)
+        assert self._resumed(ex, deadline_s, stop=6) == pytest.approx(whole[6:], abs=1e-12)
+
+    def test_a_spent_time_limit_stays_spent_unless_raised(self, ex):
+        """Stopped by the time limit (step 10 of 20, the rate 0): resumed with the same limit,
+        the rate stays 0 and the run is out of time; with 10 s more, the rest of the curve
+        stretches over the new budget, as a raised --steps does."""
+        assert self._resumed(ex, 10.0, stop=10) == [0.0] * 11
+        stretched = self._resumed(ex, 10.0, stop=10, more_time=10.0)
+        assert stretched[0] == 0.0  # the stop's rate, restored
+        assert stretched[1:] == pytest.approx(self.expected([k / 20 for k in range(11, 21)], 0.2))
+
 
 def test_help_describes_every_setting_with_its_default(ex):
     """``--help`` as the CartPole example's: every flag with a description and its default."""
@@ -505,22 +554,28 @@ def test_logger_choice(ex, tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("lora", [[], ["--lora-rank", "2"]], ids=["weights", "lora"])
 def test_resume_goes_on_from_the_checkpoint(ex, tmp_path, lora):
-    """A run of 2 steps, then ``--resume`` to 3: the steps, curves, logger steps and the
-    transform's counters go on from the checkpoint, the reference is the first run's warm start,
+    """A run of 4 steps stopped at step 2 (``--stop-at-step``), then ``--resume`` to step 3: the
+    steps, curves, logger steps and the transform's counters go on from the checkpoint, the
+    learning rate continues the curve of 4 steps, the reference is the first run's warm start,
     a resume with no step left changes no weight, and a setting that shapes the model is
     refused."""
     args = ["--eval-every", "1", *TINY, "--sft-max-steps", "3", "--time-limit", "1e6", *lora]
-    first = ex.main([*args, "--steps", "2", "--out", str(tmp_path / "first")])["run_dir"]
-    saved = torch.load(first / "checkpoint" / "state.pt", weights_only=False)
-    assert saved["progress"]["seen"]["step"] == 2
-    second = ex.main([*args, "--steps", "3", "--resume", str(first), "--out", str(tmp_path / "b")])
-    state = torch.load(second["run_dir"] / "checkpoint" / "state.pt", weights_only=False)
+    args += ["--steps", "4", "--checkpoint-every", "1"]
+    first = ex.main([*args, "--stop-at-step", "2", "--out", str(tmp_path / "first")])["run_dir"]
+    saved = load_checkpoint(first / "checkpoint", weights_only=False)
+    assert saved.stamp == saved.values["state"]["progress"]["seen"]["step"] == 2
+    rates = [5e-4 * f for f in TestLearningRateSchedule.expected([2 / 4, 3 / 4], 3 / 4)]
+    assert saved.values["state"]["schedule"]["_last_lr"] == pytest.approx([rates[0]])
+    more = [*args, "--stop-at-step", "3", "--resume", str(first)]
+    second = ex.main([*more, "--out", str(tmp_path / "b")])
+    resumed = load_checkpoint(second["run_dir"] / "checkpoint", weights_only=False)
+    state = resumed.values["state"]
     progress = state["progress"]
     assert progress["seen"]["step"] == 3 and progress["history"]["step"] == [1, 2, 3]
+    assert state["schedule"]["_last_lr"] == pytest.approx([rates[1]])  # the curve of 4 steps
     assert progress["seen"]["completions"] == 3 * 16  # the transform's counters went on
-    assert second["acc_before"] == saved["progress"]["acc_before"]
-    reference = torch.load(first / "checkpoint" / "reference.pt")
-    again = torch.load(second["run_dir"] / "checkpoint" / "reference.pt")
+    assert second["acc_before"] == saved.values["state"]["progress"]["acc_before"]
+    reference, again = saved.values["reference"], resumed.values["reference"]
     assert all(torch.equal(reference[k], again[k]) for k in reference)
     with open(second["run_dir"] / "scalars" / "reward.csv") as f:  # the trainer's frames go on
         steps = [int(row[0]) for row in csv.reader(f)]
@@ -528,8 +583,13 @@ def test_resume_goes_on_from_the_checkpoint(ex, tmp_path, lora):
         before = [int(row[0]) for row in csv.reader(f)]
     assert len(steps) == 1 and steps[0] > before[-1]
 
-    same = ex.main([*args, "--steps", "2", "--resume", str(first), "--out", str(tmp_path / "c")])
-    kept = torch.load(same["run_dir"] / "checkpoint" / "state.pt", weights_only=False)
-    assert all(torch.equal(saved["policy"][k], kept["policy"][k]) for k in saved["policy"])
+    same = [*args, "--stop-at-step", "2", "--resume", str(first), "--out", str(tmp_path / "c")]
+    kept = load_checkpoint(ex.main(same)["run_dir"] / "checkpoint", weights_only=False)
+    policy = saved.values["state"]["policy"]
+    assert all(torch.equal(policy[k], kept.values["state"]["policy"][k]) for k in policy)
+    # a time limit the checkpoint's seconds of GRPO already spent: nothing trains, same rate
+    spent = [*args, "--time-limit", "0", "--resume", str(first), "--out", str(tmp_path / "d")]
+    spent = load_checkpoint(ex.main(spent)["run_dir"] / "checkpoint", weights_only=False)
+    assert spent.stamp == 2 and spent.values["state"]["schedule"]["_last_lr"] == [rates[0]]
     with pytest.raises(SystemExit, match="--group-size 4"):
         ex.main([*args, "--group-size", "2", "--resume", str(first), "--out", str(tmp_path)])

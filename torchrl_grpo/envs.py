@@ -233,6 +233,10 @@ class SameStartGroups(Transform):
         episodes it started that the buffer does not hold: each such group gets its ``G``
         episodes. Also forgets what ran: the next reset starts from the queue.
 
+        A buffer that holds more episodes of a seed than this transform started (the buffer
+        saved after the env state: a torn checkpoint) is refused, naming the seeds, before
+        anything changes.
+
         A group can also have left the transform short of ``G`` (released short with
         ``min_group_size``, evicted by a limit, stale trajectories dropped): a running seed whose
         group is not pending is then ambiguous (its group may be gone, or none of its episodes
@@ -249,6 +253,10 @@ class SameStartGroups(Transform):
         Returns:
             ``{seed: episodes queued again}``, the groups completed by the replays.
 
+        Raises:
+            ValueError: a pending group holds more episodes than its seed was started (the
+                seeds named); nothing changed.
+
         Examples:
             >>> from torchrl.envs import GymEnv, TransformedEnv
             >>> from torchrl_grpo import SameStartGroups
@@ -262,12 +270,15 @@ class SameStartGroups(Transform):
             >>> int(fresh.reset()["reset_seed"]), fresh.transform.episodes_started
             (0, 1)
         """
-        short = False  # whether a group may have left the transform short of G
+        short, advantage = False, None  # whether a group may have left the transform short
         if hasattr(pending, "forget_trajectory_ids"):  # an MCAdvantage
             stats = pending.get_stats()
             short = any(stats[k] for k in ("evicted_groups", "short_groups", "stale_trajectories"))
-            pending.forget_trajectory_ids()
+            advantage = pending
             pending = {group: len(held) for group, held in pending.queues.items()}
+        self._check_started(pending)  # before anything changes
+        if advantage is not None:
+            advantage.forget_trajectory_ids()
         queued, running = Counter(self._replays), Counter(self.running_seeds)
         replays, ambiguous = {}, []
         for seed in dict.fromkeys([*running, *pending]):  # in order, each once
@@ -292,6 +303,24 @@ class SameStartGroups(Transform):
         self._running, self._restored_running, self._unplayed = None, [], None
         self.replay(replays)
         return replays
+
+    def _check_started(self, pending: Mapping) -> None:
+        """Refuse a buffer holding more episodes of a seed than this transform started: the
+        buffer and the env state were saved at different times (a torn checkpoint)."""
+        extra = {}
+        for seed, held in pending.items():
+            rank = self._rank(seed)
+            if rank is not None and held > self._started(rank):
+                extra[int(seed)] = (int(held), self._started(rank))
+        if extra:
+            named = ", ".join(f"seed {s}: {h} held, {n} started" for s, (h, n) in extra.items())
+            raise ValueError(
+                f"{type(self).__name__}.resume: the buffer holds episodes this transform never "
+                f"started ({named}; {self.episodes_started} episodes started in all): the "
+                "buffer and the env transform's state come from different saves (a torn "
+                "checkpoint); nothing was changed. Load a buffer and a state saved together "
+                "(torchrl_grpo.checkpoint.save_checkpoint stamps and checks them)."
+            )
 
     def _rank(self, seed) -> int | None:
         """The position of ``seed`` in :attr:`seeds`, ``None`` if it is not there."""
@@ -386,6 +415,8 @@ class SameStartGroups(Transform):
         self._unplayed[mask] = seeds
         self._running = self._per_env(self._running, batch)
         self._running[mask] = seeds
+        if self._restored_running:  # a checkpoint loaded, resume() not called
+            _warn_not_resumed(self, self._restored_running)
         self._restored_running = []  # this env's own episodes now
         seed = torch.full(batch, -1, dtype=torch.long, device=tensordict_reset.device)
         seed[mask.to(seed.device)] = seeds.to(seed.device)
@@ -465,6 +496,21 @@ class SameStartGroups(Transform):
 
 
 # --- helpers ------------------------------------------------------------------------------------
+
+
+def _warn_not_resumed(transform: SameStartGroups, seeds: list[int]) -> None:
+    """The first reset after a checkpoint was loaded without :meth:`SameStartGroups.resume`:
+    the episodes that were running are lost, and their groups can no longer complete."""
+    warnings.warn(
+        f"{type(transform).__name__}: a checkpoint was loaded and the env reset without "
+        f"{type(transform).__name__}.resume(advantage): the episodes of seeds "
+        f"{sorted(set(seeds))}, running at the checkpoint, will never be played, so their "
+        "groups can no longer complete (they stay pending in MCAdvantage: see "
+        "queued_groups). Call env.transform.resume(advantage) after loading the checkpoint, "
+        "before the collector starts: it plays them again.",
+        RuntimeWarning,
+        stacklevel=3,
+    )
 
 
 def _check_group_size(group_size) -> int:

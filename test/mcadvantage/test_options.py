@@ -54,7 +54,7 @@ class TestMakeOptions:
         assert options.estimator.trajectory_return == "sum"
         assert options.limits == Limits(3, None, "drop_oldest")
         assert options.trajectory_keys == TrajectoryKeys(
-            ("collector", "traj_ids"), ("next", "done"), "step_count"
+            ("collector", "traj_ids"), ("next", "done"), "step_count", group="seed"
         )
         assert make_options(2, traj_key=None).trajectory_keys.count is None
 

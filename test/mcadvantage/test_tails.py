@@ -381,11 +381,16 @@ class TestRestarts:
     """A collector started again numbers its trajectories from 0 again."""
 
     def test_a_trajectory_that_starts_at_step_0_is_new(self):
-        first = join(Tails(), steps([0, 1], [True, False], [0, 0], [0, 1]), KEYS, 0)
+        keys = KEYS._replace(group="value")  # the group id: the value of a tail's first step
+        first = join(Tails(), steps([0, 1], [True, False], [0, 0], [0, 1]), keys, 0)
         first.tails.registry.mark(first.ended, ENDED)  # as a commit does
         again = steps([0, 1], [False, True], [0, 0], [5, 6])  # ids from 0 again
-        with pytest.warns(RuntimeWarning, match=r"ids \[1\] .* start again at step 0"):
-            joined = join(first.tails, again, KEYS, 1)
+        with pytest.warns(RuntimeWarning, match=r"ids \[1\] .* start again at step 0") as caught:
+            joined = join(first.tails, again, keys, 1)
+        # the remedy and the group that lost its member are named, and counted
+        (message,) = [str(w.message) for w in caught]
+        assert "the groups [1] they belong to can no longer complete" in message
+        assert "SameStartGroups.resume(transform)" in message and joined.stranded == 1
         assert joined.complete["value"].tolist() == [6]  # the new trajectory 1, not the held
         assert (joined.dropped_steps, joined.dropped_tails) == (1, 1)  # old 1's held step
         assert joined.tails.meta[:, TAIL_ID].tolist() == [0]  # the new trajectory 0, held
@@ -426,10 +431,14 @@ class TestRestarts:
             with pytest.raises(ValueError, match="forget_trajectory_ids"):
                 collect(rb, collector, 1)
             transform.forget_trajectory_ids()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)  # a held tail given up, if any
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", RuntimeWarning)  # a held tail given up, if any
             collect(rb, collector, 4)
         collector.shutdown()
         after = transform.get_stats()
+        restarted = [str(w.message) for w in caught if "start again at step 0" in str(w.message)]
+        # each restart's warning names the groups it strands, and the report counts them
+        assert bool(restarted) == (after["stranded_groups"] > 0)
+        assert all("SameStartGroups.resume" in m for m in restarted)
         assert after["completed_trajectories"] > before["completed_trajectories"]
         assert after["written_groups"] > before["written_groups"] and len(rb) > 0

@@ -134,6 +134,7 @@ def _join_tails(options: Options, state: State, tensordict: TensorDictBase):
             **stats,
             "evicted_steps": stats["evicted_steps"] + joined.dropped_steps,
             "evicted_trajectories": stats["evicted_trajectories"] + joined.dropped_tails,
+            "stranded_groups": stats["stranded_groups"] + joined.stranded,
         }
     state = state._replace(tails=joined.tails, stats=stats)
     marks, tops = ((joined.ended, ENDED),), (joined.top,)

@@ -62,6 +62,7 @@ class TrajectoryKeys(NamedTuple):
     traj: NestedKey | None  # the trajectory id
     done: NestedKey
     count: NestedKey | None  # a step counter (0 at a trajectory's first step), if any
+    group: NestedKey | None = None  # the group id, read to name the groups a restart strands
 
 
 class StepGroups(NamedTuple):
@@ -312,6 +313,7 @@ def make_options(
             traj=traj_key,
             done=done_key,
             count=kw["step_count_key"] if traj_key is not None else None,
+            group=prompt_key,
         ),
         estimator=_estimator(kw, trajectory_return, bool(weights)),
         group_filter=_group_filter(kw, trajectory_return),

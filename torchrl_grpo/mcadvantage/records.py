@@ -193,6 +193,7 @@ class Joined(NamedTuple):
     dropped_steps: int  # steps given up: arriving for given-up ids, or held for restarted ids
     dropped_tails: int = 0  # held tails given up because their id started again at step 0
     restarted: Tensor | None = None  # ids that ended before and started again (running again)
+    stranded: int = 0  # groups of the held tails given up by a restart (they lost a member)
     top: int | None = None  # one more than the largest of ``ended``, where read (else None)
 
 

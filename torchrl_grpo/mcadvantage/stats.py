@@ -52,6 +52,9 @@ STAT_NAMES = (
     "stale_trajectories",
     # beyond torchrl: groups released with fewer than grpo_size trajectories (min_group_size)
     "short_groups",
+    # beyond torchrl: groups whose unfinished trajectories a collector started again gave up
+    # (a restart without SameStartGroups.resume): they can no longer complete
+    "stranded_groups",
 )
 #: Beyond the counters: the policy lags of the groups the last insertion that completed any
 #: completed (see :mod:`~torchrl_grpo.mcadvantage.staleness`); absent until known.

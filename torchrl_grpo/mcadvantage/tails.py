@@ -120,7 +120,7 @@ def _join_read(tails: Tails, tensordict: TensorDictBase, keys: TrajectoryKeys, c
     pieces = _split_by_id(ids, done, keys)
     sorted_count = None if count is None else count[pieces.order]
     status = registry.status(pieces.ids)  # (p,)
-    tails, status, restarted = _restarts(tails, pieces, sorted_count, status)
+    tails, status, restarted = _restarts(tails, pieces, sorted_count, status, keys.group)
     if bool((status == ENDED).any()):
         raise ValueError(
             f"MCAdvantage: trajectory id {int(pieces.ids[status == ENDED][0])} under "
@@ -160,12 +160,7 @@ def _join_read(tails: Tails, tensordict: TensorDictBase, keys: TrajectoryKeys, c
     )
     dropped = int(pieces.lengths[given_up].sum()) if bool(given_up.any()) else 0
     if restarted[0].numel():  # said once nothing can reject the insertion any more
-        warn(
-            f"MCAdvantage: trajectory ids {restarted[0].tolist()[:8]} under {keys.traj!r} start "
-            "again at step 0 while unfinished trajectories with these ids are held: taken for "
-            f"new trajectories (a collector that restarted?); the {restarted[1]} held steps are "
-            "given up (evicted_steps)."
-        )
+        _warn_restarted(keys, *restarted[:2], restarted[3])
     return Joined(
         complete=complete,
         tails=new_tails,
@@ -173,6 +168,22 @@ def _join_read(tails: Tails, tensordict: TensorDictBase, keys: TrajectoryKeys, c
         dropped_steps=dropped + restarted[1],
         dropped_tails=restarted[0].numel(),
         restarted=restarted[2],
+        stranded=len(set(restarted[3])),
+    )
+
+
+def _warn_restarted(keys: TrajectoryKeys, ids: Tensor, steps: int, groups: list) -> None:
+    """Held tails given up because their ids start again at step 0 (a collector started again,
+    a checkpoint loaded): their groups lost a member and can no longer complete."""
+    named = f"the groups {sorted(set(groups), key=str)[:8]}" if groups else "their groups"
+    warn(
+        f"MCAdvantage: trajectory ids {ids.tolist()[:8]} under {keys.traj!r} start again at "
+        "step 0 while unfinished trajectories with these ids are held: taken for new "
+        f"trajectories (a collector started again?); the {steps} held steps are given up "
+        f"(evicted_steps), and {named} they belong to can no longer complete (counted in "
+        "stranded_groups) unless those episodes are played again: after loading a checkpoint, "
+        "call SameStartGroups.resume(transform) (env.transform.resume) before the collector "
+        "starts."
     )
 
 
@@ -324,15 +335,16 @@ def _joined(tails: Tails, flat, split: _Split, sizes: _JoinSizes, count, clock: 
     return Joined(complete, new_tails, ended, 0, top=sizes.top)
 
 
-def _restarts(tails: Tails, pieces: _Pieces, count: Tensor | None, status: Tensor):
+def _restarts(tails: Tails, pieces: _Pieces, count: Tensor | None, status: Tensor, group=None):
     """Pieces whose first step is step 0 start new trajectories, whatever their id did before: a
     collector started again (after a restart) numbers its trajectories from 0 again. Held tails
     of those ids are given up (warned, counted). Without a step counter nothing is told apart.
 
     Returns:
-        ``(tails, status, (ids of the tails given up, their steps, ids to mark running))``.
+        ``(tails, status, (ids of the tails given up, their steps, ids to mark running, the
+        group id of each tail given up))``.
     """
-    none = (_NO_IDS, 0, _NO_IDS)
+    none = (_NO_IDS, 0, _NO_IDS, [])
     if count is None:
         return tails, status, none
     fresh = count[pieces.starts] == 0  # (p,)
@@ -343,11 +355,32 @@ def _restarts(tails: Tails, pieces: _Pieces, count: Tensor | None, status: Tenso
     held, _ = tail_index(tails, pieces.ids)
     stale = held & fresh
     if not bool(stale.any()):
-        return tails, status, (_NO_IDS, 0, reused)
+        return tails, status, (_NO_IDS, 0, reused, [])
     ids = pieces.ids[stale]
     steps = int(tails.pieces[torch.isin(tails.pieces[:, TRAJ], ids), LENGTH].sum())
+    groups = _tail_groups(tails, ids, group)
     tails, _ = drop(tails, ~torch.isin(tails.meta[:, TAIL_ID], ids))
-    return tails, status, (ids, steps, reused)
+    return tails, status, (ids, steps, reused, groups)
+
+
+def _tail_groups(tails: Tails, ids: Tensor, key) -> list:
+    """The group id of each held tail of ``ids``, read at its first step (``[]`` without a
+    group key or where the steps lack it)."""
+    if key is None:
+        return []
+    traj = tails.pieces[:, TRAJ]
+    at = torch.isin(traj, ids).nonzero().squeeze(1)  # (k,) their pieces, in arrival order
+    _, inverse = torch.unique(traj[at], return_inverse=True)
+    first = torch.full((int(inverse.max()) + 1,), traj.shape[0], dtype=torch.long)
+    first = first.scatter_reduce(0, inverse, at, "amin")  # (u,) each tail's first piece
+    spans = tails.pieces[first]
+    steps = tails.chunks.take(spans[:, CHUNK], spans[:, OFFSET]).output()
+    value = steps.get(key, None)
+    if value is None:
+        return []
+    if isinstance(value, Tensor):
+        return value.reshape(first.shape[0], -1)[:, 0].tolist()
+    return list(value.tolist() if hasattr(value, "tolist") else value)
 
 
 def tail_index(tails: Tails, ids: Tensor) -> tuple[Tensor, Tensor]:
