@@ -19,7 +19,6 @@ from torchrl.collectors import Collector
 from torchrl.envs import ExplorationType, GymWrapper
 
 from torchrl_grpo import evaluate
-
 from torchrl_grpo.checkpoint import load_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
