@@ -79,7 +79,7 @@ from tensordict import TensorDict
 from torch.utils.data import DataLoader
 from torchrl.collectors.llm import LLMCollector
 from torchrl.data import LazyStackStorage, ReplayBuffer
-from torchrl.envs import Compose, ExcludeTransform, Transform
+from torchrl.envs import Compose, ExcludeTransform, InitTracker, Transform
 from torchrl.envs.llm import RetrieveLogProb
 from torchrl.record.loggers import CSVLogger, generate_exp_name
 from tqdm import tqdm
@@ -170,7 +170,7 @@ def buffer_transform(cfg: AsyncSettings) -> Compose:
     return Compose(sync.Contiguous(), ExcludeTransform("query", inverse=True), advantage)
 
 
-UNREAD = ("answer", "step_count", "terminated", "truncated")  # the loss reads none of them
+UNREAD = ("answer", "step_count", "terminated", "truncated", "is_init")  # the loss reads none
 
 
 class BehaviourLogProbs(Transform):
@@ -215,7 +215,9 @@ def collector_env(tokenizer, task, cfg: AsyncSettings, seed: int, exclude: set[s
         sync.draw_problems(task, problems.gen, cfg.prompts_per_step, exclude, distinct=True)
     loader = DataLoader(problems, batch_size=None, collate_fn=lambda td: td)
     rows = cfg.prompts_per_step * cfg.group_size
-    return sync.make_env(tokenizer, task, loader, batch=rows, repeats=cfg.group_size)
+    env = sync.make_env(tokenizer, task, loader, batch=rows, repeats=cfg.group_size)
+    env.append_transform(InitTracker())  # what torchrl's collectors ask for (as llm_grpo.py)
+    return env
 
 
 def local_sampling(cfg: AsyncSettings, exclude: set[str], resumed: dict | None = None):

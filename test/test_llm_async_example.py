@@ -220,3 +220,35 @@ def test_checkpoints_are_the_local_backends(ex):
     )
     with pytest.raises(ValueError, match="the local backend only"):
         ex.check_settings(cfg)
+
+
+def test_no_torchrl_future_warning(ex):
+    """The sampler's env has torchrl's ``InitTracker`` (the collector's ``FutureWarning`` on an
+    env without ``"is_init"`` stays away), and the sampler's postproc drops its entry."""
+    import warnings
+
+    import llm_grpo
+    import torch
+    from torchrl.collectors.llm import LLMCollector
+
+    cfg = llm_grpo.parse_args(TINY, settings_cls=ex.AsyncSettings)
+    task, tokenizer = llm_grpo.digit_sum_task(), llm_grpo.make_tokenizer()
+    model = llm_grpo.make_model(cfg, tokenizer, task.prompt_length + cfg.max_new_tokens)
+    sampler = llm_grpo.make_sampler(
+        model, tokenizer, cfg, cls=ex.ExactLogProbsTransformersWrapper, return_log_probs=True
+    )
+    env = ex.collector_env(tokenizer, task, cfg, seed=7, exclude=set())
+    rows = cfg.prompts_per_step * cfg.group_size
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        collector = LLMCollector(
+            env,
+            policy=sampler,
+            dialog_turns_per_batch=rows,
+            total_dialog_turns=-1,
+            postproc=ex.BehaviourLogProbs(),
+        )
+        batch = next(iter(collector))
+    future = [str(w.message) for w in caught if issubclass(w.category, FutureWarning)]
+    assert not future, future
+    assert "is_init" not in batch.keys() and ("next", "is_init") not in batch.keys(True)
