@@ -19,7 +19,6 @@ from collections.abc import Mapping
 
 import torch
 from tensordict import LazyStackedTensorDict, NestedKey, TensorDictBase, lazy_stack
-from torchrl.envs.llm import RetrieveLogProb
 from torchrl.envs.transforms import Transform
 
 __all__ = ["TEACHER_LOG_PROBS", "TeacherLogProbs", "check_same_tokenizer"]
@@ -101,6 +100,9 @@ class TeacherLogProbs(Transform):
         for task, wrapper in teachers.items():
             check_same_tokenizer(wrapper, tokenizer, "the teacher" if task is None else repr(task))
         kwargs.setdefault("assistant_only", False)
+        # imported here: importing the package leaves torchrl's LLM envs (and their imports) out
+        from torchrl.envs.llm import RetrieveLogProb
+
         key = (log_probs_key,) if isinstance(log_probs_key, str) else tuple(log_probs_key)
         scorers = {
             task: RetrieveLogProb(wrapper, log_probs_full_key=key, **kwargs)
