@@ -3,36 +3,23 @@ backends (one local sampler process with backpressure; Ray collectors); the loca
 failures (examples/llm_async_local.py) and the settings refused."""
 
 import csv
-import importlib.util
 import os
 import re
 import sys
 import time
-from pathlib import Path
 
 import pytest
+from helpers.async_example import TINY, async_example
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 RESULT = re.compile(
     r"RESULT acc_before=(\d+\.\d+) acc_after=(\d+\.\d+) wall_s=(\d+\.\d+) max_lag=(-?\d+)"
 )
-TINY = ["--prompts-per-step", "4", "--group-size", "4", "--minibatch", "8", "--eval-prompts", "50"]
 
 
 @pytest.fixture(scope="module")
 def ex():
-    sys.path.insert(0, str(EXAMPLES))  # as when run as a script: it imports llm_grpo
-    try:
-        spec = importlib.util.spec_from_file_location(
-            "llm_grpo_async", EXAMPLES / "llm_grpo_async.py"
-        )
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["llm_grpo_async"] = module  # the sampler process unpickles its functions
-        spec.loader.exec_module(module)
+    with async_example() as module:
         yield module
-    finally:
-        sys.path.remove(str(EXAMPLES))
-        sys.modules.pop("llm_grpo_async", None)
 
 
 def test_settings_extend_the_synchronous_example(ex):

@@ -54,8 +54,9 @@ from dataclasses import dataclass
 import torch
 from tensordict import NestedKey, TensorDictBase
 from tensordict.nn import InteractionType
-from torchrl.envs import EnvBase, ExplorationType, TransformedEnv, set_exploration_type
-from torchrl.envs.transforms import VecGymEnvTransform
+from torchrl.envs import EnvBase, ExplorationType, set_exploration_type
+
+from torchrl_grpo.envs import _resets_itself  # one test of envs that restart their sub-envs
 
 __all__ = ["Evaluation", "evaluate"]
 
@@ -415,15 +416,6 @@ def _check_max_steps(max_steps, env: EnvBase) -> int | None:
             "(gymnasium's max_episode_steps, torchrl's StepCounter) and pass max_steps=None."
         )
     return value
-
-
-def _resets_itself(env) -> bool:
-    while isinstance(env, TransformedEnv):
-        transforms = getattr(env.transform, "transforms", [env.transform])
-        if any(isinstance(t, VecGymEnvTransform) for t in transforms):
-            return True
-        env = env.base_env
-    return False
 
 
 def _progress_bar(total: int):

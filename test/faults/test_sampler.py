@@ -5,35 +5,21 @@ counts continuing."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import signal
-import sys
-from pathlib import Path
 
 import pytest
+from helpers.async_example import TINY, async_example
 
 from torchrl_grpo.checkpoint import load_checkpoint
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
-TINY = ["--prompts-per-step", "4", "--group-size", "4", "--minibatch", "8", "--eval-prompts", "50"]
 ARGS = [*TINY, "--steps", "4", "--eval-every", "2", "--sft-max-steps", "2", "--time-limit", "1e6"]
 
 
 @pytest.fixture
 def ex():
-    sys.path.insert(0, str(EXAMPLES))  # as when run as a script: it imports llm_grpo
-    try:
-        spec = importlib.util.spec_from_file_location(
-            "llm_grpo_async", EXAMPLES / "llm_grpo_async.py"
-        )
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["llm_grpo_async"] = module  # the sampler process unpickles its functions
-        spec.loader.exec_module(module)
+    with async_example() as module:
         yield module
-    finally:
-        sys.path.remove(str(EXAMPLES))
-        sys.modules.pop("llm_grpo_async", None)
 
 
 def test_a_dead_sampler_leaves_a_whole_checkpoint_to_resume(ex, tmp_path, monkeypatch):
