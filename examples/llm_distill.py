@@ -428,6 +428,8 @@ def main(argv=None) -> dict:
     start = T0 if main.first_call else time.perf_counter()
     main.first_call = False
     cfg = llm_grpo.parse_args(argv, settings_cls=Settings)
+    if cfg.dynamic_sampling or cfg.group_minibatches:  # not read by this example's pipeline
+        raise SystemExit("--dynamic-sampling and --group-minibatches: examples/llm_grpo.py only")
     task = llm_grpo.digit_sum_task(cfg.digits)
     torch.set_num_threads(cfg.threads)
     hf_logging.set_verbosity_error()

@@ -134,6 +134,14 @@ def test_reverse_kl_on_held_out_completions(ex, parts):
     assert response.tolist() == [[0, 0, 1, 1, 0], [0, 0, 1, 1, 1]]
 
 
+@pytest.mark.parametrize("flag", ["--dynamic-sampling", "--group-minibatches", "--lora-rank=4"])
+def test_flags_of_llm_grpo_only_are_refused(ex, flag, tmp_path):
+    """llm_grpo.py's flags that this example's pipeline does not read: refused, not ignored."""
+    with pytest.raises(SystemExit):
+        ex.main([flag, "--teacher", str(tmp_path), "--out", str(tmp_path / "out")])
+    assert not (tmp_path / "out").exists()
+
+
 def test_stopwatch_and_time_to_reach(ex):
     clock = ex.Stopwatch()
     assert clock() == 0.0
