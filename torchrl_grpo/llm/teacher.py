@@ -182,6 +182,7 @@ def check_same_tokenizer(teacher, tokenizer, name: str = "the teacher") -> None:
         >>> from types import SimpleNamespace
         >>> from transformers import PreTrainedTokenizerFast
         >>> from tokenizers import Tokenizer, models
+        >>> from torchrl_grpo.llm.teacher import check_same_tokenizer
         >>> def tok(chars):
         ...     return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(
         ...         {c: i for i, c in enumerate(chars)}, unk_token=chars[0])))
