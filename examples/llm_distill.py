@@ -21,8 +21,8 @@ vocabulary, on the student's greedy completions, averaged over their tokens) are
 Run (needs the ``llm`` and ``examples`` extras: ``pip install -e ".[llm,examples]"``)::
 
     .venv/bin/python examples/llm_grpo.py --out runs/teacher      # a teacher: about 3 minutes
-    .venv/bin/python examples/llm_distill.py --teacher runs/teacher/<run>    # about 6 minutes
-    .venv/bin/python examples/llm_distill.py          # trains the teacher first: about 9 minutes
+    .venv/bin/python examples/llm_distill.py --teacher runs/teacher/<run>    # about 4 minutes
+    .venv/bin/python examples/llm_distill.py          # trains the teacher first: about 7 minutes
     .venv/bin/python examples/llm_distill.py --help   # every setting
 
 It saves ``llm_distill.png`` (accuracy and KL against training time, the three runs) and the
