@@ -28,6 +28,7 @@ PAGES_WITH_TESTCODE = [
     "loss.rst",
     "your_own_task.rst",
     "tutorial_multiturn.rst",
+    "tutorial_distill.rst",
 ]
 DIRECTIVE = re.compile(r"^\.\. (testcode|testoutput)::\s*(\S*)\s*$")
 

@@ -1,0 +1,514 @@
+"""On-policy distillation against GRPO: a student learns the digit sum from a teacher, on a CPU.
+
+The task, model, wrappers and pipeline are ``examples/llm_grpo.py``'s (imported from it). A
+teacher is a model that ``examples/llm_grpo.py`` trained (``--teacher <its run folder>``; without
+it, this example first trains one with it, for ``--time-limit`` seconds). The student is a fresh
+tiny Qwen2 (``--n-layer``, ``--n-embd``: smaller than the teacher if you like) after the same
+short supervised warm start only. From that one warm start, three runs of the same training
+budget (``--budget`` seconds each, the evaluations left out of the clock), side by side:
+
+* **GRPO alone**: the task's reward, group-relative advantages, as ``llm_grpo.py``;
+* **distillation alone**: ``Distillation(alpha=0, beta=--beta)``, no reward read: each response
+  token's advantage is ``-beta`` times the student's reverse KL to the teacher on that token,
+  the teacher scoring the student's own samples (``TeacherLogProbs``, torchrl's
+  ``RetrieveLogProb`` on a ``LeanTransformersWrapper`` of the teacher);
+* **GRPO with the teacher**: ``Distillation(alpha=1, beta=--both-beta)``: the group's advantage
+  plus the teacher's term, per token.
+
+Every ``--eval-every`` steps each run's greedy accuracy on the 500 held-out prompts and its
+reverse KL to the teacher there (the exact per-token KL(student || teacher) over the whole
+vocabulary, on the student's greedy completions, averaged over their tokens) are measured.
+Run (needs the ``llm`` and ``examples`` extras: ``pip install -e ".[llm,examples]"``)::
+
+    .venv/bin/python examples/llm_grpo.py --out runs/teacher      # a teacher: about 3 minutes
+    .venv/bin/python examples/llm_distill.py --teacher runs/teacher/<run>    # about 4 minutes
+    .venv/bin/python examples/llm_distill.py          # trains the teacher first: about 7 minutes
+    .venv/bin/python examples/llm_distill.py --help   # every setting
+
+It saves ``llm_distill.png`` (accuracy and KL against training time, the three runs) and the
+curves (``curves.json``) in a new folder under ``--out``, and ends with one line::
+
+    RESULT acc_grpo=<float> acc_distill=<float> acc_both=<float> t_distill_to_grpo=<float>
+    budget_s=<float> wall_s=<float> kl_start=<float> kl_end=<float>
+
+(on one line): the three runs' final accuracies, the training time the distillation run took to
+reach GRPO's final accuracy (``inf``: it did not), each run's budget, the whole process's wall
+time, and the distillation run's held-out reverse KL before and after.
+"""
+
+# ruff: noqa: E402  (the clock starts before the imports: wall_s covers the whole run)
+import time
+
+T0 = time.perf_counter()
+
+import contextlib
+import copy
+import dataclasses
+import json
+import sys
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import NamedTuple
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+import torch
+from torch.utils.data import DataLoader
+from torchrl.collectors.llm import LLMCollector
+from torchrl.data import LazyStackStorage, ReplayBuffer, SamplerWithoutReplacement
+from torchrl.envs import Compose, ExcludeTransform, InitTracker
+from torchrl.envs.llm import RetrieveLogProb
+from tqdm import tqdm
+from transformers.utils import logging as hf_logging
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import llm_grpo  # the single-turn example: task, tokenizer, model, wrappers, warm start
+
+from torchrl_grpo import MCAdvantage
+from torchrl_grpo.llm import TeacherLogProbs
+from torchrl_grpo.mcadvantage import Distillation
+
+RUN_NAMES = ("grpo", "distill", "both")
+
+
+@dataclass
+class Settings(llm_grpo.Settings):
+    """Every setting; each is a command-line flag. ``llm_grpo.py``'s settings shape the student
+    and its training (``--lr``, ``--group-size``...), the same in the three runs."""
+
+    out: str = field(
+        default="runs/llm_distill",
+        metadata={"help": "each run writes its curves and plot in a new folder here"},
+    )
+    teacher: str = field(
+        default="",
+        metadata={
+            "help": "the teacher: a run folder of examples/llm_grpo.py (its model/ and "
+            "tokenizer/), or a model folder with tokenizer/ beside it; empty: train one first "
+            "with examples/llm_grpo.py for --time-limit seconds (saved under --out/teacher)"
+        },
+    )
+    time_limit: float = field(
+        default=190.0,
+        metadata={"help": "without --teacher: the teacher's training budget (llm_grpo.py's)"},
+    )
+    teacher_flags: str = field(
+        default="",
+        metadata={
+            "help": "without --teacher: more flags for examples/llm_grpo.py, as one string "
+            "('--n-layer 4 --steps 300'); --seed, --digits, --eval-prompts, --threads and "
+            "--device are passed on"
+        },
+    )
+    budget: float = field(
+        default=60.0,
+        metadata={
+            "help": "seconds of training of each of the three runs (collection, scoring, "
+            "optimization; the held-out evaluations are not counted); the learning-rate "
+            "schedule ends there"
+        },
+    )
+    steps: int = field(
+        default=1000,
+        metadata={"help": "at most this many steps per run (the budget usually ends it first)"},
+    )
+    eval_every: int = field(
+        default=5, metadata={"help": "steps between two held-out evaluations of a run"}
+    )
+    beta: float = field(
+        default=1.0, metadata={"help": "distillation alone: the reverse KL's weight (alpha=0)"}
+    )
+    both_beta: float = field(
+        default=1.0, metadata={"help": "GRPO with the teacher: the reverse KL's weight (alpha=1)"}
+    )
+    gamma: float = field(
+        default=0.0,
+        metadata={"help": "discount of the future reverse KL (Tinker's kl_discount_factor)"},
+    )
+
+
+class Run(NamedTuple):
+    """One of the three runs: its name, its label, and its distillation (``None``: GRPO)."""
+
+    name: str
+    label: str
+    distillation: Distillation | None
+
+
+def three_runs(cfg: Settings) -> list[Run]:
+    return [
+        Run("grpo", "GRPO alone", None),
+        Run("distill", "distillation alone", Distillation(0.0, cfg.beta, cfg.gamma)),
+        Run("both", "GRPO with the teacher", Distillation(1.0, cfg.both_beta, cfg.gamma)),
+    ]
+
+
+# --------------------------------------------------------------------------------------------
+# The teacher, and the student's distance to it
+# --------------------------------------------------------------------------------------------
+
+
+def teacher_folder(cfg: Settings) -> Path:
+    """``--teacher``'s model folder, or one trained here by ``examples/llm_grpo.py``'s ``main``
+    (its output and progress bar in ``teacher.log`` beside it)."""
+    if cfg.teacher:
+        folder = Path(cfg.teacher)
+        return folder / "model" if (folder / "model").is_dir() else folder
+    out = Path(cfg.out) / "teacher"
+    out.mkdir(parents=True, exist_ok=True)
+    argv = ["--seed", str(cfg.seed), "--digits", str(cfg.digits), "--out", str(out)]
+    argv += ["--eval-prompts", str(cfg.eval_prompts), "--threads", str(cfg.threads)]
+    argv += [
+        "--device",
+        cfg.device,
+        "--time-limit",
+        str(cfg.time_limit),
+        *cfg.teacher_flags.split(),
+    ]
+    print(f"training the teacher: examples/llm_grpo.py {' '.join(argv)}", flush=True)
+    with open(out / "teacher.log", "w") as log:
+        with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+            result = llm_grpo.main(argv)
+    print(
+        f"teacher: greedy accuracy {result['acc_before']:.3f} -> {result['acc_after']:.3f} in "
+        f"{result['wall_s']:.0f} s; saved in {result['run_dir']}",
+        flush=True,
+    )
+    return Path(result["run_dir"]) / "model"
+
+
+def load_teacher(cfg: Settings, task: llm_grpo.Task, tokenizer):
+    """The teacher's model and its scorer of the student's tokens, ``TeacherLogProbs``, which
+    refuses a teacher whose tokenizer is not the student's (both named)."""
+    folder = teacher_folder(cfg)
+    model, teacher_tokenizer = llm_grpo.from_folder(
+        dataclasses.replace(cfg, model=str(folder), tokenizer=""), task
+    )
+    model = model.eval().requires_grad_(False).to(cfg.device)
+    # the teacher's log-probs of the student's tokens, on the response (the prompt's are 0)
+    wrapper = llm_grpo.make_scorer(
+        model, teacher_tokenizer, cfg, "teacher_log_probs", response_only=True
+    )
+    return model, TeacherLogProbs(wrapper, tokenizer=tokenizer)
+
+
+def reverse_kl(student, teacher, tokens: torch.Tensor, response: torch.Tensor) -> float:
+    """Mean over the response tokens of KL(student || teacher), exact over the vocabulary.
+
+    ``tokens`` ``(B, T)``: prompts and completions, right-padded; ``response`` ``(B, T)``: the
+    positions of the completions' real tokens. Token ``t``'s distributions are the models'
+    outputs at ``t - 1``.
+    """
+    with torch.no_grad():
+        logp = student(tokens).logits.log_softmax(-1)[:, :-1]  # (B, T-1, V)
+        logq = teacher(tokens).logits.log_softmax(-1)[:, :-1]
+    kl = (logp.exp() * (logp - logq)).sum(-1)  # (B, T-1): at the position predicting t + 1
+    return float(kl[response[:, 1:]].mean())
+
+
+class HeldOut:
+    """Greedy accuracy and reverse KL to the teacher of a model on the held-out prompts.
+
+    The env (``llm_grpo.GreedyAccuracy``'s) is reset once; each call samples greedily from the
+    model, scores the completions with the task's reward, and the teacher and the model read
+    the same tokens (:func:`reverse_kl`).
+    """
+
+    def __init__(self, tokenizer, task, problems, teacher, cfg: Settings):
+        self.accuracy = llm_grpo.GreedyAccuracy(tokenizer, task, problems, policy=None)
+        self.tokenizer, self.teacher, self.cfg = tokenizer, teacher, cfg
+
+    @torch.no_grad()
+    def __call__(self, model) -> tuple[float, float]:
+        greedy = llm_grpo.make_sampler(model, self.tokenizer, self.cfg, greedy=True)
+        out = self.accuracy.env.step(greedy(self.accuracy.prompts.clone()))
+        acc = out["next", "reward"].mean().item()
+        prompts = out.get(("tokens", "prompt"), as_list=True)
+        completions = out.get(("tokens", "response"), as_list=True)
+        tokens, response = self.sequences(prompts, completions)
+        return acc, reverse_kl(model, self.teacher, tokens, response)
+
+    def sequences(self, prompts, completions) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prompt and completion up to its end-of-sequence, right-padded; where the completion
+        is."""
+        eos, pad = self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
+        rows, spans = [], []
+        for prompt, completion in zip(prompts, completions, strict=True):
+            ends = (completion == eos).nonzero()
+            real = completion[: int(ends[0]) + 1] if len(ends) else completion[completion != pad]
+            rows.append(torch.cat([prompt, real]))
+            spans.append((len(prompt), len(prompt) + len(real)))
+        width = max(len(r) for r in rows)
+        tokens = torch.full((len(rows), width), pad, dtype=torch.long)
+        response = torch.zeros(len(rows), width, dtype=torch.bool)
+        for i, (row, (a, b)) in enumerate(zip(rows, spans, strict=True)):
+            tokens[i, : len(row)] = row
+            response[i, a:b] = True
+        return tokens.to(self.cfg.device), response.to(self.cfg.device)
+
+
+# --------------------------------------------------------------------------------------------
+# One run: llm_grpo.py's pipeline, the teacher scored where the reference is
+# --------------------------------------------------------------------------------------------
+
+
+def make_collector(cfg, task, model, ref_model, tokenizer, gen, exclude, teacher, run: Run):
+    """``llm_grpo.make_collector`` with the teacher: ``TeacherLogProbs`` after the sampling
+    policy's and the reference's ``RetrieveLogProb``, and ``MCAdvantage(distillation=...)``
+    writing each response token's advantage on insertion (distillation alone: no reward read,
+    ``rewards_key=None``)."""
+    rows = cfg.prompts_per_step * cfg.group_size
+    loader = DataLoader(
+        llm_grpo.Problems(task, gen, cfg.prompts_per_step, exclude),
+        batch_size=None,
+        collate_fn=lambda td: td,
+    )
+    env = llm_grpo.make_env(tokenizer, task, loader, batch=rows, repeats=cfg.group_size)
+    env.append_transform(InitTracker())
+    rb = ReplayBuffer(
+        storage=LazyStackStorage(rows), sampler=SamplerWithoutReplacement(), batch_size=rows
+    )
+    rb.append_transform(llm_grpo.Contiguous())
+    rb.append_transform(ExcludeTransform("query", inverse=True))
+    pure = run.distillation is not None and run.distillation.alpha == 0.0
+    rewards = {"rewards_key": None} if pure else {}
+    rb.append_transform(
+        MCAdvantage(
+            grpo_size=cfg.group_size,
+            prompt_key="query",
+            trajectory_return=None if pure else "sum",
+            distillation=run.distillation,
+            **rewards,
+        )
+    )
+    unread = ("answer", "step_count", "terminated", "truncated", "is_init")
+    scorers = [
+        llm_grpo.make_scorer(model, tokenizer, cfg, response_only=True),  # pi_old
+        llm_grpo.make_scorer(ref_model, tokenizer, cfg, "ref_log_probs", response_only=True),
+    ]
+    score = Compose(
+        llm_grpo.Contiguous(),
+        ExcludeTransform(*unread, *[("next", key) for key in (*unread, "query", "tokens")]),
+        *[RetrieveLogProb(scorer, assistant_only=False) for scorer in scorers],
+    )
+    if run.distillation is not None:
+        score.append(teacher)  # ("next", "teacher_log_probs", "full"), before the buffer
+    collector = LLMCollector(
+        env,
+        policy=llm_grpo.make_sampler(model, tokenizer, cfg),
+        dialog_turns_per_batch=rows,
+        total_dialog_turns=cfg.steps * rows,
+        replay_buffer=rb,
+        postproc=torch.no_grad()(score),
+    )
+    return collector, rb
+
+
+class Stopwatch:
+    """Training time: runs from ``start()``, stopped inside ``paused()`` (the evaluations)."""
+
+    def __init__(self):
+        self.spent, self.since = 0.0, None
+
+    def start(self):
+        self.since = time.perf_counter()
+
+    def __call__(self) -> float:
+        running = time.perf_counter() - self.since if self.since is not None else 0.0
+        return self.spent + running
+
+    @contextmanager
+    def paused(self):
+        self.spent, self.since = self(), None
+        try:
+            yield
+        finally:
+            self.start()
+
+
+def train(run: Run, cfg: Settings, task, student: dict, tokenizer, teacher, held_out, evaluate):
+    """One run from the warm-started ``student`` weights, for ``--budget`` seconds of training.
+
+    Returns its curves: training time, step, greedy accuracy and reverse KL at each evaluation,
+    and the advantage's shape in the last batch.
+    """
+    torch.manual_seed(cfg.seed)  # the same sampling noise and prompts in each run
+    gen = torch.Generator().manual_seed(cfg.seed + 1)
+    model = llm_grpo.make_model(cfg, tokenizer, task.prompt_length + cfg.max_new_tokens)
+    model.load_state_dict(student)
+    model = model.to(cfg.device)
+    ref_model = copy.deepcopy(model).requires_grad_(False)
+    collector, rb = make_collector(
+        cfg, task, model, ref_model, tokenizer, gen, held_out, teacher, run
+    )
+    loss_fn = llm_grpo.make_loss(llm_grpo.make_scorer(model, tokenizer, cfg), cfg)
+    optim = torch.optim.Adam(model.parameters(), lr=cfg.lr)
+    clock = Stopwatch()
+    schedule = llm_grpo.lr_schedule(optim, cfg, deadline=cfg.budget, clock=clock)
+    acc, kl = evaluate(model)
+    curves = {"time": [0.0], "step": [0], "accuracy": [acc], "kl": [kl], "reward": []}
+    step = 0
+    clock.start()
+    for _ in collector:  # each batch: prompts_per_step groups, scored, into rb through MCAdvantage
+        if len(rb) == 0:
+            continue
+        step += 1
+        batch = rb[:]
+        rb.empty()
+        for _epoch in range(cfg.epochs):
+            for rows in torch.randperm(len(batch)).split(cfg.minibatch):
+                out = loss_fn(batch[rows])
+                optim.zero_grad()
+                out.total_loss().backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                optim.step()
+        schedule.step()
+        curves["reward"].append(float(batch["next", "reward"].mean()))
+        done = clock() >= cfg.budget or step >= cfg.steps
+        if step % cfg.eval_every == 0 or done:
+            with clock.paused():
+                acc, kl = evaluate(model)
+                curves["time"].append(clock())
+                curves["step"].append(step)
+                curves["accuracy"].append(acc)
+                curves["kl"].append(kl)
+                tqdm.write(
+                    f"{run.label:>22}: step {step:4d}  {clock():5.1f} s  greedy accuracy "
+                    f"{acc:.3f}  reverse KL {kl:.4f}"
+                )
+        if done:
+            break
+    collector.shutdown()
+    curves["advantage_shape"] = list(batch["advantage"].shape)
+    curves["tokens_shape"] = list(batch["tokens", "full"].shape)
+    return curves
+
+
+# --------------------------------------------------------------------------------------------
+# The comparison
+# --------------------------------------------------------------------------------------------
+
+
+def time_to_reach(curves: dict, target: float) -> float:
+    """The first evaluation's training time where the accuracy is at least ``target``."""
+    for t, acc in zip(curves["time"], curves["accuracy"], strict=True):
+        if acc >= target:
+            return t
+    return float("inf")
+
+
+def plot(results: dict, runs: list[Run], teacher_acc: float, path: Path, title: str) -> None:
+    """Accuracy and reverse KL to the teacher against training time, the three runs."""
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(6.4, 6.4), dpi=100, sharex=True)
+    colors = {"grpo": "tab:blue", "distill": "tab:red", "both": "tab:purple"}
+    for run in runs:
+        c = results[run.name]
+        top.plot(c["time"], c["accuracy"], "o-", ms=3, color=colors[run.name], label=run.label)
+        bottom.plot(c["time"], c["kl"], "o-", ms=3, color=colors[run.name], label=run.label)
+    top.axhline(teacher_acc, color="gray", ls="--", lw=1, label="the teacher")
+    top.set_ylabel("greedy accuracy, held-out")
+    top.set_ylim(0, 1)
+    bottom.set_ylabel("reverse KL to the teacher\n(per token, held-out)")
+    bottom.set_xlabel("training time of the run (s), evaluations excluded")
+    for ax in (top, bottom):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    top.set_title(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def main(argv=None) -> dict:
+    """The teacher, the student's warm start, then the three runs; returns the RESULT's fields
+    and each run's curves."""
+    start = T0 if main.first_call else time.perf_counter()
+    main.first_call = False
+    cfg = llm_grpo.parse_args(argv, settings_cls=Settings)
+    if cfg.dynamic_sampling or cfg.group_minibatches:  # not read by this example's pipeline
+        raise SystemExit("--dynamic-sampling and --group-minibatches: examples/llm_grpo.py only")
+    task = llm_grpo.digit_sum_task(cfg.digits)
+    torch.set_num_threads(cfg.threads)
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    tokenizer = llm_grpo.make_tokenizer(task.alphabet)
+    teacher_model, teacher = load_teacher(cfg, task, tokenizer)  # refused before any training
+    torch.manual_seed(cfg.seed)
+    student = llm_grpo.make_model(cfg, tokenizer, task.prompt_length + cfg.max_new_tokens)
+    student = student.to(cfg.device)
+
+    eval_problems = llm_grpo.draw_problems(
+        task, torch.Generator().manual_seed(1234), cfg.eval_prompts, set()
+    )
+    held_out = set(eval_problems["query"])
+    train_gen = torch.Generator().manual_seed(cfg.seed)
+    val_problems = llm_grpo.draw_problems(task, train_gen, 200, held_out)
+    greedy = llm_grpo.make_sampler(student, tokenizer, cfg, greedy=True)
+    val_accuracy = llm_grpo.GreedyAccuracy(tokenizer, task, val_problems, greedy)
+    evaluate = HeldOut(tokenizer, task, eval_problems, teacher_model, cfg)
+    teacher_acc = evaluate(teacher_model)[0]
+    sft_steps = llm_grpo.warm_start(
+        student, tokenizer, cfg, task, train_gen, held_out, val_accuracy
+    )
+    acc_start, kl_start = evaluate(student)
+    print(
+        f"teacher: greedy accuracy {teacher_acc:.3f}; student after {sft_steps} warm-start "
+        f"steps: {acc_start:.3f}, reverse KL to the teacher {kl_start:.4f} "
+        f"({time.perf_counter() - start:.0f} s)",
+        flush=True,
+    )
+    weights = copy.deepcopy(student.state_dict())
+    runs = three_runs(cfg)
+    results = {
+        run.name: train(run, cfg, task, weights, tokenizer, teacher, held_out, evaluate)
+        for run in runs
+    }
+
+    final = {name: results[name]["accuracy"][-1] for name in RUN_NAMES}
+    t_reach = time_to_reach(results["distill"], final["grpo"])
+    kl_end = results["distill"]["kl"][-1]
+    run_dir = Path(cfg.out) / f"digit_sum_seed{cfg.seed}_{time.strftime('%Y%m%d-%H%M%S')}"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    summary = {"settings": dataclasses.asdict(cfg), "teacher_acc": teacher_acc}
+    summary |= {"acc_start": acc_start, "kl_start": kl_start, "runs": results}
+    (run_dir / "curves.json").write_text(json.dumps(summary, indent=1))
+    title = f"Digit sum, tiny Qwen2 on {cfg.device}: {cfg.budget:.0f} s of training per run"
+    plot(results, runs, teacher_acc, run_dir / "llm_distill.png", title)
+    wall_s = time.perf_counter() - start
+    for run in runs:
+        c = results[run.name]
+        print(
+            f"{run.label:>22}: greedy accuracy {acc_start:.3f} -> {c['accuracy'][-1]:.3f}, "
+            f"reverse KL {kl_start:.4f} -> {c['kl'][-1]:.4f} in {c['step'][-1]} steps"
+        )
+    print(
+        f"distillation reached GRPO's final accuracy after {t_reach:.1f} s of its "
+        f"{cfg.budget:.0f} s ({t_reach / cfg.budget:.2f}x); in {run_dir}: llm_distill.png, "
+        "curves.json"
+    )
+    print(
+        f"RESULT acc_grpo={final['grpo']:.4f} acc_distill={final['distill']:.4f} "
+        f"acc_both={final['both']:.4f} t_distill_to_grpo={t_reach:.1f} budget_s={cfg.budget:.1f} "
+        f"wall_s={wall_s:.1f} kl_start={kl_start:.4f} kl_end={kl_end:.4f}"
+    )
+    return {
+        "acc": final,
+        "t_distill_to_grpo": t_reach,
+        "budget_s": cfg.budget,
+        "wall_s": wall_s,
+        "kl_start": kl_start,
+        "kl_end": kl_end,
+        "teacher_acc": teacher_acc,
+        "runs": results,
+        "run_dir": run_dir,
+    }
+
+
+main.first_call = True  # the first call's clock starts at import (wall_s counts the imports)
+
+
+if __name__ == "__main__":
+    main()

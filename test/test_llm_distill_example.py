@@ -1,0 +1,188 @@
+"""examples/llm_distill.py: the teacher's check, per-token advantages, the KL, a tiny run."""
+
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+try:
+    import transformers  # noqa: F401
+except ImportError:
+    if os.environ.get("CI"):
+        raise  # CI installs the `llm` extra (make test): without it this is a failure, not a skip
+    pytest.skip("needs the llm extra: pip install -e '.[llm]'", allow_module_level=True)
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "llm_distill.py"
+FLOAT = r"(\d+\.\d+|inf)"
+RESULT = re.compile(
+    rf"RESULT acc_grpo={FLOAT} acc_distill={FLOAT} acc_both={FLOAT} t_distill_to_grpo={FLOAT} "
+    rf"budget_s={FLOAT} wall_s={FLOAT} kl_start={FLOAT} kl_end={FLOAT}"
+)
+TINY = ["--prompts-per-step", "4", "--group-size", "4", "--minibatch", "8", "--eval-prompts", "40"]
+
+
+@pytest.fixture(scope="module")
+def ex():
+    spec = importlib.util.spec_from_file_location("llm_distill", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def parts(ex):
+    """A tiny student and a teacher (another random model) over the example's tokenizer."""
+    cfg = ex.llm_grpo.parse_args(TINY, settings_cls=ex.Settings)
+    task = ex.llm_grpo.digit_sum_task(cfg.digits)
+    tokenizer = ex.llm_grpo.make_tokenizer(task.alphabet)
+    length = task.prompt_length + cfg.max_new_tokens
+    torch.manual_seed(0)
+    student = ex.llm_grpo.make_model(cfg, tokenizer, length)
+    teacher = ex.llm_grpo.make_model(cfg, tokenizer, length).requires_grad_(False)
+    return cfg, task, tokenizer, student, teacher
+
+
+def save(model, tokenizer, folder: Path) -> Path:
+    """A run folder as examples/llm_grpo.py writes it: model/ and tokenizer/."""
+    model.save_pretrained(folder / "model")
+    tokenizer.save_pretrained(folder / "tokenizer")
+    return folder
+
+
+class TestTeacher:
+    def test_another_tokenizer_is_refused_before_any_training(self, ex, parts, tmp_path, capsys):
+        """``--teacher`` whose tokenizer has another alphabet: ``TeacherLogProbs``' check names
+        both and says cross-tokenizer distillation is out of scope; nothing trained."""
+        cfg, _, _, student, _ = parts
+        other = ex.llm_grpo.make_tokenizer("0123456789 =+")
+        folder = save(ex.llm_grpo.make_model(cfg, other, 12), other, tmp_path / "run")
+        with pytest.raises(ValueError, match="Cross-tokenizer distillation is out of scope"):
+            ex.main(["--teacher", str(folder), *TINY, "--out", str(tmp_path / "out")])
+        assert "warm-start" not in capsys.readouterr().out
+        assert not (tmp_path / "out").exists()
+
+    def test_a_run_folder_or_its_model_folder(self, ex, parts, tmp_path):
+        cfg, task, tokenizer, student, _ = parts
+        folder = save(student, tokenizer, tmp_path / "run")
+        for given in (folder, folder / "model"):
+            settings = ex.llm_grpo.parse_args(
+                [*TINY, "--teacher", str(given)], settings_cls=ex.Settings
+            )
+            assert ex.teacher_folder(settings) == folder / "model"
+            model, scorer = ex.load_teacher(settings, task, tokenizer)
+            assert isinstance(scorer, ex.TeacherLogProbs)
+            assert not any(p.requires_grad for p in model.parameters())
+
+
+def test_distillation_writes_a_per_token_advantage(ex, parts):
+    """The distillation run's batch: an advantage per token of ``("tokens", "full")``, 0 on the
+    prompt, ``-beta * (log pi_old - log pi_T)`` on the response (gamma 0, alpha 0)."""
+    cfg, task, tokenizer, student, teacher_model = parts
+    wrapper = ex.llm_grpo.make_scorer(teacher_model, tokenizer, cfg, "teacher_log_probs")
+    teacher = ex.TeacherLogProbs(wrapper, tokenizer=tokenizer)
+    run = ex.three_runs(cfg)[1]
+    assert run.name == "distill" and run.distillation.alpha == 0.0
+    gen = torch.Generator().manual_seed(0)
+    collector, rb = ex.make_collector(
+        cfg, task, student, student, tokenizer, gen, set(), teacher, run
+    )
+    next(iter(collector))
+    collector.shutdown()
+    batch = rb[:]
+    tokens, adv = batch["tokens", "full"], batch["advantage"]
+    assert adv.shape == tokens.shape and len(batch) == 16
+    prompt = batch["tokens", "prompt"].shape[-1]
+    assert (adv[:, :prompt] == 0).all()
+    old = batch["next", "log_probs", "full"]
+    taught = batch["next", "teacher_log_probs", "full"]
+    real = batch["masks", "all_attention_mask"][:, prompt:]
+    expected = -run.distillation.beta * (old - taught)[:, prompt:] * real
+    torch.testing.assert_close(adv[:, prompt:], expected)
+    assert (adv[:, prompt:].std(-1) > 0).any()  # not one value per sequence
+
+
+def test_the_runs(ex, parts):
+    cfg = parts[0]
+    runs = ex.three_runs(cfg)
+    assert [r.name for r in runs] == list(ex.RUN_NAMES)
+    assert runs[0].distillation is None
+    assert (runs[2].distillation.alpha, runs[2].distillation.beta) == (1.0, cfg.both_beta)
+
+
+def test_reverse_kl_on_held_out_completions(ex, parts):
+    """Exact KL(student || teacher) per response token: 0 against itself, positive otherwise,
+    read on the completions up to their end-of-sequence."""
+    cfg, task, tokenizer, student, teacher = parts
+    problems = ex.llm_grpo.draw_problems(task, torch.Generator().manual_seed(0), 8, set())
+    held_out = ex.HeldOut(tokenizer, task, problems, teacher, cfg)
+    acc, kl = held_out(student)
+    assert 0.0 <= acc <= 1.0 and kl > 0.0
+    assert held_out.__class__(tokenizer, task, problems, student, cfg)(student)[1] == 0.0
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    tokens, response = held_out.sequences(
+        [torch.tensor([1, 2]), torch.tensor([3, 4])],
+        [torch.tensor([5, eos, pad]), torch.tensor([6, 7, 8])],
+    )
+    assert tokens.tolist() == [[1, 2, 5, eos, pad], [3, 4, 6, 7, 8]]
+    assert response.tolist() == [[0, 0, 1, 1, 0], [0, 0, 1, 1, 1]]
+
+
+@pytest.mark.parametrize("flag", ["--dynamic-sampling", "--group-minibatches", "--lora-rank=4"])
+def test_flags_of_llm_grpo_only_are_refused(ex, flag, tmp_path):
+    """llm_grpo.py's flags that this example's pipeline does not read: refused, not ignored."""
+    with pytest.raises(SystemExit):
+        ex.main([flag, "--teacher", str(tmp_path), "--out", str(tmp_path / "out")])
+    assert not (tmp_path / "out").exists()
+
+
+def test_stopwatch_and_time_to_reach(ex):
+    clock = ex.Stopwatch()
+    assert clock() == 0.0
+    clock.start()
+    with clock.paused():
+        paused_at = clock()
+        time.sleep(0.05)
+        assert clock() == paused_at  # the evaluations do not count
+    curves = {"time": [0.0, 2.0, 4.0], "accuracy": [0.2, 0.5, 0.7]}
+    assert ex.time_to_reach(curves, 0.5) == 2.0
+    assert ex.time_to_reach(curves, 0.8) == float("inf")
+
+
+def test_tiny_run_prints_a_result_line(tmp_path):
+    """The script end to end, training its own tiny teacher: one RESULT line, the plot, and
+    the distillation run's advantage per token."""
+    teacher = "--steps 2 --sft-target 0.05 " + " ".join(TINY)
+    args = [*TINY, "--budget", "1", "--eval-every", "4", "--sft-target", "0.05"]
+    args += ["--teacher-flags", teacher, "--out", str(tmp_path)]
+    start = time.perf_counter()
+    proc = subprocess.run(
+        [sys.executable, str(EXAMPLE), *args], capture_output=True, text=True, timeout=300
+    )
+    elapsed = time.perf_counter() - start
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    assert sum(line.startswith("RESULT") for line in lines) == 1  # the teacher's is in its log
+    match = RESULT.fullmatch(lines[-1])
+    assert match, lines[-1]
+    acc_grpo, acc_distill, acc_both, t_reach, budget_s, wall_s, kl_start, kl_end = map(
+        float, match.groups()
+    )
+    assert all(0.0 <= a <= 1.0 for a in (acc_grpo, acc_distill, acc_both))
+    assert budget_s == 1.0 and 0.0 < wall_s <= elapsed and kl_start > 0.0 and kl_end > 0.0
+    assert t_reach == float("inf") or 0.0 <= t_reach <= 10.0
+
+    (run_dir,) = [p for p in tmp_path.iterdir() if p.name.startswith("digit_sum")]
+    assert (run_dir / "llm_distill.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "RESULT acc_before=" in (tmp_path / "teacher" / "teacher.log").read_text()
+    curves = json.loads((run_dir / "curves.json").read_text())["runs"]
+    assert curves["distill"]["advantage_shape"] == curves["distill"]["tokens_shape"]
+    assert curves["grpo"]["advantage_shape"] == [16, 1, 1]  # one per completion, as the reward
+    assert curves["distill"]["kl"][-1] == pytest.approx(kl_end, abs=1e-4)  # 4 decimals printed
+    assert curves["distill"]["kl"][0] == pytest.approx(kl_start, abs=1e-4)
