@@ -53,11 +53,25 @@ class SharedWeights:
         self.version = context.Value("i", -1)
         self.loaded = -1  # the version the sampler's model holds: none yet (its own process)
 
-    def publish(self, module: torch.nn.Module) -> int:
-        with self.version.get_lock():
-            self.weights.update_(TensorDict.from_module(module).data)
-            self.version.value += 1
-            return self.version.value
+    def publish(self, module: torch.nn.Module, alive=None) -> int:
+        """Copy ``module``'s weights in; the new version. ``alive`` (a callable: whether the
+        sampler still runs) is asked while the lock is held elsewhere: a sampler killed in
+        ``load`` leaves it held for good, and the weights are then written without it (no one
+        reads them any more; the trainer's next wait for a batch reports the dead sampler)."""
+        lock = self.version.get_lock()
+        while not lock.acquire(timeout=POLL_S):
+            if alive is not None and not alive():
+                return self._write(module)
+        try:
+            return self._write(module)
+        finally:
+            lock.release()
+
+    def _write(self, module: torch.nn.Module) -> int:
+        self.weights.update_(TensorDict.from_module(module).data)
+        version = self.version.get_obj()  # the value itself: its wrapper takes the lock
+        version.value += 1
+        return version.value
 
     def load(self, module: torch.nn.Module) -> int:
         """The version now in ``module`` (copied from shared memory if newer)."""
@@ -179,7 +193,7 @@ class LocalSampler:
     def publish(self, module: torch.nn.Module) -> int:
         """The trainer's new weights, for the sampler's next batch; returns their version (0
         for the first: the sampler starts generating then)."""
-        return self.weights.publish(module)
+        return self.weights.publish(module, alive=self.process.is_alive)
 
     def close(self, timeout: float = 10.0) -> dict | None:
         """Stop the sampler (its current batch finishes) and return its timings."""

@@ -239,3 +239,41 @@ def test_no_torchrl_future_warning(ex):
     future = [str(w.message) for w in caught if issubclass(w.category, FutureWarning)]
     assert not future, future
     assert "is_init" not in batch.keys() and ("next", "is_init") not in batch.keys(True)
+
+
+def _hold_forever(lock, held):
+    lock.acquire()  # as a sampler killed inside SharedWeights.load
+    held.set()
+    time.sleep(600)
+
+
+def test_weights_published_past_a_sampler_killed_holding_their_lock(ex):
+    """A sampler killed while it loads the weights leaves their lock held for good; the
+    trainer's publish writes them anyway once the sampler is dead, instead of waiting forever
+    (the next wait for a batch then reports the dead sampler)."""
+    import multiprocessing
+    import signal
+    import threading
+
+    import torch
+
+    context = multiprocessing.get_context("fork")
+    module = torch.nn.Linear(2, 2)
+    weights = ex.local.SharedWeights(module, context)
+    held = context.Event()
+    process = context.Process(target=_hold_forever, args=(weights.version.get_lock(), held))
+    process.start()
+    assert held.wait(10)
+    os.kill(process.pid, signal.SIGKILL)
+    process.join(10)
+    with torch.no_grad():
+        module.weight.fill_(3.0)
+    versions = []
+    publish = threading.Thread(
+        target=lambda: versions.append(weights.publish(module, alive=process.is_alive)),
+        daemon=True,
+    )
+    publish.start()
+    publish.join(30)
+    assert versions == [0]  # published, not stuck on the dead sampler's lock
+    assert bool((weights.weights["weight"] == 3.0).all())
