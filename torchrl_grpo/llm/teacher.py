@@ -138,9 +138,11 @@ class TeacherLogProbs(Transform):
         rows = list(tensordict.unbind(0)) if tensordict.batch_dims else [tensordict]
         # RetrieveLogProb writes under "next" where the batch has it, at the root otherwise
         written = self.written if "next" in tensordict.keys() else self.written[1:]
+        by_task: dict = {}  # each task's rows, the tasks in order of first appearance
+        for row, task in enumerate(tasks):
+            by_task.setdefault(task, []).append(row)
         scored: list = [None] * len(rows)
-        for task in dict.fromkeys(tasks):  # each teacher once, in order of first appearance
-            members = [row for row, t in enumerate(tasks) if t == task]
+        for task, members in by_task.items():  # each teacher once
             part = self.scorers[index[task]](lazy_stack([rows[row].copy() for row in members]))
             for row, value in zip(members, part.get(written, as_list=True), strict=True):
                 scored[row] = value

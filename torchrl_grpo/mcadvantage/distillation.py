@@ -173,12 +173,13 @@ def _lengths(entries: Tensor | list) -> Tensor:
 
 
 def _flat(entries: Tensor | list) -> Tensor:
-    """An entry's rows one after the other, on the CPU."""
+    """An entry's rows one after the other, on the CPU: one copy to the host (one wait on a
+    device), not one per step."""
     if isinstance(entries, Tensor):
         return entries.reshape(-1).cpu()
     if not entries:
         return torch.zeros(0)
-    return torch.cat([entry.reshape(-1).cpu() for entry in entries])
+    return torch.cat([entry.reshape(-1) for entry in entries]).cpu()
 
 
 def _values(steps: Steps, key, full: Tensor, prompt: Tensor, what: str) -> Tensor:
