@@ -231,6 +231,11 @@ def check_teacher_settings(cfg: AsyncSettings) -> None:
         buffer_transform(cfg)
     except ValueError as error:  # the weights: MCAdvantage's own checks
         raise ValueError(f"--distill-alpha/--distill-beta/--distill-gamma: {error}") from None
+    if not (distill.teacher_folder(cfg) / "config.json").is_file():  # not a hub name to fetch
+        raise ValueError(
+            f"--teacher {cfg.teacher}: no saved model there (a run folder of "
+            "examples/llm_grpo.py holds model/ and tokenizer/)."
+        )
 
 
 def buffer_transform(cfg: AsyncSettings) -> Compose:

@@ -78,7 +78,7 @@ def test_distillation_alone_then_resumed(ex, teacher, tmp_path, monkeypatch, cap
     flags = ["--teacher", str(teacher), "--distill-alpha", "0", "--distill-beta", "0.5"]
     start = time.perf_counter()
     result = ex.main([*ARGS, *flags, "--steps", "2", "--out", str(tmp_path / "a")])
-    assert time.perf_counter() - start < 40
+    assert time.perf_counter() - start < 90  # about 12 s on 2 idle cores
     assert result["steps"] == 2 and result["rows"]["trained"] == 2 * 16
     assert capsys.readouterr().out.strip().splitlines()[-1].startswith("RESULT acc_before=")
     assert len(taken) == 2
@@ -140,6 +140,7 @@ def test_another_tokenizer_is_refused_before_anything_starts(ex, tmp_path, capsy
         (["--teacher", "t", "--distill-alpha", "0", "--distill-beta", "0"], "neither the reward"),
         (["--teacher", "t", "--distill-gamma", "2"], "gamma must be a number in"),
         (["--teacher", "t", "--distill-alpha", "0", "--dynamic-sampling"], "does not read"),
+        (["--teacher", "no/such/run"], "--teacher no/such/run: no saved model there"),
     ],
 )
 def test_settings_that_cannot_work_are_refused(ex, flags, match, tmp_path):
