@@ -82,7 +82,6 @@ from torchrl_grpo.loss_terms import sequence_log_ratio as sequence_log_ratio
 from torchrl_grpo.token_dist import token_log_prob_entropy as token_log_prob_entropy
 
 
-
 def __getattr__(name: str):
     # the deprecated name of the callable alias (see torchrl_grpo.loss_terms.ObjectiveFn)
     if name == "Objective":

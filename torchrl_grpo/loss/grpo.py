@@ -531,7 +531,7 @@ class GRPOLoss(FlatAttributes, ClipPPOLoss):
             masking_strategy=self.masking_strategy,
             ref_padding=(self.ref_log_prob_padding_side, self.ref_log_prob_padding_value),
             ref="ref_log_prob" in reads,
-            inference=f"for {readers[0].title}" if readers else None,
+            inference=f"for {type(readers[0]).__name__}" if readers else None,
             inference_fallback=bool(readers) and all(v.fallback for v in readers),
             proximal="proximal_log_prob" in reads,
             truncated="truncated" in reads,

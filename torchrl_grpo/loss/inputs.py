@@ -63,8 +63,8 @@ class Inputs(NamedTuple):
     old_log_prob: torch.Tensor  # sample_log_prob: the ratio's anchor, or the behaviour policy
     advantage: torch.Tensor
     mask: torch.Tensor  # bool, True on real tokens
-    entropy: torch.Tensor | None  # differentiable; with entropy_bonus or top_entropy_quantile
-    ref_log_prob: torch.Tensor | None  # with kl_to_ref_coeff
+    entropy: torch.Tensor | None  # differentiable; with entropy_bonus or TopEntropy
+    ref_log_prob: torch.Tensor | None  # with KLToReference
     inference_log_prob: torch.Tensor | None  # inference correction, KL to inference, OPSM
     proximal_log_prob: torch.Tensor | None  # with decoupled: the ratio's anchor
     truncated: torch.Tensor | None  # bool, True on the tokens of truncated completions
@@ -99,15 +99,15 @@ class ReadPlan(NamedTuple):
     padded: bool  # an LLM wrapper's batch: ragged entries are read left-padded
     masking_strategy: str  # an LLM wrapper's: which of its tokens are real
     ref_padding: tuple[str, float]  # side and value of the ragged reference log-probs
-    ref: bool  # read ref_log_prob (kl_to_ref_coeff)
-    inference: str | None  # why inference_log_prob is read ("for tis_cap"...); None: not read
+    ref: bool  # read ref_log_prob (KLToReference)
+    inference: str | None  # why inference_log_prob is read ("for TIS"...); None: not read
     inference_fallback: bool  # sample_log_prob stands in when inference_log_prob is absent
-    proximal: bool  # read proximal_log_prob (decoupled)
-    truncated: bool  # read or infer the truncated flags (mask_truncated_completions)
+    proximal: bool  # read proximal_log_prob (Decoupled)
+    truncated: bool  # read or infer the truncated flags (TruncatedCompletions)
     end_tokens: tuple[int, ...]  # EOS and pad ids: TRL's rule when no flag is stored
     pad_token_id: int | None  # an LLM wrapper's: the pad id of the stored token sequences
     pad_output: bool  # an LLM wrapper's: it keeps every stored position (False: drops the pads)
-    entropy: bool  # compute the entropy (entropy_bonus or top_entropy_quantile)
+    entropy: bool  # compute the entropy (entropy_bonus or TopEntropy)
     samples_mc_entropy: int
     # the other entries the variants read: (name, key, why), read per token or per sequence
     entries: tuple[tuple[NestedKey, NestedKey, str], ...] = ()
@@ -138,7 +138,7 @@ def read_stored(tensordict: TensorDictBase, plan: ReadPlan) -> Stored:
             key = keys.sample_log_prob
         inference = _get_input(tensordict, key, plan.inference, plan, per_token=True)
     if plan.proximal:
-        why = "for decoupled=True"
+        why = "for Decoupled"
         proximal = _get_input(tensordict, keys.proximal_log_prob, why, plan, per_token=True)
     entries = tuple(
         (name, _get_input(tensordict, key, why, plan, per_token=True))
@@ -351,7 +351,7 @@ def tokenizer_end_tokens(tokenizer: Any) -> tuple[int, ...]:
 def _truncated(
     tensordict: TensorDictBase, shape: torch.Size, plan: ReadPlan, last_tokens=None
 ) -> torch.Tensor | None:
-    """Per-token flags of truncated completions, with ``mask_truncated_completions``.
+    """Per-token flags of truncated completions, with ``TruncatedCompletions``.
 
     The ``truncated`` entry when present; for an LLM wrapper without it, TRL's rule on the
     last token of each (left-padded) sequence: neither EOS nor the pad token.
@@ -360,12 +360,12 @@ def _truncated(
         return None
     key = plan.keys.truncated
     if _has(tensordict, key) or last_tokens is None:
-        why = "for mask_truncated_completions"
+        why = "for TruncatedCompletions"
         entry = _get_input(tensordict, key, why, plan, padding=False)
         return _per_token(entry, shape, key).bool()
     if not plan.end_tokens:
         raise KeyError(
-            f"mask_truncated_completions needs {key!r} in the batch: the wrapper has no "
+            f"TruncatedCompletions needs {key!r} in the batch: the wrapper has no "
             "tokenizer with an EOS or pad token to tell truncated completions apart."
         )
     finished = torch.isin(last_tokens, torch.tensor(plan.end_tokens, device=last_tokens.device))

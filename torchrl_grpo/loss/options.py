@@ -425,7 +425,9 @@ def check_scheduled(name: str, value: float, ranges: Mapping[str, Range] | None 
     """
     if name in CLIP_EPSILON_BUFFERS:
         check_clip_bound(name, value)
-    elif name in (builtin_ranges() if ranges is None else ranges):
+        return
+    ranges = builtin_ranges() if ranges is None else ranges
+    if name in ranges:
         check_range(name, value, ranges)
 
 

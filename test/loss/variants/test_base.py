@@ -76,11 +76,12 @@ class LengthPenalty(Penalty):
 
 
 def test_check_range():
-    check_range("tis_cap", None)  # off
+    ranges = builtin_ranges()  # the package's own variants'
+    check_range("tis_cap", None, ranges)  # off
     with pytest.raises(ValueError, match="tis_cap must be positive, got nan"):
-        check_range("tis_cap", math.nan)
+        check_range("tis_cap", math.nan, ranges)
     with pytest.raises(ValueError, match=r"top_entropy_quantile must be in \[0, 1\]"):
-        check_range("top_entropy_quantile", 1.5)
+        check_range("top_entropy_quantile", 1.5, ranges)
     with pytest.raises(ValueError, match="small_advantage_bound must be non-negative"):
         check_range("small_advantage_bound", -1.0, SmallAdvantageFilter.ranges)
 

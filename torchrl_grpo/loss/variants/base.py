@@ -121,22 +121,23 @@ def lookup(registry: Mapping[str, Callable], value: str | Callable, name: str) -
         ) from None
 
 
-def check_range(name: str, value: float | None, ranges: Mapping[str, Range] | None = None) -> None:
+def check_range(name: str, value: float | None, ranges: Mapping[str, Range]) -> None:
     """``value`` is ``None`` (off), or in the range ``ranges`` gives ``name`` (never ``nan``).
 
     Args:
         name (str): the schedulable value's buffer name.
         value (float or None): its value.
-        ranges (Mapping[str, Range], optional): the ranges by name: those of a variant
-            (:attr:`Variant.ranges`) or of a loss (its variants'). Defaults to those of the
-            package's own variants (:func:`~torchrl_grpo.loss.variants.builtin_ranges`).
+        ranges (Mapping[str, Range]): the ranges by name: those of a variant
+            (:attr:`Variant.ranges`), of a loss (its variants'), or of the package's own
+            variants (:func:`~torchrl_grpo.loss.variants.builtin_ranges`).
 
     Raises:
         ValueError: the value is out of its range (named, with the value).
 
     Examples:
+        >>> from torchrl_grpo.loss.variants import TIS
         >>> from torchrl_grpo.loss.variants.base import check_range
-        >>> check_range("tis_cap", 2.0)
+        >>> check_range("tis_cap", 2.0, TIS.ranges)
         >>> check_range("my_bound", 0.0, {"my_bound": ("positive", 0.0)})
         Traceback (most recent call last):
         ...
@@ -144,10 +145,6 @@ def check_range(name: str, value: float | None, ranges: Mapping[str, Range] | No
     """
     if value is None:
         return
-    if ranges is None:
-        from torchrl_grpo.loss.variants import builtin_ranges  # the classes import this module
-
-        ranges = builtin_ranges()
     what, bound = ranges[name]
     if what == "in [0, 1]":
         if not 0.0 <= value <= 1.0:
@@ -214,8 +211,6 @@ class Variant:
         ranges (dict): the range of each of its schedulable values (:data:`Range`), by buffer
             name: checked when built, and when a scheduler sets the value on a loss that
             holds it.
-        title (str): its name in messages (an objective's, lower-cased, is its name in
-            :data:`~torchrl_grpo.loss_terms.OBJECTIVES`).
 
     Examples:
         >>> from torchrl_grpo.loss.variants import TIS, Factor
@@ -229,7 +224,6 @@ class Variant:
     fallback: ClassVar[bool] = False
     entropy: ClassVar[bool] = False
     ranges: ClassVar[Mapping[str, Range]] = MappingProxyType({})
-    title: ClassVar[str] = ""
 
     def __post_init__(self) -> None:
         # a dataclass subclass runs this after its __init__: its values checked when built
@@ -262,6 +256,8 @@ class Objective(Variant):
     step (``step.log_clip_bounds``).
 
     Attributes:
+        title (str): its name in messages; lower-cased, a built-in one's name in
+            :data:`~torchrl_grpo.loss_terms.OBJECTIVES` (``objective="cispo"`` is ``CISPO()``).
         dual_clip (bool): the dual clip (``clip_ratio_c``) may bound it (PPO's surrogate, a
             callable); CISPO, SAPO and VESPO have no unbounded negative term to bound.
         ratio_levels (tuple of str or None): the ratio levels it needs (VESPO: the product of
@@ -274,6 +270,7 @@ class Objective(Variant):
     """
 
     slot: ClassVar[str] = "objective"
+    title: ClassVar[str] = ""
     dual_clip: ClassVar[bool] = False
     ratio_levels: ClassVar[tuple[str, ...] | None] = None
 

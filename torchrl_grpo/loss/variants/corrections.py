@@ -1,8 +1,10 @@
 """The variants that leave tokens out of the loss or weigh them: ``corrections=[...]``.
 
-Two stages (see :mod:`torchrl_grpo.loss.variants.base`): *excluded* tokens (:class:`Exclusion`) leave the loss terms
-and the aggregation's denominator (:class:`KLMask`, :class:`TruncatedCompletions`,
-:class:`InferenceVeto`); *zeroed or weighted* tokens keep their place in the denominator, as the
+Two stages (see :mod:`torchrl_grpo.loss.variants.base`): *excluded* tokens
+(:class:`~torchrl_grpo.loss.variants.Exclusion`) leave the loss terms and the aggregation's
+denominator (:class:`KLMask`, :class:`TruncatedCompletions`,
+:class:`InferenceVeto`); *zeroed or weighted* tokens
+(:class:`~torchrl_grpo.loss.variants.Factor`) keep their place in the denominator, as the
 papers write them (:class:`Decoupled`, :class:`InferenceCorrection`, :class:`TIS`,
 :class:`OffPolicyMask`, :class:`TrustRegion`, :class:`TopEntropy`).
 """
@@ -80,7 +82,6 @@ class KLMask(Exclusion):
 
     threshold: float
     slot: ClassVar[str] = "kl_mask"
-    title: ClassVar[str] = "kl_mask_threshold"
     ranges: ClassVar[dict] = {"kl_mask_threshold": ("positive", 0.0)}
 
     def buffers(self):
@@ -108,7 +109,6 @@ class TruncatedCompletions(Exclusion):
 
     slot: ClassVar[str] = "truncated"
     reads: ClassVar[tuple[str, ...]] = ("truncated",)
-    title: ClassVar[str] = "mask_truncated_completions"
 
     def metrics(self):
         return ("truncated_fraction",)
@@ -137,7 +137,6 @@ class InferenceVeto(Exclusion):
     threshold: float
     slot: ClassVar[str] = "veto"
     reads: ClassVar[tuple[str, ...]] = ("inference_log_prob",)
-    title: ClassVar[str] = "inference_veto_threshold"
     ranges: ClassVar[dict] = {"inference_veto_threshold": ("positive", 0.0)}
 
     def buffers(self):
@@ -180,7 +179,6 @@ class Rejection(Exclusion):
     thresholds: float | str | tuple
     slot: ClassVar[str] = "rejection"
     reads: ClassVar[tuple[str, ...]] = ("inference_log_prob",)
-    title: ClassVar[str] = "Rejection"
 
     def __post_init__(self):
         probe = torch.zeros(1, 1)  # checks the modes and thresholds now, as verl's parser
@@ -218,7 +216,6 @@ class Decoupled(Factor):
     behaviour_weight_cap: float | None = None
     slot: ClassVar[str] = "decoupled"
     reads: ClassVar[tuple[str, ...]] = ("proximal_log_prob",)
-    title: ClassVar[str] = "decoupled"
     ranges: ClassVar[dict] = {"behaviour_weight_cap": ("greater than", 1.0)}
 
     def buffers(self):
@@ -273,7 +270,6 @@ class InferenceCorrection(_Inference):
 
     mode: str | Callable = "sequence_mask"
     bounds: tuple[float | None, float | None] | None = None
-    title: ClassVar[str] = "inference_correction"
     ranges: ClassVar[dict] = {
         "inference_correction_low": ("non-negative", 0.0),
         "inference_correction_high": ("positive", 0.0),
@@ -317,7 +313,6 @@ class TIS(_Inference):
     """
 
     cap: float
-    title: ClassVar[str] = "tis_cap"
     ranges: ClassVar[dict] = {"tis_cap": ("positive", 0.0)}
 
     def buffers(self):
@@ -347,7 +342,6 @@ class OffPolicyMask(Factor):
     slot: ClassVar[str] = "off_policy_mask"
     reads: ClassVar[tuple[str, ...]] = ("inference_log_prob",)
     fallback: ClassVar[bool] = True
-    title: ClassVar[str] = "off_policy_mask_threshold"
     ranges: ClassVar[dict] = {"off_policy_mask_threshold": ("positive", 0.0)}
 
     def buffers(self):
@@ -388,7 +382,6 @@ class TrustRegion(Factor):
     mode: str | Callable = "dppo_tv"
     bounds: float | tuple[float, float] | None = None
     slot: ClassVar[str] = "trust_region"
-    title: ClassVar[str] = "trust_region"
     ranges: ClassVar[dict] = {
         "trust_region_low": ("positive", 0.0),
         "trust_region_high": ("positive", 0.0),
@@ -443,7 +436,6 @@ class TopEntropy(Factor):
     quantile: float
     slot: ClassVar[str] = "top_entropy"
     entropy: ClassVar[bool] = True
-    title: ClassVar[str] = "top_entropy_quantile"
     ranges: ClassVar[dict] = {"top_entropy_quantile": ("in [0, 1]", 0.0)}
 
     def buffers(self):

@@ -87,7 +87,6 @@ class KLToReference(_KL):
     unbiased: bool = False
     slot: ClassVar[str] = "kl_to_ref"
     reads: ClassVar[tuple[str, ...]] = ("ref_log_prob",)
-    title: ClassVar[str] = "kl_to_ref_coeff"
     name: ClassVar[str] = "kl_to_ref"
     ranges: ClassVar[dict] = {"kl_to_ref_coeff": ("non-negative", 0.0)}
 
@@ -122,7 +121,6 @@ class KLToInference(_KL):
     slot: ClassVar[str] = "kl_to_inference"
     reads: ClassVar[tuple[str, ...]] = ("inference_log_prob",)
     fallback: ClassVar[bool] = True
-    title: ClassVar[str] = "kl_to_inference_coeff"
     name: ClassVar[str] = "kl_to_inference"
     ranges: ClassVar[dict] = {"kl_to_inference_coeff": ("non-negative", 0.0)}
 
@@ -155,13 +153,12 @@ class EntropyTarget(Penalty):
     bounds: tuple[float, float] = ENTROPY_COEFF_BOUNDS
     step: float = ENTROPY_COEFF_STEP
     slot: ClassVar[str] = "entropy_target"
-    title: ClassVar[str] = "entropy_target"
 
     def __post_init__(self):
         low, high = self.bounds
         if not (self.target >= 0 and 0 <= low <= high and self.step > 0):
             raise ValueError(
-                "the adaptive entropy coefficient needs entropy_target >= 0, "
+                "EntropyTarget (the adaptive entropy coefficient) needs target >= 0, "
                 f"0 <= min <= max and step > 0, got {self.target}, ({low}, {high}), "
                 f"{self.step}."
             )
@@ -177,9 +174,7 @@ class EntropyTarget(Penalty):
 
     def check(self, held, settings) -> None:
         if not settings.entropy_bonus:
-            raise ValueError(
-                "entropy_target adapts the entropy bonus: it needs entropy_bonus=True."
-            )
+            raise ValueError("EntropyTarget adapts the entropy bonus: it needs entropy_bonus=True.")
 
     def coefficient(self, step: Step, coeff: torch.Tensor) -> torch.Tensor:
         """The coefficient this call applies; records the measured tokens' entropy."""
