@@ -94,6 +94,7 @@ from torchrl_grpo.loss_terms.kl import (
 from torchrl_grpo.loss_terms.objectives import (
     MAX_LOG_RATIO,
     OBJECTIVES,
+    SAPO_TEMPERATURES,
     VESPO_K,
     VESPO_LAMBDA,
     ObjectiveFn,
@@ -144,6 +145,7 @@ __all__ = [
     "vespo_phi_sequence_mean",
     "ObjectiveFn",
     "RatioLevel",
+    "SAPO_TEMPERATURES",
     "VESPO_K",
     "VESPO_LAMBDA",
     "AGGREGATIONS",

@@ -12,6 +12,8 @@ from torchrl_grpo.loss_terms._shapes import check_same_rank
 
 #: The cap of the unclipped log-ratio in :func:`ppo_clip_loss` (verl's): ``e^20``, about 4.9e8.
 MAX_LOG_RATIO = 20.0
+#: SAPO's temperatures ``(tau_pos, tau_neg)`` when none are given: the paper's and TRL's.
+SAPO_TEMPERATURES = (1.0, 1.05)
 #: VESPO's kernels when none are given, ``(for A >= 0, for A < 0)``: TRL's ``vespo_k_pos``,
 #: ``vespo_k_neg`` and ``vespo_lambda_pos``, ``vespo_lambda_neg``.
 VESPO_K = (2.0, 3.0)
@@ -142,8 +144,8 @@ def cispo_loss(
 def sapo_loss(
     log_ratio: torch.Tensor,
     advantage: torch.Tensor,
-    temperature_pos: float | torch.Tensor = 1.0,
-    temperature_neg: float | torch.Tensor = 1.05,
+    temperature_pos: float | torch.Tensor = SAPO_TEMPERATURES[0],
+    temperature_neg: float | torch.Tensor = SAPO_TEMPERATURES[1],
 ) -> torch.Tensor:
     """SAPO: a soft, temperature-controlled gate on the ratio in place of PPO's hard clip.
 

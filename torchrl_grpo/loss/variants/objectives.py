@@ -12,6 +12,7 @@ import torch
 from torchrl_grpo.loss.variants.base import Objective, Step
 from torchrl_grpo.loss_terms import (
     OBJECTIVES,
+    SAPO_TEMPERATURES,
     VESPO_K,
     VESPO_LAMBDA,
     dual_clip_loss,
@@ -31,9 +32,6 @@ __all__ = [
     "CustomObjective",
     "objective_from_name",
 ]
-
-#: SAPO's temperatures (tau_pos, tau_neg) when none are given: the paper's and TRL's.
-SAPO_TEMPERATURES = (1.0, 1.05)
 
 
 def _call(fn: Callable, step: Step, log_ratio: torch.Tensor, **settings) -> torch.Tensor:

@@ -32,19 +32,18 @@ ENTROPY_COEFF_STEP = 0.005
 
 
 class _KL(Penalty):
-    """A KL penalty ``coeff * KL(pi_theta || other)``, per token by ``estimator``."""
-
-    name: ClassVar[str]  # the output's entry, and the buffer's prefix
+    """A KL penalty ``coeff * KL(pi_theta || other)``, per token by ``estimator``; its
+    ``slot`` (``"kl_to_ref"``...) names its output's entries and its coefficient's buffer."""
 
     def __post_init__(self):
         lookup(KL_ESTIMATORS, self.estimator, "KL estimator")
         self._check_ranges()
 
     def buffers(self):
-        return {f"{self.name}_coeff": self.coeff}
+        return {f"{self.slot}_coeff": self.coeff}
 
     def metrics(self):
-        return (self.name, f"loss_{self.name}")
+        return (self.slot, f"loss_{self.slot}")
 
     def _other(self, x):
         raise NotImplementedError
@@ -55,10 +54,10 @@ class _KL(Penalty):
 
     def terms(self, step: Step, reduce: Callable) -> dict[str, torch.Tensor]:
         kl = self._estimate(step)  # (B, T)
-        coeff = step.values[f"{self.name}_coeff"]
+        coeff = step.values[f"{self.slot}_coeff"]
         return {
-            self.name: masked_mean(kl, step.x.mask).detach(),
-            f"loss_{self.name}": coeff * reduce(kl),
+            self.slot: masked_mean(kl, step.x.mask).detach(),
+            f"loss_{self.slot}": coeff * reduce(kl),
         }
 
 
@@ -87,7 +86,6 @@ class KLToReference(_KL):
     unbiased: bool = False
     slot: ClassVar[str] = "kl_to_ref"
     reads: ClassVar[tuple[str, ...]] = ("ref_log_prob",)
-    name: ClassVar[str] = "kl_to_ref"
     ranges: ClassVar[dict] = {"kl_to_ref_coeff": ("non-negative", 0.0)}
 
     def _other(self, x):
@@ -121,7 +119,6 @@ class KLToInference(_KL):
     slot: ClassVar[str] = "kl_to_inference"
     reads: ClassVar[tuple[str, ...]] = ("inference_log_prob",)
     fallback: ClassVar[bool] = True
-    name: ClassVar[str] = "kl_to_inference"
     ranges: ClassVar[dict] = {"kl_to_inference_coeff": ("non-negative", 0.0)}
 
     def _other(self, x):
