@@ -303,7 +303,8 @@ class GRPOLoss(FlatAttributes, ClipPPOLoss):
     def _step(self, x: Inputs, ratio_base: torch.Tensor) -> Step:
         """The call's :class:`~torchrl_grpo.loss.variants.Step`: the batch, and the variants'
         schedulable values and state as they are now."""
-        values = {name: getattr(self, name) for name in self._ranges}
+        buffers = self._buffers  # a value no variant held has is None, not a buffer
+        values = {name: buffers.get(name) for name in self._ranges}
         modules = {name: getattr(self, name) for name in self._variant_modules}
         return Step(x, ratio_base, values=values, modules=modules, loss_mask=x.mask)
 

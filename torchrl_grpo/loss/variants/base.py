@@ -165,25 +165,25 @@ class Step:
             the variants read beyond the built-in ones are ``x.entries[name]``.
         ratio_base (torch.Tensor): the log-probs the ratio and its clip are taken against (the
             proximal policy's with decoupled PPO, else the sampler's).
-        values (Mapping[str, torch.Tensor or None]): the schedulable values of the loss's
-            variants at call time (its buffers, ``loss.tis_cap``...), by name.
-        modules (Mapping[str, torch.nn.Module]): the state its variants keep on the loss
-            (:meth:`Variant.modules`), by attribute name.
         loss_mask (torch.Tensor): the tokens the loss terms cover, once the
             :class:`Exclusion` variants ran.
         measured (torch.Tensor): the tokens whose entropy the adaptive coefficient measures
             (the real ones, or those high-entropy selection keeps).
         log_clip_bounds (tuple of torch.Tensor): ``(log(1 - eps_low), log(1 + eps_high))``,
             the clip band of this call.
+        values (Mapping[str, torch.Tensor or None]): the schedulable values of the loss's
+            variants at call time (its buffers, ``loss.tis_cap``...), by name.
+        modules (Mapping[str, torch.nn.Module]): the state its variants keep on the loss
+            (:meth:`Variant.modules`), by attribute name.
     """
 
     x: Inputs
     ratio_base: torch.Tensor
-    values: Mapping[str, torch.Tensor | None] = field(default_factory=dict)
-    modules: Mapping[str, torch.nn.Module] = field(default_factory=dict)
     loss_mask: torch.Tensor | None = None
     measured: torch.Tensor | None = None
     log_clip_bounds: tuple[torch.Tensor, torch.Tensor] | None = None
+    values: Mapping[str, torch.Tensor | None] = field(default_factory=dict)
+    modules: Mapping[str, torch.nn.Module] = field(default_factory=dict)
 
 
 def masked_fraction(keep: torch.Tensor, x: Inputs) -> torch.Tensor:
