@@ -300,6 +300,12 @@ class GRPOLoss(FlatAttributes, ClipPPOLoss):
             }
         return self._stages[stage]
 
+    def _composed(self) -> tuple[Variant, ...]:
+        """The objective and the variants held (none while ClipPPOLoss's ``__init__`` runs)."""
+        if not self.__dict__.get("_wired"):
+            return ()
+        return (self.objective, *self.variants)
+
     def _step(self, x: Inputs, ratio_base: torch.Tensor) -> Step:
         """The call's :class:`~torchrl_grpo.loss.variants.Step`: the batch, and the variants'
         schedulable values and state as they are now."""
@@ -363,7 +369,7 @@ class GRPOLoss(FlatAttributes, ClipPPOLoss):
             keys.extend(key if isinstance(key, list) else [key])
         keys += [tk.advantage, tk.mask]
         # what the variants read (not the entries sample_log_prob may stand in for)
-        reads = {r for v in getattr(self, "variants", ()) if not v.fallback for r in v.reads}
+        reads = {r for v in self._composed() if not v.fallback for r in v.reads}
         keys += [getattr(tk, name) for name in _READS if name in reads]
         keys += [key for _, key, _ in self._entries()]
         self._in_keys = list(dict.fromkeys(keys))
@@ -373,7 +379,7 @@ class GRPOLoss(FlatAttributes, ClipPPOLoss):
         the loss's keys is read under its key (``set_keys``), any other under itself."""
         fields = self.tensor_keys.__dataclass_fields__
         entries = {}
-        for variant in getattr(self, "variants", ()):
+        for variant in self._composed():
             for name in variant.reads:
                 if name not in _READS and name not in entries:
                     key = getattr(self.tensor_keys, name) if name in fields else name
@@ -518,8 +524,8 @@ class GRPOLoss(FlatAttributes, ClipPPOLoss):
 
     def _read_plan(self) -> ReadPlan:
         """What this call reads from its batch: the keys, and the entries its variants need."""
-        readers = [v for v in self.variants if "inference_log_prob" in v.reads]
-        reads = {name for v in self.variants for name in v.reads}
+        readers = [v for v in self._composed() if "inference_log_prob" in v.reads]
+        reads = {name for v in self._composed() for name in v.reads}
         end_tokens = ()  # TRL's rule for an LLM wrapper's batch without a truncated entry
         tokenizer = getattr(self.actor_network, "tokenizer", None) if self.is_llm else None
         if self.is_llm and "truncated" in reads:
@@ -539,7 +545,7 @@ class GRPOLoss(FlatAttributes, ClipPPOLoss):
             end_tokens=end_tokens,
             pad_token_id=getattr(tokenizer, "pad_token_id", None),
             pad_output=bool(getattr(self.actor_network, "pad_output", True)),
-            entropy=bool(self.entropy_bonus) or any(v.entropy for v in self.variants),
+            entropy=bool(self.entropy_bonus) or any(v.entropy for v in self._composed()),
             samples_mc_entropy=self.samples_mc_entropy,
             entries=self._entries(),
         )

@@ -152,6 +152,31 @@ def test_a_penalty_reads_a_per_sequence_entry():
     assert loss(batch).loss_length.item() == 0.0
 
 
+@dataclass(frozen=True)
+class ScaledReinforce(Objective):
+    """A surrogate of the test's own: REINFORCE on the ratio, scaled per token by a stored entry."""
+
+    title: ClassVar[str] = "scaled"
+    reads: ClassVar[tuple[str, ...]] = ("scale",)
+
+    def loss(self, step: Step, log_ratio):
+        return -step.x.entries["scale"] * log_ratio.exp() * step.x.advantage
+
+
+def test_an_objective_of_ones_own_reads_its_entry():
+    batch = every_entry_batch()
+    batch["scale"] = torch.rand(batch["mask"].shape)
+    loss = GRPOLoss(token_policy(), entropy_coeff=0.0, objective=ScaledReinforce())
+    loss.set_keys(sample_log_prob="tokens_log_prob")
+    assert "scale" in loss.in_keys
+    out = loss(batch)
+    log_prob = token_policy().get_dist(batch).log_prob(batch["tokens"])
+    ratio = (log_prob - batch["tokens_log_prob"]).exp()
+    mask = batch["mask"]
+    per_token = -batch["scale"] * ratio * batch["advantage"][:, None]
+    torch.testing.assert_close(out.loss_objective, per_token[mask].sum() / mask.sum())
+
+
 def test_the_hooks_have_defaults():
     step = Step(x=None, ratio_base=None)
     coeff = torch.tensor(0.1)
