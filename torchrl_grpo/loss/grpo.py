@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 from tensordict import TensorDictBase
-from tensordict.nn import ProbabilisticTensorDictSequential
+from tensordict.nn import ProbabilisticTensorDictSequential, TensorDictModuleBase
 from tensordict.utils import NestedKey
 from torchrl.modules.llm import LLMWrapperBase
 from torchrl.objectives import ClipPPOLoss
@@ -227,14 +227,15 @@ class GRPOLoss(FlatAttributes, ClipPPOLoss):
         for name in _NOT_SETTINGS:
             settings.pop(name, None)
         options = loss_options(actor_network, settings, replaced, critic)
-        if options.actor_network is None:
-            raise TypeError("GRPOLoss needs a policy: GRPOLoss(actor_network, ...).")
         self._build(options)
 
     def _build(self, options: LossOptions) -> None:
         """ClipPPOLoss built with the options it takes, then the rest wired in."""
+        actor = options.actor_network
+        if actor is None:  # built as torchrl's is, for its aggregation helpers: no forward
+            actor = _NoPolicy(type(self).__name__)
         super().__init__(
-            options.actor_network,
+            actor,
             None,
             clip_epsilon=options.clip_epsilon,
             entropy_bonus=options.entropy_bonus,
@@ -600,6 +601,15 @@ class GRPOLoss(FlatAttributes, ClipPPOLoss):
             return aggregation_sum(self._aggregate, per_token, loss_mask)[0]
         return self._aggregate(per_token, loss_mask)
 
+    def _aggregate_loss_value(
+        self, value: torch.Tensor, mask: torch.Tensor, tensordict: TensorDictBase | None = None
+    ) -> torch.Tensor:
+        """torchrl's aggregation helper, under its name (torchrl's own tests call it): a
+        per-token ``value`` ``[..., T, 1]`` (or ``[..., T]``) over ``mask`` ``[..., T]``, by this
+        loss's aggregation (``reduction="none"``: zero off the mask, in ``value``'s shape)."""
+        per_token = value.squeeze(-1) if value.dim() == mask.dim() + 1 else value
+        return self._reduce(per_token, mask, value.shape)
+
     def _regularisers(self, step: Step, reduce: Callable) -> dict[str, torch.Tensor]:
         """The entropy bonus (its coefficient steered by a variant that has ``coefficient``,
         :class:`~torchrl_grpo.loss.variants.EntropyTarget`) and the penalties' terms."""
@@ -641,6 +651,26 @@ class GRPOLoss(FlatAttributes, ClipPPOLoss):
         coeff = self.adaptive_entropy.update(float(self.entropy_coeff))
         self.entropy_coeff.fill_(coeff)
         return coeff
+
+
+class _NoPolicy(TensorDictModuleBase):
+    """The policy of a loss built without one (``actor_network=None``, as torchrl's GRPOLoss
+    allows for its aggregation helpers): anything that needs the policy says so."""
+
+    in_keys: list = []
+    out_keys: list = []
+
+    def __init__(self, owner: str):
+        super().__init__()
+        self.owner = owner
+
+    def forward(self, tensordict: TensorDictBase):
+        raise RuntimeError(
+            f"{self.owner} was built without a policy (actor_network=None): it aggregates "
+            f"values but cannot compute a loss; pass the policy: {self.owner}(actor_network, ...)."
+        )
+
+    get_dist = forward
 
 
 def _output_keys(loss: GRPOLoss) -> list[str]:

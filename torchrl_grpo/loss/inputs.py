@@ -285,6 +285,23 @@ def _checked_positions(tensordict: TensorDictBase, tokens: torch.Tensor, plan: R
     return kept_index(keep) if drops else None
 
 
+#: torchrl's messages for a missing log-prob, kept as the start of this package's (torchrl's
+#: tests and users' handlers match on them), by the name of the key in the loss's keys.
+_TORCHRL_MISSING = {
+    "sample_log_prob": "Couldn't find the log-prob {key} in the input data. ",
+    "ref_log_prob": "Couldn't find the ref log-prob {key} in the input data. ",
+}
+
+
+def _key_name(key: NestedKey, plan: ReadPlan) -> str | None:
+    """The name, in the loss's keys, of the log-prob ``key`` (None for another entry)."""
+    for name in _TORCHRL_MISSING:
+        theirs = getattr(plan.keys, name)  # a multi-head policy's sampling keys: a list
+        if not isinstance(theirs, list) and unravel_key(key) == unravel_key(theirs):
+            return name
+    return None
+
+
 def _get_input(
     tensordict: TensorDictBase,
     key: NestedKey,
@@ -313,8 +330,11 @@ def _get_input(
         value = tensordict.get(key, None)
     if value is None:
         raise KeyError(
-            f"{plan.owner} needs {key!r} ({why}) in the input batch; "
-            f"found keys {sorted(map(str, tensordict.keys(True, True)))}."
+            _TORCHRL_MISSING.get(_key_name(key, plan), "").format(key=key)
+            + f"{plan.owner} needs {key!r} ({why}) in the input batch; "
+            # no double quote: KeyError's text stays as written (repr'd in single quotes, torchrl's
+            # "Couldn't" would read "Couldn\'t" to a pytest.raises(match=...))
+            f"found keys {', '.join(sorted(map(str, tensordict.keys(True, True))))}."
         )
     if value.requires_grad:
         raise RuntimeError(
