@@ -24,7 +24,6 @@ from tensordict.utils import NestedKey
 from torchrl.objectives import AUTO_LOSS_MASK_KEYS
 
 from torchrl_grpo import _compat, ragged
-from torchrl_grpo.llm.lean_wrapper import HiddenLLMMaskedCategorical
 from torchrl_grpo.loss.positions import (
     inner_pads,
     kept_index,
@@ -479,12 +478,14 @@ def _check_finite(x: Inputs, keys) -> None:
 def _token_log_prob_entropy(dist, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs and entropies ``(B, T)`` of an LLM wrapper's masked distribution, in one pass.
 
-    From its logits through :func:`~torchrl_grpo.token_log_prob_entropy`, or, for a
-    distribution that holds no logits (:class:`~torchrl_grpo.LeanTransformersWrapper`'s), its
-    own ``log_prob_entropy``. Tokens below zero are padding.
+    A distribution that computes both itself (``log_prob_entropy(tokens) -> (log_prob,
+    entropy)``: :class:`~torchrl_grpo.LeanTransformersWrapper`'s, which holds no logits) is
+    asked to; any other is read from its logits through
+    :func:`~torchrl_grpo.token_log_prob_entropy`. Tokens below zero are padding.
     """
-    if isinstance(dist, HiddenLLMMaskedCategorical):
-        return dist.log_prob_entropy(tokens)
+    log_prob_entropy = getattr(dist, "log_prob_entropy", None)
+    if log_prob_entropy is not None:
+        return log_prob_entropy(tokens)
     return token_log_prob_entropy(dist.logits, tokens)
 
 
