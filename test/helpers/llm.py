@@ -207,6 +207,7 @@ def dialog_env(
     from torchrl.envs.llm import DatasetChatEnv
 
     from torchrl_grpo.llm import ExactTurns
+    from torchrl_grpo.llm.turns import REPLY_KEY
 
     class Reply(Transform):
         def _step(self, tensordict, next_tensordict):
@@ -222,7 +223,7 @@ def dialog_env(
             next_tensordict = next_tensordict.to_lazystack(0)
             ids = torch.tensor(tokenizer(reply)["input_ids"])
             for row in next_tensordict.tensordicts:
-                row.set("reply_tokens", ids)
+                row.set(REPLY_KEY, ids)
             return next_tensordict
 
         def transform_reward_spec(self, reward_spec):

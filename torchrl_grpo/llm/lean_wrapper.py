@@ -539,14 +539,14 @@ class LeanTransformersWrapper(TransformersWrapper):
         chunk_size = kwargs.pop("chunk_size", self.chunk_size)
         cast = kwargs.pop("cast_head_to_float32", self.cast_head_to_float32)
         share = kwargs.pop("share_prefix", self.sharing.enabled)
-        min_shared = kwargs.pop("min_shared_length", self.sharing.min_shared)
+        min_shared_length = kwargs.pop("min_shared_length", self.sharing.min_shared_length)
         log_probs_at = kwargs.pop("log_probs_at", self.log_probs_at)
         disable_adapters = kwargs.pop("disable_adapters", self.disable_adapters)
         new = super().get_new_version(**kwargs)
         new.disable_adapters = _checked_disable_adapters(disable_adapters, new.model)
         new.chunk_size = _checked_chunk_size(chunk_size)
         new.cast_head_to_float32 = bool(cast)
-        new.sharing = PrefixSharing(share, min_shared)
+        new.sharing = PrefixSharing(share, min_shared_length)
         new.log_probs_at = _checked_log_probs_at(log_probs_at)
         return new
 
