@@ -12,11 +12,12 @@ hidden states are then read from the packed ones along its path, with one index.
 
 The order of a call, as a record that computes nothing until :func:`shared_hidden` runs it:
 :func:`prefix_plan` sorts the rows by their tokens, measures the common prefix of each
-neighbour pair, cuts the sorted rows into trees whose neighbours share at least ``min_shared_length``
-tokens (a row that shares less with both neighbours is a tree of its own), builds each tree's
-nodes (a dialog's turns share all of the history they have in common: every level, not one),
-and packs the trees into rows of one batch. Everything is decided on the host from one copy of
-the tokens; the device runs a fixed number of operators whatever the number of rows or groups.
+neighbour pair, cuts the sorted rows into trees whose neighbours share at least
+``min_shared_length`` tokens (a row that shares less with both neighbours is a tree of its own),
+builds each tree's nodes (a dialog's turns share all of the history they have in common: every
+level, not one), and packs the trees into rows of one batch. Everything is decided on the host
+from one copy of the tokens; the device runs a fixed number of operators whatever the number of
+rows or groups.
 
 Exactness: a packed token sees the same keys at the same positions as in its own row, so for
 rotary models (Qwen, Llama, Mistral) the hidden states are the dense pass's up to float
