@@ -3,7 +3,7 @@
 # This source code is licensed under the MIT license found in the
 # LICENSE file in the root directory of this source tree.
 #
-# torchrl's own TestLosses, copied unchanged from pytorch/rl (test/llm/test_llm_objectives.py at
+# torchrl's own TestLosses, copied unchanged from pytorch/rl (its tests of the LLM objectives at
 # commit ae9719f17, the 0.14 line: the imports it uses, the module fixture, the batch helper
 # ``_mock_data_grpo`` and the class), run here against torchrl_grpo's GRPOLoss, CISPOLoss and
 # their outputs: conftest.py puts this package's classes where torchrl's are imported from, and
