@@ -101,7 +101,9 @@ class GRPOLoss(FlatAttributes, ClipPPOLoss):
 
     Args:
         actor_network (ProbabilisticTensorDictSequential or LLMWrapperBase): the policy
-            (``actor=``, ClipPPOLoss's other name for it, is accepted too).
+            (``actor=``, ClipPPOLoss's other name for it, is accepted too). ``None``, as
+            torchrl's GRPOLoss allows: a loss for its aggregation (``_aggregate_loss_value``),
+            whose forward raises a ``RuntimeError`` saying it has no policy.
         *critic: nothing: GRPO has no critic (``TypeError`` saying where the advantage comes
             from).
 
@@ -143,7 +145,7 @@ class GRPOLoss(FlatAttributes, ClipPPOLoss):
             the value), before anything is built; the same range when a scheduler sets a value.
         TypeError: a ClipPPOLoss or torchrl ``GRPOLoss`` argument that has no meaning here
             (the message names what replaces it), a critic, something that is not a variant in
-            ``corrections`` / ``penalties``, no policy.
+            ``corrections`` / ``penalties``.
 
     Examples:
         >>> import torch
