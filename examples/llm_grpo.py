@@ -970,9 +970,11 @@ def save_checkpoint(folder: Path, cfg: Settings, parts: dict, progress: dict) ->
     checkpoint.save_checkpoint(folder, pieces, stamp=progress["seen"]["step"])
 
 
-def load_checkpoint(cfg: Settings) -> dict:
+def load_checkpoint(cfg: Settings, same: tuple[str, ...] = SAME_ON_RESUME) -> dict:
     """The state :func:`save_checkpoint` wrote in the run folder ``cfg.resume`` (or the
     checkpoint folder itself), with its ``"reference"`` weights and its ``"buffer"`` folder.
+    ``same``: the settings that must be the checkpoint's (another example's adds its own; one
+    that a checkpoint lacks, saved before it existed, counts as its default).
 
     Raises:
         SystemExit: no complete checkpoint there, one that is torn, truncated or changed
@@ -987,7 +989,8 @@ def load_checkpoint(cfg: Settings) -> dict:
         raise SystemExit(f"--resume {cfg.resume}: {error}") from error
     state = saved.values["state"]
     settings = state["settings"]
-    changed = [k for k in SAME_ON_RESUME if settings[k] != getattr(cfg, k)]
+    defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
+    changed = [k for k in same if settings.get(k, defaults[k]) != getattr(cfg, k)]
     if changed:
         raise SystemExit(
             "--resume: the checkpoint was made with "

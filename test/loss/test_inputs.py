@@ -153,11 +153,11 @@ class TestReadActor:
 
     def test_missing_keys_are_named(self):
         batch = token_batch()
-        with pytest.raises(KeyError, match=r"'proximal_log_prob' \(for decoupled=True\)"):
+        with pytest.raises(KeyError, match=r"'proximal_log_prob' \(for Decoupled\)"):
             GRPOLoss(token_policy(), decoupled=True)(batch)
-        with pytest.raises(KeyError, match=r"'truncated' \(for mask_truncated_completions\)"):
+        with pytest.raises(KeyError, match=r"'truncated' \(for TruncatedCompletions\)"):
             GRPOLoss(token_policy(), mask_truncated_completions=True)(batch)
-        with pytest.raises(KeyError, match=r"'inference_log_prob' \(for inference_correction\)"):
+        with pytest.raises(KeyError, match=r"'inference_log_prob' \(for InferenceCorrection\)"):
             GRPOLoss(token_policy(), inference_correction="sequence_mask")(
                 batch.exclude("inference_log_prob")
             )

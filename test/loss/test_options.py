@@ -223,8 +223,8 @@ class TestTorchrlArguments:
     @pytest.mark.parametrize(
         "name, match",
         [
-            ("max_importance_ratio", r"pi_theta / pi_behav .* use tis_cap="),
-            ("delay_actor", r"decoupled=True and set_keys\(proximal_log_prob"),
+            ("max_importance_ratio", r"pi_theta / pi_behav .* use corrections=\[TIS\(cap\)\]"),
+            ("delay_actor", r"corrections=\[Decoupled\(\)\] and set_keys\(proximal_log_prob"),
             ("advantage_norm", "scale_rewards"),
             ("critic", "no critic"),
         ],

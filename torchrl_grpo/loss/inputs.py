@@ -9,12 +9,16 @@ end in :func:`_line_up`: every entry checked against the policy's log-prob shape
 never sees a padded value.
 
 What a call reads is decided by the loss's settings at call time; the loss passes them as a
-:class:`ReadPlan`, and nothing here reaches into the loss module.
+:class:`ReadPlan`, and nothing here reaches into the loss module. The entries a variant reads
+beyond the built-in ones (``ReadPlan.entries``: any batch key a variant declares in its
+``reads``) are read, lined up and zeroed on padding the same way, into ``Inputs.entries``.
 """
 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
 from typing import Any, NamedTuple
 
 import torch
@@ -58,13 +62,15 @@ class Inputs(NamedTuple):
     old_log_prob: torch.Tensor  # sample_log_prob: the ratio's anchor, or the behaviour policy
     advantage: torch.Tensor
     mask: torch.Tensor  # bool, True on real tokens
-    entropy: torch.Tensor | None  # differentiable; with entropy_bonus or top_entropy_quantile
-    ref_log_prob: torch.Tensor | None  # with kl_to_ref_coeff
+    entropy: torch.Tensor | None  # differentiable; with entropy_bonus or TopEntropy
+    ref_log_prob: torch.Tensor | None  # with KLToReference
     inference_log_prob: torch.Tensor | None  # inference correction, KL to inference, OPSM
     proximal_log_prob: torch.Tensor | None  # with decoupled: the ratio's anchor
     truncated: torch.Tensor | None  # bool, True on the tokens of truncated completions
     shape: torch.Size  # the policy log-prob's own shape (reduction="none" returns it)
     head_entropy: TensorDictBase | None = None  # a multi-head policy's, per head, as computed
+    # the entries the variants read beyond the above, by the name in their ``reads``
+    entries: Mapping[NestedKey, torch.Tensor] = MappingProxyType({})
 
 
 class Stored(NamedTuple):
@@ -75,6 +81,12 @@ class Stored(NamedTuple):
     ref: torch.Tensor | None
     inference: torch.Tensor | None
     proximal: torch.Tensor | None
+    entries: tuple[tuple[NestedKey, torch.Tensor], ...] = ()  # (name, as stored)
+
+    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Stored:
+        """Every stored tensor through ``fn`` (a device move, a relayout)."""
+        tensors = (None if value is None else fn(value) for value in self[:-1])
+        return Stored(*tensors, tuple((name, fn(value)) for name, value in self.entries))
 
 
 class ReadPlan(NamedTuple):
@@ -86,16 +98,18 @@ class ReadPlan(NamedTuple):
     padded: bool  # an LLM wrapper's batch: ragged entries are read left-padded
     masking_strategy: str  # an LLM wrapper's: which of its tokens are real
     ref_padding: tuple[str, float]  # side and value of the ragged reference log-probs
-    ref: bool  # read ref_log_prob (kl_to_ref_coeff)
-    inference: str | None  # why inference_log_prob is read ("for tis_cap"...); None: not read
+    ref: bool  # read ref_log_prob (KLToReference)
+    inference: str | None  # why inference_log_prob is read ("for TIS"...); None: not read
     inference_fallback: bool  # sample_log_prob stands in when inference_log_prob is absent
-    proximal: bool  # read proximal_log_prob (decoupled)
-    truncated: bool  # read or infer the truncated flags (mask_truncated_completions)
+    proximal: bool  # read proximal_log_prob (Decoupled)
+    truncated: bool  # read or infer the truncated flags (TruncatedCompletions)
     end_tokens: tuple[int, ...]  # EOS and pad ids: TRL's rule when no flag is stored
     pad_token_id: int | None  # an LLM wrapper's: the pad id of the stored token sequences
     pad_output: bool  # an LLM wrapper's: it keeps every stored position (False: drops the pads)
-    entropy: bool  # compute the entropy (entropy_bonus or top_entropy_quantile)
+    entropy: bool  # compute the entropy (entropy_bonus or TopEntropy)
     samples_mc_entropy: int
+    # the other entries the variants read: (name, key, why), read per token or per sequence
+    entries: tuple[tuple[NestedKey, NestedKey, str], ...] = ()
 
 
 def read_stored(tensordict: TensorDictBase, plan: ReadPlan) -> Stored:
@@ -123,9 +137,13 @@ def read_stored(tensordict: TensorDictBase, plan: ReadPlan) -> Stored:
             key = keys.sample_log_prob
         inference = _get_input(tensordict, key, plan.inference, plan, per_token=True)
     if plan.proximal:
-        why = "for decoupled=True"
+        why = "for Decoupled"
         proximal = _get_input(tensordict, keys.proximal_log_prob, why, plan, per_token=True)
-    return Stored(advantage=advantage, old=old, ref=ref, inference=inference, proximal=proximal)
+    entries = tuple(
+        (name, _get_input(tensordict, key, why, plan, per_token=True))
+        for name, key, why in plan.entries
+    )
+    return Stored(advantage, old, ref, inference, proximal, entries)
 
 
 #: Where torchrl's LLM stack writes a batch's sampling log-probs: the sampler's own (torchrl's
@@ -241,14 +259,14 @@ def read_llm(tensordict: TensorDictBase, dist, stored: Stored, plan: ReadPlan) -
     # the wrapper may compute elsewhere than the batch lives (TransformersWrapper(device=)):
     # the loss follows the policy's mask
     device = mask.device
-    stored = Stored(*(None if value is None else value.to(device) for value in stored))
+    stored = stored.map(lambda value: value.to(device))
     tokens = _get_input(tensordict, keys.action, "the sampled tokens", plan, padding=-100)
     tokens = tokens.to(device)
     stored_shape = tokens.shape  # (B, T): each stored row left-padded
     answer = response_positions(tensordict, stored_shape, plan)
     index = _checked_positions(tensordict, tokens, plan)  # the wrapper's, if it drops pads
     tokens = relayout(tokens, index, -100)
-    stored = Stored(*(relayout(value, index) for value in stored))
+    stored = stored.map(lambda value: relayout(value, index))
     if tokens.shape != mask.shape:
         raise ValueError(
             f"{keys.action!r} has shape {tuple(tokens.shape)} once padded, but the policy's "
@@ -352,7 +370,7 @@ def tokenizer_end_tokens(tokenizer: Any) -> tuple[int, ...]:
 def _truncated(
     tensordict: TensorDictBase, shape: torch.Size, plan: ReadPlan, last_tokens=None
 ) -> torch.Tensor | None:
-    """Per-token flags of truncated completions, with ``mask_truncated_completions``.
+    """Per-token flags of truncated completions, with ``TruncatedCompletions``.
 
     The ``truncated`` entry when present; for an LLM wrapper without it, TRL's rule on the
     last token of each (left-padded) sequence: neither EOS nor the pad token.
@@ -361,12 +379,12 @@ def _truncated(
         return None
     key = plan.keys.truncated
     if _has(tensordict, key) or last_tokens is None:
-        why = "for mask_truncated_completions"
+        why = "for TruncatedCompletions"
         entry = _get_input(tensordict, key, why, plan, padding=False)
         return _per_token(entry, shape, key).bool()
     if not plan.end_tokens:
         raise KeyError(
-            f"mask_truncated_completions needs {key!r} in the batch: the wrapper has no "
+            f"TruncatedCompletions needs {key!r} in the batch: the wrapper has no "
             "tokenizer with an EOS or pad token to tell truncated completions apart."
         )
     finished = torch.isin(last_tokens, torch.tensor(plan.end_tokens, device=last_tokens.device))
@@ -425,6 +443,12 @@ def _line_up(log_prob, mask, entropy, stored: Stored, truncated, keys) -> Inputs
         proximal_log_prob=tokens(stored.proximal, keys.proximal_log_prob),
         truncated=None if truncated is None else _as_sequences(truncated),
         shape=shape,
+        entries=MappingProxyType(
+            {
+                name: _as_sequences(_per_token(value, shape, name)).masked_fill(~mask, 0)
+                for name, value in stored.entries
+            }
+        ),
     )
     _check_finite(inputs, keys)
     return inputs

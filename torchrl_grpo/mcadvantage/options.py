@@ -168,7 +168,8 @@ class Staleness(NamedTuple):
 class Distillation(NamedTuple):
     """On-policy distillation: ``MCAdvantage(distillation=Distillation(...))`` writes on the
     response tokens of each released turn ``A_t = alpha * A_group - beta * D_t``, ``D_t`` the
-    student's reverse KL to the teacher from token ``t`` on, discounted by ``gamma``
+    student's reverse KL to the teacher from token ``t`` on, discounted by ``gamma`` (with
+    ``baseline=True``, less its group's mean: ``D_t - mean_group(D)``)
     (:mod:`torchrl_grpo.advantages.distillation`; how the rows are read:
     :mod:`torchrl_grpo.mcadvantage.distillation`).
 
@@ -191,6 +192,9 @@ class Distillation(NamedTuple):
     # the response: the tokens after the prompt (None: every token, a policy without prompts)
     prompt_tokens_key: NestedKey | None = ("tokens", "prompt")
     mask_key: NestedKey | None = ("masks", "all_attention_mask")  # real tokens, where present
+    # subtract from D_t its group's mean over the response tokens (group_mean_baseline): a
+    # centred teacher's term; False: the peers' form (Tinker, Trinity-RFT, NeMo-RL)
+    baseline: bool = False
 
 
 class Options(NamedTuple):

@@ -116,13 +116,13 @@ def release(
     if estimator.step_groups is not None:
         adv = _with_step_groups(adv, samples, out, member_round, num_rounds, options)
     adv = _on_elements(adv, samples, options)
-    metrics = _write(out, adv, samples, options)
+    metrics = _write(out, adv, samples, options, (member_round, num_rounds))
     selected = 0 if rounds.filtered else num_rounds  # with filters: read with what they keep
     released = _written(out, selection, keep, samples, member_round, num_rounds, selected)
     return released._replace(metrics=metrics)
 
 
-def _write(out: Steps, adv: Tensor, samples: _Samples, options: Options) -> dict | None:
+def _write(out: Steps, adv: Tensor, samples: _Samples, options: Options, groups) -> dict | None:
     """Write the advantage of every reward element ``adv`` ``(E,)`` on the released steps, in
     the reward's shape and device; with distillation, every token's (in the tokens' shape),
     and return its statistics."""
@@ -131,7 +131,7 @@ def _write(out: Steps, adv: Tensor, samples: _Samples, options: Options) -> dict
         out.write(keys.advantage, adv, keys.reward)  # on the reward's device, in its shape
         return None
     per_step = None if distill.alpha == 0.0 else _per_step(adv, samples.elements)
-    tokens, metrics = distillation.token_advantages(distill, out, per_step, samples.steps)
+    tokens, metrics = distillation.token_advantages(distill, out, per_step, samples.steps, groups)
     out.write(keys.advantage, tokens, distill.tokens_key)
     return metrics
 
