@@ -178,7 +178,7 @@ class Settings:
             "reference is the same model with its adapters disabled (no copy). 0: every weight"
         },
     )
-    min_shared: int = field(
+    min_shared_length: int = field(
         default=32,
         metadata={
             "help": "the lean wrapper's min_shared_length: a token prefix that rows share (a "
@@ -674,12 +674,12 @@ def make_scorer(
 
     ``LeanTransformersWrapper`` (``cfg.lean``) is torchrl's wrapper computing them from the
     model's hidden states chunk by chunk: the same numbers, without the ``[B, T, V]`` logits,
-    each shared prompt once (``--min-shared``); ``response_only`` computes the log-probs it
+    each shared prompt once (``--min-shared-length``); ``response_only`` computes the log-probs it
     writes on the response only (the prompt's are ``0``: the loss reads the response only).
     """
     lean = {}
     if cfg.lean:
-        lean = {"min_shared_length": cfg.min_shared}
+        lean = {"min_shared_length": cfg.min_shared_length}
         lean["log_probs_at"] = "response" if response_only else "all"
         lean["disable_adapters"] = disable_adapters
     cls = LeanTransformersWrapper if cfg.lean else TransformersWrapper

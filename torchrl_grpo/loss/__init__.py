@@ -33,7 +33,6 @@ The package, one concern a module: ``grpo.py`` (the module: keys, wiring, ``forw
 ``presets.py`` (the papers' defaults).
 """
 
-from torchrl_grpo.llm.lean_wrapper import HiddenLLMMaskedCategorical as HiddenLLMMaskedCategorical
 from torchrl_grpo.loss.grpo import GRPOLoss
 from torchrl_grpo.loss.inputs import LLM_KEYS as LLM_KEYS
 from torchrl_grpo.loss.inputs import MASK_SOURCES as MASK_SOURCES
@@ -88,6 +87,20 @@ def __getattr__(name: str):
         import torchrl_grpo.loss_terms
 
         return torchrl_grpo.loss_terms.Objective
+    # the lean wrapper's distribution, from its own package: the loss reads any distribution
+    # with ``log_prob_entropy`` without importing it
+    if name == "HiddenLLMMaskedCategorical":
+        import warnings
+
+        from torchrl_grpo.llm import HiddenLLMMaskedCategorical
+
+        warnings.warn(
+            "torchrl_grpo.loss.HiddenLLMMaskedCategorical is deprecated: import it from "
+            "torchrl_grpo.llm.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return HiddenLLMMaskedCategorical
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

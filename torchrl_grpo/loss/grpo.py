@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 from tensordict import TensorDictBase
-from tensordict.nn import ProbabilisticTensorDictSequential
+from tensordict.nn import ProbabilisticTensorDictSequential, TensorDictModuleBase
 from tensordict.utils import NestedKey
 from torchrl.modules.llm import LLMWrapperBase
 from torchrl.objectives import ClipPPOLoss
@@ -113,7 +113,9 @@ class GRPOLoss(FlatAttributes, ClipPPOLoss):
 
     Args:
         actor_network (ProbabilisticTensorDictSequential or LLMWrapperBase): the policy
-            (``actor=``, ClipPPOLoss's other name for it, is accepted too).
+            (``actor=``, ClipPPOLoss's other name for it, is accepted too). ``None``, as
+            torchrl's GRPOLoss allows: a loss for its aggregation (``_aggregate_loss_value``),
+            whose forward raises a ``RuntimeError`` saying it has no policy.
         *critic: nothing: GRPO has no critic (``TypeError`` saying where the advantage comes
             from).
 
@@ -155,7 +157,7 @@ class GRPOLoss(FlatAttributes, ClipPPOLoss):
             the value), before anything is built; the same range when a scheduler sets a value.
         TypeError: a ClipPPOLoss or torchrl ``GRPOLoss`` argument that has no meaning here
             (the message names what replaces it), a critic, something that is not a variant in
-            ``corrections`` / ``penalties``, no policy.
+            ``corrections`` / ``penalties``.
 
     Examples:
         >>> import torch
@@ -241,14 +243,15 @@ class GRPOLoss(FlatAttributes, ClipPPOLoss):
         for name in _NOT_SETTINGS:
             settings.pop(name, None)
         options = loss_options(actor_network, settings, replaced, critic)
-        if options.actor_network is None:
-            raise TypeError("GRPOLoss needs a policy: GRPOLoss(actor_network, ...).")
         self._build(options)
 
     def _build(self, options: LossOptions) -> None:
         """ClipPPOLoss built with the options it takes, then the rest wired in."""
+        actor = options.actor_network
+        if actor is None:  # built as torchrl's is, for its aggregation helpers: no forward
+            actor = _NoPolicy(type(self).__name__)
         super().__init__(
-            options.actor_network,
+            actor,
             None,
             clip_epsilon=options.clip_epsilon,
             entropy_bonus=options.entropy_bonus,
@@ -642,6 +645,15 @@ class GRPOLoss(FlatAttributes, ClipPPOLoss):
             return aggregation_sum(self._aggregate, per_token, loss_mask)[0]
         return self._aggregate(per_token, loss_mask)
 
+    def _aggregate_loss_value(
+        self, value: torch.Tensor, mask: torch.Tensor, tensordict: TensorDictBase | None = None
+    ) -> torch.Tensor:
+        """torchrl's aggregation helper, under its name (torchrl's own tests call it): a
+        per-token ``value`` ``[..., T, 1]`` (or ``[..., T]``) over ``mask`` ``[..., T]``, by this
+        loss's aggregation (``reduction="none"``: zero off the mask, in ``value``'s shape)."""
+        per_token = value.squeeze(-1) if value.dim() == mask.dim() + 1 else value
+        return self._reduce(per_token, mask, value.shape)
+
     def _regularisers(self, step: Step, reduce: Callable) -> dict[str, torch.Tensor]:
         """The entropy bonus (its coefficient steered by the penalties'
         :meth:`~torchrl_grpo.loss.variants.Penalty.coefficient`, reported when one changes it:
@@ -690,6 +702,26 @@ class GRPOLoss(FlatAttributes, ClipPPOLoss):
         coeff = self.adaptive_entropy.update(float(self.entropy_coeff))
         self.entropy_coeff.fill_(coeff)
         return coeff
+
+
+class _NoPolicy(TensorDictModuleBase):
+    """The policy of a loss built without one (``actor_network=None``, as torchrl's GRPOLoss
+    allows for its aggregation helpers): anything that needs the policy says so."""
+
+    in_keys: list = []
+    out_keys: list = []
+
+    def __init__(self, owner: str):
+        super().__init__()
+        self.owner = owner
+
+    def forward(self, tensordict: TensorDictBase):
+        raise RuntimeError(
+            f"{self.owner} was built without a policy (actor_network=None): it aggregates "
+            f"values but cannot compute a loss; pass the policy: {self.owner}(actor_network, ...)."
+        )
+
+    get_dist = forward
 
 
 def _off_message(name: str, owner: str) -> str:

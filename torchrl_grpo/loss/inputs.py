@@ -28,7 +28,6 @@ from tensordict.utils import NestedKey
 from torchrl.objectives import AUTO_LOSS_MASK_KEYS
 
 from torchrl_grpo import _compat, ragged
-from torchrl_grpo.llm.lean_wrapper import HiddenLLMMaskedCategorical
 from torchrl_grpo.loss.positions import (
     inner_pads,
     kept_index,
@@ -303,6 +302,23 @@ def _checked_positions(tensordict: TensorDictBase, tokens: torch.Tensor, plan: R
     return kept_index(keep) if drops else None
 
 
+#: torchrl's messages for a missing log-prob, kept as the start of this package's (torchrl's
+#: tests and users' handlers match on them), by the name of the key in the loss's keys.
+_TORCHRL_MISSING = {
+    "sample_log_prob": "Couldn't find the log-prob {key} in the input data. ",
+    "ref_log_prob": "Couldn't find the ref log-prob {key} in the input data. ",
+}
+
+
+def _key_name(key: NestedKey, plan: ReadPlan) -> str | None:
+    """The name, in the loss's keys, of the log-prob ``key`` (None for another entry)."""
+    for name in _TORCHRL_MISSING:
+        theirs = getattr(plan.keys, name)  # a multi-head policy's sampling keys: a list
+        if not isinstance(theirs, list) and unravel_key(key) == unravel_key(theirs):
+            return name
+    return None
+
+
 def _get_input(
     tensordict: TensorDictBase,
     key: NestedKey,
@@ -331,8 +347,11 @@ def _get_input(
         value = tensordict.get(key, None)
     if value is None:
         raise KeyError(
-            f"{plan.owner} needs {key!r} ({why}) in the input batch; "
-            f"found keys {sorted(map(str, tensordict.keys(True, True)))}."
+            _TORCHRL_MISSING.get(_key_name(key, plan), "").format(key=key)
+            + f"{plan.owner} needs {key!r} ({why}) in the input batch; "
+            # no double quote: KeyError's text stays as written (repr'd in single quotes, torchrl's
+            # "Couldn't" would read "Couldn\'t" to a pytest.raises(match=...))
+            f"found keys {', '.join(sorted(map(str, tensordict.keys(True, True))))}."
         )
     if value.requires_grad:
         raise RuntimeError(
@@ -483,12 +502,14 @@ def _check_finite(x: Inputs, keys) -> None:
 def _token_log_prob_entropy(dist, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs and entropies ``(B, T)`` of an LLM wrapper's masked distribution, in one pass.
 
-    From its logits through :func:`~torchrl_grpo.token_log_prob_entropy`, or, for a
-    distribution that holds no logits (:class:`~torchrl_grpo.LeanTransformersWrapper`'s), its
-    own ``log_prob_entropy``. Tokens below zero are padding.
+    A distribution that computes both itself (``log_prob_entropy(tokens) -> (log_prob,
+    entropy)``: :class:`~torchrl_grpo.LeanTransformersWrapper`'s, which holds no logits) is
+    asked to; any other is read from its logits through
+    :func:`~torchrl_grpo.token_log_prob_entropy`. Tokens below zero are padding.
     """
-    if isinstance(dist, HiddenLLMMaskedCategorical):
-        return dist.log_prob_entropy(tokens)
+    log_prob_entropy = getattr(dist, "log_prob_entropy", None)
+    if log_prob_entropy is not None:
+        return log_prob_entropy(tokens)
     return token_log_prob_entropy(dist.logits, tokens)
 
 
