@@ -172,6 +172,14 @@ class AsyncSettings(sync.Settings):
             "kl_discount_factor; 0: each token's own)"
         },
     )
+    distill_baseline: bool = field(
+        default=True,
+        metadata={
+            "help": "with --teacher: each token's reverse KL less its group's mean "
+            "(Distillation(baseline=True), llm_distill.py's --baseline); "
+            "--no-distill-baseline: the peers' uncentred form"
+        },
+    )
 
 
 #: The staleness bound of each backend when ``--max-policy-lag`` is not given.
@@ -179,7 +187,7 @@ DEFAULT_LAG = {"local": 1, "ray": 4}
 #: Settings a resumed run must share with its checkpoint: ``llm_grpo.py``'s, and the teacher's
 #: (the pending groups in the checkpoint's buffer were scored by it, with or without rewards).
 SAME_ON_RESUME = (*sync.SAME_ON_RESUME, "teacher", "distill_alpha", "distill_beta")
-SAME_ON_RESUME += ("distill_gamma",)
+SAME_ON_RESUME += ("distill_gamma", "distill_baseline")
 
 
 def check_settings(cfg: AsyncSettings) -> AsyncSettings:
@@ -253,6 +261,7 @@ def buffer_transform(cfg: AsyncSettings) -> Compose:
             cfg.distill_beta,
             cfg.distill_gamma,
             log_prob_key=("log_probs", "full"),
+            baseline=cfg.distill_baseline,
         )
     alone = distillation is not None and distillation.alpha == 0.0
     advantage = MCAdvantage(
@@ -335,7 +344,10 @@ def local_sampling(cfg: AsyncSettings, exclude: set[str], resumed: dict | None =
     hf_logging.disable_progress_bar()  # from_pretrained's "Loading weights" bar (the teacher)
     task = sync.digit_sum_task(cfg.digits)
     model, tokenizer = sync.tiny_qwen2(cfg, task)
-    teacher = distill.load_teacher(cfg, task, tokenizer)[1] if cfg.teacher else None
+    teacher = None
+    if cfg.teacher:  # the padding out of the softmax, as the trainer's (llm_distill.py's reason)
+        distill.suppress_padding(model, tokenizer)
+        teacher = distill.load_teacher(cfg, task, tokenizer)[1]
     sampler = sync.make_sampler(
         model, tokenizer, cfg, cls=ExactLogProbsTransformersWrapper, return_log_probs=True
     )
@@ -735,6 +747,7 @@ def main(argv=None) -> dict:
         model, tokenizer = sync.tiny_qwen2(cfg, task)
         if cfg.teacher:  # a teacher that cannot score the student's tokens: refused here
             distill.load_teacher(cfg, task, tokenizer)  # (the sampler process loads its own)
+            distill.suppress_padding(model, tokenizer)  # no mass where no sample can go
         held_out = set(eval_problems(cfg, task)["query"])
         view = sync.make_sampler(model, tokenizer, cfg, cls=ExactLogProbsTransformersWrapper)
         # the backend first: the local sampler process imports and builds its model meanwhile

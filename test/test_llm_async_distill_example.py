@@ -54,8 +54,9 @@ def logged(run_dir, name: str) -> list[tuple[int, float]]:
 
 
 def check_token_advantages(rows, beta: float) -> torch.Tensor:
-    """Distillation alone (``alpha = 0``, ``gamma = 0``): each token's advantage is ``-beta *
-    (log pi_old - log pi_T)`` on the response, ``log pi_old`` the sampler's, and 0 elsewhere.
+    """Distillation alone (``alpha = 0``, ``gamma = 0``, centred): each token's advantage is
+    ``-beta * (d_t - mean_group(d))``, ``d_t = log pi_old - log pi_T`` on the response,
+    ``log pi_old`` the sampler's, and 0 elsewhere.
     Returns the reverse KL of the real response tokens."""
     tokens, adv = rows["tokens", "full"], rows["advantage"]
     assert adv.shape == tokens.shape and adv.dim() == 2  # [B, T]: per token, not per row
@@ -64,7 +65,11 @@ def check_token_advantages(rows, beta: float) -> torch.Tensor:
     old = rows["log_probs", "full"][:, prompt:]  # the sampler's (NaN over the prompt)
     taught = rows["next", "teacher_log_probs", "full"][:, prompt:]
     real = rows["masks", "all_attention_mask"][:, prompt:].bool()
-    expected = torch.where(real, -beta * (old - taught), torch.zeros_like(old))
+    d = (old - taught).double()
+    _, group = torch.unique(rows["tokens", "prompt"], dim=0, return_inverse=True)
+    for g in group.unique():  # --distill-baseline (the default): less the group's mean
+        d[group == g] -= d[group == g][real[group == g]].mean()
+    expected = torch.where(real, -beta * d, torch.zeros_like(d)).to(adv.dtype)
     torch.testing.assert_close(adv[:, prompt:], expected)
     assert (adv[:, prompt:].std(-1) > 0).any()  # the teacher's, token by token
     return (old - taught)[real]
@@ -110,7 +115,7 @@ def test_grpo_with_the_teacher_reads_the_reward(ex, teacher):
     advantage = ex.buffer_transform(ex.check_settings(cfg))[-1]
     assert advantage.rewards_key == ("next", "reward") and advantage.trajectory_return == "sum"
     assert advantage.distillation == ex.Distillation(
-        1.0, 1.0, 0.0, log_prob_key=("log_probs", "full")
+        1.0, 1.0, 0.0, log_prob_key=("log_probs", "full"), baseline=True
     )
     plain = ex.buffer_transform(
         ex.check_settings(llm_grpo.parse_args(TINY, settings_cls=ex.AsyncSettings))
