@@ -12,6 +12,7 @@ test/helpers/distillation_peers.py, on ragged and padded rows, dialogs of one tu
 Then the bad inputs, each refused with the cause named and the transform unchanged.
 """
 
+import dataclasses
 import math
 
 import pytest
@@ -216,7 +217,9 @@ class TestEstimator:
         )
         keys = dict(tokens_key="tokens", prompt_tokens_key=None, log_prob_key="lp")
         distillation = Distillation(alpha=0.0, beta=2.0, teacher_key="teacher", mask_key="mask")
-        out = MCAdvantage(4, prompt_key="group", distillation=distillation._replace(**keys))
+        out = MCAdvantage(
+            4, prompt_key="group", distillation=dataclasses.replace(distillation, **keys)
+        )
         got = out.inv(data)["advantage"]
         torch.testing.assert_close(got, torch.where(mask, -2.0 * (lp - teacher), 0.0))
 
@@ -259,7 +262,7 @@ class TestBadInput:
 
     def check_unchanged(self, transform, ds):
         """The refused insertion changed nothing: the next one gives a fresh transform's."""
-        want, _ = distilled(ds, padded=False, distillation=transform.distillation)
+        want, _ = distilled(ds, padded=False, distillation=transform.estimator)
         got = response_advantages(transform.inv(rows(ds, SIZE, padded=False)), ds)
         close(got, want)
 
