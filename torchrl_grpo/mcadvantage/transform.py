@@ -191,8 +191,8 @@ class MCAdvantage(Transform):
                 trajectory once it is that old, and counted in ``short_groups``. ``None`` (default):
                 groups are released full only.
         traj_key (NestedKey or TrajectoryIds): key of the trajectory id of every step
-            (``TrajectoryIds(key, step_count_key=...)`` names the step counter too). When the input has it, trajectories
-            may cross insertions: the unfinished ones are held (:attr:`held_trajectories`) and
+            (``TrajectoryIds(key, step_count_key=...)`` names the step counter too). When the
+            input has it, trajectories may cross insertions: the unfinished ones are held (:attr:`held_trajectories`) and
             completed by later insertions, with the same advantages as inserting each whole
             trajectory when its last step arrives (in the order of the last steps in the
             row-major flattened input). Ids must be unique across everything written through the
