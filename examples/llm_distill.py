@@ -258,8 +258,8 @@ class HeldOut:
 def make_collector(cfg, task, model, ref_model, tokenizer, gen, exclude, teacher, run: Run):
     """``llm_grpo.make_collector`` with the teacher: ``TeacherLogProbs`` after the sampling
     policy's and the reference's ``RetrieveLogProb``, and
-    ``MCAdvantage(estimator=Distillation(...))`` writing each response token's advantage on insertion (distillation alone: no reward read,
-    ``rewards_key=None``)."""
+    ``MCAdvantage(estimator=Distillation(...))`` writing each response token's advantage on
+    insertion (distillation alone: no reward read, ``rewards_key=None``)."""
     rows = cfg.prompts_per_step * cfg.group_size
     loader = DataLoader(
         llm_grpo.Problems(task, gen, cfg.prompts_per_step, exclude),

@@ -12,7 +12,8 @@ Two backends (``--backend``), one trainer loop:
 * ``ray`` (several machines; the ``dist`` extra): ``--collectors`` torchrl ``RayLLMCollector``
   actors keep generating into a torchrl ``RayReplayBuffer`` (a ring of ``--buffer-steps`` steps'
   rows, in its own actor) and receive the weights through torchrl's ``RayWeightSyncScheme``
-  (gloo); nothing pauses them: ``MCAdvantage(staleness=Staleness(max_lag=...))`` drops what is too old.
+  (gloo); nothing pauses them: ``MCAdvantage(staleness=Staleness(max_lag=...))`` drops what is
+  too old.
 
 Either way the samplers use :class:`torchrl_grpo.llm.ExactLogProbsTransformersWrapper` (its
 generation log-probs are the behaviour policy's), stamp each row with the version of the weights

@@ -192,10 +192,10 @@ class MCAdvantage(Transform):
                 groups are released full only.
         traj_key (NestedKey or TrajectoryIds): key of the trajectory id of every step
             (``TrajectoryIds(key, step_count_key=...)`` names the step counter too). When the
-            input has it, trajectories may cross insertions: the unfinished ones are held (:attr:`held_trajectories`) and
-            completed by later insertions, with the same advantages as inserting each whole
-            trajectory when its last step arrives (in the order of the last steps in the
-            row-major flattened input). Ids must be unique across everything written through the
+            input has it, trajectories may cross insertions: the unfinished ones are held
+            (:attr:`held_trajectories`) and completed by later insertions, with the same
+            advantages as inserting each whole trajectory when its last step arrives (in the
+            order of the last steps in the row-major flattened input). Ids must be unique across everything written through the
             transform (torchrl's collectors, multi-worker ones included, guarantee it); an id
             that comes back after its trajectory ended raises ``ValueError``. A held trajectory
             older than ``max_pending_age`` insertions is given up, and the steps of its id that
