@@ -191,18 +191,17 @@ class MCAdvantage(Transform):
                 trajectory once it is that old, and counted in ``short_groups``. ``None`` (default):
                 groups are released full only.
         traj_key (NestedKey or TrajectoryIds): key of the trajectory id of every step
-            (``TrajectoryIds(key, step_count_key=...)`` names the step counter too). When the
-            input has it, trajectories may cross insertions: the unfinished ones are held
-            (:attr:`held_trajectories`) and completed by later insertions, with the same
-            advantages as inserting each whole trajectory when its last step arrives (in the
-            order of the last steps in the row-major flattened input). Ids must be unique across everything written through the
-            transform (torchrl's collectors, multi-worker ones included, guarantee it); an id
-            that comes back after its trajectory ended raises ``ValueError``. A held trajectory
-            older than ``max_pending_age`` insertions is given up, and the steps of its id that
-            arrive later are left out (``evicted_steps``). Negative ids (torchrl's frames a
-            preemptive collector did not fill) are not data. Defaults to
-            ``("collector", "traj_ids")``; ``None`` always splits at the done flags (torchrl's
-            behaviour).
+            (``TrajectoryIds(key, step_count_key=...)`` names the step counter too). When the input
+            has it, trajectories may cross insertions: the unfinished ones are held
+            (:attr:`held_trajectories`) and completed by later insertions, with the same advantages
+            as inserting each whole trajectory when its last step arrives (in the order of the last
+            steps in the row-major flattened input). Ids must be unique across everything written
+            through the transform (torchrl's collectors, multi-worker ones included, guarantee it);
+            an id that comes back after its trajectory ended raises ``ValueError``. A held
+            trajectory older than ``max_pending_age`` insertions is given up, and the steps of its
+            id that arrive later are left out (``evicted_steps``). Negative ids (torchrl's frames a
+            preemptive collector did not fill) are not data. Defaults to ``("collector",
+            "traj_ids")``; ``None`` always splits at the done flags (torchrl's behaviour).
             ``step_count_key`` (of ``TrajectoryIds``; the flat ``step_count_key`` is
             deprecated): key of a step counter (torchrl's ``StepCounter`` writes
             ``"step_count"``), read with ``traj_key`` when the input has it: a trajectory must
