@@ -710,7 +710,10 @@ def _step_groups(kw: dict) -> StepGroups | None:
         if not math.isfinite(value):
             raise ValueError(f"{name} must be finite, got {value}.")
     if not 0.0 <= values[2] <= 1.0:
-        raise ValueError(f"step_reward_gamma must be in [0, 1], got {values[2]}.")
+        raise ValueError(
+            f"step_reward_gamma must be in [0, 1], got {values[2]}: StepGroups' gamma, the "
+            "discount of the step-level returns."
+        )
     return StepGroups(*values)
 
 
@@ -746,15 +749,17 @@ def _reward_to_go_gamma(kw: dict, trajectory_return: str | None) -> float | None
     if isinstance(gamma, bool) or not isinstance(gamma, numbers.Real):
         raise TypeError(
             f"reward_to_go_gamma must be a real number in [0, 1] or None, got {gamma!r} "
-            f"({type(gamma).__name__})."
+            f"({type(gamma).__name__}): RewardToGo's gamma, the discount."
         )
     if not 0.0 <= gamma <= 1.0:
-        raise ValueError(f"reward_to_go_gamma must be in [0, 1], got {gamma}.")
+        raise ValueError(
+            f"reward_to_go_gamma must be in [0, 1], got {gamma}: RewardToGo's gamma, the discount."
+        )
     if trajectory_return is not None:
         raise ValueError(
             "reward_to_go_gamma makes each step's sample its discounted reward-to-go, a per-step "
             "mode: it requires trajectory_return=None, got "
-            f"trajectory_return={trajectory_return!r}."
+            f"trajectory_return={trajectory_return!r} (RewardToGo is a per-step estimator)."
         )
     if kw["anchor_key"] is not None:
         raise ValueError(
