@@ -35,7 +35,7 @@ class TestLags:
         assert stats["stale_trajectories"] == 0  # no bound: nothing dropped
 
     def test_consumer_version_is_the_reference(self):
-        t = MCAdvantage(grpo_size=2, prompt_key="seed", consumer_version=10)
+        t = MCAdvantage(grpo_size=2, prompt_key="seed", staleness=Staleness(consumer_version=10))
         insert(t, versioned(1, [1.0], 7), versioned(1, [2.0], 8))
         assert (t.get_stats()["policy_lag_min"], t.get_stats()["policy_lag_max"]) == (2.0, 3.0)
 
