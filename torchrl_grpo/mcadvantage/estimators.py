@@ -127,10 +127,11 @@ class Estimator:
             )
         return adv
 
-    def write(self, steps: Steps, adv: Tensor, samples: Samples, keys) -> dict | None:
+    def write(self, groups: ReleasedGroups, adv: Tensor) -> dict | None:
         """Write every reward element's advantage ``adv`` ``(E,)`` on the released steps (in the
         reward's shape and device); return statistics for ``get_stats()``, or ``None``."""
-        steps.write(keys.advantage, adv, keys.reward)
+        keys = groups.keys
+        groups.steps.write(keys.advantage, adv, keys.reward)
         return None
 
     def __repr__(self) -> str:
@@ -355,11 +356,15 @@ class Distillation(Estimator):
     def group_advantage(self, groups: ReleasedGroups) -> Tensor:
         return self.group.group_advantage(groups)
 
-    def write(self, steps: Steps, adv: Tensor, samples: Samples, keys) -> dict | None:
+    def write(self, groups: ReleasedGroups, adv: Tensor) -> dict | None:
         """Every token's advantage, in the tokens' shape, and its statistics."""
+        samples, steps = groups.samples, groups.steps
         per_step = None if self.alpha == 0.0 else _per_step(adv, samples.elements)
-        tokens, metrics = distillation_.token_advantages(self, steps, per_step, samples.steps)
-        steps.write(keys.advantage, tokens, self.tokens_key)
+        members = (groups.member_round, groups.num_rounds)  # for baseline=True
+        tokens, metrics = distillation_.token_advantages(
+            self, steps, per_step, samples.steps, members
+        )
+        steps.write(groups.keys.advantage, tokens, self.tokens_key)
         return metrics
 
 

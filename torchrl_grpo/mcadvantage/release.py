@@ -88,7 +88,7 @@ def release(
     groups = ReleasedGroups(x, runs, member_round, num_rounds, samples, out, options.keys)
     adv = estimator.group_advantage(groups)
     adv = _on_elements(adv, samples, options)
-    metrics = estimator.write(out, adv, samples, options.keys)
+    metrics = estimator.write(groups, adv)
     selected = 0 if rounds.filtered else num_rounds  # with filters: read with what they keep
     released = _written(out, selection, keep, samples, member_round, num_rounds, selected)
     return released._replace(metrics=metrics)
