@@ -178,7 +178,7 @@ class Settings:
             "reference is the same model with its adapters disabled (no copy). 0: every weight"
         },
     )
-    min_shared: int = field(
+    min_shared_length: int = field(
         default=32,
         metadata={
             "help": "the lean wrapper's min_shared_length: a token prefix that rows share (a "
@@ -674,12 +674,12 @@ def make_scorer(
 
     ``LeanTransformersWrapper`` (``cfg.lean``) is torchrl's wrapper computing them from the
     model's hidden states chunk by chunk: the same numbers, without the ``[B, T, V]`` logits,
-    each shared prompt once (``--min-shared``); ``response_only`` computes the log-probs it
+    each shared prompt once (``--min-shared-length``); ``response_only`` computes the log-probs it
     writes on the response only (the prompt's are ``0``: the loss reads the response only).
     """
     lean = {}
     if cfg.lean:
-        lean = {"min_shared_length": cfg.min_shared}
+        lean = {"min_shared_length": cfg.min_shared_length}
         lean["log_probs_at"] = "response" if response_only else "all"
         lean["disable_adapters"] = disable_adapters
     cls = LeanTransformersWrapper if cfg.lean else TransformersWrapper
@@ -970,9 +970,11 @@ def save_checkpoint(folder: Path, cfg: Settings, parts: dict, progress: dict) ->
     checkpoint.save_checkpoint(folder, pieces, stamp=progress["seen"]["step"])
 
 
-def load_checkpoint(cfg: Settings) -> dict:
+def load_checkpoint(cfg: Settings, same: tuple[str, ...] = SAME_ON_RESUME) -> dict:
     """The state :func:`save_checkpoint` wrote in the run folder ``cfg.resume`` (or the
     checkpoint folder itself), with its ``"reference"`` weights and its ``"buffer"`` folder.
+    ``same``: the settings that must be the checkpoint's (another example's adds its own; one
+    that a checkpoint lacks, saved before it existed, counts as its default).
 
     Raises:
         SystemExit: no complete checkpoint there, one that is torn, truncated or changed
@@ -987,7 +989,8 @@ def load_checkpoint(cfg: Settings) -> dict:
         raise SystemExit(f"--resume {cfg.resume}: {error}") from error
     state = saved.values["state"]
     settings = state["settings"]
-    changed = [k for k in SAME_ON_RESUME if settings[k] != getattr(cfg, k)]
+    defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
+    changed = [k for k in same if settings.get(k, defaults[k]) != getattr(cfg, k)]
     if changed:
         raise SystemExit(
             "--resume: the checkpoint was made with "

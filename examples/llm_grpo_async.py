@@ -32,10 +32,23 @@ several versions (``corrections=[Decoupled()]``). ``tis`` (truncated importance 
 multiplies each token by ``min(pi_prox / pi_behaviour, 2)``, a correction designed for small
 train/inference mismatches, not for stale policies.
 
+**On-policy distillation** (``--teacher <run folder>``, local backend): a teacher that
+``examples/llm_grpo.py`` trained (its ``model/`` and ``tokenizer/``, loaded by
+``llm_distill.py``'s ``load_teacher``; it must share the student's tokenizer) scores each batch
+in the sampler process, after the reference (``TeacherLogProbs``: ``("next",
+"teacher_log_probs", "full")``), and ``MCAdvantage(distillation=Distillation(...))`` writes each
+response token's advantage ``alpha * A_group - beta * (log pi_old - log pi_T)`` on insertion
+(``--distill-alpha``, ``--distill-beta``, ``--distill-gamma``; ``log pi_old`` the sampler's own
+log-probs; ``--distill-alpha 0``: distillation alone, no reward read). The trainer is unchanged:
+the loss reads the ``[B, T]`` advantages, and the reverse KL to the teacher is logged
+(``distill_kl_token_mean``...).
+
 Run (needs the ``llm`` and ``examples`` extras; ``--backend ray`` the ``dist`` one too)::
 
     .venv/bin/python examples/llm_grpo_async.py                    # defaults: about 3 minutes
     .venv/bin/python examples/llm_grpo_async.py --backend ray --collectors 2 --correction tis
+    .venv/bin/python examples/llm_grpo.py --out runs/teacher       # a teacher, then with it:
+    .venv/bin/python examples/llm_grpo_async.py --teacher runs/teacher/<run> --distill-alpha 0
     .venv/bin/python examples/llm_grpo_async.py --help             # every setting
 
 It logs every metric (policy lags, the staleness of the trained rows, ESS, accuracy...) with
@@ -49,8 +62,9 @@ With the local backend, the run's folder also gets ``checkpoint/`` when it stops
 ``--checkpoint-every`` steps, and when the sampler process dies (the trainer's state is whole
 then): ``--resume <run folder>`` goes on from it as ``llm_grpo.py`` does (the weights, the
 reference, the optimizer, the schedule and its progress, the loss, the buffer, the version, the
-curves; the sampler starts again where its prompts and versions were). The Ray backend keeps
-none: its collectors' prompt streams and its Ray buffer are not saved.
+curves; the sampler starts again where its prompts and versions were; a run with a teacher
+goes on with the same ``--teacher`` and weights only). The Ray backend keeps none: its
+collectors' prompt streams and its Ray buffer are not saved.
 """
 
 # ruff: noqa: E402  (the clock starts before the imports: wall_s covers the whole run)
@@ -73,6 +87,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import llm_async_local as local  # the single-machine backend, in this folder
+import llm_distill as distill  # the on-policy distillation example: its teacher's loader
 import llm_grpo as sync  # the synchronous example, in this folder
 import matplotlib.pyplot as plt
 import torch
@@ -89,7 +104,8 @@ from transformers.utils import logging as hf_logging
 from torchrl_grpo import GRPOLoss, MCAdvantage, checkpoint
 from torchrl_grpo.llm import ExactLogProbsTransformersWrapper
 from torchrl_grpo.loss.variants import TIS, Decoupled
-from torchrl_grpo.mcadvantage import Staleness
+from torchrl_grpo.mcadvantage import Distillation, Staleness
+from torchrl_grpo.mcadvantage.distillation import STATS_PREFIX
 
 EXAMPLES = str(Path(__file__).resolve().parent)
 
@@ -130,10 +146,49 @@ class AsyncSettings(sync.Settings):
     buffer_steps: int = field(
         default=2, metadata={"help": "with --backend ray: the replay ring holds this many steps"}
     )
+    teacher: str = field(
+        default="",
+        metadata={
+            "help": "on-policy distillation (local backend): the teacher, a run folder of "
+            "examples/llm_grpo.py (its model/ and tokenizer/) or a model folder with "
+            "tokenizer/ beside it, sharing the student's tokenizer; the sampler process scores "
+            "each batch with it after the reference, and each response token's advantage is "
+            "alpha * A_group - beta * (log pi_old - log pi_teacher)"
+        },
+    )
+    distill_alpha: float = field(
+        default=1.0,
+        metadata={
+            "help": "with --teacher: alpha, the weight of the group's advantage of the reward "
+            "(0: distillation alone, no reward read)"
+        },
+    )
+    distill_beta: float = field(
+        default=1.0, metadata={"help": "with --teacher: beta, the reverse KL's weight"}
+    )
+    distill_gamma: float = field(
+        default=0.0,
+        metadata={
+            "help": "with --teacher: discount of the future reverse KL (Tinker's "
+            "kl_discount_factor; 0: each token's own)"
+        },
+    )
+    distill_baseline: bool = field(
+        default=True,
+        metadata={
+            "help": "with --teacher: each token's reverse KL less its group's mean "
+            "(Distillation(baseline=True), llm_distill.py's --baseline); "
+            "--no-distill-baseline: the peers' uncentred form"
+        },
+    )
 
 
 #: The staleness bound of each backend when ``--max-policy-lag`` is not given.
 DEFAULT_LAG = {"local": 1, "ray": 4}
+#: Settings a resumed run must share with its checkpoint: ``llm_grpo.py``'s, and the teacher's
+#: (the pending groups in the checkpoint's buffer were scored by it, with or without rewards).
+SAME_ON_RESUME = (*sync.SAME_ON_RESUME, "teacher", "distill_alpha", "distill_beta")
+SAME_ON_RESUME += ("distill_gamma", "distill_baseline")
 
 
 def check_settings(cfg: AsyncSettings) -> AsyncSettings:
@@ -156,18 +211,68 @@ def check_settings(cfg: AsyncSettings) -> AsyncSettings:
             f"--collectors {cfg.collectors}: the local backend runs one sampler process (the "
             "two cores are the sampler's and the trainer's); use --backend ray for several."
         )
+    check_teacher_settings(cfg)
     return cfg
+
+
+def check_teacher_settings(cfg: AsyncSettings) -> None:
+    """``--teacher`` and its weights checked before anything starts (the teacher's tokenizer
+    is checked in ``main``, once the student's is built)."""
+    weights = (cfg.distill_alpha, cfg.distill_beta, cfg.distill_gamma)
+    if not cfg.teacher:
+        if weights != (1.0, 1.0, 0.0):
+            raise ValueError(
+                "--distill-alpha, --distill-beta and --distill-gamma weigh a teacher's reverse "
+                "KL: give the teacher, --teacher <run folder of examples/llm_grpo.py>."
+            )
+        return
+    if cfg.backend != "local":
+        raise ValueError(
+            "--teacher: the local backend only (its sampler process scores the teacher as it "
+            "scores the reference; the Ray collectors score neither)."
+        )
+    if cfg.dynamic_sampling and cfg.distill_alpha == 0.0:
+        raise ValueError(
+            "--dynamic-sampling drops groups by their reward, which --distill-alpha 0 does not "
+            "read (distillation alone): give a positive --distill-alpha, or drop the flag."
+        )
+    try:
+        buffer_transform(cfg)
+    except ValueError as error:  # the weights: MCAdvantage's own checks
+        raise ValueError(f"--distill-alpha/--distill-beta/--distill-gamma: {error}") from None
+    if not (distill.teacher_folder(cfg) / "config.json").is_file():  # not a hub name to fetch
+        raise ValueError(
+            f"--teacher {cfg.teacher}: no saved model there (a run folder of "
+            "examples/llm_grpo.py holds model/ and tokenizer/)."
+        )
 
 
 def buffer_transform(cfg: AsyncSettings) -> Compose:
     """What the buffer runs on each write, last first: advantages, then the prompt strings
-    dropped and the rows made one ``TensorDict`` (as in ``llm_grpo.py``)."""
+    dropped and the rows made one ``TensorDict`` (as in ``llm_grpo.py``).
+
+    With ``--teacher``, the advantages are per token (``Distillation``): ``log pi_old`` is the
+    sampler's own log-probs, ``("log_probs", "full")`` (``BehaviourLogProbs``; NaN over the
+    prompt, which is not read), the teacher's those the sampler wrote under ``"next"``;
+    ``--distill-alpha 0`` reads no reward (``rewards_key=None``), as ``llm_distill.py``."""
+    distillation = None
+    if cfg.teacher:
+        distillation = Distillation(
+            cfg.distill_alpha,
+            cfg.distill_beta,
+            cfg.distill_gamma,
+            log_prob_key=("log_probs", "full"),
+            baseline=cfg.distill_baseline,
+        )
+    alone = distillation is not None and distillation.alpha == 0.0
     advantage = MCAdvantage(
         grpo_size=cfg.group_size,
         prompt_key="query",
-        trajectory_return="sum",
+        trajectory_return=None if alone else "sum",
         staleness=Staleness(max_lag=cfg.max_policy_lag),
         keep_return_bounds=(0.0, 1.0) if cfg.dynamic_sampling else None,
+        estimator=distillation,
+        **({"rewards_key": None} if alone else {}),
     )
     return Compose(sync.Contiguous(), ExcludeTransform("query", inverse=True), advantage)
 
@@ -230,12 +335,20 @@ def local_sampling(cfg: AsyncSettings, exclude: set[str], resumed: dict | None =
     "full")``, torchrl's ``RetrieveLogProb``): the reference is the warm-started model, the
     weights of version 0, copied when the first batch is generated; the sampler has the time
     (it waits for the trainer otherwise), and the trainer then scores the proximal policy only.
+    With ``--teacher``, the teacher scores each batch after the reference (``("next",
+    "teacher_log_probs", "full")``, ``llm_distill.py``'s ``TeacherLogProbs``), so that the
+    trainer's ``MCAdvantage`` writes per-token advantages on insertion.
     ``resumed``: a resumed run's ``{"batches": taken, "reference": weights}``: the prompts of
     the batches taken are skipped, and the reference is the checkpoint's.
     """
     hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()  # from_pretrained's "Loading weights" bar (the teacher)
     task = sync.digit_sum_task(cfg.digits)
     model, tokenizer = sync.tiny_qwen2(cfg, task)
+    teacher = None
+    if cfg.teacher:  # the padding out of the softmax, as the trainer's (llm_distill.py's reason)
+        distill.suppress_padding(model, tokenizer)
+        teacher = distill.load_teacher(cfg, task, tokenizer)[1]
     sampler = sync.make_sampler(
         model, tokenizer, cfg, cls=ExactLogProbsTransformersWrapper, return_log_probs=True
     )
@@ -262,7 +375,8 @@ def local_sampling(cfg: AsyncSettings, exclude: set[str], resumed: dict | None =
                 )
                 reference = RetrieveLogProb(ref, assistant_only=False)
             with torch.no_grad():
-                yield reference(batch)
+                batch = reference(batch)
+            yield batch if teacher is None else teacher(batch)
 
     return sampler, batches()
 
@@ -525,6 +639,8 @@ def train(cfg, trainer: Trainer, eval_accuracy, logger, history, save=None) -> N
         stats = trainer.link.advantage_stats()
         lags = {k: stats[k] for k in ("policy_lag_max", "policy_lag_mean") if k in stats}
         metrics.update(lags, stale_trajectories=stats["stale_trajectories"])
+        # with --teacher: the reverse KL to it of the rows released last (distill_kl_token_mean...)
+        metrics.update({k: float(v) for k, v in stats.items() if k.startswith(STATS_PREFIX)})
         metrics.update({f"trained_rows_lag_{k}": n for k, n in trainer.lags.items()})
         out_of_time = progress.out_of_time()  # its seconds of GRPO, a resumed run's too
         if step % cfg.eval_every == 0 or step == cfg.steps or out_of_time:
@@ -621,7 +737,7 @@ def main(argv=None) -> dict:
     CLOCK["start"] = T0 if CLOCK["first_call"] else time.perf_counter()
     CLOCK["first_call"] = False
     cfg = check_settings(sync.parse_args(argv, settings_cls=AsyncSettings, checkpoints=True))
-    state = sync.load_checkpoint(cfg) if cfg.resume else None  # refused before any work
+    state = sync.load_checkpoint(cfg, SAME_ON_RESUME) if cfg.resume else None  # before any work
     task = sync.digit_sum_task(cfg.digits)
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
@@ -630,6 +746,9 @@ def main(argv=None) -> dict:
     link = None
     try:
         model, tokenizer = sync.tiny_qwen2(cfg, task)
+        if cfg.teacher:  # a teacher that cannot score the student's tokens: refused here
+            distill.load_teacher(cfg, task, tokenizer)  # (the sampler process loads its own)
+            distill.suppress_padding(model, tokenizer)  # no mass where no sample can go
         held_out = set(eval_problems(cfg, task)["query"])
         view = sync.make_sampler(model, tokenizer, cfg, cls=ExactLogProbsTransformersWrapper)
         # the backend first: the local sampler process imports and builds its model meanwhile

@@ -13,9 +13,10 @@ reward is given to every one of its turns (``MCAdvantage(trajectory_return="last
 from torchrl's LLM stack, as ``examples/llm_grpo.py``, nothing downloaded:
 
 * a ``DatasetChatEnv`` in tokens mode whose transforms score each turn and write the tool's
-  reply (``AskOrAnswer``), end dialogs after ``--max-turns`` (``StepCounter``), and keep each
-  dialog's tokens exact across turns and give it an id (``torchrl_grpo.llm.ExactTurns``), with
-  torchrl's ``InitTracker`` (its collectors ask for it);
+  reply (``torchrl_grpo.llm.TurnReward`` and ``ToolReply`` on three small functions), end
+  dialogs after ``--max-turns`` (``StepCounter``), and keep each dialog's tokens exact across
+  turns and give it an id (``torchrl_grpo.llm.ExactTurns``), with torchrl's ``InitTracker``
+  (its collectors ask for it);
 * an ``LLMCollector`` sampling with torchrl's ``TransformersWrapper``, writing each batch of
   turns into a ``ReplayBuffer`` whose ``torchrl_grpo.MCAdvantage`` joins the turns of a dialog
   cut by a batch (``traj_key="dialog_id"``), groups the dialogs by task (``task_id``) and
@@ -64,8 +65,8 @@ import torch
 from tensordict import TensorDict, lazy_stack, set_list_to_stack
 from torch.utils.data import DataLoader, IterableDataset
 from torchrl.collectors.llm import LLMCollector
-from torchrl.data import LazyStackStorage, ReplayBuffer, Unbounded
-from torchrl.envs import InitTracker, StepCounter, Transform
+from torchrl.data import LazyStackStorage, ReplayBuffer
+from torchrl.envs import InitTracker, StepCounter
 from torchrl.envs.llm import DatasetChatEnv, RetrieveLogProb
 from torchrl.envs.utils import step_mdp
 from torchrl.record.loggers import CSVLogger, generate_exp_name
@@ -76,7 +77,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import llm_grpo  # noqa: E402  (the single-turn example: tokenizer, model, wrappers, schedule)
 
 from torchrl_grpo import GRPOLoss, MCAdvantage
-from torchrl_grpo.llm import ExactTurns
+from torchrl_grpo.llm import ExactTurns, ToolReply, TurnReward
 from torchrl_grpo.mcadvantage import RewardToGo, TrajectoryIds
 from torchrl_grpo.sampler import group_minibatches
 
@@ -128,7 +129,7 @@ class Settings(llm_grpo.Settings):
         default=True,
         metadata={
             "help": "minibatches of whole tasks (a task's dialogs share its prompt, a dialog's "
-            "turns their history: computed once from --min-shared tokens); "
+            "turns their history: computed once from --min-shared-length tokens); "
             "--no-group-minibatches: turns drawn one by one"
         },
     )
@@ -203,39 +204,26 @@ class Tasks(IterableDataset):
             self.next_id += len(problems)
 
 
-class AskOrAnswer(Transform):
-    """The environment's side of a turn: a tool call, or an answer.
+# The environment's side of a turn: a tool call, or an answer. A turn that is "?" and
+# end-of-sequence calls the tool: reward 0, and the reply "reveal" (the digits, none hidden),
+# which ExactTurns appends to the dialog. Any other turn is an answer: reward 1 if it is exactly
+# the sum followed by end-of-sequence, else 0, and the dialog ends (terminated). StepCounter
+# ends a dialog that keeps asking. TurnReward and ToolReply call these once per row.
 
-    A turn that is ``"?"`` and end-of-sequence calls the tool: reward 0, and the reply
-    ``"reveal"`` (the digits, none hidden), tokenized once, for
-    :class:`~torchrl_grpo.llm.ExactTurns` to append to the dialog. Any other turn is an answer:
-    reward 1 if it is exactly the sum followed by end-of-sequence, else 0, and the dialog ends
-    (``terminated``). ``StepCounter`` ends a dialog that keeps asking. Writes
-    ``("next", "reward")`` in torchrl's LLM shape ``[B, 1, 1]``.
-    """
 
-    def __init__(self, tokenizer):
-        super().__init__(in_keys=[("tokens", "response"), "answer"], out_keys=["reward"])
-        self.tokenizer = tokenizer
-        self.completions = llm_grpo.TaskReward(tokenizer, None).completions
+def right(text: str, row) -> float:
+    """The turn's reward: 1 for exactly the sum and end-of-sequence."""
+    return llm_grpo.reward(text, row["answer"])
 
-    def _step(self, tensordict, next_tensordict):
-        texts = self.completions(tensordict.get(("tokens", "response"), as_list=True))
-        answers = tensordict["answer"]
-        right = torch.tensor([llm_grpo.reward(t, a) for t, a in zip(texts, answers, strict=True)])
-        asks = torch.tensor([t == HIDDEN + EOS for t in texts]).view(-1, 1)
-        next_tensordict.set("reward", right.view(-1, 1, 1))
-        next_tensordict.set("terminated", ~asks | next_tensordict.get("terminated"))
-        next_tensordict.set("done", ~asks | next_tensordict.get("done"))
-        replies = self.tokenizer(list(tensordict["reveal"]))["input_ids"]
-        next_tensordict = next_tensordict.to_lazystack(0)
-        for row, reply in zip(next_tensordict.tensordicts, replies, strict=True):
-            row.set("reply_tokens", torch.tensor(reply))
-        return next_tensordict
 
-    def transform_reward_spec(self, reward_spec):
-        reward_spec["reward"] = Unbounded(reward_spec.shape + (1, 1))
-        return reward_spec
+def answers(text: str, row) -> bool:
+    """Whether the turn answers (and ends the dialog): any turn but the tool call."""
+    return text != HIDDEN + EOS
+
+
+def reveal(text: str, row) -> str:
+    """The tool's reply: the digits, none hidden (read by the next turn after a tool call)."""
+    return row["reveal"]
 
 
 def make_env(
@@ -256,7 +244,8 @@ def make_env(
         input_mode="tokens",
         template_kwargs={"chat_template": tokenizer.chat_template},
     )
-    env.append_transform(AskOrAnswer(tokenizer))
+    env.append_transform(TurnReward(right, tokenizer, ends=answers))
+    env.append_transform(ToolReply(reveal, tokenizer))
     env.append_transform(StepCounter(max_steps=max_turns or cfg.max_turns))  # ends dialogs...
     # ... before ExactTurns builds the next prompts: an ended dialog's is not checked, and one
     # that would go on past the model's context ends there, truncated and counted (context()

@@ -233,9 +233,9 @@ class TestInsideCollector:
         assert probe.seen[0] is False and probe.seen[1:] and all(probe.seen[1:]), self.MESSAGE
 
 
-class TestExactLogProbsTransformersWrapper:
+class TestLogProbsGenerate:
     MESSAGE = (
-        "torchrl_grpo._compat.ExactLogProbsTransformersWrapper: torchrl's "
+        "torchrl_grpo.llm.ExactLogProbsTransformersWrapper: torchrl's "
         "TransformersWrapper._log_probs_generate {what}, so the override that keeps the first "
         "generated token's log-prob (examples/llm_grpo_async.py's behaviour policy) {then}."
     )
@@ -261,58 +261,6 @@ class TestExactLogProbsTransformersWrapper:
         with pytest.raises(RuntimeError, match="_log_probs_generate is missing or its param"):
             _compat.check_log_probs_generate(Renamed)
 
-    def test_first_token_log_prob_is_the_scorers(self, tiny_llm, make_llm_scorer):
-        """Sampled by each wrapper under the same seed: the override's log-probs equal the
-        scoring wrapper's on every generated token, the first included; torchrl's own are 0 on
-        the first token (when torchrl fixes that, this test says so)."""
-        from torchrl.modules.llm import TransformersWrapper
-
-        model, tokenizer = tiny_llm
-        prompts = torch.tensor(
-            [tokenizer("3 9 1 4=")["input_ids"], tokenizer("1 2 5 5=")["input_ids"]]
-        )
-        kwargs = {
-            "max_new_tokens": 3,
-            "do_sample": True,
-            "bad_words_ids": [[tokenizer.pad_token_id]],
-        }
-        responses = {}
-        for cls in (_compat.ExactLogProbsTransformersWrapper, TransformersWrapper):
-            sampler = cls(
-                model,
-                tokenizer=tokenizer,
-                input_mode="tokens",
-                generate=True,
-                return_log_probs=True,
-                pad_output=True,
-                generate_kwargs=kwargs,
-            )
-            torch.manual_seed(0)
-            with torch.no_grad():
-                responses[cls] = sampler(
-                    TensorDict({("tokens", "prompt"): prompts}, batch_size=[2])
-                )
-        exact, torchrl_own = responses.values()
-        scorer = make_llm_scorer(model, tokenizer, pad_output=True)
-        with torch.no_grad():
-            scored = scorer(exact.select(("tokens", "full")).copy())
-        width = exact["tokens", "response"].shape[-1]
-        expected = scored["log_probs", "full"][:, -width:]  # (2, width): the response tokens
-        generated = exact["log_probs", "response"]  # (2, width)
-        real = exact["tokens", "response"] != tokenizer.pad_token_id
-        torch.testing.assert_close(generated[real], expected[real], atol=1e-5, rtol=0)
-        assert bool((generated[:, 0] < 0).all())
-        if torch.equal(torchrl_own["tokens", "response"], exact["tokens", "response"]):
-            torch.testing.assert_close(
-                torchrl_own["log_probs", "response"][:, 1:], generated[:, 1:]
-            )
-        assert torch.equal(torchrl_own["log_probs", "response"][:, 0], torch.zeros(2)), (
-            self.MESSAGE.format(
-                what="no longer zeroes the first generated token's log-prob",
-                then="is no longer needed: use torchrl's TransformersWrapper",
-            )
-        )
-
 
 class TestPostStepMdpHook:
     """``ExactTurns`` cuts the turns a collector stores through torchrl's
@@ -335,105 +283,6 @@ class TestPostStepMdpHook:
             _compat.check_post_step_mdp_hook(Renamed)
 
 
-def _chat_env():
-    """A torchrl ``ChatEnv`` in tokens mode over a word-level tokenizer (a, b, c)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from torchrl.envs.llm import ChatEnv
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {w: i for i, w in enumerate(["<pad>", "a", "b", "c"])}
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>")
-    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
-    template = {"chat_template": tokenizer.chat_template}
-    return ChatEnv(
-        batch_size=(3,),
-        tokenizer=tokenizer,
-        input_mode="tokens",
-        system_prompt=None,
-        template_kwargs=template,
-    )
-
-
-class TestRaggedPrompts:
-    """torchrl's ChatEnv (tokens mode) cannot reset prompts of different lengths; the instance
-    patch can. If the first test fails, torchrl reads them itself now: drop the patch."""
-
-    def test_torchrl_alone_fails_on_prompts_of_different_lengths(self):
-        with pytest.raises(RuntimeError, match="stack"):
-            _chat_env().reset(TensorDict(query=["a b", "a b c", "c"], batch_size=[3]))
-
-    def test_ragged_prompts_reset(self):
-        env = _compat.ragged_prompts(_chat_env())
-        td = env.reset(TensorDict(query=["a b", "a b c", "c"], batch_size=[3]))
-        prompts = td.get(("tokens", "prompt"), as_list=True)
-        assert [p.tolist() for p in prompts] == [[1, 2], [1, 2, 3], [3]]
-
-    def test_equal_lengths_as_torchrl(self):
-        query = TensorDict(query=["a b", "b c", "c a"], batch_size=[3])
-        ours = _compat.ragged_prompts(_chat_env()).reset(query.clone())
-        theirs = _chat_env().reset(query.clone())
-        assert torch.equal(ours["tokens", "prompt"], theirs["tokens", "prompt"])
-
-    def test_repeated_queries_templated_once_each(self):
-        """A group's query repeated (as DatasetChatEnv repeats it): the chat template runs
-        once per distinct query, and every row gets torchrl's tokens."""
-        env = _compat.ragged_prompts(_chat_env())
-        calls = []
-        template = env.tokenizer.apply_chat_template
-
-        def counting(conversation, **kwargs):
-            calls.append(conversation)
-            return template(conversation, **kwargs)
-
-        env.tokenizer.apply_chat_template = counting
-        query = TensorDict(query=["a b", "b c", "a b"], batch_size=[3])
-        ours = env.reset(query.clone())
-        assert len(calls) == 2
-        theirs = _chat_env().reset(query.clone())
-        assert torch.equal(ours["tokens", "prompt"], theirs["tokens", "prompt"])
-
-    def test_a_copy_of_the_env_keeps_reading_its_own(self):
-        import copy
-        import pickle
-
-        env = _compat.ragged_prompts(_chat_env())
-        for twin in (copy.deepcopy(env), pickle.loads(pickle.dumps(env))):
-            td = twin.reset(TensorDict(query=["a b", "a b c", "c"], batch_size=[3]))
-            assert [len(p) for p in td.get(("tokens", "prompt"), as_list=True)] == [2, 3, 1]
-
-    def test_a_pickle_loads_in_a_fresh_process(self, tmp_path):
-        import pickle
-        import subprocess
-        import sys
-
-        path = tmp_path / "env.pkl"
-        path.write_bytes(pickle.dumps(_compat.ragged_prompts(_chat_env())))
-        code = (
-            "import pickle, sys; env = pickle.load(open(sys.argv[1], 'rb')); "
-            "print(type(env).__name__)"
-        )
-        out = subprocess.run(
-            [sys.executable, "-c", code, str(path)], capture_output=True, text=True, check=True
-        )
-        assert out.stdout.strip() == "RaggedChatEnv"
-
-    def test_importing_the_package_imports_no_llm_env(self):
-        import subprocess
-        import sys
-
-        code = "import sys, torchrl_grpo; print('torchrl.envs.llm' in sys.modules)"
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-        assert out.stdout.strip() == "False", out.stderr[-2000:]
-
-    def test_other_envs(self):
-        from torchrl.envs import GymEnv
-
-        with pytest.raises(TypeError, match="no torchrl ChatEnv"):
-            _compat.ragged_prompts(GymEnv("CartPole-v1"))
-
-
 class TestTorchDispatchMode:
     def test_sees_forward_and_backward_operators(self):
         seen = []
@@ -450,4 +299,58 @@ class TestTorchDispatchMode:
             "torchrl_grpo._compat.TorchDispatchMode: torch's dispatcher hook no longer sees "
             f"the operators of the forward and the backward pass (saw {seen}); "
             "torchrl_grpo.launches.count_launches counts them through it."
+        )
+
+
+#: Private names a class gets without writing them (ABCs, tensorclasses, torchrl's losses).
+_GENERATED = {"_abc_impl", "_all_schedulable_buffers"}
+
+
+def private_overrides() -> dict[str, set[str]]:
+    """The private methods and attributes of torchrl's classes that the package's classes
+    define again: name -> the package's classes that do."""
+    import importlib
+    import pkgutil
+
+    import torchrl_grpo
+
+    found = {}
+    for info in pkgutil.walk_packages(torchrl_grpo.__path__, "torchrl_grpo."):
+        module = importlib.import_module(info.name)
+        for cls in vars(module).values():
+            if not isinstance(cls, type) or cls.__module__ != module.__name__:
+                continue
+            for name in vars(cls):
+                if not name.startswith("_") or name.startswith("__") or name in _GENERATED:
+                    continue
+                for base in cls.__mro__[1:]:
+                    if base.__module__.startswith("torchrl.") and name in vars(base):
+                        found.setdefault(name, set()).add(cls.__qualname__)
+    return found
+
+
+class TestPrivateNames:
+    """Every private name the package relies on (``_compat.PRIVATE_NAMES``), one test each."""
+
+    @pytest.mark.parametrize("ref", sorted(_compat.PRIVATE_NAMES))
+    def test_torchrl_still_has_it(self, ref):
+        _compat.check_private_name(ref)
+
+    def test_a_missing_name_or_a_changed_signature_is_a_clear_error(self, monkeypatch):
+        hook = "torchrl.envs.transforms:Transform._inv_call"
+        monkeypatch.setitem(_compat.PRIVATE_NAMES, hook, (("self", "td"), "a reader"))
+        with pytest.raises(RuntimeError, match=r"_inv_call takes \('self', 'tensordict'\).*reader"):
+            _compat.check_private_name(hook)
+        gone = "torchrl.envs.transforms:Transform._gone"
+        monkeypatch.setitem(_compat.PRIVATE_NAMES, gone, (None, "a reader"))
+        with pytest.raises(RuntimeError, match="Transform._gone is missing: a reader"):
+            _compat.check_private_name(gone)
+
+    def test_every_private_method_the_package_overrides_is_listed(self):
+        listed = {ref.rpartition(".")[2] for ref in _compat.PRIVATE_NAMES}
+        overridden = private_overrides()
+        assert overridden, "the scan finds nothing: it is broken"
+        missing = {name: owners for name, owners in overridden.items() if name not in listed}
+        assert not missing, (
+            f"private names of torchrl overridden but not in PRIVATE_NAMES: {missing}"
         )

@@ -29,6 +29,7 @@ PAGES_WITH_TESTCODE = [
     "your_own_task.rst",
     "tutorial_multiturn.rst",
     "tutorial_distill.rst",
+    "code.rst",
 ]
 DIRECTIVE = re.compile(r"^\.\. (testcode|testoutput)::\s*(\S*)\s*$")
 
@@ -69,7 +70,8 @@ def test_page_examples_run(page):
         if kind == "testcode":
             out = io.StringIO()
             with contextlib.redirect_stdout(out):
-                exec(compile(body, f"{page}[{group}]", "exec"), namespaces.setdefault(group, {}))
+                code = compile(body, f"{page}[{group}]", "exec", dont_inherit=True)  # as Sphinx
+                exec(code, namespaces.setdefault(group, {}))
             printed = out.getvalue()
         else:
             assert _normalize(printed) == _normalize(body), f"{page}[{group}]"

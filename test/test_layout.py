@@ -26,6 +26,9 @@ EVERY_FILE = sorted(
     if "_build" not in path.parts
 )
 
+#: torchrl's own tests, copied unchanged from pytorch/rl (test/torchrl_suite/conftest.py): its
+#: formatting and its strings as written there, one of them longer than 100 columns.
+COPIED = sorted((TESTS / "torchrl_suite").glob("test_torchrl_*.py"))
 MAX_FUNCTION_LINES = 60
 MAX_CLASS_CODE_LINES = 400
 MAX_TEST_FILE_LINES = 800
@@ -171,6 +174,7 @@ class TestText:
         long = [
             f"{path.relative_to(ROOT)}:{number}"
             for path in EVERY_FILE
+            if path not in COPIED
             for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
             if len(line) > 100
         ]

@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from torchrl_grpo.llm.head import head_tensors
+
 try:
     import transformers  # noqa: F401
 except ImportError:
@@ -103,9 +105,34 @@ def test_distillation_writes_a_per_token_advantage(ex, parts):
     old = batch["next", "log_probs", "full"]
     taught = batch["next", "teacher_log_probs", "full"]
     real = batch["masks", "all_attention_mask"][:, prompt:]
-    expected = -run.distillation.beta * (old - taught)[:, prompt:] * real
+    d = (old - taught)[:, prompt:].double()
+    if run.distillation.baseline:  # less the mean over its group's response tokens
+        _, group = torch.unique(batch["tokens", "prompt"], dim=0, return_inverse=True)
+        for g in group.unique():
+            rows = group == g
+            d[rows] -= d[rows][real[rows]].mean()
+    expected = (-run.distillation.beta * d * real).to(adv.dtype)
     torch.testing.assert_close(adv[:, prompt:], expected)
     assert (adv[:, prompt:].std(-1) > 0).any()  # not one value per sequence
+
+
+def test_padding_has_no_mass_where_the_samplers_cannot_emit_it(ex, parts):
+    """``suppress_padding``: the head's fixed offset takes the padding out of the softmax the
+    scorer reads (the samplers never emit it), leaves every other logit as it was, and is not
+    trained."""
+    cfg, task, tokenizer, student, _ = parts
+    model = ex.llm_grpo.make_model(cfg, tokenizer, task.prompt_length + cfg.max_new_tokens)
+    tokens = torch.tensor([[1, 10, 2, 11, 3, 12]])
+    before = model(tokens).logits
+    ex.suppress_padding(model, tokenizer)
+    after = model(tokens).logits
+    pad = tokenizer.pad_token_id
+    assert (after.softmax(-1)[..., pad] < 1e-12).all()
+    others = torch.arange(before.shape[-1]) != pad
+    torch.testing.assert_close(after[..., others], before[..., others])
+    assert not model.get_output_embeddings().bias.requires_grad
+    _, bias = head_tensors(model.get_output_embeddings())  # what the lean scorer reads
+    assert bias[pad] == ex.PAD_LOGIT and (bias[others] == 0).all()
 
 
 def test_the_runs(ex, parts):

@@ -170,7 +170,7 @@ class TestRun:
         of 4 tokens or more are computed once (a task's prompt, a dialog's earlier turns), in the
         old log-probs and in the loss: ESS 1 says both agree."""
         args = [*TINY, "--steps", "4", "--eval-every", "2", "--sft-max-steps", "20"]
-        args += ["--max-turns", str(turns), "--out", str(tmp_path), "--min-shared", "4"]
+        args += ["--max-turns", str(turns), "--out", str(tmp_path), "--min-shared-length", "4"]
         proc = subprocess.run(
             [sys.executable, str(EXAMPLE), *args], capture_output=True, text=True, timeout=300
         )

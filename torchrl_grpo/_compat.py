@@ -16,7 +16,6 @@ from pathlib import Path
 import torch
 from tensordict import TensorDictBase
 from torch.distributions import Distribution
-from torch.nn.utils.rnn import pad_sequence
 from torchrl.data import ReplayBuffer
 from torchrl.envs.transforms import Compose, Transform
 from torchrl.modules.llm import TransformersWrapper
@@ -229,62 +228,6 @@ def check_transformers_wrapper_scoring(cls: type = TransformersWrapper) -> None:
 LOG_PROBS_GENERATE_PARAMS = ("tokens", "logits", "pad_val", "pad")
 
 
-class ExactLogProbsTransformersWrapper(TransformersWrapper):
-    """torchrl's ``TransformersWrapper`` whose generation log-probs keep the first generated
-    token's value.
-
-    With ``generate=True, return_log_probs=True``, torchrl 0.14.1 sets the log-prob of every
-    completion's first token to 0 (``td["log_probs"][:, 0] = 0`` in ``_log_probs_generate``).
-    A loss that takes the sampler's log-probs as the behaviour policy (asynchronous GRPO:
-    decoupled PPO's ``sample_log_prob``, or the ``inference_log_prob`` of truncated importance
-    sampling) would then read ``pi_behaviour = 1`` for that token. This subclass computes
-    ``log softmax(logits)[token]`` for every generated token, the first included: the same
-    numbers as the scoring wrapper (``generate=False``) on the same model. Everything else is
-    torchrl's wrapper, unchanged.
-
-    Reliance (torchrl 0.14.1): the generation paths call the classmethod
-    ``_log_probs_generate(tokens, logits, pad_val, pad)`` and read ``(log_probs, logits)``.
-
-    Examples:
-        >>> import torch
-        >>> from tensordict import TensorDict
-        >>> from tokenizers import Tokenizer, models, pre_tokenizers
-        >>> from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
-        >>> from torchrl_grpo.llm import ExactLogProbsTransformersWrapper
-        >>> vocab = {c: i for i, c in enumerate("0123456789=")} | {"<eos>": 11, "<pad>": 12}
-        >>> backend = Tokenizer(models.WordLevel(vocab, unk_token=None))
-        >>> backend.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
-        >>> tok = PreTrainedTokenizerFast(
-        ...     tokenizer_object=backend, eos_token="<eos>", pad_token="<pad>")
-        >>> _ = torch.manual_seed(0)
-        >>> model = Qwen2ForCausalLM(Qwen2Config(
-        ...     vocab_size=13, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-        ...     num_attention_heads=2, num_key_value_heads=2, pad_token_id=12)).eval()
-        >>> sampler = ExactLogProbsTransformersWrapper(
-        ...     model, tokenizer=tok, input_mode="tokens", generate=True,
-        ...     return_log_probs=True, pad_output=True,
-        ...     generate_kwargs={"max_new_tokens": 2, "do_sample": True})
-        >>> prompt = TensorDict(
-        ...     {("tokens", "prompt"): torch.tensor([[3, 4, 10], [1, 2, 10]])}, batch_size=[2])
-        >>> out = sampler(prompt)
-        >>> log_probs = out["log_probs", "response"]  # (2, 2), the first token's too
-        >>> bool((log_probs[:, 0] < 0).all())
-        True
-    """
-
-    @classmethod
-    def _log_probs_generate(cls, tokens, logits, pad_val=-100, pad: bool = True):
-        if pad:
-            tokens = pad_sequence(
-                tokens, padding_value=pad_val, batch_first=True, padding_side="left"
-            )
-            logits = pad_sequence(logits, padding_value=0.0, batch_first=True, padding_side="left")
-        log_probs = -torch.nn.functional.cross_entropy(
-            logits.flatten(0, -2), tokens.flatten(), reduction="none", ignore_index=-100
-        ).view(tokens.shape)  # (B, T): torchrl's computation, without zeroing column 0
-        return log_probs, logits
-
-
 def check_log_probs_generate(cls: type = TransformersWrapper) -> None:
     """Raise unless ``cls._log_probs_generate`` still has the parameters the override keeps.
 
@@ -326,144 +269,6 @@ def check_post_step_mdp_hook(cls: type = Transform) -> None:
     _check_parameters(cls, "_post_step_mdp_hooks", POST_STEP_MDP_HOOK_PARAMS, why)
 
 
-def ragged_prompts(env):
-    """Let torchrl's ``ChatEnv`` in tokens mode reset with prompts of different token lengths.
-
-    Reliance (torchrl 0.14.1, and its nightly of 2026-10-27): ``ChatEnv._reset_tokens`` reads
-    the tokenized prompts of a reset as ``tokens["input_ids"]``, which stacks them, so a batch
-    whose prompts differ in length fails at its first reset ("Failed to stack tensors within a
-    tensordict"). This gives ``env``'s ``ChatEnv`` instance a subclass of its class
-    (``RaggedChatEnv`` for ``ChatEnv``) whose ``_reset_tokens`` reads them as a list and
-    writes the same ragged ``("tokens", "prompt")``; other instances are untouched, and copies
-    and pickles of the env keep it. Envs in another input mode are left as they are.
-
-    Args:
-        env: a ``ChatEnv``, or a ``TransformedEnv`` over one (``DatasetChatEnv``).
-
-    Returns:
-        ``env``.
-
-    Raises:
-        TypeError: no ``ChatEnv`` under ``env``.
-
-    Examples:
-        >>> import torch
-        >>> from tensordict import TensorDict
-        >>> from tokenizers import Tokenizer, models, pre_tokenizers
-        >>> from torchrl.envs.llm import ChatEnv
-        >>> from transformers import PreTrainedTokenizerFast
-        >>> from torchrl_grpo.llm import ragged_prompts
-        >>> vocab = {w: i for i, w in enumerate(["<pad>", "a", "b", "c"])}
-        >>> backend = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-        >>> backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-        >>> tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>")
-        >>> tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
-        >>> env = ChatEnv(batch_size=(2,), tokenizer=tokenizer, input_mode="tokens",
-        ...               system_prompt=None,
-        ...               template_kwargs={"chat_template": tokenizer.chat_template})
-        >>> env = ragged_prompts(env)  # torchrl alone: "Failed to stack tensors" below
-        >>> td = env.reset(TensorDict(query=["a b", "a b c"], batch_size=[2]))
-        >>> [t.tolist() for t in td.get(("tokens", "prompt"), as_list=True)]
-        [[1, 2], [1, 2, 3]]
-    """
-    from torchrl.envs import TransformedEnv
-    from torchrl.envs.llm import ChatEnv
-
-    chat = env
-    while isinstance(chat, TransformedEnv):
-        chat = chat.base_env
-    if not isinstance(chat, ChatEnv):
-        raise TypeError(f"ragged_prompts: no torchrl ChatEnv under {type(env).__name__}.")
-    if chat.input_mode != "tokens":
-        return env
-
-    if not isinstance(chat, _RaggedChatEnv):  # its class, so that copies and pickles keep it
-        chat.__class__ = _ragged_class(type(chat))
-    return env
-
-
-class _RaggedChatEnv:
-    """Mixed into a ``ChatEnv`` class by :func:`ragged_prompts`: its ``_reset_tokens`` reads
-    the prompts as a list."""
-
-    def _reset_tokens(self, tensordict: TensorDictBase, history) -> TensorDictBase:
-        return _ragged_reset_tokens(self, tensordict, history)
-
-
-_RAGGED_CLASSES: dict[type, type] = {}
-
-
-def _ragged_class(cls: type) -> type:
-    """``cls`` with :class:`_RaggedChatEnv` mixed in, one class per ``cls``; a module-level name
-    (``Ragged<cls>``) so that pickle finds it."""
-    if cls not in _RAGGED_CLASSES:
-        name = f"Ragged{cls.__name__}"
-        ragged = type(name, (_RaggedChatEnv, cls), {"__module__": __name__})
-        globals()[name] = _RAGGED_CLASSES[cls] = ragged
-    return _RAGGED_CLASSES[cls]
-
-
-def _ragged_reset_tokens(self, tensordict: TensorDictBase, history) -> TensorDictBase:
-    """torchrl's ``ChatEnv._reset_tokens``, the prompts read as a list (:func:`ragged_prompts`),
-    and the chat template applied once per distinct query: ``DatasetChatEnv`` repeats each
-    prompt of a group ``repeats`` times, and a template applied row by row (a tokenizer call
-    and a ``TensorDict`` each) is most of a reset. Rows of one query share its token tensor."""
-    from tensordict import LazyStackedTensorDict
-    from torchrl.modules.llm.policies.common import Tokens
-
-    where, distinct = _distinct_queries(tensordict.get(self.data_key, None), len(history))
-    if distinct is not None:
-        history = history[torch.tensor(distinct)]
-    tokens = history.apply_chat_template(
-        tokenizer=self.tokenizer,
-        add_generation_prompt=True,
-        return_tensors="pt",
-        return_dict=True,
-        **self.template_kwargs,
-    )
-    if isinstance(tokens, LazyStackedTensorDict):  # rows of different lengths
-        ids = tokens.get("input_ids", as_list=True)
-    else:
-        ids = tokens["input_ids"].unbind(0)
-    if distinct is not None:
-        ids = [ids[k] for k in where]
-    prompts = Tokens._from_tensordict(tensordict.empty().to_lazystack(0))
-    for row, prompt in zip(prompts.unbind(0), ids, strict=True):
-        row.prompt = prompt
-    return tensordict.empty(device=self.device).set("tokens", prompts)
-
-
-def _distinct_queries(queries, rows: int) -> tuple[list[int] | None, list[int] | None]:
-    """``(where, distinct)``: for each row the index of its query among the distinct ones, and
-    the first row of each distinct query; ``(None, None)`` when the queries are not strings or
-    all differ (nothing to save)."""
-    values = queries.tolist() if hasattr(queries, "tolist") else queries
-    if not isinstance(values, list) or len(values) != rows:
-        return None, None
-    if not all(isinstance(value, str) for value in values):
-        return None, None
-    first: dict[str, int] = {}
-    for value in values:
-        first.setdefault(value, len(first))
-    if len(first) == rows:
-        return None, None
-    distinct = [0] * len(first)
-    for row in reversed(range(rows)):
-        distinct[first[values[row]]] = row
-    return [first[value] for value in values], distinct
-
-
-def __getattr__(name: str):
-    """``RaggedChatEnv`` (torchrl's ``ChatEnv`` with ragged prompts) made on first use, so that a
-    pickle of an env :func:`ragged_prompts` changed loads in a fresh process (a parallel env's
-    worker, a Ray actor) without importing torchrl's LLM envs with this module."""
-    if name == "RaggedChatEnv":
-        from torchrl.envs.llm import ChatEnv
-
-        return _ragged_class(ChatEnv)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 # --- transformers: the attention a model runs, and flex attention's block mask ------------------
 
 
@@ -490,3 +295,138 @@ def block_mask(mask: torch.Tensor):
 
     rows, width, _ = mask.shape
     return create_block_mask(mask_mod, rows, None, width, width, device=mask.device)
+
+
+# --- every private name, in one table ---------------------------------------------------------
+
+#: Every private name of torchrl (and of torch, tensordict and transformers) the package relies
+#: on, the functions above included: ``"module:Owner.name"`` -> ``(parameters, who relies on it
+#: and how)``. ``parameters``: the leading parameters an overridden method must keep (``None``:
+#: a name read or set, not overridden). :func:`check_private_names` checks them all, and
+#: ``test/test_compat.py`` one test each, so that a release that renames one fails in one known
+#: place; a test also checks that every private method of torchrl the package's classes
+#: override is listed here.
+PRIVATE_NAMES: dict[str, tuple[tuple[str, ...] | None, str]] = {
+    # torchrl.envs: the hooks of a transform (documented for subclassing, private by name)
+    "torchrl.envs.transforms:Transform._inv_call": (
+        ("self", "tensordict"),
+        "MCAdvantage, ExactTurns, OverlongPenalty and TeacherLogProbs write into a replay buffer",
+    ),
+    "torchrl.envs.transforms:Transform._reset": (
+        ("self", "tensordict", "tensordict_reset"),
+        "SameStartGroups, ExactTurns and ToolReply act on a reset",
+    ),
+    "torchrl.envs.transforms:Transform._step": (
+        ("self", "tensordict", "next_tensordict"),
+        "SameStartGroups, ExactTurns, ToolReply, TurnReward and OverlongPenalty act on a step",
+    ),
+    "torchrl.envs.transforms:Transform._reset_on_native_autoreset": (
+        ("self", "tensordict", "tensordict_reset"),
+        "SameStartGroups refuses an env that resets itself inside step (it could not seed it)",
+    ),
+    "torchrl.envs.transforms:Transform._post_step_mdp_hooks": (
+        POST_STEP_MDP_HOOK_PARAMS,
+        "ExactTurns cuts the turns a collector stores to their tokens (check_post_step_mdp_hook)",
+    ),
+    "torchrl.envs.llm:ChatEnv._reset_tokens": (
+        ("self", "tensordict", "history"),
+        "ragged_prompts (torchrl_grpo.llm.ragged_chat) overrides it to read prompts as a list",
+    ),
+    # torchrl.modules.llm: the wrappers
+    "torchrl.modules.llm.policies.common:Tokens._from_tensordict": (
+        None,
+        "llm/scoring.py and ragged_prompts build torchrl's Tokens on a TensorDict",
+    ),
+    "torchrl.modules.llm:TransformersWrapper._log_probs_generate": (
+        None,
+        "ExactLogProbsTransformersWrapper overrides it (check_log_probs_generate)",
+    ),
+    "torchrl.modules.llm:TransformersWrapper._in_get_dist_call": (
+        None,
+        "LeanTransformersWrapper returns the logits only inside get_dist, as torchrl's does",
+    ),
+    "torchrl.modules.llm:TransformersWrapper._device": (
+        None,
+        "LeanTransformersWrapper's own tokens path runs only when torchrl's moves no device",
+    ),
+    **{
+        f"torchrl.modules.llm:TransformersWrapper.{name}": (
+            None,
+            "LeanTransformersWrapper overrides or calls it (check_transformers_wrapper_scoring)",
+        )
+        for name in TRANSFORMERS_WRAPPER_SCORING
+        if name.startswith("_")
+    },
+    **{
+        f"torchrl.modules.llm:LLMWrapperBase.{name}": (
+            None,
+            f"GRPOLoss's masking_strategy={strategy!r} builds its distribution (llm_masked_dist)",
+        )
+        for strategy, name in LLM_MASKED_DIST_METHODS.items()
+    },
+    # torchrl.objectives: GRPOLoss subclasses ClipPPOLoss
+    "torchrl.objectives:PPOLoss._AcceptedKeys": (
+        None,
+        "GRPOLoss's keys extend ClipPPOLoss's (torchrl's convention for a loss's keys)",
+    ),
+    "torchrl.objectives:PPOLoss._set_in_keys": (("self",), "GRPOLoss's in_keys"),
+    "torchrl.objectives:PPOLoss._in_keys": (None, "GRPOLoss's in_keys, reset when keys change"),
+    "torchrl.objectives:ClipPPOLoss._schedulable_buffers": (
+        None,
+        "GRPOLoss's coefficients are schedulable buffers, as ClipPPOLoss's clip_epsilon",
+    ),
+    # torchrl.data: the replay buffer's sampler
+    "torchrl.data.replay_buffers:Sampler._rng": (
+        None,
+        "GroupSampler shuffles with the buffer's generator (ReplayBuffer.set_rng sets it)",
+    ),
+    "torchrl.data.replay_buffers:Sampler._empty": (("self",), "GroupSampler empties with it"),
+    # torch and transformers
+    "torch.nn:Module._buffers": (None, "GRPOLoss updates a scheduled value's buffer in place"),
+    "torch.utils._python_dispatch:TorchDispatchMode": (
+        None,
+        "count_launches counts the operators dispatched (TorchDispatchMode above)",
+    ),
+    "transformers:PretrainedConfig._attn_implementation": (
+        None,
+        "shared-prefix scoring reads the attention a model runs (attention_implementation)",
+    ),
+}
+
+
+def check_private_name(ref: str) -> None:
+    """Raise unless the private name ``ref`` of :data:`PRIVATE_NAMES` is still there, with the
+    leading parameters listed (an attribute set on instances is looked for in its owner's code).
+
+    Raises:
+        RuntimeError: the name is missing or its parameters changed (named in the message).
+    """
+    import importlib
+
+    params, why = PRIVATE_NAMES[ref]
+    module_name, _, path = ref.partition(":")
+    owner_path, _, name = path.rpartition(".")
+    owner = importlib.import_module(module_name)
+    for part in filter(None, owner_path.split(".")):
+        owner = getattr(owner, part)
+    found = hasattr(owner, name) or any(  # an attribute its owner sets on each instance
+        text in inspect.getsource(owner) for text in (f"self.{name} =", f'"{name}", ')
+    )
+    problem = None if found else "is missing"
+    if found and params is not None:
+        signature = tuple(inspect.signature(getattr(owner, name)).parameters)
+        if signature[: len(params)] != params:
+            problem = f"takes {signature}, not {params}..."
+    if problem is not None:
+        raise RuntimeError(f"{ref} {problem}: {why} (see torchrl_grpo._compat).")
+
+
+def check_private_names() -> None:
+    """:func:`check_private_name` for every name of :data:`PRIVATE_NAMES`.
+
+    Examples:
+        >>> from torchrl_grpo._compat import check_private_names
+        >>> check_private_names()  # this torchrl release has every name the package uses
+    """
+    for ref in PRIVATE_NAMES:
+        check_private_name(ref)

@@ -19,6 +19,7 @@ from torchrl_grpo.advantages import (
     distillation_advantage,
     distillation_metrics,
     future_reverse_kl,
+    group_mean_baseline,
     token_reverse_kl,
 )
 
@@ -134,6 +135,29 @@ class TestDistillationAdvantage:
     def test_bad_weights(self, kw, match):
         with pytest.raises(ValueError, match=match):
             distillation_advantage(torch.zeros(2), **kw)
+
+
+class TestGroupMeanBaseline:
+    def test_by_hand(self):
+        d, group = torch.tensor([1.0, 2.0, 6.0, -1.0]), torch.tensor([1, 0, 1, 0])
+        assert group_mean_baseline(d, group, 3).tolist() == [3.5, 0.5, 3.5, 0.5]
+
+    def test_centres_the_teachers_term_in_every_group(self):
+        g = torch.Generator().manual_seed(0)
+        d, group = torch.randn(40, generator=g), torch.randint(5, (40,), generator=g)
+        adv = distillation_advantage(d, beta=0.7, baseline=group_mean_baseline(d, group, 5))
+        sums = torch.zeros(5, dtype=torch.float64).index_add_(0, group, adv)
+        torch.testing.assert_close(sums, torch.zeros_like(sums), atol=1e-12, rtol=0)
+        # a constant within a group: the advantages differ from the uncentred ones by one shift
+        shift = adv - distillation_advantage(d, beta=0.7)
+        for k in range(5):
+            assert torch.allclose(shift[group == k], shift[group == k][0])
+
+    def test_shapes_must_match(self):
+        with pytest.raises(ValueError, match="group must have the shape"):
+            group_mean_baseline(torch.zeros(3), torch.zeros(2, dtype=torch.long), 1)
+        with pytest.raises(ValueError, match="baseline must have the shape"):
+            distillation_advantage(torch.zeros(3), beta=1.0, baseline=torch.zeros(2))
 
 
 class TestDistillationMetrics:

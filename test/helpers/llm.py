@@ -26,6 +26,33 @@ def tiny_tokenizer(chars: str = LLM_CHARS, *, strict: bool = False):
     return PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<eos>", pad_token="<pad>")
 
 
+def qwen_chat_tokenizer():
+    """A character-level tokenizer standing in for the Hub's Qwen one, with torchrl's Qwen chat
+    template (``_CHAT_TEMPLATES["qwen"]``, the one torchrl picks for a name with "qwen" in it):
+    printable ASCII a token each, Qwen's special tokens whole; nothing is downloaded."""
+    import string
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from torchrl.data.llm.history import _CHAT_TEMPLATES
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    vocab = {c: i for i, c in enumerate(dict.fromkeys(string.printable))}
+    vocab.update({token: len(vocab) + i for i, token in enumerate(specials)})
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<|endoftext|>"))
+    core.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    core.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=specials[1:],
+        name_or_path="local/qwen-chars",
+    )
+    tokenizer.chat_template = _CHAT_TEMPLATES["qwen"]
+    return tokenizer
+
+
 def tiny_qwen2(tokenizer, seed: int = 0):
     """A one-layer ``Qwen2ForCausalLM`` (the family torchrl's recipe uses), in eval mode."""
     return tiny_causal_lm(tokenizer, "qwen2", seed=seed)
@@ -180,6 +207,7 @@ def dialog_env(
     from torchrl.envs.llm import DatasetChatEnv
 
     from torchrl_grpo.llm import ExactTurns
+    from torchrl_grpo.llm.turns import REPLY_KEY
 
     class Reply(Transform):
         def _step(self, tensordict, next_tensordict):
@@ -195,7 +223,7 @@ def dialog_env(
             next_tensordict = next_tensordict.to_lazystack(0)
             ids = torch.tensor(tokenizer(reply)["input_ids"])
             for row in next_tensordict.tensordicts:
-                row.set("reply_tokens", ids)
+                row.set(REPLY_KEY, ids)
             return next_tensordict
 
         def transform_reward_spec(self, reward_spec):

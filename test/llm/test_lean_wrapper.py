@@ -218,6 +218,26 @@ class TestLeanTransformersWrapper:
         for out, grad in results[:2]:
             _assert_same_loss(out, grad, *results[2])
 
+    def test_output_layer_validated_once(self, tiny_llm, make_llm_batch, monkeypatch):
+        """The model's output layer is checked at construction, not at each use in a call;
+        again only when it is another module (a new head)."""
+        from torchrl_grpo.llm import lean_wrapper
+
+        model, tokenizer = tiny_llm
+        batch = make_llm_batch(model, tokenizer)
+        lean = LeanTransformersWrapper(
+            model, tokenizer=tokenizer, input_mode="tokens", generate=False
+        )
+        calls = []
+        checked = lean_wrapper.output_layer
+        monkeypatch.setattr(lean_wrapper, "output_layer", lambda m: calls.append(m) or checked(m))
+        GRPOLoss(lean)(batch.copy()).loss_objective.backward()
+        assert calls == []
+        head = model.lm_head
+        model.lm_head = torch.nn.Linear(head.in_features, head.out_features, bias=False)
+        lean(batch.select(("tokens", "full")).copy())
+        assert calls == [model]
+
     def test_never_builds_the_logits(self):
         """No tensor with the vocabulary as last dimension is larger than one chunk, in the
         forward or the backward pass (the same probe sees torchrl's wrapper build them)."""

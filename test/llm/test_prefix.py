@@ -96,7 +96,7 @@ def _visible(plan, slot: int) -> set:
 class TestPrefixPlan:
     def test_trees_and_rows_alone(self):
         rows = _rows()
-        plan = prefix_plan(rows, min_shared=4)
+        plan = prefix_plan(rows, min_shared_length=4)
         assert sorted(sorted(t) for t in plan.trees) == [[0, 1, 2, 10], [3, 4, 5], [6, 7, 8]]
         assert plan.alone == [9]
         # each prompt once (12 tokens saved per extra row), and row 10 repeats row 1 (18 tokens)
@@ -104,12 +104,12 @@ class TestPrefixPlan:
 
     def test_a_turn_that_extends_another_shares_all_of_it(self):
         a = torch.arange(10)
-        plan = prefix_plan([torch.cat([a, torch.tensor([3, 4])]), a], min_shared=4)
+        plan = prefix_plan([torch.cat([a, torch.tensor([3, 4])]), a], min_shared_length=4)
         assert plan.trees == [(1, 0)] and plan.alone == [] and plan.shared_tokens == 10
         assert plan.tokens.tolist() == [list(range(10)) + [3, 4]]
 
     def test_below_the_minimum_nothing_is_shared(self):
-        plan = prefix_plan(_rows(), min_shared=13)  # the prompts (12 tokens) are too short
+        plan = prefix_plan(_rows(), min_shared_length=13)  # the prompts (12 tokens) are too short
         assert plan.trees == [(1, 10)]  # row 10 extends row 1 (12 + 6 tokens)
         assert plan.alone == [0, 2, 3, 4, 5, 6, 7, 8, 9]
 
@@ -125,7 +125,7 @@ class TestPrefixPlan:
                 full = torch.cat([history, answer])
                 rows.append(full)
                 history = torch.cat([full, torch.randint(50, (2,), generator=g)])
-        plan = prefix_plan(rows, min_shared=8)
+        plan = prefix_plan(rows, min_shared_length=8)
         assert plan.trees == [tuple(sorted(range(6), key=lambda i: rows[i].tolist()))]
         assert plan.tokens.size == 20 + 2 * (4 + 6 + 6)  # every token computed once
 
@@ -138,13 +138,13 @@ class TestPrefixPlan:
         ),
         st.integers(1, 6),
     )
-    def test_each_row_reads_its_tokens_positions_and_attention(self, specs, min_shared):
+    def test_each_row_reads_its_tokens_positions_and_attention(self, specs, min_shared_length):
         """Whatever the rows (duplicates, prefixes of each other, nothing shared), a row reads
         back its own tokens at positions 0..L-1, and each of its tokens attends to exactly
         the slots of its row's earlier tokens and itself."""
         stems = [list(range(100, 100 + 3 * k)) for k in range(6)]
         rows = [np.array(stems[s] + tail or [7]) for s, tail in specs]
-        plan = prefix_plan(rows, min_shared)
+        plan = prefix_plan(rows, min_shared_length)
         flat_tokens = np.append(plan.tokens.reshape(-1), -1)
         flat_positions = np.append(plan.positions.reshape(-1), -1)
         for row, reads in zip(rows, plan.reads, strict=True):
@@ -162,13 +162,25 @@ class TestPrefixPlan:
         with pytest.raises(ValueError, match="min_shared_length must be a positive integer"):
             PrefixSharing(True, bad)
 
+    def test_min_shared_is_the_deprecated_name_of_min_shared_length(self):
+        with pytest.warns(DeprecationWarning, match="use min_shared_length"):
+            sharing = PrefixSharing(True, min_shared=4)
+        assert sharing.min_shared_length == 4
+        with pytest.warns(DeprecationWarning, match="use min_shared_length"):
+            assert sharing.min_shared == 4
+        with pytest.warns(DeprecationWarning, match="use min_shared_length"):
+            old = prefix_plan(_rows(), min_shared=4)
+        assert old.trees == prefix_plan(_rows(), min_shared_length=4).trees
+        with pytest.raises(TypeError, match="both min_shared_length and min_shared"):
+            prefix_plan(_rows(), 4, min_shared=4)
+
 
 class TestSharedHidden:
     @pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama", "mistral"])
     def test_equals_the_dense_pass_and_its_gradients(self, family):
         model = _family_model(family)
         body, rows = model.base_model, _rows()
-        plan = prefix_plan(rows, min_shared=4)
+        plan = prefix_plan(rows, min_shared_length=4)
         shared = _rows_of(shared_hidden(body, plan), rows)
         dense = _dense(body, rows)
         for s, d in zip(shared, dense, strict=True):
@@ -185,7 +197,7 @@ class TestSharedHidden:
     def test_bf16_is_within_its_precision(self):
         model = _family_model("qwen2", dtype=torch.bfloat16).requires_grad_(False)
         rows = _rows()
-        hidden = shared_hidden(model.base_model, prefix_plan(rows, min_shared=4))
+        hidden = shared_hidden(model.base_model, prefix_plan(rows, min_shared_length=4))
         for s, d in zip(_rows_of(hidden, rows), _dense(model.base_model, rows), strict=True):
             assert float((s.float() - d.float()).norm() / d.float().norm()) < 3e-2
 
@@ -193,7 +205,7 @@ class TestSharedHidden:
         model = _family_model("qwen2")
         prompt = torch.randint(64, (8,))
         rows = [prompt, prompt.clone(), torch.cat([prompt, torch.tensor([1, 2])])]
-        hidden = shared_hidden(model.base_model, prefix_plan(rows, min_shared=4))
+        hidden = shared_hidden(model.base_model, prefix_plan(rows, min_shared_length=4))
         for s, d in zip(_rows_of(hidden, rows), _dense(model.base_model, rows)):
             torch.testing.assert_close(s, d, rtol=1e-5, atol=1e-5)
 
@@ -201,7 +213,7 @@ class TestSharedHidden:
         model = _family_model("llama")
         model.config._attn_implementation = "eager"
         rows = _rows()
-        hidden = shared_hidden(model.base_model, prefix_plan(rows, min_shared=4))
+        hidden = shared_hidden(model.base_model, prefix_plan(rows, min_shared_length=4))
         for s, d in zip(_rows_of(hidden, rows), _dense(model.base_model, rows), strict=True):
             torch.testing.assert_close(s, d, rtol=1e-5, atol=1e-5)
 
@@ -226,7 +238,7 @@ class TestSharedHidden:
         body = tf.Qwen2ForCausalLM(config).eval().base_model
         assert set(config.layer_types) == {"full_attention", "sliding_attention"}
         rows = _rows()
-        hidden = shared_hidden(body, prefix_plan(rows, min_shared=4))
+        hidden = shared_hidden(body, prefix_plan(rows, min_shared_length=4))
         for s, d in zip(_rows_of(hidden, rows), _dense(body, rows), strict=True):
             torch.testing.assert_close(s, d, rtol=1e-5, atol=1e-5)
 
@@ -248,7 +260,7 @@ class TestSharedHidden:
         body = tf.Qwen2ForCausalLM(config).eval().base_model.requires_grad_(False)
         rows = _rows()
         with torch.no_grad():
-            hidden = shared_hidden(body, prefix_plan(rows, min_shared=4))
+            hidden = shared_hidden(body, prefix_plan(rows, min_shared_length=4))
             dense = _dense(body, rows)
         for s, d in zip(_rows_of(hidden, rows), dense, strict=True):
             torch.testing.assert_close(s, d, rtol=1e-5, atol=1e-5)
@@ -257,7 +269,7 @@ class TestSharedHidden:
         model = _family_model("qwen2")
         model.config._attn_implementation = "flash_attention_2"
         with pytest.raises(SharingUnsupported, match="'flash_attention_2' takes no custom"):
-            shared_hidden(model.base_model, prefix_plan(_rows(), min_shared=4))
+            shared_hidden(model.base_model, prefix_plan(_rows(), min_shared_length=4))
 
     def test_one_pass_a_fixed_number_of_operators(self):
         """The body runs once whatever the number of groups, and the operators around it do
@@ -272,7 +284,7 @@ class TestSharedHidden:
             for length in range(12, 12 + 2 * n, 2):
                 prompt = torch.randint(64, (length,), generator=g)
                 rows += [torch.cat([prompt, torch.randint(64, (5,), generator=g)]) for _ in "ab"]
-            return prefix_plan(rows, min_shared=4)
+            return prefix_plan(rows, min_shared_length=4)
 
         counts = []
         for plan in (groups(1), groups(8)):
@@ -579,7 +591,7 @@ class TestLogProbsAtResponse:
             make_llm_scorer(model, tokenizer, lean=True, min_shared_length=0)
         lean = make_llm_scorer(model, tokenizer, lean=True, min_shared_length=8)
         new = lean.get_new_version(log_probs_at="response")  # the lean keywords carried over
-        assert (new.sharing.min_shared, new.log_probs_at) == (8, "response")
+        assert (new.sharing.min_shared_length, new.log_probs_at) == (8, "response")
 
     def test_the_loss_runs_the_head_on_its_mask_only(
         self, tiny_llm, make_llm_batch, make_llm_scorer, monkeypatch

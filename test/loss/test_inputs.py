@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -35,6 +36,8 @@ from tensordict.nn import TensorDictModule, set_composite_lp_aggregate
 from torchrl.modules import ProbabilisticActor
 from torchrl.objectives import ClipPPOLoss
 
+import torchrl_grpo.loss
+from torchrl_grpo.llm import HiddenLLMMaskedCategorical
 from torchrl_grpo.loss import (
     CISPOLoss,
     DAPOLoss,
@@ -50,6 +53,7 @@ from torchrl_grpo.loss.inputs import (
     _line_up,
     _match_shape,
     _per_token,
+    _token_log_prob_entropy,
     read_stored,
 )
 from torchrl_grpo.token_dist import HiddenTokenCategorical, TokenCategorical
@@ -149,11 +153,11 @@ class TestReadActor:
 
     def test_missing_keys_are_named(self):
         batch = token_batch()
-        with pytest.raises(KeyError, match=r"'proximal_log_prob' \(for decoupled=True\)"):
+        with pytest.raises(KeyError, match=r"'proximal_log_prob' \(for Decoupled\)"):
             GRPOLoss(token_policy(), decoupled=True)(batch)
-        with pytest.raises(KeyError, match=r"'truncated' \(for mask_truncated_completions\)"):
+        with pytest.raises(KeyError, match=r"'truncated' \(for TruncatedCompletions\)"):
             GRPOLoss(token_policy(), mask_truncated_completions=True)(batch)
-        with pytest.raises(KeyError, match=r"'inference_log_prob' \(for inference_correction\)"):
+        with pytest.raises(KeyError, match=r"'inference_log_prob' \(for InferenceCorrection\)"):
             GRPOLoss(token_policy(), inference_correction="sequence_mask")(
                 batch.exclude("inference_log_prob")
             )
@@ -483,6 +487,24 @@ class TestReadLLM:
         assert loss.masking_strategy == "sft" and not loss.functional
         loss.set_keys(ref_log_probs=("ref", "full"))  # torchrl's name of the key
         assert loss.tensor_keys.ref_log_prob == ("ref", "full")
+
+    def test_a_distribution_with_log_prob_entropy_is_asked(self):
+        """Duck-typed: any distribution computing both itself is asked (the lean wrapper's,
+        without logits); any other is read from its logits."""
+
+        class Both:
+            def log_prob_entropy(self, tokens):
+                return tokens * 1.0, tokens * 2.0
+
+        tokens = torch.tensor([[1, 2]])
+        log_prob, entropy = _token_log_prob_entropy(Both(), tokens)
+        assert log_prob.tolist() == [[1.0, 2.0]] and entropy.tolist() == [[2.0, 4.0]]
+        logits = torch.zeros(1, 2, 4)  # uniform over 4 tokens
+        log_prob, entropy = _token_log_prob_entropy(SimpleNamespace(logits=logits), tokens)
+        torch.testing.assert_close(log_prob, torch.full((1, 2), -math.log(4)))
+        torch.testing.assert_close(entropy, torch.full((1, 2), math.log(4)))
+        with pytest.warns(DeprecationWarning, match="import it from torchrl_grpo.llm"):
+            assert torchrl_grpo.loss.HiddenLLMMaskedCategorical is HiddenLLMMaskedCategorical
 
     def test_sft_counts_response_tokens_only(self, tiny_llm, make_llm_batch, make_llm_scorer):
         model, tokenizer = tiny_llm

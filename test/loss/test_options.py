@@ -16,6 +16,7 @@ from helpers.loss import (
     token_batch,
     token_policy,
 )
+from tensordict import TensorDict
 from tensordict.nn import TensorDictModule
 from torchrl.objectives import ClipPPOLoss, PPOLoss
 
@@ -222,8 +223,8 @@ class TestTorchrlArguments:
     @pytest.mark.parametrize(
         "name, match",
         [
-            ("max_importance_ratio", r"pi_theta / pi_behav .* use tis_cap="),
-            ("delay_actor", r"decoupled=True and set_keys\(proximal_log_prob"),
+            ("max_importance_ratio", r"pi_theta / pi_behav .* use corrections=\[TIS\(cap\)\]"),
+            ("delay_actor", r"corrections=\[Decoupled\(\)\] and set_keys\(proximal_log_prob"),
             ("advantage_norm", "scale_rewards"),
             ("critic", "no critic"),
         ],
@@ -249,8 +250,18 @@ class TestTorchrlArguments:
         torch.testing.assert_close(by_alias.loss_objective, GRPOLoss(policy)(batch).loss_objective)
         with pytest.raises(TypeError, match="both actor_network and actor"):
             GRPOLoss(policy, actor=policy)
-        with pytest.raises(TypeError, match="needs a policy"):
-            GRPOLoss()
+
+    def test_without_a_policy_it_aggregates_and_refuses_a_forward(self):
+        # torchrl builds GRPOLoss(actor_network=None) for its aggregation helpers: so here
+        loss = GRPOLoss(aggregation="token_mean")
+        value = torch.arange(6.0).view(2, 3, 1)
+        mask = torch.tensor([[True, False, True], [False, True, True]])
+        torch.testing.assert_close(loss._aggregate_loss_value(value, mask), torch.tensor(2.75))
+        zeros = torch.zeros(2, 3)
+        with pytest.raises(RuntimeError, match=r"without a policy \(actor_network=None\)"):
+            loss(
+                TensorDict(action=zeros, action_log_prob=zeros, advantage=zeros, batch_size=[2, 3])
+            )
 
     def test_unknown_keyword(self):
         with pytest.raises(TypeError, match=r"unexpected keyword arguments \['clip_eps'\]"):

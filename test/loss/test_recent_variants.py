@@ -156,7 +156,7 @@ class TestWiring:
 
     def test_veto_needs_the_inference_log_probs(self):
         batch = token_batch().exclude("inference_log_prob")
-        with pytest.raises(KeyError, match="inference_veto_threshold"):
+        with pytest.raises(KeyError, match=r"\(for InferenceVeto\)"):
             GRPOLoss(token_policy(), inference_veto_threshold=0.5)(batch)
 
     def test_schedulable(self):

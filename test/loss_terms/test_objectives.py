@@ -192,3 +192,36 @@ class TestVESPO:
         log_ratio = torch.tensor([[30.0, -5.0, 0.0], [-15.0, -15.0, 9.0]])
         mask = torch.tensor([[True, True, False], [True, True, False]])
         close(sequence_sum_log_ratio(log_ratio, mask)[:, 0], [15.0, -20.0])
+
+
+class TestNames:
+    """One name per concept: the callable alias is ObjectiveFn, the variant base Objective."""
+
+    def test_the_callable_alias_has_its_own_name(self):
+        import torchrl_grpo.loss
+        import torchrl_grpo.loss_terms
+        from torchrl_grpo.loss_terms import ObjectiveFn
+
+        for module in (torchrl_grpo.loss_terms, torchrl_grpo.loss):
+            with pytest.warns(DeprecationWarning, match="ObjectiveFn"):
+                assert module.Objective is ObjectiveFn
+        with pytest.raises(AttributeError, match="no attribute 'no_such_name'"):
+            getattr(torchrl_grpo.loss_terms, "no_such_name")  # noqa: B009
+
+    def test_defaults_are_written_once(self):
+        import inspect
+
+        from torchrl_grpo.loss.variants import SAPO, VESPO
+        from torchrl_grpo.loss_terms import SAPO_TEMPERATURES, VESPO_K, VESPO_LAMBDA
+
+        kernel = inspect.signature(vespo_loss).parameters
+        assert (kernel["k_pos"].default, kernel["k_neg"].default) == VESPO_K == VESPO().k
+        assert (kernel["lambda_pos"].default, kernel["lambda_neg"].default) == VESPO_LAMBDA
+        assert VESPO().lambda_ == VESPO_LAMBDA
+        taus = inspect.signature(sapo_loss).parameters
+        sapo = SAPO()
+        assert (
+            taus["temperature_pos"].default,
+            taus["temperature_neg"].default,
+        ) == SAPO_TEMPERATURES
+        assert (sapo.temperature_pos, sapo.temperature_neg) == SAPO_TEMPERATURES

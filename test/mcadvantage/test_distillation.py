@@ -236,6 +236,50 @@ class TestEstimator:
         close(got, whole)
 
 
+class TestBaseline:
+    """``Distillation(baseline=True)``: each token's reverse KL less its group's mean over the
+    group's response tokens, with or without the group's advantage, however the group arrives."""
+
+    @LAYOUTS
+    @pytest.mark.parametrize("alpha", [0.0, 1.0])
+    def test_the_group_mean_is_taken_out(self, padded, alpha):
+        ds = dialogs(GROUPS, SIZE, 3, seed=11)
+        kw = pure(beta=0.7) if alpha == 0.0 else {}
+        plain, _ = distilled(
+            ds,
+            padded=padded,
+            distillation=Distillation(alpha, 0.7),
+            **{k: v for k, v in kw.items() if k != "distillation"},
+        )
+        got, _ = distilled(
+            ds,
+            padded=padded,
+            distillation=Distillation(alpha, 0.7, baseline=True),
+            **{k: v for k, v in kw.items() if k != "distillation"},
+        )
+        turns = [(d // SIZE, t) for d, dialog in enumerate(ds) for t in dialog]
+        for group in range(GROUPS):
+            d = torch.cat(
+                [torch.tensor(t.student) - torch.tensor(t.teacher) for g, t in turns if g == group]
+            ).double()
+            for (g, _), p, c in zip(turns, plain, got, strict=True):
+                if g == group:  # plain - beta * (d - mean) = plain + beta * mean
+                    close([c], [p.double() + 0.7 * d.mean()])
+
+    def test_groups_completed_across_insertions_give_the_same_advantages(self):
+        ds = dialogs(GROUPS, SIZE, 3, seed=12)
+        distillation = Distillation(beta=0.3, gamma=0.5, baseline=True)
+        whole, _ = distilled(ds, padded=False, distillation=distillation)
+        transform = MCAdvantage(SIZE, prompt_key="group", distillation=distillation)
+        data, turns = rows(ds, SIZE, padded=False), [t for d in ds for t in d]
+        first = transform.inv(lazy_stack(list(data.unbind(0))[:12]))  # one group complete
+        second = transform.inv(lazy_stack(list(data.unbind(0))[12:]))
+        n = first.shape[0]
+        got = response_advantages(first, [[t] for t in turns[:n]])
+        got += response_advantages(second, [[t] for t in turns[n:]])
+        close(got, whole)
+
+
 def test_a_checkpoint_keeps_the_pending_turns():
     """Pending turns saved with ``state_dict()`` and loaded elsewhere give the same advantages:
     the teacher's log-probs wait with them."""

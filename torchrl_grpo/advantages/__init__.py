@@ -47,6 +47,7 @@ from torchrl_grpo.advantages.distillation import (
     distillation_advantage,
     distillation_metrics,
     future_reverse_kl,
+    group_mean_baseline,
     token_reverse_kl,
 )
 from torchrl_grpo.advantages.estimators import (
@@ -85,6 +86,7 @@ __all__ = [
     "discounted_returns",
     "distillation_advantage",
     "distillation_metrics",
+    "group_mean_baseline",
     "future_reverse_kl",
     "gigpo_advantage",
     "group_mean",

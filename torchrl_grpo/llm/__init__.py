@@ -1,4 +1,5 @@
-"""Pieces for torchrl's LLM stack that torchrl does not have.
+"""Pieces for torchrl's LLM stack that torchrl does not have. The private names of torchrl they
+rely on are checked in one place, :mod:`torchrl_grpo._compat`.
 
 * :class:`LeanTransformersWrapper`: torchrl's ``TransformersWrapper`` that scores tokens from
   the model's last hidden states and output layer, chunk by chunk, so that the ``[B, T, V]``
@@ -7,13 +8,12 @@
   ``LLMMaskedCategorical`` computed from hidden states.
 * :class:`ExactLogProbsTransformersWrapper`: torchrl's ``TransformersWrapper`` whose generation
   log-probs keep the first generated token's value (torchrl 0.14.1 zeroes it), for a sampler
-  whose log-probs a loss reads as the behaviour policy's. Defined in :mod:`torchrl_grpo._compat`,
-  where every reliance on a private torchrl name lives.
+  whose log-probs a loss reads as the behaviour policy's.
 * :class:`ExactTurns`: an env transform for multi-turn dialogs on torchrl's ``ChatEnv`` in tokens
   mode: the next prompt is the dialog's tokens exactly as sampled, with the environment's reply,
   its own attention mask, a dialog id, and the stored turns cut to their real tokens.
 * :func:`ragged_prompts`: torchrl's ``ChatEnv`` in tokens mode resets with prompts of different
-  token lengths (torchrl 0.14.1 fails to stack them), also defined in :mod:`torchrl_grpo._compat`.
+  token lengths (torchrl 0.14.1 fails to stack them).
 * :class:`ToolReply`: the environment's reply to each turn from a Python function (a tool,
   feedback on a wrong answer), in tokens, for :class:`ExactTurns`; a function that raises
   replies with its error (encodable by construction) and the dialog goes on.
@@ -26,9 +26,10 @@
   refused.
 """
 
-from torchrl_grpo._compat import ExactLogProbsTransformersWrapper, ragged_prompts
+from torchrl_grpo.llm.exact_log_probs import ExactLogProbsTransformersWrapper
 from torchrl_grpo.llm.head import check_vocabulary
 from torchrl_grpo.llm.lean_wrapper import HiddenLLMMaskedCategorical, LeanTransformersWrapper
+from torchrl_grpo.llm.ragged_chat import ragged_prompts
 from torchrl_grpo.llm.replies import ToolReply, TurnReward
 from torchrl_grpo.llm.teacher import TeacherLogProbs
 from torchrl_grpo.llm.turns import ExactTurns

@@ -470,7 +470,7 @@ class LeanTransformersWrapper(TransformersWrapper):
         sharing = PrefixSharing(share_prefix, min_shared_length)
         _compat.check_transformers_wrapper_scoring()
         super().__init__(model, **kwargs)
-        output_layer(self.model)  # fail now, not at the first batch
+        self._output_layer()  # fail now, not at the first batch
         check_vocabulary(self.model, self.tokenizer)  # named now, not "index out of range" later
         self.chunk_size = chunk_size
         self.cast_head_to_float32 = bool(cast_head_to_float32)
@@ -539,22 +539,34 @@ class LeanTransformersWrapper(TransformersWrapper):
         chunk_size = kwargs.pop("chunk_size", self.chunk_size)
         cast = kwargs.pop("cast_head_to_float32", self.cast_head_to_float32)
         share = kwargs.pop("share_prefix", self.sharing.enabled)
-        min_shared = kwargs.pop("min_shared_length", self.sharing.min_shared)
+        min_shared_length = kwargs.pop("min_shared_length", self.sharing.min_shared_length)
         log_probs_at = kwargs.pop("log_probs_at", self.log_probs_at)
         disable_adapters = kwargs.pop("disable_adapters", self.disable_adapters)
         new = super().get_new_version(**kwargs)
         new.disable_adapters = _checked_disable_adapters(disable_adapters, new.model)
         new.chunk_size = _checked_chunk_size(chunk_size)
         new.cast_head_to_float32 = bool(cast)
-        new.sharing = PrefixSharing(share, min_shared)
+        new.sharing = PrefixSharing(share, min_shared_length)
         new.log_probs_at = _checked_log_probs_at(log_probs_at)
         return new
 
     # -- the head, as tensors ------------------------------------------------------------------
 
+    def _output_layer(self) -> tuple[torch.nn.Module, torch.nn.Linear]:
+        """:func:`output_layer` of the model, validated once: again only if the model or its
+        output layer is another module than when last validated (a new model, a LoRA adapter
+        injected on the head), since a call asks for it several times."""
+        model = self.model
+        get_head = getattr(causal_lm(model), "get_output_embeddings", None)
+        head = get_head() if callable(get_head) else None
+        found = self.__dict__.get("_validated_layers")  # (model, head, (body, head))
+        if found is None or found[0] is not model or found[1] is not head:
+            found = self._validated_layers = (model, head, output_layer(model))
+        return found[2]
+
     def _check_logits(self, ids: torch.Tensor) -> torch.Tensor:
         """``[1, T, V]`` logits of the lean path on ``ids`` (for ``check_logits``)."""
-        body, _ = output_layer(self.model)
+        body, _ = self._output_layer()
         hidden = body(input_ids=ids, use_cache=False).last_hidden_state
         return torch.nn.functional.linear(self._features(hidden), self._head())
 
@@ -565,7 +577,7 @@ class LeanTransformersWrapper(TransformersWrapper):
         zero rows torchrl uses for the first position give zero logits, as torchrl's shifted
         logits, with or without a bias.
         """
-        _, head = output_layer(self.model)
+        _, head = self._output_layer()
         weight, bias = head_tensors(head)  # LoRA adapters on the output layer included
         if self.cast_head_to_float32:
             weight = weight.float()
@@ -577,7 +589,7 @@ class LeanTransformersWrapper(TransformersWrapper):
     def _features(self, hidden: torch.Tensor) -> torch.Tensor:
         """Hidden states ``[B, T, H]`` as the head's inputs: in float32 with
         ``cast_head_to_float32``, and with a constant-1 column when the head has a bias."""
-        _, head = output_layer(self.model)
+        _, head = self._output_layer()
         if self.cast_head_to_float32:
             hidden = hidden.float()
         if head_bias(head) is not None:  # the bias alone: no adapter's weight is built
@@ -654,7 +666,7 @@ class LeanTransformersWrapper(TransformersWrapper):
         otherwise, or where the model cannot, one dense padded pass. Padding holds zeros
         when packed.
         """
-        body, _ = output_layer(self.model)
+        body, _ = self._output_layer()
         hidden = None
         if rows.blocks:
             pack = not self.pad_model_input

@@ -12,11 +12,12 @@ hidden states are then read from the packed ones along its path, with one index.
 
 The order of a call, as a record that computes nothing until :func:`shared_hidden` runs it:
 :func:`prefix_plan` sorts the rows by their tokens, measures the common prefix of each
-neighbour pair, cuts the sorted rows into trees whose neighbours share at least ``min_shared``
-tokens (a row that shares less with both neighbours is a tree of its own), builds each tree's
-nodes (a dialog's turns share all of the history they have in common: every level, not one),
-and packs the trees into rows of one batch. Everything is decided on the host from one copy of
-the tokens; the device runs a fixed number of operators whatever the number of rows or groups.
+neighbour pair, cuts the sorted rows into trees whose neighbours share at least
+``min_shared_length`` tokens (a row that shares less with both neighbours is a tree of its own),
+builds each tree's nodes (a dialog's turns share all of the history they have in common: every
+level, not one), and packs the trees into rows of one batch. Everything is decided on the host
+from one copy of the tokens; the device runs a fixed number of operators whatever the number of
+rows or groups.
 
 Exactness: a packed token sees the same keys at the same positions as in its own row, so for
 rotary models (Qwen, Llama, Mistral) the hidden states are the dense pass's up to float
@@ -44,7 +45,7 @@ __all__ = [
     "PrefixPlan",
     "PrefixSharing",
     "SharingUnsupported",
-    "checked_min_shared",
+    "checked_min_shared_length",
     "prefix_plan",
     "shared_hidden",
 ]
@@ -54,14 +55,36 @@ class SharingUnsupported(RuntimeError):
     """The model's body cannot score a packed prefix tree (the message says why)."""
 
 
-def checked_min_shared(min_shared) -> int:
-    """``min_shared`` as an ``int`` of at least 1, or a ``ValueError`` naming the value."""
-    if isinstance(min_shared, bool) or not isinstance(min_shared, Integral) or min_shared < 1:
+def _renamed(min_shared_length, deprecated: dict, owner: str):
+    """``min_shared_length``, or the value given under its earlier name ``min_shared`` (with a
+    ``DeprecationWarning``); any other keyword is refused."""
+    unknown = sorted(set(deprecated) - {"min_shared"})
+    if unknown:
+        raise TypeError(f"{owner} got unexpected keyword arguments {unknown}.")
+    if "min_shared" in deprecated:
+        if min_shared_length is not None:
+            raise TypeError(f"{owner} got both min_shared_length and min_shared (its old name).")
+        warnings.warn(
+            f"{owner}: min_shared is deprecated, use min_shared_length (the same setting).",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        min_shared_length = deprecated["min_shared"]
+    return min_shared_length
+
+
+def checked_min_shared_length(min_shared_length) -> int:
+    """``min_shared_length`` as an ``int`` of at least 1, or a ``ValueError`` naming the value."""
+    if (
+        isinstance(min_shared_length, bool)
+        or not isinstance(min_shared_length, Integral)
+        or min_shared_length < 1
+    ):
         raise ValueError(
             f"min_shared_length must be a positive integer (tokens a prefix must hold to be "
-            f"computed once), got {min_shared!r}."
+            f"computed once), got {min_shared_length!r}."
         )
-    return int(min_shared)
+    return int(min_shared_length)
 
 
 @dataclass(frozen=True)
@@ -127,13 +150,13 @@ def _tree_nodes(rows, order, common):
     return parent, depth, source, end
 
 
-def _trees(rows, min_shared: int):
-    """The rows sorted by their tokens, cut where neighbours share under ``min_shared``."""
+def _trees(rows, min_shared_length: int):
+    """The rows sorted by their tokens, cut where neighbours share under ``min_shared_length``."""
     order = sorted(range(len(rows)), key=lambda i: rows[i].tolist())
     common = [0] + [_common_length(rows[a], rows[b]) for a, b in zip(order, order[1:])]
     trees, start = [], 0
     for k in range(1, len(order) + 1):
-        if k == len(order) or common[k] < min_shared:
+        if k == len(order) or common[k] < min_shared_length:
             trees.append((order[start:k], [0] + common[start + 1 : k]))
             start = k
     return trees
@@ -154,13 +177,15 @@ def _pack(sizes: list[int]) -> tuple[list[int], list[int], int]:
     return row, offset, width
 
 
-def prefix_plan(sequences, min_shared: int, width: int | None = None) -> PrefixPlan:
-    """The prefix tree of the rows (prefixes of at least ``min_shared`` tokens), packed.
+def prefix_plan(
+    sequences, min_shared_length: int | None = None, width: int | None = None, **deprecated
+) -> PrefixPlan:
+    """The prefix tree of the rows (prefixes of at least ``min_shared_length`` tokens), packed.
 
     Args:
         sequences (list): each row's real tokens ``[L_i]`` (no padding), host arrays or
             tensors (read on the host).
-        min_shared (int): shortest prefix worth computing once.
+        min_shared_length (int): shortest prefix worth computing once.
         width (int, optional): ``T`` of :attr:`PrefixPlan.reads`. Defaults to the longest row.
 
     Returns:
@@ -170,7 +195,7 @@ def prefix_plan(sequences, min_shared: int, width: int | None = None) -> PrefixP
         >>> import numpy as np
         >>> from torchrl_grpo.llm.prefix import prefix_plan
         >>> rows = [np.array(t) for t in ([1, 2, 3, 4], [9, 9], [1, 2, 3, 5, 6], [1, 2, 3])]
-        >>> plan = prefix_plan(rows, min_shared=2)
+        >>> plan = prefix_plan(rows, min_shared_length=2)
         >>> plan.trees, plan.alone, plan.shared_tokens
         ([(3, 0, 2)], [1], 6)
         >>> plan.tokens.tolist()  # [1, 2, 3] once, then 4 and 5 6 after it; 9 9 beside
@@ -178,9 +203,12 @@ def prefix_plan(sequences, min_shared: int, width: int | None = None) -> PrefixP
         >>> plan.positions[0].tolist()
         [0, 1, 2, 3, 3, 4]
     """
+    min_shared_length = checked_min_shared_length(
+        _renamed(min_shared_length, deprecated, "prefix_plan")
+    )
     rows = [np.asarray(s.detach().cpu() if isinstance(s, torch.Tensor) else s) for s in sequences]
     width = max(len(r) for r in rows) if width is None else int(width)
-    trees = _trees(rows, min_shared)
+    trees = _trees(rows, min_shared_length)
     built = [_tree_nodes(rows, order, common) for order, common in trees]
     sizes = [
         sum(d - depth[p] for p, d in zip(parent[1:], depth[1:])) for parent, depth, *_ in built
@@ -319,7 +347,7 @@ def shared_hidden(body, plan: PrefixPlan) -> torch.Tensor:
         ...     num_key_value_heads=2)).eval().base_model
         >>> prompt = torch.randint(50, (12,))
         >>> rows = [torch.cat([prompt, torch.randint(50, (n,))]) for n in (3, 5)]
-        >>> hidden = shared_hidden(body, prefix_plan(rows, min_shared=8))  # (2, 17, 16)
+        >>> hidden = shared_hidden(body, prefix_plan(rows, min_shared_length=8))  # (2, 17, 16)
         >>> dense = [body(input_ids=r[None]).last_hidden_state[0] for r in rows]
         >>> all(torch.allclose(hidden[i, -len(r):], d, atol=1e-5)
         ...     for i, (r, d) in enumerate(zip(rows, dense)))
@@ -353,17 +381,17 @@ class PrefixSharing:
 
     :meth:`hidden` returns the rows' hidden states with every shared token computed once, or
     ``None`` where the caller must score densely: sharing is off, no two rows share
-    ``min_shared`` tokens, or the model cannot do it. The first call that shares checks two
+    ``min_shared_length`` tokens, or the model cannot do it. The first call that shares checks two
     rows of its first tree against the dense pass (no gradient); a body that cannot take the
     packed mask, or whose shared states differ from its dense ones, turns sharing off for good
     with one warning saying why, so that a wrong number is never returned.
 
     Args:
         enabled (bool): share prefixes at all.
-        min_shared (int): shortest shared prefix (tokens) worth computing once.
+        min_shared_length (int): shortest shared prefix (tokens) worth computing once.
 
     Raises:
-        ValueError: ``min_shared`` is not a positive integer.
+        ValueError: ``min_shared_length`` is not a positive integer.
 
     Examples:
         >>> import torch
@@ -379,11 +407,22 @@ class PrefixSharing:
         ValueError: min_shared_length must be a positive integer ... got 0.
     """
 
-    def __init__(self, enabled: bool, min_shared: int):
+    def __init__(self, enabled: bool, min_shared_length: int | None = None, **deprecated):
+        min_shared_length = _renamed(min_shared_length, deprecated, "PrefixSharing")
         self.enabled = bool(enabled)
-        self.min_shared = checked_min_shared(min_shared)
+        self.min_shared_length = checked_min_shared_length(min_shared_length)
         self.checked = False
         self.off_reason: str | None = None
+
+    @property
+    def min_shared(self) -> int:
+        """Deprecated: :attr:`min_shared_length` (the same setting, one name)."""
+        warnings.warn(
+            "PrefixSharing.min_shared is deprecated, use min_shared_length.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.min_shared_length
 
     def plan(self, sequences, width: int | None = None, pack: bool = False):
         """The rows' plan, or ``None`` when nothing is shared (or sharing is off); with
@@ -394,8 +433,8 @@ class PrefixSharing:
         if not pack and (not self.enabled or len(sequences) < 2):
             return None
         width = max(len(s) for s in sequences) if width is None else int(width)
-        min_shared = self.min_shared if self.enabled else width + 1
-        plan = prefix_plan(sequences, min_shared, width)
+        min_shared_length = self.min_shared_length if self.enabled else width + 1
+        plan = prefix_plan(sequences, min_shared_length, width)
         return plan if plan.trees or pack else None
 
     def hidden(self, body, sequences, width=None, pack: bool = False) -> torch.Tensor | None:

@@ -36,6 +36,8 @@ from tensordict import LazyStackedTensorDict, TensorDictBase
 from torchrl.data import Composite, Unbounded
 from torchrl.envs import Transform
 
+from torchrl_grpo.llm.turns import REPLY_KEY
+
 __all__ = ["ToolReply", "TurnReward"]
 
 
@@ -117,7 +119,7 @@ class ToolReply(Transform):
         reply: Callable[[str, TensorDictBase], str | None],
         tokenizer,
         *,
-        reply_key="reply_tokens",
+        reply_key=REPLY_KEY,
         error_key="tool_error",
         error_reply: str | Callable[[Exception], str] | None = None,
         max_error_tokens: int | None = 32,

@@ -56,6 +56,11 @@ from torchrl.modules.llm import Masks
 
 from torchrl_grpo import _compat, ragged
 
+#: Where the environment's reply to a turn is written (one 1-D tensor of token ids per row) and
+#: where :class:`ExactTurns` reads it: the default of both ``reply_key`` arguments
+#: (:class:`~torchrl_grpo.llm.ToolReply`'s too).
+REPLY_KEY = "reply_tokens"
+
 __all__ = ["ExactTurns"]
 
 #: What :class:`ExactTurns` does with a dialog that grows past its ``max_length``.
@@ -131,7 +136,7 @@ class ExactTurns(Transform):
         pad_token_id: int | None,
         eos_token_id: int | None = None,
         *,
-        reply_key="reply_tokens",
+        reply_key=REPLY_KEY,
         dialog_id_key="dialog_id",
         max_length: int | None = None,
         on_overflow: str = "truncate",

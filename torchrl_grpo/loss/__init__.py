@@ -33,7 +33,6 @@ The package, one concern a module: ``grpo.py`` (the module: keys, wiring, ``forw
 ``presets.py`` (the papers' defaults).
 """
 
-from torchrl_grpo.llm.lean_wrapper import HiddenLLMMaskedCategorical as HiddenLLMMaskedCategorical
 from torchrl_grpo.loss.grpo import GRPOLoss
 from torchrl_grpo.loss.inputs import LLM_KEYS as LLM_KEYS
 from torchrl_grpo.loss.inputs import MASK_SOURCES as MASK_SOURCES
@@ -64,7 +63,7 @@ from torchrl_grpo.loss_terms import KL_ESTIMATORS as KL_ESTIMATORS
 from torchrl_grpo.loss_terms import OBJECTIVES as OBJECTIVES
 from torchrl_grpo.loss_terms import RATIO_LEVELS as RATIO_LEVELS
 from torchrl_grpo.loss_terms import TRUST_REGIONS as TRUST_REGIONS
-from torchrl_grpo.loss_terms import Objective as Objective
+from torchrl_grpo.loss_terms import ObjectiveFn as ObjectiveFn
 from torchrl_grpo.loss_terms import RatioLevel as RatioLevel
 from torchrl_grpo.loss_terms import cispo_loss as cispo_loss
 from torchrl_grpo.loss_terms import clip_fractions as clip_fractions
@@ -80,6 +79,30 @@ from torchrl_grpo.loss_terms import ppo_clip_loss as ppo_clip_loss
 from torchrl_grpo.loss_terms import sapo_loss as sapo_loss
 from torchrl_grpo.loss_terms import sequence_log_ratio as sequence_log_ratio
 from torchrl_grpo.token_dist import token_log_prob_entropy as token_log_prob_entropy
+
+
+def __getattr__(name: str):
+    # the deprecated name of the callable alias (see torchrl_grpo.loss_terms.ObjectiveFn)
+    if name == "Objective":
+        import torchrl_grpo.loss_terms
+
+        return torchrl_grpo.loss_terms.Objective
+    # the lean wrapper's distribution, from its own package: the loss reads any distribution
+    # with ``log_prob_entropy`` without importing it
+    if name == "HiddenLLMMaskedCategorical":
+        import warnings
+
+        from torchrl_grpo.llm import HiddenLLMMaskedCategorical
+
+        warnings.warn(
+            "torchrl_grpo.loss.HiddenLLMMaskedCategorical is deprecated: import it from "
+            "torchrl_grpo.llm.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return HiddenLLMMaskedCategorical
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "CISPOLoss",

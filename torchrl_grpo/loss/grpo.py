@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 from tensordict import TensorDictBase
-from tensordict.nn import ProbabilisticTensorDictSequential
+from tensordict.nn import ProbabilisticTensorDictSequential, TensorDictModuleBase
 from tensordict.utils import NestedKey
 from torchrl.modules.llm import LLMWrapperBase
 from torchrl.objectives import ClipPPOLoss
@@ -40,8 +40,16 @@ from torchrl_grpo.loss.options import (
     loss_options,
 )
 from torchrl_grpo.loss.output import GRPOLossOutput, output_with
-from torchrl_grpo.loss.variants import Objective, Step, Variant
-from torchrl_grpo.loss.variants.base import RANGES
+from torchrl_grpo.loss.variants import (
+    BUILTIN_VARIANTS,
+    Exclusion,
+    Factor,
+    Objective,
+    Penalty,
+    Step,
+    Variant,
+    builtin_ranges,
+)
 from torchrl_grpo.loss.variants.flat import FlatAttributes
 from torchrl_grpo.loss_terms import (
     RatioLevel,
@@ -57,8 +65,12 @@ __all__ = ["GRPOLoss"]
 
 #: Names in ``locals()`` at the top of ``GRPOLoss.__init__`` that are not its settings.
 _NOT_SETTINGS = ("self", "__class__", "actor_network", "critic", "replaced")
-#: The entries a variant reads, in the order of the loss's in-keys.
+#: The entries a variant reads that the loss reads its own way (the reference's padding, the
+#: sampler's fallback, the truncation rule, the finite checks), in the order of its in-keys;
+#: any other entry a variant reads is read as it is stored (``step.x.entries``).
 _READS = ("ref_log_prob", "inference_log_prob", "proximal_log_prob", "truncated")
+#: The ranges of the package's own variants' schedulable values: a loss's before it is wired.
+_BUILTIN_RANGES = builtin_ranges()
 #: The statistics of :func:`~torchrl_grpo.loss_terms.inference_mismatch`, reported as
 #: ``inference_<name>`` whenever the loss reads inference log-probs.
 _MISMATCH_STATS = ("chi2_token", "chi2_sequence", "seq_max_k3_mean", "seq_max_k3_max")
@@ -101,7 +113,9 @@ class GRPOLoss(FlatAttributes, ClipPPOLoss):
 
     Args:
         actor_network (ProbabilisticTensorDictSequential or LLMWrapperBase): the policy
-            (``actor=``, ClipPPOLoss's other name for it, is accepted too).
+            (``actor=``, ClipPPOLoss's other name for it, is accepted too). ``None``, as
+            torchrl's GRPOLoss allows: a loss for its aggregation (``_aggregate_loss_value``),
+            whose forward raises a ``RuntimeError`` saying it has no policy.
         *critic: nothing: GRPO has no critic (``TypeError`` saying where the advantage comes
             from).
 
@@ -143,7 +157,7 @@ class GRPOLoss(FlatAttributes, ClipPPOLoss):
             the value), before anything is built; the same range when a scheduler sets a value.
         TypeError: a ClipPPOLoss or torchrl ``GRPOLoss`` argument that has no meaning here
             (the message names what replaces it), a critic, something that is not a variant in
-            ``corrections`` / ``penalties``, no policy.
+            ``corrections`` / ``penalties``.
 
     Examples:
         >>> import torch
@@ -176,14 +190,16 @@ class GRPOLoss(FlatAttributes, ClipPPOLoss):
             mask (NestedKey): boolean mask of real tokens, shaped like the log-prob. Optional:
                 absent means every entry is real. Defaults to ``"mask"``.
             ref_log_prob (NestedKey): reference-policy log-probs of the sampled tokens, read
-                when ``kl_to_ref_coeff`` is set. Defaults to ``"ref_log_prob"``.
+                with ``KLToReference``. Defaults to ``"ref_log_prob"``.
             inference_log_prob (NestedKey): sampler (inference engine) log-probs, read by
-                ``inference_correction`` / ``tis_cap``, the KL to inference and off-policy
-                sequence masking. Defaults to ``"inference_log_prob"``.
+                ``InferenceCorrection`` / ``TIS``, ``InferenceVeto``, ``Rejection``,
+                ``KLToInference`` and ``OffPolicyMask``. Defaults to ``"inference_log_prob"``.
             proximal_log_prob (NestedKey): log-probs of the proximal policy of decoupled PPO,
-                read only with ``decoupled=True``. Defaults to ``"proximal_log_prob"``.
+                read only with ``Decoupled``. Defaults to ``"proximal_log_prob"``.
             truncated (NestedKey): per-sequence boolean, ``True`` for a truncated completion,
-                read only with ``mask_truncated_completions``. Defaults to ``"truncated"``.
+                read only with ``TruncatedCompletions``. Defaults to ``"truncated"``.
+
+        A variant of one's own reads any other entry under the key it names in its ``reads``.
         """
 
         mask: NestedKey = "mask"
@@ -227,14 +243,15 @@ class GRPOLoss(FlatAttributes, ClipPPOLoss):
         for name in _NOT_SETTINGS:
             settings.pop(name, None)
         options = loss_options(actor_network, settings, replaced, critic)
-        if options.actor_network is None:
-            raise TypeError("GRPOLoss needs a policy: GRPOLoss(actor_network, ...).")
         self._build(options)
 
     def _build(self, options: LossOptions) -> None:
         """ClipPPOLoss built with the options it takes, then the rest wired in."""
+        actor = options.actor_network
+        if actor is None:  # built as torchrl's is, for its aggregation helpers: no forward
+            actor = _NoPolicy(type(self).__name__)
         super().__init__(
-            options.actor_network,
+            actor,
             None,
             clip_epsilon=options.clip_epsilon,
             entropy_bonus=options.entropy_bonus,
@@ -256,6 +273,7 @@ class GRPOLoss(FlatAttributes, ClipPPOLoss):
         self.ref_log_prob_padding_value = options.ref_log_prob_padding_value
         self.objective = options.objective
         self.variants = options.variants
+        self._ranges = options.ranges  # the schedulable values' ranges, the variants held's
         self._stages = None
         self._ratio_level = options.ratio_level
         self._aggregate = options.aggregate
@@ -264,23 +282,40 @@ class GRPOLoss(FlatAttributes, ClipPPOLoss):
         for name, value in options.coefficients.items():
             self.register_coeff_buffer(name, value, device=device)
         self.adaptive_entropy = None  # the entropy bonus's controller, with an EntropyTarget
+        modules = {}
         for variant in self.variants:  # their state, saved with the loss's state_dict
             for name, module in variant.modules(device).items():
                 setattr(self, name, module)
+                modules[name] = module
+        self._variant_modules = tuple(modules)
         if self.is_llm:  # torchrl's LLM layout (torchrl.objectives.llm.GRPOLoss's keys)
             self.set_keys(**LLM_KEYS)
         self._in_keys = None
         self._out_keys = None
         self._wired = True  # from now on, a variant left off stays off (see __setattr__)
 
-    def _staged(self, stage: str) -> tuple[Variant, ...]:
-        """The variants held of one stage, in the order given."""
+    def _staged(self, stage: type[Variant]) -> tuple[Variant, ...]:
+        """The variants held of one stage (``Exclusion``...), in the order given."""
         if self.__dict__.get("_stages") is None:  # once: a call asks three times
-            stages = {}
-            for variant in self.variants:
-                stages.setdefault(variant.stage, []).append(variant)
-            self._stages = {name: tuple(held) for name, held in stages.items()}
-        return self._stages.get(stage, ())
+            self._stages = {
+                base: tuple(v for v in self.variants if isinstance(v, base))
+                for base in (Exclusion, Factor, Penalty)
+            }
+        return self._stages[stage]
+
+    def _composed(self) -> tuple[Variant, ...]:
+        """The objective and the variants held (none while ClipPPOLoss's ``__init__`` runs)."""
+        if not self.__dict__.get("_wired"):
+            return ()
+        return (self.objective, *self.variants)
+
+    def _step(self, x: Inputs, ratio_base: torch.Tensor) -> Step:
+        """The call's :class:`~torchrl_grpo.loss.variants.Step`: the batch, and the variants'
+        schedulable values and state as they are now."""
+        buffers = self._buffers  # a value no variant held has is None, not a buffer
+        values = {name: buffers.get(name) for name in self._ranges}
+        modules = {name: getattr(self, name) for name in self._variant_modules}
+        return Step(x, ratio_base, values=values, modules=modules, loss_mask=x.mask)
 
     @property
     def clip_bounds(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -293,20 +328,18 @@ class GRPOLoss(FlatAttributes, ClipPPOLoss):
     # --- keys -----------------------------------------------------------------------------
 
     def __setattr__(self, name: str, value) -> None:
-        # a scheduler's new value (``loss.clip_epsilon = 0.1``) is checked as at construction;
-        # RANGES holds every variant class's values, a user's class's included
+        # a scheduler's new value (``loss.clip_epsilon = 0.1``) is checked as at construction,
+        # against the ranges of the variants this loss holds (and of the package's own)
+        ranges = self.__dict__.get("_ranges", _BUILTIN_RANGES)
         number = isinstance(value, (int, float))
-        if number and (name in CLIP_EPSILON_BUFFERS or name in RANGES):
-            check_scheduled(name, value)
+        if number and (name in CLIP_EPSILON_BUFFERS or name in ranges):
+            check_scheduled(name, value, ranges)
         # a variant left off at construction is not a buffer: setting it would skip every
         # check of loss_options (an objective it cannot go with...) and the read plan's keys
-        if name in RANGES and value is not None and self.__dict__.get("_wired"):
+        if name in ranges and value is not None and self.__dict__.get("_wired"):
             buffer = self._buffers.get(name)
             if buffer is None:
-                raise ValueError(
-                    f"{name} was off (None) when the loss was built: pass {name}=... to "
-                    f"{type(self).__name__}(...) (0.0 to schedule it from zero) to turn it on."
-                )
+                raise ValueError(_off_message(name, type(self).__name__))
             if number:  # in place, keeping the buffer's device and dtype (torchrl's way)
                 buffer.copy_(torch.as_tensor(value, dtype=buffer.dtype, device=buffer.device))
                 return
@@ -339,9 +372,22 @@ class GRPOLoss(FlatAttributes, ClipPPOLoss):
             keys.extend(key if isinstance(key, list) else [key])
         keys += [tk.advantage, tk.mask]
         # what the variants read (not the entries sample_log_prob may stand in for)
-        reads = {r for v in getattr(self, "variants", ()) if not v.fallback for r in v.reads}
+        reads = {r for v in self._composed() if not v.fallback for r in v.reads}
         keys += [getattr(tk, name) for name in _READS if name in reads]
+        keys += [key for _, key, _ in self._entries()]
         self._in_keys = list(dict.fromkeys(keys))
+
+    def _entries(self) -> tuple[tuple, ...]:
+        """``(name, key, why)`` of each entry a variant reads beyond :data:`_READS`: a name of
+        the loss's keys is read under its key (``set_keys``), any other under itself."""
+        fields = self.tensor_keys.__dataclass_fields__
+        entries = {}
+        for variant in self._composed():
+            for name in variant.reads:
+                if name not in _READS and name not in entries:
+                    key = getattr(self.tensor_keys, name) if name in fields else name
+                    entries[name] = (name, key, f"read by {type(variant).__name__}")
+        return tuple(entries.values())
 
     @property
     def out_keys(self):
@@ -481,8 +527,8 @@ class GRPOLoss(FlatAttributes, ClipPPOLoss):
 
     def _read_plan(self) -> ReadPlan:
         """What this call reads from its batch: the keys, and the entries its variants need."""
-        readers = [v for v in self.variants if "inference_log_prob" in v.reads]
-        reads = {name for v in self.variants for name in v.reads}
+        readers = [v for v in self._composed() if "inference_log_prob" in v.reads]
+        reads = {name for v in self._composed() for name in v.reads}
         end_tokens = ()  # TRL's rule for an LLM wrapper's batch without a truncated entry
         tokenizer = getattr(self.actor_network, "tokenizer", None) if self.is_llm else None
         if self.is_llm and "truncated" in reads:
@@ -495,15 +541,16 @@ class GRPOLoss(FlatAttributes, ClipPPOLoss):
             masking_strategy=self.masking_strategy,
             ref_padding=(self.ref_log_prob_padding_side, self.ref_log_prob_padding_value),
             ref="ref_log_prob" in reads,
-            inference=f"for {readers[0].label}" if readers else None,
+            inference=f"for {type(readers[0]).__name__}" if readers else None,
             inference_fallback=bool(readers) and all(v.fallback for v in readers),
             proximal="proximal_log_prob" in reads,
             truncated="truncated" in reads,
             end_tokens=end_tokens,
             pad_token_id=getattr(tokenizer, "pad_token_id", None),
             pad_output=bool(getattr(self.actor_network, "pad_output", True)),
-            entropy=bool(self.entropy_bonus) or any(v.entropy for v in self.variants),
+            entropy=bool(self.entropy_bonus) or any(v.entropy for v in self._composed()),
             samples_mc_entropy=self.samples_mc_entropy,
+            entries=self._entries(),
         )
 
     def _distribution(self, tensordict: TensorDictBase):
@@ -529,11 +576,11 @@ class GRPOLoss(FlatAttributes, ClipPPOLoss):
         # the policy the ratio and its clip are taken against: the proximal one (decoupled PPO)
         # or the one that sampled the data
         ratio_base = x.old_log_prob if x.proximal_log_prob is None else x.proximal_log_prob
-        step = Step(x, ratio_base, loss_mask=mask)
+        step = self._step(x, ratio_base)
         out = {}
         excluded = False
-        for variant in self._staged("exclude"):  # out of the terms and the denominator
-            keep, metrics = variant.exclude(self, step)
+        for variant in self._staged(Exclusion):  # out of the terms and the denominator
+            keep, metrics = variant.exclude(step)
             step.loss_mask = step.loss_mask & keep
             out.update(metrics)
             excluded = True
@@ -543,10 +590,8 @@ class GRPOLoss(FlatAttributes, ClipPPOLoss):
         )
         log_clip_low, log_clip_high = step.log_clip_bounds = self.clip_bounds
         log_ratio = self._ratio_level(lp - ratio_base, mask)  # (B, T)
-        per_token = self.objective.loss(
-            self, log_ratio, x.advantage, lp, log_clip_low, log_clip_high
-        )
-        out.update(self.objective.report(self, step))
+        per_token = self.objective.loss(step, log_ratio)
+        out.update(self.objective.report(step))
         per_token = self._factors(per_token, step, out)
         clip_fraction, clip_low, clip_high = clip_fractions(
             log_ratio, mask, log_clip_low, log_clip_high
@@ -570,12 +615,12 @@ class GRPOLoss(FlatAttributes, ClipPPOLoss):
         return {**out, **self._regularisers(step, reduce)}
 
     def _factors(self, per_token: torch.Tensor, step: Step, out: dict) -> torch.Tensor:
-        """The per-token objective times the ``"factor"`` variants' weights, zero where one
+        """The per-token objective times the :class:`Factor` variants' weights, zero where one
         drops the token (it stays in the aggregation's denominator). With none held, the
         objective as it is: the default loss runs no extra operation."""
         weight = keep = None
-        for variant in self._staged("factor"):
-            w, k, metrics = variant.factor(self, step)
+        for variant in self._staged(Factor):
+            w, k, metrics = variant.factor(step)
             out.update(metrics)
             if w is not None:
                 weight = w if weight is None else weight * w
@@ -600,21 +645,33 @@ class GRPOLoss(FlatAttributes, ClipPPOLoss):
             return aggregation_sum(self._aggregate, per_token, loss_mask)[0]
         return self._aggregate(per_token, loss_mask)
 
+    def _aggregate_loss_value(
+        self, value: torch.Tensor, mask: torch.Tensor, tensordict: TensorDictBase | None = None
+    ) -> torch.Tensor:
+        """torchrl's aggregation helper, under its name (torchrl's own tests call it): a
+        per-token ``value`` ``[..., T, 1]`` (or ``[..., T]``) over ``mask`` ``[..., T]``, by this
+        loss's aggregation (``reduction="none"``: zero off the mask, in ``value``'s shape)."""
+        per_token = value.squeeze(-1) if value.dim() == mask.dim() + 1 else value
+        return self._reduce(per_token, mask, value.shape)
+
     def _regularisers(self, step: Step, reduce: Callable) -> dict[str, torch.Tensor]:
-        """The entropy bonus (its coefficient steered by a variant that has ``coefficient``,
+        """The entropy bonus (its coefficient steered by the penalties'
+        :meth:`~torchrl_grpo.loss.variants.Penalty.coefficient`, reported when one changes it:
         :class:`~torchrl_grpo.loss.variants.EntropyTarget`) and the penalties' terms."""
         x, out = step.x, {}
+        penalties = self._staged(Penalty)
         if self.entropy_bonus:
             out["entropy"] = masked_mean(x.entropy, x.mask).detach()
             coeff = self.entropy_coeff
-            for variant in self._staged("penalty"):
-                if hasattr(variant, "coefficient"):
-                    coeff = out["entropy_coeff"] = variant.coefficient(self, coeff, step)
+            for variant in penalties:
+                coeff = variant.coefficient(step, coeff)
+            if coeff is not self.entropy_coeff:
+                out["entropy_coeff"] = coeff
             out["loss_entropy"] = -coeff * reduce(x.entropy)
             if x.head_entropy is not None:  # a multi-head policy's, as ClipPPOLoss reports it
                 out["composite_entropy"] = x.head_entropy.detach()
-        for variant in self._staged("penalty"):
-            out.update(variant.terms(self, step, reduce))
+        for variant in penalties:
+            out.update(variant.terms(step, reduce))
         return out
 
     def update_entropy_coeff(self) -> float:
@@ -622,7 +679,8 @@ class GRPOLoss(FlatAttributes, ClipPPOLoss):
 
         The entropy of the tokens seen since the last update (every call in training mode,
         micro-batches included) decides: the coefficient goes up by the step when it is at or
-        below ``entropy_target``, down otherwise, within ``entropy_coeff_bounds``
+        below the :class:`~torchrl_grpo.loss.variants.EntropyTarget`'s ``target``, down
+        otherwise, within its ``bounds``
         (:func:`~torchrl_grpo.loss_terms.adaptive_entropy_coeff`); the next calls apply it
         while that entropy stays at or below the target. With several ranks, sum the window
         first: ``torch.distributed.all_reduce(loss.adaptive_entropy.window)``. The window, the
@@ -633,14 +691,47 @@ class GRPOLoss(FlatAttributes, ClipPPOLoss):
             float: the new coefficient (also in ``loss.entropy_coeff``).
 
         Raises:
-            RuntimeError: without ``entropy_target``, or with no token seen since the last
+            RuntimeError: without an ``EntropyTarget``, or with no token seen since the last
                 update.
         """
         if self.adaptive_entropy is None:
-            raise RuntimeError("update_entropy_coeff needs GRPOLoss(..., entropy_target=...).")
+            raise RuntimeError(
+                "update_entropy_coeff needs GRPOLoss(..., penalties=[EntropyTarget(target)]), "
+                "the adaptive entropy coefficient."
+            )
         coeff = self.adaptive_entropy.update(float(self.entropy_coeff))
         self.entropy_coeff.fill_(coeff)
         return coeff
+
+
+class _NoPolicy(TensorDictModuleBase):
+    """The policy of a loss built without one (``actor_network=None``, as torchrl's GRPOLoss
+    allows for its aggregation helpers): anything that needs the policy says so."""
+
+    in_keys: list = []
+    out_keys: list = []
+
+    def __init__(self, owner: str):
+        super().__init__()
+        self.owner = owner
+
+    def forward(self, tensordict: TensorDictBase):
+        raise RuntimeError(
+            f"{self.owner} was built without a policy (actor_network=None): it aggregates "
+            f"values but cannot compute a loss; pass the policy: {self.owner}(actor_network, ...)."
+        )
+
+    get_dist = forward
+
+
+def _off_message(name: str, owner: str) -> str:
+    """Why ``loss.<name> = value`` is refused: the variant it belongs to was not held."""
+    held_by = [cls.__name__ for cls in BUILTIN_VARIANTS if name in cls.ranges]
+    variant = f"a {' or '.join(held_by)}" if held_by else "the variant it belongs to"
+    return (
+        f"{name} was off (None) when the loss was built: build the {owner} with {variant} "
+        "(objective=, corrections= or penalties=) to schedule it."
+    )
 
 
 def _output_keys(loss: GRPOLoss) -> list[str]:

@@ -9,12 +9,16 @@ end in :func:`_line_up`: every entry checked against the policy's log-prob shape
 never sees a padded value.
 
 What a call reads is decided by the loss's settings at call time; the loss passes them as a
-:class:`ReadPlan`, and nothing here reaches into the loss module.
+:class:`ReadPlan`, and nothing here reaches into the loss module. The entries a variant reads
+beyond the built-in ones (``ReadPlan.entries``: any batch key a variant declares in its
+``reads``) are read, lined up and zeroed on padding the same way, into ``Inputs.entries``.
 """
 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
 from typing import Any, NamedTuple
 
 import torch
@@ -24,7 +28,6 @@ from tensordict.utils import NestedKey
 from torchrl.objectives import AUTO_LOSS_MASK_KEYS
 
 from torchrl_grpo import _compat, ragged
-from torchrl_grpo.llm.lean_wrapper import HiddenLLMMaskedCategorical
 from torchrl_grpo.loss.positions import (
     inner_pads,
     kept_index,
@@ -59,13 +62,15 @@ class Inputs(NamedTuple):
     old_log_prob: torch.Tensor  # sample_log_prob: the ratio's anchor, or the behaviour policy
     advantage: torch.Tensor
     mask: torch.Tensor  # bool, True on real tokens
-    entropy: torch.Tensor | None  # differentiable; with entropy_bonus or top_entropy_quantile
-    ref_log_prob: torch.Tensor | None  # with kl_to_ref_coeff
+    entropy: torch.Tensor | None  # differentiable; with entropy_bonus or TopEntropy
+    ref_log_prob: torch.Tensor | None  # with KLToReference
     inference_log_prob: torch.Tensor | None  # inference correction, KL to inference, OPSM
     proximal_log_prob: torch.Tensor | None  # with decoupled: the ratio's anchor
     truncated: torch.Tensor | None  # bool, True on the tokens of truncated completions
     shape: torch.Size  # the policy log-prob's own shape (reduction="none" returns it)
     head_entropy: TensorDictBase | None = None  # a multi-head policy's, per head, as computed
+    # the entries the variants read beyond the above, by the name in their ``reads``
+    entries: Mapping[NestedKey, torch.Tensor] = MappingProxyType({})
 
 
 class Stored(NamedTuple):
@@ -76,6 +81,12 @@ class Stored(NamedTuple):
     ref: torch.Tensor | None
     inference: torch.Tensor | None
     proximal: torch.Tensor | None
+    entries: tuple[tuple[NestedKey, torch.Tensor], ...] = ()  # (name, as stored)
+
+    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Stored:
+        """Every stored tensor through ``fn`` (a device move, a relayout)."""
+        tensors = (None if value is None else fn(value) for value in self[:-1])
+        return Stored(*tensors, tuple((name, fn(value)) for name, value in self.entries))
 
 
 class ReadPlan(NamedTuple):
@@ -87,16 +98,18 @@ class ReadPlan(NamedTuple):
     padded: bool  # an LLM wrapper's batch: ragged entries are read left-padded
     masking_strategy: str  # an LLM wrapper's: which of its tokens are real
     ref_padding: tuple[str, float]  # side and value of the ragged reference log-probs
-    ref: bool  # read ref_log_prob (kl_to_ref_coeff)
-    inference: str | None  # why inference_log_prob is read ("for tis_cap"...); None: not read
+    ref: bool  # read ref_log_prob (KLToReference)
+    inference: str | None  # why inference_log_prob is read ("for TIS"...); None: not read
     inference_fallback: bool  # sample_log_prob stands in when inference_log_prob is absent
-    proximal: bool  # read proximal_log_prob (decoupled)
-    truncated: bool  # read or infer the truncated flags (mask_truncated_completions)
+    proximal: bool  # read proximal_log_prob (Decoupled)
+    truncated: bool  # read or infer the truncated flags (TruncatedCompletions)
     end_tokens: tuple[int, ...]  # EOS and pad ids: TRL's rule when no flag is stored
     pad_token_id: int | None  # an LLM wrapper's: the pad id of the stored token sequences
     pad_output: bool  # an LLM wrapper's: it keeps every stored position (False: drops the pads)
-    entropy: bool  # compute the entropy (entropy_bonus or top_entropy_quantile)
+    entropy: bool  # compute the entropy (entropy_bonus or TopEntropy)
     samples_mc_entropy: int
+    # the other entries the variants read: (name, key, why), read per token or per sequence
+    entries: tuple[tuple[NestedKey, NestedKey, str], ...] = ()
 
 
 def read_stored(tensordict: TensorDictBase, plan: ReadPlan) -> Stored:
@@ -124,9 +137,13 @@ def read_stored(tensordict: TensorDictBase, plan: ReadPlan) -> Stored:
             key = keys.sample_log_prob
         inference = _get_input(tensordict, key, plan.inference, plan, per_token=True)
     if plan.proximal:
-        why = "for decoupled=True"
+        why = "for Decoupled"
         proximal = _get_input(tensordict, keys.proximal_log_prob, why, plan, per_token=True)
-    return Stored(advantage=advantage, old=old, ref=ref, inference=inference, proximal=proximal)
+    entries = tuple(
+        (name, _get_input(tensordict, key, why, plan, per_token=True))
+        for name, key, why in plan.entries
+    )
+    return Stored(advantage, old, ref, inference, proximal, entries)
 
 
 #: Where torchrl's LLM stack writes a batch's sampling log-probs: the sampler's own (torchrl's
@@ -242,14 +259,14 @@ def read_llm(tensordict: TensorDictBase, dist, stored: Stored, plan: ReadPlan) -
     # the wrapper may compute elsewhere than the batch lives (TransformersWrapper(device=)):
     # the loss follows the policy's mask
     device = mask.device
-    stored = Stored(*(None if value is None else value.to(device) for value in stored))
+    stored = stored.map(lambda value: value.to(device))
     tokens = _get_input(tensordict, keys.action, "the sampled tokens", plan, padding=-100)
     tokens = tokens.to(device)
     stored_shape = tokens.shape  # (B, T): each stored row left-padded
     answer = response_positions(tensordict, stored_shape, plan)
     index = _checked_positions(tensordict, tokens, plan)  # the wrapper's, if it drops pads
     tokens = relayout(tokens, index, -100)
-    stored = Stored(*(relayout(value, index) for value in stored))
+    stored = stored.map(lambda value: relayout(value, index))
     if tokens.shape != mask.shape:
         raise ValueError(
             f"{keys.action!r} has shape {tuple(tokens.shape)} once padded, but the policy's "
@@ -285,6 +302,23 @@ def _checked_positions(tensordict: TensorDictBase, tokens: torch.Tensor, plan: R
     return kept_index(keep) if drops else None
 
 
+#: torchrl's messages for a missing log-prob, kept as the start of this package's (torchrl's
+#: tests and users' handlers match on them), by the name of the key in the loss's keys.
+_TORCHRL_MISSING = {
+    "sample_log_prob": "Couldn't find the log-prob {key} in the input data. ",
+    "ref_log_prob": "Couldn't find the ref log-prob {key} in the input data. ",
+}
+
+
+def _key_name(key: NestedKey, plan: ReadPlan) -> str | None:
+    """The name, in the loss's keys, of the log-prob ``key`` (None for another entry)."""
+    for name in _TORCHRL_MISSING:
+        theirs = getattr(plan.keys, name)  # a multi-head policy's sampling keys: a list
+        if not isinstance(theirs, list) and unravel_key(key) == unravel_key(theirs):
+            return name
+    return None
+
+
 def _get_input(
     tensordict: TensorDictBase,
     key: NestedKey,
@@ -313,8 +347,11 @@ def _get_input(
         value = tensordict.get(key, None)
     if value is None:
         raise KeyError(
-            f"{plan.owner} needs {key!r} ({why}) in the input batch; "
-            f"found keys {sorted(map(str, tensordict.keys(True, True)))}."
+            _TORCHRL_MISSING.get(_key_name(key, plan), "").format(key=key)
+            + f"{plan.owner} needs {key!r} ({why}) in the input batch; "
+            # no double quote: KeyError's text stays as written (repr'd in single quotes, torchrl's
+            # "Couldn't" would read "Couldn\'t" to a pytest.raises(match=...))
+            f"found keys {', '.join(sorted(map(str, tensordict.keys(True, True))))}."
         )
     if value.requires_grad:
         raise RuntimeError(
@@ -333,7 +370,7 @@ def tokenizer_end_tokens(tokenizer: Any) -> tuple[int, ...]:
 def _truncated(
     tensordict: TensorDictBase, shape: torch.Size, plan: ReadPlan, last_tokens=None
 ) -> torch.Tensor | None:
-    """Per-token flags of truncated completions, with ``mask_truncated_completions``.
+    """Per-token flags of truncated completions, with ``TruncatedCompletions``.
 
     The ``truncated`` entry when present; for an LLM wrapper without it, TRL's rule on the
     last token of each (left-padded) sequence: neither EOS nor the pad token.
@@ -342,12 +379,12 @@ def _truncated(
         return None
     key = plan.keys.truncated
     if _has(tensordict, key) or last_tokens is None:
-        why = "for mask_truncated_completions"
+        why = "for TruncatedCompletions"
         entry = _get_input(tensordict, key, why, plan, padding=False)
         return _per_token(entry, shape, key).bool()
     if not plan.end_tokens:
         raise KeyError(
-            f"mask_truncated_completions needs {key!r} in the batch: the wrapper has no "
+            f"TruncatedCompletions needs {key!r} in the batch: the wrapper has no "
             "tokenizer with an EOS or pad token to tell truncated completions apart."
         )
     finished = torch.isin(last_tokens, torch.tensor(plan.end_tokens, device=last_tokens.device))
@@ -406,6 +443,12 @@ def _line_up(log_prob, mask, entropy, stored: Stored, truncated, keys) -> Inputs
         proximal_log_prob=tokens(stored.proximal, keys.proximal_log_prob),
         truncated=None if truncated is None else _as_sequences(truncated),
         shape=shape,
+        entries=MappingProxyType(
+            {
+                name: _as_sequences(_per_token(value, shape, name)).masked_fill(~mask, 0)
+                for name, value in stored.entries
+            }
+        ),
     )
     _check_finite(inputs, keys)
     return inputs
@@ -459,12 +502,14 @@ def _check_finite(x: Inputs, keys) -> None:
 def _token_log_prob_entropy(dist, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs and entropies ``(B, T)`` of an LLM wrapper's masked distribution, in one pass.
 
-    From its logits through :func:`~torchrl_grpo.token_log_prob_entropy`, or, for a
-    distribution that holds no logits (:class:`~torchrl_grpo.LeanTransformersWrapper`'s), its
-    own ``log_prob_entropy``. Tokens below zero are padding.
+    A distribution that computes both itself (``log_prob_entropy(tokens) -> (log_prob,
+    entropy)``: :class:`~torchrl_grpo.LeanTransformersWrapper`'s, which holds no logits) is
+    asked to; any other is read from its logits through
+    :func:`~torchrl_grpo.token_log_prob_entropy`. Tokens below zero are padding.
     """
-    if isinstance(dist, HiddenLLMMaskedCategorical):
-        return dist.log_prob_entropy(tokens)
+    log_prob_entropy = getattr(dist, "log_prob_entropy", None)
+    if log_prob_entropy is not None:
+        return log_prob_entropy(tokens)
     return token_log_prob_entropy(dist.logits, tokens)
 
 

@@ -21,21 +21,24 @@ import torch
 from torchrl.modules.llm import LLMWrapperBase
 
 from torchrl_grpo.loss.inputs import MASKING_STRATEGIES
-from torchrl_grpo.loss.variants import Objective, Variant
-from torchrl_grpo.loss.variants.base import RANGES, check_range, lookup
+from torchrl_grpo.loss.variants import (
+    Exclusion,
+    Factor,
+    Objective,
+    Penalty,
+    Range,
+    Variant,
+    builtin_ranges,
+)
+from torchrl_grpo.loss.variants.base import check_range, lookup
 from torchrl_grpo.loss.variants.corrections import (
     INFERENCE_CORRECTION_BOUNDS,
     TRUST_REGION_BOUNDS,
 )
 from torchrl_grpo.loss.variants.flat import FLAT_KEYWORDS, TORCHRL_KEYWORDS, from_keywords
-from torchrl_grpo.loss.variants.objectives import (
-    SAPO_TEMPERATURES,
-    VESPO_K,
-    VESPO_LAMBDA,
-    objective_from_name,
-)
+from torchrl_grpo.loss.variants.objectives import SAPO_TEMPERATURES, objective_from_name
 from torchrl_grpo.loss.variants.penalties import ENTROPY_COEFF_BOUNDS, ENTROPY_COEFF_STEP
-from torchrl_grpo.loss_terms import AGGREGATIONS, RATIO_LEVELS
+from torchrl_grpo.loss_terms import AGGREGATIONS, RATIO_LEVELS, VESPO_K, VESPO_LAMBDA
 
 __all__ = [
     "CLIP_EPSILON_BUFFERS",
@@ -57,10 +60,11 @@ __all__ = [
 
 #: torchrl's ``GRPOLoss(aggregation=...)`` names, as this loss's aggregations.
 TORCHRL_AGGREGATIONS = {"prompt_mean": "seq_mean_token_mean"}
-#: The values a GRPOLoss keeps as schedulable buffers (``loss.tis_cap = 1.5``), on top of
-#: ClipPPOLoss's ``clip_epsilon`` and ``entropy_coeff``: every variant's, ``None`` when the loss
-#: holds no variant with it.
-COEFFICIENTS = tuple(RANGES)
+#: The values every GRPOLoss keeps as schedulable buffers (``loss.tis_cap = 1.5``), on top of
+#: ClipPPOLoss's ``clip_epsilon`` and ``entropy_coeff``: those of the package's own variants
+#: (:data:`~torchrl_grpo.loss.variants.BUILTIN_VARIANTS`), ``None`` when the loss holds no
+#: variant with it. A variant of the user's adds its own to the losses that hold it only.
+COEFFICIENTS = tuple(builtin_ranges())
 
 _NO_CRITIC = "GRPO has no critic: the advantage comes with the batch (torchrl_grpo.MCAdvantage)"
 _NO_ESTIMATOR = (
@@ -92,10 +96,11 @@ _REPLACED_KEYWORDS = {
     **dict.fromkeys(("normalize_advantage", "normalize_advantage_exclude_dims"), _GROUP_NORMALISED),
     "advantage_norm": "there is no value target to scale advantages by: " + _GROUP_NORMALISED,
     "delay_actor": "PPO-EWMA's proximal policy is not built in; decoupled PPO reads the proximal "
-    "policy's log-probs from the batch: use decoupled=True and set_keys(proximal_log_prob=...)",
+    "policy's log-probs from the batch: use corrections=[Decoupled()] and "
+    "set_keys(proximal_log_prob=...)",
     "max_importance_ratio": "ClipPPOLoss's cap on pi_theta / pi_behav has no equivalent here. "
     "To cap the importance weight against the inference engine, min(pi_old / pi_inference, cap), "
-    "use tis_cap=...; with decoupled=True, behaviour_weight_cap caps pi_prox / pi_behav",
+    "use corrections=[TIS(cap)]; Decoupled(behaviour_weight_cap=...) caps pi_prox / pi_behav",
     "advantage_key": "use loss.set_keys(advantage=...)",
     "entropy_coef": "use entropy_coeff",
 }
@@ -134,8 +139,10 @@ class LossOptions:
         ratio_level (RatioLevel): ``(log_ratio, mask) -> log_ratio``.
         aggregate (callable): ``(loss, mask) -> scalar``, Dr. GRPO's ``max_length`` bound.
         variants (tuple of Variant): the corrections, then the penalties, one a slot.
-        coefficients (Mapping[str, float or None]): the schedulable buffers of
-            :data:`COEFFICIENTS`; ``None`` where no variant held has it.
+        coefficients (Mapping[str, float or None]): the schedulable buffers: those of
+            :data:`COEFFICIENTS` (``None`` where no variant held has it), and those of the
+            variants held.
+        ranges (Mapping[str, Range]): the range of each of ``coefficients``.
     """
 
     actor_network: Any
@@ -156,6 +163,7 @@ class LossOptions:
     aggregate: Callable[..., torch.Tensor]
     variants: tuple[Variant, ...]
     coefficients: Mapping[str, float | None]
+    ranges: Mapping[str, Range]
 
 
 def loss_options(
@@ -202,10 +210,11 @@ def loss_options(
         >>> from torchrl_grpo.loss.variants import Clip
         >>> loss_options(None, {**defaults, "objective": Clip(clip_ratio_c=3.0)}, {}).objective
         Clip(clip_ratio_c=3.0, delta=None)
-        >>> loss_options(None, {**defaults, "clip_ratio_c": 0.5}, {})  # the flat form
+        >>> loss_options(None, {**defaults, "objective": "ppo2"}, {})
         Traceback (most recent call last):
         ...
-        ValueError: clip_ratio_c must be greater than 1, got 0.5.
+        ValueError: Unknown objective 'ppo2': pass one of ['cispo', 'clip', 'sapo', 'vespo'], a
+        variant of torchrl_grpo.loss.variants (Clip(), CISPO()...) or a callable.
     """
     given = {**keywords, **replaced}
     flat = {
@@ -229,8 +238,11 @@ def loss_options(
     ratio_level = lookup(RATIO_LEVELS, k.ratio_level, "ratio_level")
     objective, variants = _compose(k, flat)
     clip_epsilon, no_lower_bound = _clip_band(k.clip_epsilon)
-    coefficients = dict.fromkeys(RANGES)  # every variant class's, those of the user's too
+    # the package's own variants' (None unless held), and those of the variants held
+    ranges = dict(builtin_ranges())
+    coefficients = dict.fromkeys(ranges)
     for variant in (objective, *variants):
+        ranges.update(variant.ranges)
         coefficients.update(variant.buffers())
     return LossOptions(
         actor_network=actor_network,
@@ -252,6 +264,7 @@ def loss_options(
         aggregate=_make_aggregation(aggregation, k.max_length),
         variants=variants,
         coefficients=MappingProxyType(coefficients),
+        ranges=MappingProxyType(ranges),
     )
 
 
@@ -260,8 +273,8 @@ def _compose(k: SimpleNamespace, flat: Mapping[str, Any]) -> tuple[Objective, tu
     :func:`~torchrl_grpo.loss.variants.flat.from_keywords`), checked together."""
     objective = objective_from_name(k.objective)
     variants = (
-        *_staged(k.corrections, "corrections", ("exclude", "factor")),
-        *_staged(k.penalties, "penalties", ("penalty",)),
+        *_staged(k.corrections, "corrections", (Exclusion, Factor)),
+        *_staged(k.penalties, "penalties", (Penalty,)),
     )
     slots = [variant.slot for variant in variants]
     for slot in set(slots):
@@ -275,14 +288,14 @@ def _compose(k: SimpleNamespace, flat: Mapping[str, Any]) -> tuple[Objective, tu
     return objective, variants
 
 
-def _staged(given: Sequence[Variant] | None, name: str, stages: tuple[str, ...]) -> tuple:
+def _staged(given: Sequence[Variant] | None, name: str, stages: tuple[type, ...]) -> tuple:
     """The variants of ``corrections=`` or ``penalties=``, each of a stage that list holds."""
     given = () if given is None else tuple(given)
     for variant in given:
-        if not isinstance(variant, Variant) or variant.stage not in stages:
+        if not isinstance(variant, stages):
             raise TypeError(
-                f"{name}= takes variants of torchrl_grpo.loss.variants whose stage is one of "
-                f"{list(stages)}; got {variant!r}."
+                f"{name}= takes variants of torchrl_grpo.loss.variants whose stage (base "
+                f"class) is {' or '.join(stage.__name__ for stage in stages)}; got {variant!r}."
             )
     return given
 
@@ -394,20 +407,28 @@ def check_clip_bound(name: str, value: Any) -> None:
         )
 
 
-def check_scheduled(name: str, value: float) -> None:
+def check_scheduled(name: str, value: float, ranges: Mapping[str, Range] | None = None) -> None:
     """A scheduler's new value of a buffer (``loss.name = value``), checked against the range
     the same setting is checked against at construction.
 
-    Only the value's own range: a bound checked against another buffer (``inference_correction``
+    Only the value's own range: a bound checked against another buffer (``InferenceCorrection``'s
     ``low < high``) is not, nor is a tensor assigned or written in place.
+
+    Args:
+        name (str): the buffer.
+        value (float): its new value.
+        ranges (Mapping[str, Range], optional): the loss's ranges (``LossOptions.ranges``).
+            Defaults to those of the package's own variants.
 
     Raises:
         ValueError: the value is out of its range.
     """
     if name in CLIP_EPSILON_BUFFERS:
         check_clip_bound(name, value)
-    elif name in RANGES:
-        check_range(name, value)
+        return
+    ranges = builtin_ranges() if ranges is None else ranges
+    if name in ranges:
+        check_range(name, value, ranges)
 
 
 def _make_aggregation(aggregation, max_length: int | None):

@@ -158,30 +158,31 @@ GRPOLossOutput.__doc__ = """What :class:`GRPOLoss` returns: the terms to sum and
         kl_approx: ``mean(log pi_old - log pi_theta)``, as :class:`~torchrl.objectives.ClipPPOLoss`.
         ESS: normalised effective sample size of the importance weights, in ``(0, 1]``.
         max_ratio: the largest importance ratio of a real token, as ClipPPOLoss's (with
-            ``decoupled=True``, the ratio to the proximal policy, as ``ESS``).
+            ``Decoupled``, the ratio to the proximal policy, as ``ESS``).
         mean_ratio: the mean importance ratio over the real tokens.
         entropy: mean per-token entropy of the policy (``None`` without ``entropy_bonus``).
         loss_entropy: ``-entropy_coeff`` times the aggregated entropy.
-        entropy_coeff: the entropy coefficient this call applied, with ``entropy_target``
+        entropy_coeff: the entropy coefficient this call applied, with ``EntropyTarget``
             (the adaptive coefficient, or 0 while the entropy last measured is above the
             target).
-        kl_to_ref: mean KL estimate to the reference policy (``None`` without ``kl_to_ref_coeff``).
-        loss_kl_to_ref: ``kl_to_ref_coeff`` times the aggregated estimate.
-        kl_to_inference: mean KL estimate to the sampling policy.
-        loss_kl_to_inference: ``kl_to_inference_coeff`` times the aggregated estimate.
+        kl_to_ref: mean KL estimate to the reference policy (``None`` without
+            ``KLToReference``).
+        loss_kl_to_ref: ``KLToReference``'s coefficient times the aggregated estimate.
+        kl_to_inference: mean KL estimate to the sampling policy (with ``KLToInference``).
+        loss_kl_to_inference: ``KLToInference``'s coefficient times the aggregated estimate.
         inference_masked_fraction: share of real tokens the correction against the inference
             engine leaves out (weight 0: outside the band in the ``*_mask`` modes; 0 in the
-            truncating ones). With ``inference_correction`` or ``tis_cap``.
+            truncating ones). With ``InferenceCorrection`` or ``TIS``.
         off_policy_masked_fraction: share of real tokens dropped by off-policy sequence masking
-            (with ``off_policy_mask_threshold``).
+            (with ``OffPolicyMask``).
         behaviour_masked_fraction: share of real tokens whose decoupled-PPO behaviour weight
-            exceeds ``behaviour_weight_cap`` (with ``decoupled=True``; 0 without a cap).
+            exceeds its cap (with ``Decoupled``; 0 without a cap).
         truncated_fraction: share of the sequences flagged truncated, which leave the loss
-            (with ``mask_truncated_completions``).
+            (with ``TruncatedCompletions``).
         trust_region_masked_fraction: share of real tokens outside DPPO's trust region, zeroed
-            in the objective (with ``trust_region``; verl's ``pg_clipfrac`` there).
+            in the objective (with ``TrustRegion``; verl's ``pg_clipfrac`` there).
         inference_vetoed_fraction: share of the sequences vetoed, which leave the loss (with
-            ``inference_veto_threshold``).
+            ``InferenceVeto``).
         inference_chi2_token, inference_chi2_sequence: chi-square divergence of the importance
             weights ``pi_old / pi_inference``, per token and per sequence; and
         inference_seq_max_k3_mean, inference_seq_max_k3_max: the mean and the largest, over

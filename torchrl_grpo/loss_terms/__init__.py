@@ -64,6 +64,8 @@ Shapes are checked at the top of the functions that combine per-token and per-se
 of broadcasting into a ``(B, B)`` loss.
 """
 
+import warnings
+
 from torchrl_grpo.loss_terms.aggregations import (
     AGGREGATION_SUMS,
     AGGREGATIONS,
@@ -92,7 +94,10 @@ from torchrl_grpo.loss_terms.kl import (
 from torchrl_grpo.loss_terms.objectives import (
     MAX_LOG_RATIO,
     OBJECTIVES,
-    Objective,
+    SAPO_TEMPERATURES,
+    VESPO_K,
+    VESPO_LAMBDA,
+    ObjectiveFn,
     cispo_loss,
     dual_clip_loss,
     ppo_clip_loss,
@@ -138,8 +143,11 @@ __all__ = [
     "perplexity_metrics",
     "rejection_mask",
     "vespo_phi_sequence_mean",
-    "Objective",
+    "ObjectiveFn",
     "RatioLevel",
+    "SAPO_TEMPERATURES",
+    "VESPO_K",
+    "VESPO_LAMBDA",
     "AGGREGATIONS",
     "AGGREGATION_SUMS",
     "INFERENCE_CORRECTIONS",
@@ -185,3 +193,17 @@ __all__ = [
     "two_sided_clip_loss",
     "vespo_loss",
 ]
+
+
+def __getattr__(name: str):
+    # ``Objective`` named this callable alias and the variant base of the loss: the alias is
+    # ``ObjectiveFn`` now, the variant ``torchrl_grpo.loss.variants.Objective``
+    if name == "Objective":
+        warnings.warn(
+            "torchrl_grpo.loss_terms.Objective is deprecated: the callable alias is ObjectiveFn "
+            "(the variant base is torchrl_grpo.loss.variants.Objective).",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return ObjectiveFn
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -12,6 +12,12 @@ from torchrl_grpo.loss_terms._shapes import check_same_rank
 
 #: The cap of the unclipped log-ratio in :func:`ppo_clip_loss` (verl's): ``e^20``, about 4.9e8.
 MAX_LOG_RATIO = 20.0
+#: SAPO's temperatures ``(tau_pos, tau_neg)`` when none are given: the paper's and TRL's.
+SAPO_TEMPERATURES = (1.0, 1.05)
+#: VESPO's kernels when none are given, ``(for A >= 0, for A < 0)``: TRL's ``vespo_k_pos``,
+#: ``vespo_k_neg`` and ``vespo_lambda_pos``, ``vespo_lambda_neg``.
+VESPO_K = (2.0, 3.0)
+VESPO_LAMBDA = (3.0, 2.0)
 
 
 def ppo_clip_loss(
@@ -138,8 +144,8 @@ def cispo_loss(
 def sapo_loss(
     log_ratio: torch.Tensor,
     advantage: torch.Tensor,
-    temperature_pos: float | torch.Tensor = 1.0,
-    temperature_neg: float | torch.Tensor = 1.05,
+    temperature_pos: float | torch.Tensor = SAPO_TEMPERATURES[0],
+    temperature_neg: float | torch.Tensor = SAPO_TEMPERATURES[1],
 ) -> torch.Tensor:
     """SAPO: a soft, temperature-controlled gate on the ratio in place of PPO's hard clip.
 
@@ -229,10 +235,10 @@ def vespo_loss(
     log_weight: torch.Tensor,
     advantage: torch.Tensor,
     log_prob: torch.Tensor,
-    k_pos: float = 2.0,
-    lambda_pos: float = 3.0,
-    k_neg: float = 3.0,
-    lambda_neg: float = 2.0,
+    k_pos: float = VESPO_K[0],
+    lambda_pos: float = VESPO_LAMBDA[0],
+    k_neg: float = VESPO_K[1],
+    lambda_neg: float = VESPO_LAMBDA[1],
 ) -> torch.Tensor:
     r"""VESPO: the sequence weight smoothed by a Gamma-shaped kernel, its gradient stopped.
 
@@ -295,8 +301,9 @@ def _sapo_objective(
 
 
 #: ``objective(log_ratio, advantage, log_prob, log_clip_low, log_clip_high) -> per-token loss``,
-#: all ``(B, T)`` but the two clip bounds (scalars).
-Objective = Callable[
+#: all ``(B, T)`` but the two clip bounds (scalars): an entry of :data:`OBJECTIVES`. (The
+#: variant a loss holds is :class:`torchrl_grpo.loss.variants.Objective`.)
+ObjectiveFn = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor
 ]
 
@@ -322,7 +329,7 @@ def _vespo_objective(
 #: (:func:`ppo_clip_loss`), :func:`cispo_loss`, SAPO's gate (:func:`sapo_loss`, whose
 #: temperatures ``GRPOLoss`` binds as ``temperature_pos`` / ``temperature_neg`` keywords) and
 #: VESPO's kernel (:func:`vespo_loss`, its ``k`` and ``lambda`` bound the same way).
-OBJECTIVES: dict[str, Objective] = {
+OBJECTIVES: dict[str, ObjectiveFn] = {
     "clip": _clip_objective,
     "cispo": cispo_loss,
     "sapo": _sapo_objective,

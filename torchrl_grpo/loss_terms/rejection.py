@@ -21,7 +21,7 @@ import torch
 
 from torchrl_grpo.loss_terms._shapes import check_same_shape
 from torchrl_grpo.loss_terms.aggregations import masked_mean
-from torchrl_grpo.loss_terms.objectives import MAX_LOG_RATIO, vespo_loss
+from torchrl_grpo.loss_terms.objectives import MAX_LOG_RATIO, VESPO_K, VESPO_LAMBDA, vespo_loss
 from torchrl_grpo.loss_terms.ratios import sequence_sum_log_ratio
 
 # --- the per-token divergences, of d = log pi_old - log pi_inference clamped to [-20, 20] -----
@@ -349,10 +349,10 @@ def vespo_phi_sequence_mean(
     log_ratio: torch.Tensor,
     advantage: torch.Tensor,
     mask: torch.Tensor,
-    k_pos: float = 2.0,
-    lambda_pos: float = 3.0,
-    k_neg: float = 3.0,
-    lambda_neg: float = 2.0,
+    k_pos: float = VESPO_K[0],
+    lambda_pos: float = VESPO_LAMBDA[0],
+    k_neg: float = VESPO_K[1],
+    lambda_neg: float = VESPO_LAMBDA[1],
 ) -> torch.Tensor:
     r"""TRL's ``vespo/phi_seq_mean``: the mean over sequences of VESPO's kernel of their weight.
 

@@ -27,6 +27,7 @@ from torchrl_grpo.advantages.distillation import (
     distillation_advantage,
     distillation_metrics,
     future_reverse_kl,
+    group_mean_baseline,
 )
 from torchrl_grpo.mcadvantage.host import read_ints
 from torchrl_grpo.mcadvantage.records import Insertion
@@ -93,6 +94,7 @@ def token_advantages(
     steps: Steps,
     step_advantage: Tensor | None,
     trajectory_steps: Tensor,
+    groups: tuple[Tensor, int] | None = None,
 ) -> tuple[Tensor, dict]:
     """The distillation advantage of every token of released steps, and its statistics.
 
@@ -102,6 +104,8 @@ def token_advantages(
         step_advantage: the group's advantage of each step, ``(N,)``; ``None`` with
             ``alpha = 0``.
         trajectory_steps: steps per released trajectory, ``(M,)``.
+        groups: ``(group of each released trajectory (M,), number of groups)``, read with
+            ``baseline=True``.
 
     Returns:
         ``(advantage, stats)``: every token's advantage, ``(T,)`` in the log-probs' dtype, row
@@ -118,8 +122,19 @@ def token_advantages(
         tokens = torch.zeros(count, dtype=torch.long).index_add_(0, segment, per_row)
         kl = future_reverse_kl(kl, tokens, distillation.gamma, positions=rows.position[real])
     group = None if distillation.alpha == 0.0 else step_advantage.cpu()[token_row]
+    baseline = None
+    if distillation.baseline:
+        member, num_groups = groups
+        step_group = member.cpu().repeat_interleave(
+            trajectory_steps.cpu(), output_size=len(per_row)
+        )
+        baseline = group_mean_baseline(kl, step_group[token_row], num_groups)
     adv = distillation_advantage(
-        kl, beta=distillation.beta, alpha=distillation.alpha, group_advantage=group
+        kl,
+        beta=distillation.beta,
+        alpha=distillation.alpha,
+        group_advantage=group,
+        baseline=baseline,
     )
     out = rows.student.new_zeros(rows.student.shape).masked_scatter_(real, adv.to(student.dtype))
     metrics = distillation_metrics(student, teacher, per_row, trajectory_lengths=trajectory_steps)

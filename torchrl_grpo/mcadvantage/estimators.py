@@ -313,7 +313,8 @@ class StepGroups(Estimator):
 class Distillation(Estimator):
     """On-policy distillation: on the response tokens of each released turn ``A_t = alpha *
     A_group - beta * D_t``, ``D_t`` the student's reverse KL to the teacher from token ``t`` on,
-    discounted by ``gamma`` (:mod:`torchrl_grpo.advantages.distillation`; how the rows are read:
+    discounted by ``gamma`` (with ``baseline=True``, less its group's mean: ``D_t -
+    mean_group(D)``) (:mod:`torchrl_grpo.advantages.distillation`; how the rows are read:
     :mod:`torchrl_grpo.mcadvantage.distillation`). ``A_group`` is ``group``'s.
 
     Examples:
@@ -335,6 +336,9 @@ class Distillation(Estimator):
     # the response: the tokens after the prompt (None: every token, a policy without prompts)
     prompt_tokens_key: NestedKey | None = ("tokens", "prompt")
     mask_key: NestedKey | None = ("masks", "all_attention_mask")  # real tokens, where present
+    # subtract from D_t its group's mean over the response tokens (group_mean_baseline): a
+    # centred teacher's term; False: the peers' form (Tinker, Trinity-RFT, NeMo-RL)
+    baseline: bool = False
     _: KW_ONLY
     group: Estimator = field(default=_GRPO)  # A_group: GroupRelative, RewardToGo or StepGroups
 

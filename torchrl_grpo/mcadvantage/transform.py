@@ -21,7 +21,7 @@ from torchrl_grpo._compat import calling_replay_buffer
 from torchrl_grpo.checkpoint import allow_empty_dumps
 from torchrl_grpo.mcadvantage import shared
 from torchrl_grpo.mcadvantage.buffer import check_release
-from torchrl_grpo.mcadvantage.estimators import Estimator
+from torchrl_grpo.mcadvantage.estimators import Distillation, Estimator
 from torchrl_grpo.mcadvantage.options import (
     Limits,
     Options,
@@ -346,6 +346,13 @@ class MCAdvantage(Transform):
         ``estimator.gamma``...): the object given, checked, or the one the flat keywords of
         earlier versions built."""
         return self._options.estimator
+
+    @property
+    def distillation(self) -> Distillation | None:
+        """The estimator when it is a :class:`~torchrl_grpo.mcadvantage.Distillation` (its
+        weights and keys), else ``None``: what ``distillation=`` used to hold."""
+        estimator = self._options.estimator
+        return estimator if isinstance(estimator, Distillation) else None
 
     def _set_options(self, options: Options) -> None:
         self._options = options

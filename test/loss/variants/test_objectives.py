@@ -75,3 +75,12 @@ def test_vespo_reports_trls_phi():
     expected = vespo_phi_sequence_mean(log_ratio, batch["advantage"][:, None], batch["mask"])
     torch.testing.assert_close(out.vespo_phi_seq_mean, expected)
     assert 0 < float(expected) and not torch.isclose(expected, torch.tensor(1.0))
+
+
+def test_the_names_are_a_view_of_the_classes():
+    from torchrl_grpo.loss.variants.objectives import OBJECTIVE_CLASSES
+
+    for cls in OBJECTIVE_CLASSES:  # each built-in class computes the function of its name
+        name = cls.title.lower()
+        assert name in OBJECTIVES and objective_from_name(name) == cls()
+    assert {cls.title.lower() for cls in OBJECTIVE_CLASSES} == set(OBJECTIVES)

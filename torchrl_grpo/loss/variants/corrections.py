@@ -1,8 +1,10 @@
 """The variants that leave tokens out of the loss or weigh them: ``corrections=[...]``.
 
-Two kinds (see :mod:`torchrl_grpo.loss.variants.base`): *excluded* tokens leave the loss terms
-and the aggregation's denominator (:class:`KLMask`, :class:`TruncatedCompletions`,
-:class:`InferenceVeto`); *zeroed or weighted* tokens keep their place in the denominator, as the
+Two stages (see :mod:`torchrl_grpo.loss.variants.base`): *excluded* tokens
+(:class:`~torchrl_grpo.loss.variants.Exclusion`) leave the loss terms and the aggregation's
+denominator (:class:`KLMask`, :class:`TruncatedCompletions`,
+:class:`InferenceVeto`); *zeroed or weighted* tokens
+(:class:`~torchrl_grpo.loss.variants.Factor`) keep their place in the denominator, as the
 papers write them (:class:`Decoupled`, :class:`InferenceCorrection`, :class:`TIS`,
 :class:`OffPolicyMask`, :class:`TrustRegion`, :class:`TopEntropy`).
 """
@@ -15,7 +17,14 @@ from typing import ClassVar
 
 import torch
 
-from torchrl_grpo.loss.variants.base import Step, Variant, check_range, lookup, masked_fraction
+from torchrl_grpo.loss.variants.base import (
+    Exclusion,
+    Factor,
+    Step,
+    check_range,
+    lookup,
+    masked_fraction,
+)
 from torchrl_grpo.loss_terms import (
     INFERENCE_CORRECTIONS,
     TRUST_REGIONS,
@@ -60,7 +69,7 @@ def _log_weight(step: Step) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class KLMask(Variant):
+class KLMask(Exclusion):
     """torchrl's KL-Mask: tokens whose ``0.5 * (log pi_theta - log pi_old)**2`` exceeds
     ``threshold`` leave the loss terms (:func:`~torchrl_grpo.loss_terms.kl_trust_region_mask`).
     torchrl's ``kl_mask_threshold``; schedulable as ``loss.kl_mask_threshold``.
@@ -73,20 +82,20 @@ class KLMask(Variant):
 
     threshold: float
     slot: ClassVar[str] = "kl_mask"
-    stage: ClassVar[str] = "exclude"
-    label: ClassVar[str] = "kl_mask_threshold"
     ranges: ClassVar[dict] = {"kl_mask_threshold": ("positive", 0.0)}
 
     def buffers(self):
         return {"kl_mask_threshold": self.threshold}
 
-    def exclude(self, values, step: Step):
+    def exclude(self, step: Step):
         x = step.x
-        return kl_trust_region_mask(x.log_prob - step.ratio_base, values.kl_mask_threshold), {}
+        return kl_trust_region_mask(
+            x.log_prob - step.ratio_base, step.values["kl_mask_threshold"]
+        ), {}
 
 
 @dataclass(frozen=True)
-class TruncatedCompletions(Variant):
+class TruncatedCompletions(Exclusion):
     """Truncated completions leave the loss (TRL's ``mask_truncated_completions``, DAPO's
     overlong filtering). Reads ``truncated`` (per sequence or per token); with an LLM wrapper
     and no such entry, a completion is truncated when its last token is neither the
@@ -99,14 +108,12 @@ class TruncatedCompletions(Variant):
     """
 
     slot: ClassVar[str] = "truncated"
-    stage: ClassVar[str] = "exclude"
     reads: ClassVar[tuple[str, ...]] = ("truncated",)
-    label: ClassVar[str] = "mask_truncated_completions"
 
     def metrics(self):
         return ("truncated_fraction",)
 
-    def exclude(self, values, step: Step):
+    def exclude(self, step: Step):
         x = step.x
         truncated = (x.truncated & x.mask).any(-1)  # (B,)
         fraction = (truncated.sum() / x.mask.any(-1).sum()).to(x.log_prob.dtype)
@@ -114,7 +121,7 @@ class TruncatedCompletions(Variant):
 
 
 @dataclass(frozen=True)
-class InferenceVeto(Variant):
+class InferenceVeto(Exclusion):
     """The veto: a sequence whose worst token's mismatch ``rho - 1 - log rho`` (``rho =
     pi_old / pi_inference``) exceeds ``threshold`` leaves the loss terms
     (:func:`~torchrl_grpo.loss_terms.sequence_veto_mask`; verl's ``seq_max_k3`` rejection).
@@ -129,9 +136,7 @@ class InferenceVeto(Variant):
 
     threshold: float
     slot: ClassVar[str] = "veto"
-    stage: ClassVar[str] = "exclude"
     reads: ClassVar[tuple[str, ...]] = ("inference_log_prob",)
-    label: ClassVar[str] = "inference_veto_threshold"
     ranges: ClassVar[dict] = {"inference_veto_threshold": ("positive", 0.0)}
 
     def buffers(self):
@@ -140,15 +145,17 @@ class InferenceVeto(Variant):
     def metrics(self):
         return ("inference_vetoed_fraction",)
 
-    def exclude(self, values, step: Step):
+    def exclude(self, step: Step):
         x = step.x
-        kept = sequence_veto_mask(_log_weight(step), x.mask, values.inference_veto_threshold)
+        kept = sequence_veto_mask(
+            _log_weight(step), x.mask, step.values["inference_veto_threshold"]
+        )
         vetoed = (x.mask.any(-1) & ~kept.any(-1)).sum() / x.mask.any(-1).sum()
         return kept, {"inference_vetoed_fraction": vetoed.to(x.log_prob.dtype)}
 
 
 @dataclass(frozen=True)
-class Rejection(Variant):
+class Rejection(Exclusion):
     """verl's rejection (``rollout_rs`` / ``rollout_rs_threshold``): the tokens or sequences a
     mode of :data:`~torchrl_grpo.loss_terms.REJECTION_MODES` rejects leave the loss terms and
     the token mean's denominator, as in verl's default (decoupled) mode, which writes the
@@ -171,9 +178,7 @@ class Rejection(Variant):
     modes: str | tuple[str, ...]
     thresholds: float | str | tuple
     slot: ClassVar[str] = "rejection"
-    stage: ClassVar[str] = "exclude"
     reads: ClassVar[tuple[str, ...]] = ("inference_log_prob",)
-    label: ClassVar[str] = "Rejection"
 
     def __post_init__(self):
         probe = torch.zeros(1, 1)  # checks the modes and thresholds now, as verl's parser
@@ -182,7 +187,7 @@ class Rejection(Variant):
     def metrics(self):
         return ("inference_rejected_fraction",)
 
-    def exclude(self, values, step: Step):
+    def exclude(self, step: Step):
         x = step.x
         keep = rejection_mask(_log_weight(step), x.mask, self.modes, self.thresholds)
         return keep, {"inference_rejected_fraction": masked_fraction(keep, x)}
@@ -192,7 +197,7 @@ class Rejection(Variant):
 
 
 @dataclass(frozen=True)
-class Decoupled(Variant):
+class Decoupled(Factor):
     """Decoupled PPO (AReaL): the ratio and its clip are taken against ``proximal_log_prob``
     (the policy before this update), and each token's objective is weighted by ``pi_prox /
     pi_behav`` (:func:`~torchrl_grpo.loss_terms.decoupled_behaviour_weight`).
@@ -210,9 +215,7 @@ class Decoupled(Variant):
 
     behaviour_weight_cap: float | None = None
     slot: ClassVar[str] = "decoupled"
-    stage: ClassVar[str] = "factor"
     reads: ClassVar[tuple[str, ...]] = ("proximal_log_prob",)
-    label: ClassVar[str] = "decoupled"
     ranges: ClassVar[dict] = {"behaviour_weight_cap": ("greater than", 1.0)}
 
     def buffers(self):
@@ -221,19 +224,18 @@ class Decoupled(Variant):
     def metrics(self):
         return ("behaviour_masked_fraction",)
 
-    def factor(self, values, step: Step):
+    def factor(self, step: Step):
         x = step.x
-        cap = values.behaviour_weight_cap
+        cap = step.values["behaviour_weight_cap"]
         weight, keep = decoupled_behaviour_weight(x.proximal_log_prob, x.old_log_prob, cap)
         return weight, keep, {"behaviour_masked_fraction": masked_fraction(keep, x)}
 
 
-class _Inference(Variant):
+class _Inference(Factor):
     """A weight against the inference engine, ``rho = pi_old / pi_inference``, truncated or
     masked outside a band; reports ``inference_masked_fraction``."""
 
     slot: ClassVar[str] = "inference_correction"
-    stage: ClassVar[str] = "factor"
     reads: ClassVar[tuple[str, ...]] = ("inference_log_prob",)
 
     def metrics(self):
@@ -268,7 +270,6 @@ class InferenceCorrection(_Inference):
 
     mode: str | Callable = "sequence_mask"
     bounds: tuple[float | None, float | None] | None = None
-    label: ClassVar[str] = "inference_correction"
     ranges: ClassVar[dict] = {
         "inference_correction_low": ("non-negative", 0.0),
         "inference_correction_high": ("positive", 0.0),
@@ -290,9 +291,12 @@ class InferenceCorrection(_Inference):
         low, high = self.bounds
         return {"inference_correction_low": low, "inference_correction_high": high}
 
-    def factor(self, values, step: Step):
+    def factor(self, step: Step):
         fn = lookup(INFERENCE_CORRECTIONS, self.mode, "inference_correction")
-        low, high = values.inference_correction_low, values.inference_correction_high
+        low, high = (
+            step.values["inference_correction_low"],
+            step.values["inference_correction_high"],
+        )
         return self._apply(fn, step, low, high)
 
 
@@ -309,18 +313,19 @@ class TIS(_Inference):
     """
 
     cap: float
-    label: ClassVar[str] = "tis_cap"
     ranges: ClassVar[dict] = {"tis_cap": ("positive", 0.0)}
 
     def buffers(self):
         return {"tis_cap": self.cap}
 
-    def factor(self, values, step: Step):
-        return self._apply(INFERENCE_CORRECTIONS["token_truncate"], step, None, values.tis_cap)
+    def factor(self, step: Step):
+        return self._apply(
+            INFERENCE_CORRECTIONS["token_truncate"], step, None, step.values["tis_cap"]
+        )
 
 
 @dataclass(frozen=True)
-class OffPolicyMask(Variant):
+class OffPolicyMask(Factor):
     """DeepSeek-V3.2's off-policy sequence masking: a sequence with a negative advantage whose
     mean ``log pi_inference - log pi_theta`` exceeds ``threshold`` is zeroed
     (:func:`~torchrl_grpo.loss_terms.off_policy_sequence_mask`; TRL's
@@ -335,10 +340,8 @@ class OffPolicyMask(Variant):
 
     threshold: float
     slot: ClassVar[str] = "off_policy_mask"
-    stage: ClassVar[str] = "factor"
     reads: ClassVar[tuple[str, ...]] = ("inference_log_prob",)
     fallback: ClassVar[bool] = True
-    label: ClassVar[str] = "off_policy_mask_threshold"
     ranges: ClassVar[dict] = {"off_policy_mask_threshold": ("positive", 0.0)}
 
     def buffers(self):
@@ -347,9 +350,9 @@ class OffPolicyMask(Variant):
     def metrics(self):
         return ("off_policy_masked_fraction",)
 
-    def factor(self, values, step: Step):
+    def factor(self, step: Step):
         x = step.x
-        threshold = values.off_policy_mask_threshold
+        threshold = step.values["off_policy_mask_threshold"]
         keep = off_policy_sequence_mask(
             x.log_prob, x.inference_log_prob, x.advantage, x.mask, threshold
         )
@@ -357,7 +360,7 @@ class OffPolicyMask(Variant):
 
 
 @dataclass(frozen=True)
-class TrustRegion(Variant):
+class TrustRegion(Factor):
     """DPPO's trust region on the probabilities: a token whose probability moved past the bound
     in its advantage's direction is zeroed, measured against the policy the ratio is taken
     against.
@@ -379,8 +382,6 @@ class TrustRegion(Variant):
     mode: str | Callable = "dppo_tv"
     bounds: float | tuple[float, float] | None = None
     slot: ClassVar[str] = "trust_region"
-    stage: ClassVar[str] = "factor"
-    label: ClassVar[str] = "trust_region"
     ranges: ClassVar[dict] = {
         "trust_region_low": ("positive", 0.0),
         "trust_region_high": ("positive", 0.0),
@@ -394,8 +395,8 @@ class TrustRegion(Variant):
                 raise ValueError("a callable trust_region needs trust_region_bounds=(low, high).")
             bounds = TRUST_REGION_BOUNDS[self.mode]
         low, high = bounds if isinstance(bounds, (tuple, list)) else (bounds, bounds)
-        check_range("trust_region_low", low)
-        check_range("trust_region_high", high)
+        check_range("trust_region_low", low, self.ranges)
+        check_range("trust_region_high", high, self.ranges)
         object.__setattr__(self, "bounds", (float(low), float(high)))
 
     def buffers(self):
@@ -405,10 +406,10 @@ class TrustRegion(Variant):
     def metrics(self):
         return ("trust_region_masked_fraction", "trust_region_capped_fraction")
 
-    def factor(self, values, step: Step):
+    def factor(self, step: Step):
         x = step.x
         fn = lookup(TRUST_REGIONS, self.mode, "trust_region")
-        low, high = values.trust_region_low, values.trust_region_high
+        low, high = step.values["trust_region_low"], step.values["trust_region_high"]
         keep = fn(x.log_prob, step.ratio_base, x.advantage, x.mask, low, high)
         # verl's pg_clipfrac_lower: kept tokens whose ratio the weight's cap 1 + eps_high cuts
         cap = step.log_clip_bounds[1].exp()
@@ -419,7 +420,7 @@ class TrustRegion(Variant):
 
 
 @dataclass(frozen=True)
-class TopEntropy(Variant):
+class TopEntropy(Factor):
     """``loss_objective`` only on the real tokens whose entropy is in the top ``quantile`` of
     the batch (:func:`~torchrl_grpo.loss_terms.high_entropy_token_mask`; TRL's
     ``top_entropy_quantile``, ``0.2`` in Wang et al., 2025); the adaptive entropy coefficient
@@ -434,15 +435,15 @@ class TopEntropy(Variant):
 
     quantile: float
     slot: ClassVar[str] = "top_entropy"
-    stage: ClassVar[str] = "factor"
     entropy: ClassVar[bool] = True
-    label: ClassVar[str] = "top_entropy_quantile"
     ranges: ClassVar[dict] = {"top_entropy_quantile": ("in [0, 1]", 0.0)}
 
     def buffers(self):
         return {"top_entropy_quantile": self.quantile}
 
-    def factor(self, values, step: Step):
-        kept = high_entropy_token_mask(step.x.entropy, step.loss_mask, values.top_entropy_quantile)
+    def factor(self, step: Step):
+        kept = high_entropy_token_mask(
+            step.x.entropy, step.loss_mask, step.values["top_entropy_quantile"]
+        )
         step.measured = kept
         return None, kept, {}

@@ -3,7 +3,6 @@ SAPO, VESPO, and any callable."""
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
@@ -13,6 +12,9 @@ import torch
 from torchrl_grpo.loss.variants.base import Objective, Step
 from torchrl_grpo.loss_terms import (
     OBJECTIVES,
+    SAPO_TEMPERATURES,
+    VESPO_K,
+    VESPO_LAMBDA,
     dual_clip_loss,
     two_sided_clip_loss,
     vespo_phi_sequence_mean,
@@ -20,6 +22,7 @@ from torchrl_grpo.loss_terms import (
 
 __all__ = [
     "CISPO",
+    "OBJECTIVE_CLASSES",
     "SAPO",
     "SAPO_TEMPERATURES",
     "VESPO",
@@ -30,12 +33,11 @@ __all__ = [
     "objective_from_name",
 ]
 
-#: SAPO's temperatures (tau_pos, tau_neg) when none are given: the paper's and TRL's.
-SAPO_TEMPERATURES = (1.0, 1.05)
-#: VESPO's kernels when none are given, ``(for A >= 0, for A < 0)``: TRL's ``vespo_k_pos``,
-#: ``vespo_k_neg`` and ``vespo_lambda_pos``, ``vespo_lambda_neg``.
-VESPO_K = (2.0, 3.0)
-VESPO_LAMBDA = (3.0, 2.0)
+
+def _call(fn: Callable, step: Step, log_ratio: torch.Tensor, **settings) -> torch.Tensor:
+    """``fn``, of :data:`~torchrl_grpo.loss_terms.OBJECTIVES`' signature, on this call."""
+    x, (low, high) = step.x, step.log_clip_bounds
+    return fn(log_ratio, x.advantage, x.log_prob, low, high, **settings)
 
 
 class _DualClipped(Objective):
@@ -44,9 +46,9 @@ class _DualClipped(Objective):
     dual_clip: ClassVar[bool] = True
     ranges: ClassVar[dict] = {"clip_ratio_c": ("greater than", 1.0)}
 
-    def _dual(self, values, per_token, advantage):
-        c = values.clip_ratio_c
-        return per_token if c is None else dual_clip_loss(per_token, advantage, c)
+    def _dual(self, step: Step, per_token: torch.Tensor) -> torch.Tensor:
+        c = step.values["clip_ratio_c"]
+        return per_token if c is None else dual_clip_loss(per_token, step.x.advantage, c)
 
 
 @dataclass(frozen=True)
@@ -95,12 +97,12 @@ class Clip(_DualClipped):
     def buffers(self):
         return {"clip_ratio_c": self.clip_ratio_c, "delta": self.delta}
 
-    def loss(self, values, log_ratio, advantage, log_prob, log_clip_low, log_clip_high):
-        if values.delta is not None:  # the two-sided clip replaces PPO's surrogate
-            args = (log_ratio, advantage, log_clip_low, log_clip_high, values.delta)
-            return two_sided_clip_loss(*args)
-        per_token = OBJECTIVES["clip"](log_ratio, advantage, log_prob, log_clip_low, log_clip_high)
-        return self._dual(values, per_token, advantage)
+    def loss(self, step: Step, log_ratio: torch.Tensor) -> torch.Tensor:
+        delta = step.values["delta"]
+        if delta is not None:  # the two-sided clip replaces PPO's surrogate
+            low, high = step.log_clip_bounds
+            return two_sided_clip_loss(log_ratio, step.x.advantage, low, high, delta)
+        return self._dual(step, _call(OBJECTIVES["clip"], step, log_ratio))
 
 
 @dataclass(frozen=True)
@@ -127,9 +129,8 @@ class CustomObjective(_DualClipped):
     def buffers(self):
         return {"clip_ratio_c": self.clip_ratio_c}
 
-    def loss(self, values, log_ratio, advantage, log_prob, log_clip_low, log_clip_high):
-        per_token = self.fn(log_ratio, advantage, log_prob, log_clip_low, log_clip_high)
-        return self._dual(values, per_token, advantage)
+    def loss(self, step: Step, log_ratio: torch.Tensor) -> torch.Tensor:
+        return self._dual(step, _call(self.fn, step, log_ratio))
 
 
 @dataclass(frozen=True)
@@ -145,8 +146,8 @@ class CISPO(Objective):
 
     title: ClassVar[str] = "CISPO"
 
-    def loss(self, values, log_ratio, advantage, log_prob, log_clip_low, log_clip_high):
-        return OBJECTIVES["cispo"](log_ratio, advantage, log_prob, log_clip_low, log_clip_high)
+    def loss(self, step: Step, log_ratio: torch.Tensor) -> torch.Tensor:
+        return _call(OBJECTIVES["cispo"], step, log_ratio)
 
 
 @dataclass(frozen=True)
@@ -173,13 +174,9 @@ class SAPO(Objective):
         if min(taus) <= 0:
             raise ValueError(f"SAPO temperatures must be positive, got {taus}.")
 
-    def loss(self, values, log_ratio, advantage, log_prob, log_clip_low, log_clip_high):
-        fn = functools.partial(
-            OBJECTIVES["sapo"],
-            temperature_pos=self.temperature_pos,
-            temperature_neg=self.temperature_neg,
-        )
-        return fn(log_ratio, advantage, log_prob, log_clip_low, log_clip_high)
+    def loss(self, step: Step, log_ratio: torch.Tensor) -> torch.Tensor:
+        taus = {"temperature_pos": self.temperature_pos, "temperature_neg": self.temperature_neg}
+        return _call(OBJECTIVES["sapo"], step, log_ratio, **taus)
 
 
 @dataclass(frozen=True)
@@ -217,7 +214,7 @@ class VESPO(Objective):
     def metrics(self):
         return ("vespo_phi_seq_mean",)
 
-    def report(self, values, step: Step) -> dict[str, torch.Tensor]:
+    def report(self, step: Step) -> dict[str, torch.Tensor]:
         x = step.x
         log_ratio = x.log_prob.detach() - step.ratio_base
         advantage = torch.where(x.mask, x.advantage, 0.0).sum(-1, keepdim=True)  # (B, 1)
@@ -227,23 +224,20 @@ class VESPO(Objective):
         )
         return {"vespo_phi_seq_mean": phi.to(x.log_prob.dtype)}
 
-    def loss(self, values, log_ratio, advantage, log_prob, log_clip_low, log_clip_high):
+    def loss(self, step: Step, log_ratio: torch.Tensor) -> torch.Tensor:
         (k_pos, k_neg), (lambda_pos, lambda_neg) = self.k, self.lambda_
-        return OBJECTIVES["vespo"](
-            log_ratio,
-            advantage,
-            log_prob,
-            log_clip_low,
-            log_clip_high,
-            k_pos=k_pos,
-            lambda_pos=lambda_pos,
-            k_neg=k_neg,
-            lambda_neg=lambda_neg,
-        )
+        kernels = {
+            "k_pos": k_pos,
+            "lambda_pos": lambda_pos,
+            "k_neg": k_neg,
+            "lambda_neg": lambda_neg,
+        }
+        return _call(OBJECTIVES["vespo"], step, log_ratio, **kernels)
 
 
-#: The objectives of :data:`~torchrl_grpo.loss_terms.OBJECTIVES`'s built-in names.
-_BY_NAME: dict[str, type[Objective]] = {"clip": Clip, "cispo": CISPO, "sapo": SAPO, "vespo": VESPO}
+#: The built-in objective classes; by name (their ``title``, lower-cased: the keys of
+#: :data:`~torchrl_grpo.loss_terms.OBJECTIVES` they compute), a view of the classes.
+OBJECTIVE_CLASSES: tuple[type[Objective], ...] = (Clip, CISPO, SAPO, VESPO)
 
 
 def objective_from_name(objective: str | Callable | Objective) -> Objective:
@@ -261,10 +255,12 @@ def objective_from_name(objective: str | Callable | Objective) -> Objective:
         return objective
     if callable(objective):
         return CustomObjective(objective)
-    if objective in _BY_NAME and OBJECTIVES.get(objective) is not None:
-        return _BY_NAME[objective]()
+    by_name = {cls.title.lower(): cls for cls in OBJECTIVE_CLASSES}
+    if objective in by_name:
+        return by_name[objective]()
     if isinstance(objective, str) and objective in OBJECTIVES:
         return CustomObjective(OBJECTIVES[objective])
     raise ValueError(
-        f"Unknown objective {objective!r}: pass one of {sorted(OBJECTIVES)} or a callable."
+        f"Unknown objective {objective!r}: pass one of {sorted(OBJECTIVES)}, a variant of "
+        "torchrl_grpo.loss.variants (Clip(), CISPO()...) or a callable."
     )

@@ -14,7 +14,7 @@ from typing import ClassVar
 import torch
 
 from torchrl_grpo.loss.entropy import AdaptiveEntropy
-from torchrl_grpo.loss.variants.base import Step, Variant, lookup
+from torchrl_grpo.loss.variants.base import Penalty, Step, lookup
 from torchrl_grpo.loss_terms import KL_ESTIMATORS, importance_weighted_kl, masked_mean
 
 __all__ = [
@@ -31,21 +31,19 @@ ENTROPY_COEFF_BOUNDS = (0.0, 1.0)
 ENTROPY_COEFF_STEP = 0.005
 
 
-class _KL(Variant):
-    """A KL penalty ``coeff * KL(pi_theta || other)``, per token by ``estimator``."""
-
-    stage: ClassVar[str] = "penalty"
-    name: ClassVar[str]  # the output's entry, and the buffer's prefix
+class _KL(Penalty):
+    """A KL penalty ``coeff * KL(pi_theta || other)``, per token by ``estimator``; its
+    ``slot`` (``"kl_to_ref"``...) names its output's entries and its coefficient's buffer."""
 
     def __post_init__(self):
         lookup(KL_ESTIMATORS, self.estimator, "KL estimator")
         self._check_ranges()
 
     def buffers(self):
-        return {f"{self.name}_coeff": self.coeff}
+        return {f"{self.slot}_coeff": self.coeff}
 
     def metrics(self):
-        return (self.name, f"loss_{self.name}")
+        return (self.slot, f"loss_{self.slot}")
 
     def _other(self, x):
         raise NotImplementedError
@@ -54,12 +52,12 @@ class _KL(Variant):
         x = step.x
         return lookup(KL_ESTIMATORS, self.estimator, "KL estimator")(x.log_prob, self._other(x))
 
-    def terms(self, values, step: Step, reduce: Callable) -> dict[str, torch.Tensor]:
+    def terms(self, step: Step, reduce: Callable) -> dict[str, torch.Tensor]:
         kl = self._estimate(step)  # (B, T)
-        coeff = getattr(values, f"{self.name}_coeff")
+        coeff = step.values[f"{self.slot}_coeff"]
         return {
-            self.name: masked_mean(kl, step.x.mask).detach(),
-            f"loss_{self.name}": coeff * reduce(kl),
+            self.slot: masked_mean(kl, step.x.mask).detach(),
+            f"loss_{self.slot}": coeff * reduce(kl),
         }
 
 
@@ -88,8 +86,6 @@ class KLToReference(_KL):
     unbiased: bool = False
     slot: ClassVar[str] = "kl_to_ref"
     reads: ClassVar[tuple[str, ...]] = ("ref_log_prob",)
-    label: ClassVar[str] = "kl_to_ref_coeff"
-    name: ClassVar[str] = "kl_to_ref"
     ranges: ClassVar[dict] = {"kl_to_ref_coeff": ("non-negative", 0.0)}
 
     def _other(self, x):
@@ -123,8 +119,6 @@ class KLToInference(_KL):
     slot: ClassVar[str] = "kl_to_inference"
     reads: ClassVar[tuple[str, ...]] = ("inference_log_prob",)
     fallback: ClassVar[bool] = True
-    label: ClassVar[str] = "kl_to_inference_coeff"
-    name: ClassVar[str] = "kl_to_inference"
     ranges: ClassVar[dict] = {"kl_to_inference_coeff": ("non-negative", 0.0)}
 
     def _other(self, x):
@@ -132,7 +126,7 @@ class KLToInference(_KL):
 
 
 @dataclass(frozen=True)
-class EntropyTarget(Variant):
+class EntropyTarget(Penalty):
     """Skywork-OR1's adaptive entropy coefficient (TRL's ``use_adaptive_entropy`` /
     ``entropy_target``): the loss's ``entropy_coeff`` becomes the coefficient's starting
     value, moved once per optimizer step by ``loss.update_entropy_coeff()`` toward keeping the
@@ -156,14 +150,12 @@ class EntropyTarget(Variant):
     bounds: tuple[float, float] = ENTROPY_COEFF_BOUNDS
     step: float = ENTROPY_COEFF_STEP
     slot: ClassVar[str] = "entropy_target"
-    stage: ClassVar[str] = "penalty"
-    label: ClassVar[str] = "entropy_target"
 
     def __post_init__(self):
         low, high = self.bounds
         if not (self.target >= 0 and 0 <= low <= high and self.step > 0):
             raise ValueError(
-                "the adaptive entropy coefficient needs entropy_target >= 0, "
+                "EntropyTarget (the adaptive entropy coefficient) needs target >= 0, "
                 f"0 <= min <= max and step > 0, got {self.target}, ({low}, {high}), "
                 f"{self.step}."
             )
@@ -179,14 +171,9 @@ class EntropyTarget(Variant):
 
     def check(self, held, settings) -> None:
         if not settings.entropy_bonus:
-            raise ValueError(
-                "entropy_target adapts the entropy bonus: it needs entropy_bonus=True."
-            )
+            raise ValueError("EntropyTarget adapts the entropy bonus: it needs entropy_bonus=True.")
 
-    def terms(self, values, step: Step, reduce: Callable) -> dict[str, torch.Tensor]:
-        return {}  # it changes the entropy bonus's coefficient (the loss asks coefficient())
-
-    def coefficient(self, values, coeff: torch.Tensor, step: Step) -> torch.Tensor:
+    def coefficient(self, step: Step, coeff: torch.Tensor) -> torch.Tensor:
         """The coefficient this call applies; records the measured tokens' entropy."""
         measured = step.x.mask if step.measured is None else step.measured
-        return values.adaptive_entropy.applied(coeff, step.x.entropy, measured)
+        return step.modules["adaptive_entropy"].applied(coeff, step.x.entropy, measured)
