@@ -248,14 +248,14 @@ class TestBaseline:
         plain, _ = distilled(
             ds,
             padded=padded,
-            distillation=Distillation(alpha, 0.7),
-            **{k: v for k, v in kw.items() if k != "distillation"},
+            estimator=Distillation(alpha, 0.7),
+            **{k: v for k, v in kw.items() if k != "estimator"},
         )
         got, _ = distilled(
             ds,
             padded=padded,
-            distillation=Distillation(alpha, 0.7, baseline=True),
-            **{k: v for k, v in kw.items() if k != "distillation"},
+            estimator=Distillation(alpha, 0.7, baseline=True),
+            **{k: v for k, v in kw.items() if k != "estimator"},
         )
         turns = [(d // SIZE, t) for d, dialog in enumerate(ds) for t in dialog]
         for group in range(GROUPS):
@@ -269,8 +269,8 @@ class TestBaseline:
     def test_groups_completed_across_insertions_give_the_same_advantages(self):
         ds = dialogs(GROUPS, SIZE, 3, seed=12)
         distillation = Distillation(beta=0.3, gamma=0.5, baseline=True)
-        whole, _ = distilled(ds, padded=False, distillation=distillation)
-        transform = MCAdvantage(SIZE, prompt_key="group", distillation=distillation)
+        whole, _ = distilled(ds, padded=False, estimator=distillation)
+        transform = MCAdvantage(SIZE, prompt_key="group", estimator=distillation)
         data, turns = rows(ds, SIZE, padded=False), [t for d in ds for t in d]
         first = transform.inv(lazy_stack(list(data.unbind(0))[:12]))  # one group complete
         second = transform.inv(lazy_stack(list(data.unbind(0))[12:]))
