@@ -35,6 +35,7 @@ from torchrl.envs.transforms import Transform
 from torchrl.objectives.llm import MCAdvantage as TorchRLMCAdvantage
 
 from torchrl_grpo import MCAdvantage
+from torchrl_grpo.mcadvantage import GroupRelative, StepGroups
 
 SHAPES = [(512, 8, 4), (64, 8, 32), (128, 16, 64)]
 #: Where the data and the storage live (``--device``).
@@ -354,11 +355,13 @@ def _where_the_time_goes() -> None:
 
 
 ESTIMATORS = {
-    "whiten": dict(scale_rewards="none", whiten=True),  # REINFORCE++-baseline
-    "pass@k": dict(baseline="pass_at_k"),
-    "GDPO x2": dict(reward_weights={("next", "reward"): 1.0, ("next", "format"): 1.0}),
-    "GiGPO id": dict(anchor_key="state"),
-    "GiGPO cell": dict(anchor_key="cell"),
+    "whiten": dict(estimator="reinforce_pp_baseline"),  # REINFORCE++-baseline
+    "pass@k": dict(estimator="pass_at_k"),
+    "GDPO x2": dict(
+        estimator=GroupRelative(reward_weights={("next", "reward"): 1.0, ("next", "format"): 1.0})
+    ),
+    "GiGPO id": dict(estimator=StepGroups(anchor_key="state")),
+    "GiGPO cell": dict(estimator=StepGroups(anchor_key="cell")),
 }
 
 

@@ -27,6 +27,7 @@ from torchrl.modules import MLP, ProbabilisticActor
 from tqdm import tqdm
 
 from torchrl_grpo import GRPOLoss, MCAdvantage, SameStartGroups, evaluate
+from torchrl_grpo.mcadvantage import RewardToGo
 
 GROUP_SIZE = 4  # DECISION group size: episodes per reset seed
 NUM_ENVS = 32  # sub-environments stepped together
@@ -76,7 +77,7 @@ def main(argv=None) -> dict:
     # DECISION return mode: each episode's return, minus its group's mean, over its group's std
     mode = dict(trajectory_return="sum")
     if args.reward_to_go is not None:  # or each step's discounted reward-to-go
-        mode = dict(reward_to_go_gamma=args.reward_to_go)
+        mode = dict(estimator=RewardToGo(args.reward_to_go))
     advantage = MCAdvantage(GROUP_SIZE, prompt_key="reset_seed", **mode)
     # DECISION storage size: one extend can release the training batch plus the pending groups'
     # ended episodes (at most G - 1 per pending group, one pending group per running sub-env)

@@ -66,6 +66,7 @@ from torchrl.record.loggers import get_logger
 from tqdm import tqdm
 
 from torchrl_grpo import GRPOLoss, MCAdvantage, SameStartGroups, checkpoint
+from torchrl_grpo.mcadvantage import RewardToGo
 
 MAX_EPISODE_STEPS = 500  # CartPole-v1 truncates here
 SEEDS_PER_RUN = 1_000_000  # run --seed s trains on reset seeds [s * 1e6, (s + 1) * 1e6)
@@ -562,8 +563,9 @@ def main(argv: list[str] | None = None) -> dict:
         advantage = MCAdvantage(
             grpo_size=cfg.group_size,
             prompt_key="reset_seed",
-            reward_to_go_gamma=cfg.gamma,
-            reward_to_go_baseline="time_step" if cfg.advantage.endswith("time-step") else "group",
+            estimator=RewardToGo(
+                cfg.gamma, "time_step" if cfg.advantage.endswith("time-step") else "group"
+            ),
         )
     else:
         # every episode is a sample: A = (return - group mean) / group std, on all its steps

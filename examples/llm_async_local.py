@@ -14,7 +14,8 @@ no row is generated that would be more than ``max_policy_lag`` versions old when
 the sampler waits instead of generating what would be dropped. With ``max_policy_lag=1`` the
 sampler generates step ``i + 1``'s batch while the trainer trains on step ``i``'s: one-step
 off-policy, and both cores busy. Every generated row is consumed once: nothing is overwritten
-and nothing is stale by construction (``MCAdvantage(max_policy_lag=...)`` stays as the check).
+and nothing is stale by construction (``MCAdvantage(staleness=Staleness(max_lag=...))`` stays
+as the check).
 
 **Failures.** An exception in the sampler goes back through the queue with its traceback and is
 raised in the trainer (``RuntimeError``); a sampler that dies without a word (killed, out of

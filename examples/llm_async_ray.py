@@ -5,8 +5,8 @@ started with ``.start()``) sample with their copy of the model, stamp each row w
 version they hold (``track_policy_version=True``) and write into a torchrl ``RayReplayBuffer``
 (its own actor) whose transform is ``MCAdvantage``; the trainer samples a step's rows from it and
 sends the weights with torchrl's ``RayWeightSyncScheme`` (gloo). Nothing pauses the collectors:
-``MCAdvantage(max_policy_lag=...)`` drops what is too old, and the ring of ``--buffer-steps``
-steps' rows overwrites what the trainer did not read in time.
+``MCAdvantage(staleness=Staleness(max_lag=...))`` drops what is too old, and the ring of
+``--buffer-steps`` steps' rows overwrites what the trainer did not read in time.
 """
 
 from __future__ import annotations

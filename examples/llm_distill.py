@@ -290,9 +290,9 @@ class HeldOut:
 
 def make_collector(cfg, task, model, ref_model, tokenizer, gen, exclude, teacher, run: Run):
     """``llm_grpo.make_collector`` with the teacher: ``TeacherLogProbs`` after the sampling
-    policy's and the reference's ``RetrieveLogProb``, and ``MCAdvantage(distillation=...)``
-    writing each response token's advantage on insertion (distillation alone: no reward read,
-    ``rewards_key=None``)."""
+    policy's and the reference's ``RetrieveLogProb``, and
+    ``MCAdvantage(estimator=Distillation(...))`` writing each response token's advantage on
+    insertion (distillation alone: no reward read, ``rewards_key=None``)."""
     rows = cfg.prompts_per_step * cfg.group_size
     loader = DataLoader(
         llm_grpo.Problems(task, gen, cfg.prompts_per_step, exclude),
@@ -313,7 +313,7 @@ def make_collector(cfg, task, model, ref_model, tokenizer, gen, exclude, teacher
             grpo_size=cfg.group_size,
             prompt_key="query",
             trajectory_return=None if pure else "sum",
-            distillation=run.distillation,
+            estimator=run.distillation,
             **rewards,
         )
     )

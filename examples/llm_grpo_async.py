@@ -12,7 +12,8 @@ Two backends (``--backend``), one trainer loop:
 * ``ray`` (several machines; the ``dist`` extra): ``--collectors`` torchrl ``RayLLMCollector``
   actors keep generating into a torchrl ``RayReplayBuffer`` (a ring of ``--buffer-steps`` steps'
   rows, in its own actor) and receive the weights through torchrl's ``RayWeightSyncScheme``
-  (gloo); nothing pauses them: ``MCAdvantage(max_policy_lag=...)`` drops what is too old.
+  (gloo); nothing pauses them: ``MCAdvantage(staleness=Staleness(max_lag=...))`` drops what is
+  too old.
 
 Either way the samplers use :class:`torchrl_grpo.llm.ExactLogProbsTransformersWrapper` (its
 generation log-probs are the behaviour policy's), stamp each row with the version of the weights
@@ -103,7 +104,7 @@ from transformers.utils import logging as hf_logging
 from torchrl_grpo import GRPOLoss, MCAdvantage, checkpoint
 from torchrl_grpo.llm import ExactLogProbsTransformersWrapper
 from torchrl_grpo.loss.variants import TIS, Decoupled
-from torchrl_grpo.mcadvantage import Distillation
+from torchrl_grpo.mcadvantage import Distillation, Staleness
 from torchrl_grpo.mcadvantage.distillation import STATS_PREFIX
 
 EXAMPLES = str(Path(__file__).resolve().parent)
@@ -268,9 +269,9 @@ def buffer_transform(cfg: AsyncSettings) -> Compose:
         grpo_size=cfg.group_size,
         prompt_key="query",
         trajectory_return=None if alone else "sum",
-        max_policy_lag=cfg.max_policy_lag,
+        staleness=Staleness(max_lag=cfg.max_policy_lag),
         keep_return_bounds=(0.0, 1.0) if cfg.dynamic_sampling else None,
-        distillation=distillation,
+        estimator=distillation,
         **({"rewards_key": None} if alone else {}),
     )
     return Compose(sync.Contiguous(), ExcludeTransform("query", inverse=True), advantage)

@@ -78,6 +78,7 @@ import llm_grpo  # noqa: E402  (the single-turn example: tokenizer, model, wrapp
 
 from torchrl_grpo import GRPOLoss, MCAdvantage
 from torchrl_grpo.llm import ExactTurns, ToolReply, TurnReward
+from torchrl_grpo.mcadvantage import RewardToGo, TrajectoryIds
 from torchrl_grpo.sampler import group_minibatches
 
 set_list_to_stack(True).set()
@@ -426,12 +427,11 @@ def make_collector(cfg: Settings, model, tokenizer, gen, exclude):
     if cfg.estimator == "broadcast":  # step-wise GRPO: the dialog's final reward on each turn
         estimator = {"trajectory_return": "last"}
     else:  # each turn against the same turn of the other dialogs of its task
-        estimator = {"reward_to_go_gamma": cfg.turn_gamma, "reward_to_go_baseline": "step_group"}
+        estimator = {"estimator": RewardToGo(cfg.turn_gamma, baseline="step_group")}
     advantage = MCAdvantage(
         grpo_size=cfg.group_size,
         prompt_key="task_id",
-        traj_key="dialog_id",
-        step_count_key="step_count",
+        traj_key=TrajectoryIds("dialog_id", step_count_key="step_count"),
         **estimator,
     )
     rb = ReplayBuffer(storage=LazyStackStorage(100 * rows), transform=advantage)

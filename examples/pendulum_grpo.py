@@ -37,6 +37,7 @@ from tqdm import tqdm
 
 import torchrl_grpo
 from torchrl_grpo import GRPOLoss, MCAdvantage, SameStartGroups
+from torchrl_grpo.mcadvantage import RewardToGo
 
 GROUP_SIZE = 8  # DECISION group size: episodes per reset seed
 NUM_ENVS = 64  # sub-environments stepped together: 64 episodes (8 groups) every 200 steps
@@ -135,7 +136,7 @@ def make_buffer(args: argparse.Namespace) -> ReplayBuffer:
     # DECISION return mode: a dense reward credits each step with its discounted reward-to-go,
     # compared with the mean of its group's episodes at the same time step (same start, same
     # steps left); --baseline episode is one return per episode, as for Acrobot
-    mode = dict(reward_to_go_gamma=args.gamma, reward_to_go_baseline=args.baseline)
+    mode = dict(estimator=RewardToGo(args.gamma, baseline=args.baseline))
     if args.baseline == "episode":
         mode = dict(trajectory_return="sum")
     advantage = MCAdvantage(GROUP_SIZE, prompt_key="reset_seed", **mode)

@@ -322,6 +322,7 @@ def dialog_collector(env, model, tokenizer, *, max_pending_age=None, rb=None):
     from torchrl.envs import InitTracker
 
     from torchrl_grpo import MCAdvantage
+    from torchrl_grpo.mcadvantage import Limits, TrajectoryIds
 
     if "is_init" not in env.observation_spec.keys():  # torchrl's collectors ask for it
         env.append_transform(InitTracker())
@@ -329,10 +330,9 @@ def dialog_collector(env, model, tokenizer, *, max_pending_age=None, rb=None):
         advantage = MCAdvantage(
             grpo_size=2,
             prompt_key="query",
-            traj_key="dialog_id",
-            step_count_key="step_count",
+            traj_key=TrajectoryIds("dialog_id", step_count_key="step_count"),
             trajectory_return="last",
-            max_pending_age=max_pending_age,
+            limits=Limits(max_age=max_pending_age),
         )
         rb = ReplayBuffer(storage=LazyStackStorage(1000), transform=advantage)
     collector = LLMCollector(

@@ -9,9 +9,9 @@ from tensordict import TensorDict
 from torchrl.objectives.llm import MCAdvantageSelector
 
 from helpers.trajectories import trajectory
+from torchrl_grpo.mcadvantage.estimators import GroupRelative
 from torchrl_grpo.mcadvantage.ids import PromptIds, TensorIds
 from torchrl_grpo.mcadvantage.options import (
-    Estimator,
     GroupFilter,
     Keys,
     Limits,
@@ -62,14 +62,17 @@ def insertion(ids, rewards=None, key="seed"):
     return read_insertion(torch.cat(trajs), KEYS._replace(group=key), Pending())
 
 
-def options_of(*, estimator=None, group_filter=None, keys=KEYS, size=2) -> Options:
+def options_of(
+    *, estimator=None, group_filter=None, keys=KEYS, size=2, trajectory_return=None
+) -> Options:
     """Settings for one step's test: GRPO's estimator, no filter, no limit, unless given."""
     return Options(
         grpo_size=size,
         verbose=False,
         keys=keys,
         trajectory_keys=TrajectoryKeys(traj=None, done=keys.done, count=None),
-        estimator=estimator or Estimator(None, "mean", "group", 1e-6, False),
+        trajectory_return=trajectory_return,
+        estimator=estimator or GroupRelative(),
         group_filter=group_filter or GroupFilter(None, None),
         selection=Selection(size, size, MCAdvantageSelector()),
         limits=Limits(None, None, "drop_oldest"),

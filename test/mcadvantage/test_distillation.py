@@ -1,5 +1,5 @@
 """On-policy distillation on insertion (torchrl_grpo/mcadvantage/distillation.py): the per-token
-advantages ``MCAdvantage(distillation=...)`` writes equal the peers' own formulas, transcribed in
+advantages ``MCAdvantage(estimator=...)`` writes equal the peers' own formulas, transcribed in
 test/helpers/distillation_peers.py, on ragged and padded rows, dialogs of one turn and of three:
 
 * Trinity-RFT's ``OnPolicyDistillAdvantage`` / ``MultiTurnOpdAdvantage`` (``kl_coef = beta``,
@@ -12,6 +12,7 @@ test/helpers/distillation_peers.py, on ragged and padded rows, dialogs of one tu
 Then the bad inputs, each refused with the cause named and the transform unchanged.
 """
 
+import dataclasses
 import math
 
 import pytest
@@ -34,7 +35,7 @@ from helpers.distillation_peers import (
 from tensordict import TensorDict, lazy_stack
 
 from torchrl_grpo import MCAdvantage
-from torchrl_grpo.mcadvantage import Distillation
+from torchrl_grpo.mcadvantage import Distillation, GroupRelative
 
 SIZE, GROUPS = 3, 2
 LAYOUTS = pytest.mark.parametrize("padded", [False, True], ids=["ragged", "padded"])
@@ -49,7 +50,7 @@ def distilled(ds, *, padded, **kw):
 
 
 def pure(beta=1.0, gamma=0.0):
-    return {"rewards_key": None, "distillation": Distillation(alpha=0.0, beta=beta, gamma=gamma)}
+    return {"rewards_key": None, "estimator": Distillation(alpha=0.0, beta=beta, gamma=gamma)}
 
 
 def close(got, want, atol=1e-6):
@@ -129,14 +130,10 @@ class TestTinker:
     @pytest.mark.parametrize("alpha", [0.0, 1.0])
     def test_incorporate_kl_penalty(self, padded, turns, gamma, alpha):
         ds = dialogs(GROUPS, SIZE, turns, seed=20 + turns)
-        distillation = Distillation(alpha=alpha, beta=0.8, gamma=gamma)
-        got, stats = distilled(
-            ds,
-            padded=padded,
-            trajectory_return="sum",
-            scale_rewards="none",  # Tinker centres the group's rewards, and divides by nothing
-            distillation=distillation,
-        )
+        # Tinker centres the group's rewards, and divides by nothing
+        centred = GroupRelative(scale_rewards="none")
+        distillation = Distillation(alpha=alpha, beta=0.8, gamma=gamma, group=centred)
+        got, stats = distilled(ds, padded=padded, trajectory_return="sum", estimator=distillation)
         want, metrics = tinker(ds, alpha=alpha, beta=0.8, gamma=gamma)
         close(got, want, atol=1e-5)
         assert stats["distill_kl_token_mean"] == pytest.approx(metrics["teacher_kl"], abs=1e-6)
@@ -181,7 +178,7 @@ class TestEstimator:
         kw = dict(prompt_key="group")
         plain = MCAdvantage(SIZE, **kw).inv(rows(ds, SIZE, padded=False))
         group = [float(a.reshape(-1)[0]) for a in plain.get("advantage", as_list=True)]
-        got, _ = distilled(ds, padded=False, distillation=Distillation(alpha=1.5, beta=0.5))
+        got, _ = distilled(ds, padded=False, estimator=Distillation(alpha=1.5, beta=0.5))
         turns = [t for d in ds for t in d]
         want = [
             1.5 * g - 0.5 * (torch.tensor(t.student) - torch.tensor(t.teacher))
@@ -216,16 +213,18 @@ class TestEstimator:
         )
         keys = dict(tokens_key="tokens", prompt_tokens_key=None, log_prob_key="lp")
         distillation = Distillation(alpha=0.0, beta=2.0, teacher_key="teacher", mask_key="mask")
-        out = MCAdvantage(4, prompt_key="group", distillation=distillation._replace(**keys))
+        out = MCAdvantage(
+            4, prompt_key="group", estimator=dataclasses.replace(distillation, **keys)
+        )
         got = out.inv(data)["advantage"]
         torch.testing.assert_close(got, torch.where(mask, -2.0 * (lp - teacher), 0.0))
 
     def test_groups_completed_across_insertions_give_the_same_advantages(self):
         ds = dialogs(GROUPS, SIZE, 3, seed=6)
         data = rows(ds, SIZE, padded=False)
-        whole, _ = distilled(ds, padded=False, distillation=Distillation(beta=0.3, gamma=0.5))
+        whole, _ = distilled(ds, padded=False, estimator=Distillation(beta=0.3, gamma=0.5))
         transform = MCAdvantage(
-            SIZE, prompt_key="group", distillation=Distillation(beta=0.3, gamma=0.5)
+            SIZE, prompt_key="group", estimator=Distillation(beta=0.3, gamma=0.5)
         )
         turns = [t for d in ds for t in d]
         cut = 3 * 4  # four dialogs of three turns first: one group complete, one pending
@@ -249,14 +248,14 @@ class TestBaseline:
         plain, _ = distilled(
             ds,
             padded=padded,
-            distillation=Distillation(alpha, 0.7),
-            **{k: v for k, v in kw.items() if k != "distillation"},
+            estimator=Distillation(alpha, 0.7),
+            **{k: v for k, v in kw.items() if k != "estimator"},
         )
         got, _ = distilled(
             ds,
             padded=padded,
-            distillation=Distillation(alpha, 0.7, baseline=True),
-            **{k: v for k, v in kw.items() if k != "distillation"},
+            estimator=Distillation(alpha, 0.7, baseline=True),
+            **{k: v for k, v in kw.items() if k != "estimator"},
         )
         turns = [(d // SIZE, t) for d, dialog in enumerate(ds) for t in dialog]
         for group in range(GROUPS):
@@ -270,8 +269,8 @@ class TestBaseline:
     def test_groups_completed_across_insertions_give_the_same_advantages(self):
         ds = dialogs(GROUPS, SIZE, 3, seed=12)
         distillation = Distillation(beta=0.3, gamma=0.5, baseline=True)
-        whole, _ = distilled(ds, padded=False, distillation=distillation)
-        transform = MCAdvantage(SIZE, prompt_key="group", distillation=distillation)
+        whole, _ = distilled(ds, padded=False, estimator=distillation)
+        transform = MCAdvantage(SIZE, prompt_key="group", estimator=distillation)
         data, turns = rows(ds, SIZE, padded=False), [t for d in ds for t in d]
         first = transform.inv(lazy_stack(list(data.unbind(0))[:12]))  # one group complete
         second = transform.inv(lazy_stack(list(data.unbind(0))[12:]))
@@ -287,9 +286,9 @@ def test_a_checkpoint_keeps_the_pending_turns():
     ds = dialogs(GROUPS, SIZE, 2, seed=12)
     steps = list(rows(ds, SIZE, padded=False).unbind(0))
     distillation = Distillation(beta=0.5, gamma=0.5)
-    first = MCAdvantage(SIZE, prompt_key="group", distillation=distillation)
+    first = MCAdvantage(SIZE, prompt_key="group", estimator=distillation)
     first.inv(lazy_stack(steps[:8]))  # one group released, a dialog of the other pending
-    second = MCAdvantage(SIZE, prompt_key="group", distillation=distillation)
+    second = MCAdvantage(SIZE, prompt_key="group", estimator=distillation)
     second.load_state_dict(first.state_dict())
     want = first.inv(lazy_stack(steps[8:])).get("advantage", as_list=True)
     got = second.inv(lazy_stack(steps[8:])).get("advantage", as_list=True)
@@ -299,11 +298,11 @@ def test_a_checkpoint_keeps_the_pending_turns():
 
 class TestBadInput:
     def transform(self, **kw):
-        return MCAdvantage(SIZE, prompt_key="group", distillation=Distillation(**kw))
+        return MCAdvantage(SIZE, prompt_key="group", estimator=Distillation(**kw))
 
     def check_unchanged(self, transform, ds):
         """The refused insertion changed nothing: the next one gives a fresh transform's."""
-        want, _ = distilled(ds, padded=False, distillation=transform.distillation)
+        want, _ = distilled(ds, padded=False, estimator=transform.estimator)
         got = response_advantages(transform.inv(rows(ds, SIZE, padded=False)), ds)
         close(got, want)
 

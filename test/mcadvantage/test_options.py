@@ -4,7 +4,13 @@ import pytest
 import torch
 
 from torchrl_grpo import MCAdvantage
-from torchrl_grpo.mcadvantage import RewardToGo, Staleness, StepGroups
+from torchrl_grpo.mcadvantage import (
+    GroupRelative,
+    RewardToGo,
+    Staleness,
+    StepGroups,
+    TrajectoryIds,
+)
 from torchrl_grpo.mcadvantage.options import (
     KEYWORDS,
     SETTINGS,
@@ -51,7 +57,7 @@ class TestMakeOptions:
     def test_arguments_grouped_by_the_step_that_reads_them(self):
         options = make_options(4, "seed", trajectory_return="sum", max_pending_groups=3)
         assert options.grpo_size == 4 and options.keys.group == "seed"
-        assert options.estimator.trajectory_return == "sum"
+        assert options.trajectory_return == "sum"
         assert options.limits == Limits(3, None, "drop_oldest")
         assert options.trajectory_keys == TrajectoryKeys(
             ("collector", "traj_ids"), ("next", "done"), "step_count", group="seed"
@@ -102,6 +108,18 @@ class TestRecords:
                 dict(reward_to_go=RewardToGo(0.9, baseline="time_step")),
                 dict(reward_to_go_gamma=0.9, reward_to_go_baseline="time_step"),
             ),
+            (
+                dict(estimator=RewardToGo(0.9, "time_step", group=GroupRelative(epsilon=0.1))),
+                dict(reward_to_go_gamma=0.9, reward_to_go_baseline="time_step", epsilon=0.1),
+            ),
+            (
+                dict(estimator=StepGroups(step_weight=0.5, anchor_key="state")),
+                dict(anchor_key="state", step_reward_weight=0.5),
+            ),
+            (
+                dict(traj_key=TrajectoryIds("dialog", step_count_key=None)),
+                dict(traj_key="dialog", step_count_key=None),
+            ),
         ],
     )
     def test_a_record_is_its_flat_keywords(self, record, flat):
@@ -116,10 +134,11 @@ class TestRecords:
     def test_defaults_are_written_once_in_the_records(self):
         assert make_options(2).limits == Limits()
         assert make_options(2).staleness == Staleness()
-        steps = make_options(2, anchor_key="state").estimator.step_groups
-        assert steps == StepGroups() == StepGroups(1.0, 1.0, 0.95)  # ROLL's
+        steps = make_options(2, anchor_key="state").estimator
+        assert steps == StepGroups(anchor_key="state")
+        assert steps == StepGroups(1.0, 1.0, 0.95, anchor_key="state")  # ROLL's
         assert KEYWORDS["on_overflow"] == Limits().on_overflow
-        assert KEYWORDS["reward_to_go_baseline"] == RewardToGo().baseline
+        assert KEYWORDS["reward_to_go_baseline"] == RewardToGo(0.9).baseline
 
     def test_a_record_with_its_flat_keywords_or_of_another_kind(self):
         with pytest.raises(ValueError, match="pass the record or its flat keywords"):

@@ -23,25 +23,34 @@ from torchrl_grpo.advantages import (
     reinforce_pp_baseline_advantage,
     step_level_advantage,
 )
+from torchrl_grpo.mcadvantage.estimators import (
+    GroupRelative,
+    RewardToGo,
+    StepGroups,
+    released_anchors,
+)
 from torchrl_grpo.mcadvantage.groups import find_rounds
-from torchrl_grpo.mcadvantage.options import Estimator, GroupFilter, StepGroups
+from torchrl_grpo.mcadvantage.options import GroupFilter
 from torchrl_grpo.mcadvantage.read import read_insertion
 from torchrl_grpo.mcadvantage.records import Pending
-from torchrl_grpo.mcadvantage.release import release, released_anchors
+from torchrl_grpo.mcadvantage.release import release
 from torchrl_grpo.mcadvantage.returns import insertion_returns
 from torchrl_grpo.mcadvantage.steps import DenseSteps, RaggedSteps
 
-GRPO = Estimator(None, "mean", "group", 1e-6, False)
+GRPO = GroupRelative()
 NO_FILTER = GroupFilter(None, None)
 
 
 class TestRelease:
-    def released(self, trajs, estimator=GRPO, group_filter=NO_FILTER, size=None, keys=KEYS):
+    def released(
+        self, trajs, estimator=GRPO, group_filter=NO_FILTER, size=None, keys=KEYS, mode=None
+    ):
         batch = read_insertion(torch.cat(trajs), keys, Pending())
         rounds = find_rounds(Pending(), batch, size or len(trajs))
-        mode = estimator.trajectory_return
         returns = insertion_returns(batch, mode, exact=mode is not None)
-        options = options_of(estimator=estimator, group_filter=group_filter, keys=keys)
+        options = options_of(
+            estimator=estimator, group_filter=group_filter, keys=keys, trajectory_return=mode
+        )
         out = release(Pending(), batch, rounds, returns, options)
         return out, batch, rounds
 
@@ -60,7 +69,7 @@ class TestRelease:
 
     def test_trajectory_advantages_on_every_step(self):
         trajs = [trajectory(0, [1.0, 2.0]), trajectory(0, [0.0]), trajectory(0, [4.0, 4.0, 4.0])]
-        out, _, _ = self.released(trajs, estimator=GRPO._replace(trajectory_return="sum"))
+        out, _, _ = self.released(trajs, mode="sum")
         per_trajectory = group_relative_advantage(
             torch.tensor([3.0, 0.0, 12.0]), torch.zeros(3, dtype=torch.long), 1
         ).float()
@@ -76,7 +85,7 @@ class TestRelease:
         ]
         out, _, _ = self.released(
             trajs,
-            estimator=GRPO._replace(trajectory_return="sum"),
+            mode="sum",
             group_filter=GroupFilter((0.1, 0.9), None),
             size=2,
         )
@@ -95,7 +104,7 @@ class TestBeyondTorchRL:
             trajectory(1, [0.0]),
             trajectory(1, [3.0]),
         ]
-        estimator = GRPO._replace(scale_rewards="none", whiten=True)
+        estimator = GroupRelative(scale_rewards="none", whiten=True)
         out, batch, _ = self.released(trajs, estimator=estimator, size=2)
         want = reinforce_pp_baseline_advantage(batch.rewards, torch.tensor([0, 0, 0, 1, 1]))
         torch.testing.assert_close(
@@ -109,7 +118,7 @@ class TestBeyondTorchRL:
         ]
         trajs += [trajectory(0, [1.0], next_format=[[1.0]])]
         keys = KEYS._replace(reward_weights=((("next", "reward"), 1.0), (("next", "format"), 2.0)))
-        out, _, _ = self.released(trajs, estimator=GRPO._replace(whiten=True), keys=keys)
+        out, _, _ = self.released(trajs, estimator=GroupRelative(whiten=True), keys=keys)
         x = torch.tensor([[1.0, 0.0], [0.0, 2.0], [1.0, 1.0]])
         want = multi_reward_advantage(
             x, torch.zeros(3, dtype=torch.long), weights=torch.tensor([1.0, 2.0])
@@ -123,8 +132,9 @@ class TestBeyondTorchRL:
             trajectory(0, [0.0, 1.0], obs=["start", "won"]),
             trajectory(0, [0.0, 0.0], obs=["start", "lost"]),
         ]
-        estimator = GRPO._replace(trajectory_return="sum", step_groups=StepGroups(1.0, 2.0, 0.5))
-        out, _, _ = self.released(trajs, estimator=estimator, keys=KEYS._replace(anchor="obs"))
+        estimator = StepGroups(1.0, 2.0, 0.5, anchor_key="obs")
+        keys = KEYS._replace(anchor="obs")
+        out, _, _ = self.released(trajs, estimator=estimator, keys=keys, mode="sum")
         want = gigpo_advantage(
             torch.tensor([1.0, 0.0]),
             torch.zeros(2, dtype=torch.long),
@@ -147,7 +157,7 @@ class TestBeyondTorchRL:
             trajectory(0, [8.0]),
             trajectory(1, [2.0]),
         ]
-        out, _, _ = self.released(trajs, estimator=GRPO._replace(reward_to_go_gamma=0.5), size=2)
+        out, _, _ = self.released(trajs, estimator=RewardToGo(0.5), size=2)
         samples = torch.tensor([1 + 1 + 1, 2 + 2, 4, 5 + 0.5, 1, 8, 2], dtype=torch.float64)
         want = group_relative_advantage(samples, torch.tensor([0, 0, 0, 1, 1, 0, 1]), 2).float()
         assert torch.equal(out.out["advantage"].reshape(-1), want)
@@ -156,7 +166,7 @@ class TestBeyondTorchRL:
         """Two reward elements per step: each discounted along the steps on its own."""
         out, _, _ = self.released(
             [trajectory(0, [[1.0, 3.0], [1.0, 1.0]]), trajectory(0, [[2.0, 0.0]])],
-            estimator=GRPO._replace(reward_to_go_gamma=0.5),
+            estimator=RewardToGo(0.5),
         )
         samples = torch.tensor([1.5, 3.5, 1.0, 1.0, 2.0, 0.0], dtype=torch.float64)
         want = group_relative_advantage(samples, torch.zeros(6, dtype=torch.long), 1).float()
@@ -175,7 +185,7 @@ class TestBeyondTorchRL:
         ]
         out, _, _ = self.released(
             trajs,
-            estimator=GRPO._replace(reward_to_go_gamma=0.5, reward_to_go_baseline="time_step"),
+            estimator=RewardToGo(0.5, "time_step"),
             size=2,
         )
         # group 0: to-go [3, 4, 4] and [8]; t = 0: 3 vs 8 (deviations -2.5, 2.5), t = 1 and 2
@@ -190,7 +200,7 @@ class TestBeyondTorchRL:
         compared with the same element of the same time step."""
         out, _, _ = self.released(
             [trajectory(0, [[1.0, 3.0], [1.0, 1.0]]), trajectory(0, [[2.0, 0.0]])],
-            estimator=GRPO._replace(reward_to_go_gamma=0.5, reward_to_go_baseline="time_step"),
+            estimator=RewardToGo(0.5, "time_step"),
         )
         # to-go [[1.5, 3.5], [1, 1]] and [[2, 0]]: step 0 element 0: 1.5 vs 2, element 1: 3.5
         # vs 0; step 1 alone; pooled: (0.0625 * 2 + 3.0625 * 2) / (6 - 4)

@@ -24,6 +24,7 @@ from torchrl.objectives.llm import MCAdvantage as TorchRLMCAdvantage
 from torchrl.objectives.value.functional import reward2go
 
 from torchrl_grpo import MCAdvantage, group_relative_advantage
+from torchrl_grpo.mcadvantage import RewardToGo
 
 
 def _with_reward2go(steps, gamma, key=("next", "reward"), out=("next", "reward_to_go")):
@@ -193,8 +194,9 @@ class TestRewardToGo:
         ]:
             with pytest.raises(error, match=words):
                 MCAdvantage(4, **kw)
-        assert MCAdvantage(4, reward_to_go_gamma=1).reward_to_go_gamma == 1.0  # an int is fine
-        assert MCAdvantage(4).reward_to_go_gamma is None
+        assert MCAdvantage(4, reward_to_go_gamma=1).estimator.gamma == 1.0  # an int is fine
+        assert MCAdvantage(4, estimator=RewardToGo(1)).estimator.gamma == 1.0
+        assert not isinstance(MCAdvantage(4).estimator, RewardToGo)
 
     def test_ragged_steps_raise_and_change_nothing(self):
         t = MCAdvantage(2, reward_to_go_gamma=0.9)
@@ -368,5 +370,5 @@ class TestRewardToGoByTimeStep:
         with pytest.raises(ValueError, match="needs reward_to_go_gamma"):
             MCAdvantage(4, reward_to_go_baseline="time_step")
         t = MCAdvantage(4, reward_to_go_gamma=0.9, reward_to_go_baseline="time_step")
-        assert t.reward_to_go_baseline == "time_step"
-        assert MCAdvantage(4).reward_to_go_baseline == "group"
+        assert t.estimator.baseline == "time_step"
+        assert MCAdvantage(4, estimator=RewardToGo(0.5)).estimator.baseline == "group"

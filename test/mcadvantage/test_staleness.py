@@ -9,6 +9,7 @@ from helpers.trajectories import released, trajectory
 from tensordict import lazy_stack
 
 from torchrl_grpo import MCAdvantage
+from torchrl_grpo.mcadvantage import GroupRelative, RewardToGo, Staleness
 from torchrl_grpo.mcadvantage.records import NO_VERSION, VERSION
 
 
@@ -34,7 +35,7 @@ class TestLags:
         assert stats["stale_trajectories"] == 0  # no bound: nothing dropped
 
     def test_consumer_version_is_the_reference(self):
-        t = MCAdvantage(grpo_size=2, prompt_key="seed", consumer_version=10)
+        t = MCAdvantage(grpo_size=2, prompt_key="seed", staleness=Staleness(consumer_version=10))
         insert(t, versioned(1, [1.0], 7), versioned(1, [2.0], 8))
         assert (t.get_stats()["policy_lag_min"], t.get_stats()["policy_lag_max"]) == (2.0, 3.0)
 
@@ -47,7 +48,7 @@ class TestLags:
 
 class TestMaxPolicyLag:
     def test_pending_and_incoming_stale_ones_go(self):
-        t = MCAdvantage(grpo_size=2, prompt_key="seed", max_policy_lag=1)
+        t = MCAdvantage(grpo_size=2, prompt_key="seed", staleness=Staleness(max_lag=1))
         assert insert(t, versioned(1, [1.0], 0)) is None  # pending, version 0
         # version 2 arrives: the pending one lags 2 > 1 and goes; the new one waits
         assert insert(t, versioned(1, [2.0], 2)) is None
@@ -58,20 +59,20 @@ class TestMaxPolicyLag:
         assert sorted(out["next", "reward"].flatten().tolist()) == [2.0, 3.0]
 
     def test_consumer_version_drops_what_the_trainer_outran(self):
-        t = MCAdvantage(grpo_size=2, prompt_key="seed", max_policy_lag=2)
+        t = MCAdvantage(grpo_size=2, prompt_key="seed", staleness=Staleness(max_lag=2))
         insert(t, versioned(1, [1.0], 5))
         t.consumer_version = 8  # the trainer moved on: the pending version 5 lags 3
         assert insert(t, versioned(1, [2.0], 7)) is None
         assert t.stale_trajectories == 1 and t.queued_trajectories == 1
 
     def test_lag_zero_keeps_only_the_newest(self):
-        t = MCAdvantage(grpo_size=2, prompt_key="seed", max_policy_lag=0)
+        t = MCAdvantage(grpo_size=2, prompt_key="seed", staleness=Staleness(max_lag=0))
         out = insert(t, versioned(1, [1.0], 4), versioned(1, [2.0], 3), versioned(1, [3.0], 4))
         assert t.stale_trajectories == 1
         assert sorted(out["next", "reward"].flatten().tolist()) == [1.0, 3.0]
 
     def test_errors(self):
-        t = MCAdvantage(grpo_size=2, prompt_key="seed", max_policy_lag=1)
+        t = MCAdvantage(grpo_size=2, prompt_key="seed", staleness=Staleness(max_lag=1))
         with pytest.raises(KeyError, match="policy_version"):
             insert(t, trajectory(1, [1.0]))
         strings = trajectory(1, [1.0], policy_version=["a"])
@@ -81,9 +82,9 @@ class TestMaxPolicyLag:
         with pytest.raises(ValueError, match="at least 0"):
             MCAdvantage(grpo_size=2, max_policy_lag=-1)
         with pytest.raises(ValueError, match="needs policy_version_key"):
-            MCAdvantage(grpo_size=2, max_policy_lag=1, policy_version_key=None)
+            MCAdvantage(grpo_size=2, staleness=Staleness(max_lag=1), policy_version_key=None)
         with pytest.raises(TypeError, match="integer"):
-            MCAdvantage(grpo_size=2, max_policy_lag=1.5)
+            MCAdvantage(grpo_size=2, staleness=Staleness(max_lag=1.5))
 
 
 def reference_stream(insertions, grpo_size, max_lag):
@@ -114,7 +115,9 @@ def reference_stream(insertions, grpo_size, max_lag):
 @pytest.mark.parametrize("seed", range(4))
 def test_matches_a_slow_reference(seed):
     rng = random.Random(seed)
-    t = MCAdvantage(grpo_size=3, prompt_key="seed", trajectory_return="sum", max_policy_lag=2)
+    t = MCAdvantage(
+        grpo_size=3, prompt_key="seed", trajectory_return="sum", staleness=Staleness(max_lag=2)
+    )
     version, insertions, got = 0, [], []
     for _ in range(25):
         version += rng.random() < 0.4
@@ -135,9 +138,9 @@ def test_matches_a_slow_reference(seed):
 
 class TestKeptEverywhere:
     def test_checkpoint_keeps_versions_and_the_newest(self):
-        t = MCAdvantage(grpo_size=2, prompt_key="seed", max_policy_lag=1)
+        t = MCAdvantage(grpo_size=2, prompt_key="seed", staleness=Staleness(max_lag=1))
         insert(t, versioned(1, [1.0], 3), versioned(2, [1.0], 4))
-        back = MCAdvantage(grpo_size=2, prompt_key="seed", max_policy_lag=1)
+        back = MCAdvantage(grpo_size=2, prompt_key="seed", staleness=Staleness(max_lag=1))
         back.load_state_dict(t.state_dict())
         assert back._replica.state.newest_version == 4
         assert back._replica.state.pending.spans[:, VERSION].tolist() == [3, 4]
@@ -146,7 +149,7 @@ class TestKeptEverywhere:
 
     def test_streaming_reads_the_first_step(self):
         """A trajectory cut across insertions (traj_key) has the version of its first step."""
-        t = MCAdvantage(grpo_size=2, prompt_key="seed", max_policy_lag=1)
+        t = MCAdvantage(grpo_size=2, prompt_key="seed", staleness=Staleness(max_lag=1))
         first = versioned(1, [0.0, 0.0, 1.0], 1)
         first["policy_version"][2] = 3  # updated mid-trajectory: its first step counts
         first["collector", "traj_ids"] = torch.full((3,), 100)
@@ -158,7 +161,7 @@ class TestKeptEverywhere:
         assert t.stale_trajectories == 1 and t.queued_trajectories == 1
 
     def test_ragged_steps(self):
-        t = MCAdvantage(grpo_size=2, prompt_key="seed", max_policy_lag=0)
+        t = MCAdvantage(grpo_size=2, prompt_key="seed", staleness=Staleness(max_lag=0))
         steps = [versioned(1, [1.0], v)[0] for v in (2, 1, 2)]
         steps[0]["tokens"], steps[1]["tokens"], steps[2]["tokens"] = (
             torch.zeros(3),
@@ -171,11 +174,13 @@ class TestKeptEverywhere:
     def test_every_estimator_still_works(self):
         for kwargs in (
             dict(trajectory_return=None),
-            dict(trajectory_return="sum", baseline="leave_one_out"),
+            dict(trajectory_return="sum", estimator=GroupRelative(baseline="leave_one_out")),
             dict(trajectory_return="sum", keep_return_bounds=(-1.0, 10.0)),
-            dict(reward_to_go_gamma=0.9),
+            dict(estimator=RewardToGo(0.9)),
         ):
-            t = MCAdvantage(grpo_size=2, prompt_key="seed", max_policy_lag=1, **kwargs)
+            t = MCAdvantage(
+                grpo_size=2, prompt_key="seed", staleness=Staleness(max_lag=1), **kwargs
+            )
             out = insert(
                 t, versioned(1, [1.0, 2.0], 0), versioned(1, [0.5], 2), versioned(1, [3.0], 2)
             )
@@ -184,7 +189,7 @@ class TestKeptEverywhere:
 
 
 def test_shared_mode_sees_the_consumer_version():
-    t = MCAdvantage(grpo_size=2, prompt_key="seed", max_policy_lag=1).share_memory_()
+    t = MCAdvantage(grpo_size=2, prompt_key="seed", staleness=Staleness(max_lag=1)).share_memory_()
     try:
         insert(t, versioned(1, [1.0], 5))
         t.consumer_version = 7

@@ -16,6 +16,7 @@ import torch
 from tensordict import TensorDict, lazy_stack
 
 from torchrl_grpo import MCAdvantage, group_relative_advantage
+from torchrl_grpo.mcadvantage import GroupRelative, RewardToGo
 
 
 def dialogs(lengths, rewards, tasks, seed=0):
@@ -109,9 +110,7 @@ class TestOnTurns:
     def test_per_step(self, seed, gamma):
         """rLLM's per_step: the discounted return of each turn, GRPO within (task, turn)."""
         lengths, rewards, tasks = random_dialogs(seed)
-        transform = MCAdvantage(
-            4, prompt_key="task", reward_to_go_gamma=gamma, reward_to_go_baseline="step_group"
-        )
+        transform = MCAdvantage(4, prompt_key="task", estimator=RewardToGo(gamma, "step_group"))
         got = advantages(transform.inv(dialogs(lengths, rewards, tasks, seed)))
         returns = {}
         for d, rs in enumerate(rewards):
@@ -132,7 +131,7 @@ class TestOnTurns:
         """The discounted per-turn return on ragged turns gives what the same rewards give on
         dense steps: the token sequences change nothing."""
         lengths, rewards, tasks = random_dialogs(7)
-        kw = dict(prompt_key="task", reward_to_go_gamma=0.9, reward_to_go_baseline=baseline)
+        kw = dict(prompt_key="task", estimator=RewardToGo(0.9, baseline=baseline))
         ragged = advantages(MCAdvantage(4, **kw).inv(dialogs(lengths, rewards, tasks)))
         dense = dialogs(lengths, rewards, tasks).exclude("tokens").contiguous()
         assert advantages(MCAdvantage(4, **kw).inv(dense)) == pytest.approx(ragged, abs=1e-12)
@@ -141,7 +140,9 @@ class TestOnTurns:
         lengths, rewards, tasks = random_dialogs(3)
         data = dialogs(lengths, rewards, tasks)
         plain = advantages(MCAdvantage(4, prompt_key="task", trajectory_return="last").inv(data))
-        normed = MCAdvantage(4, prompt_key="task", trajectory_return="last", step_norm=True)
+        normed = MCAdvantage(
+            4, prompt_key="task", trajectory_return="last", estimator=GroupRelative(step_norm=True)
+        )
         got = advantages(normed.inv(dialogs(lengths, rewards, tasks)))
         for (d, t), a in plain.items():
             assert got[d, t] == pytest.approx(a / lengths[d], abs=1e-6)
@@ -163,9 +164,9 @@ class TestSingleTurn:
         )
         for kw in (
             {"trajectory_return": "last"},
-            {"reward_to_go_gamma": 0.7, "reward_to_go_baseline": "step_group"},
-            {"reward_to_go_gamma": 1.0, "reward_to_go_baseline": "time_step"},
-            {"reward_to_go_gamma": 0.0},
+            {"estimator": RewardToGo(0.7, "step_group")},
+            {"estimator": RewardToGo(1.0, "time_step")},
+            {"estimator": RewardToGo(0.0)},
         ):
             got = MCAdvantage(4, prompt_key="task", **kw).inv(dialogs(lengths, rewards, tasks))
             assert advantages(got) == pytest.approx(want, abs=1e-9), kw

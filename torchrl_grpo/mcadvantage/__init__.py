@@ -3,6 +3,8 @@
 How the folder reads (each module one step, :mod:`.insert` the order of an insertion):
 
 * :mod:`.transform`: the torchrl-facing class (arguments, attributes, statistics, checkpoints);
+* :mod:`.estimators`: how advantages are computed, one object (:class:`GroupRelative`,
+  :class:`RewardToGo`, :class:`StepGroups`, :class:`Distillation`, a user's :class:`Estimator`);
 * :mod:`.options`: the checked settings, one frozen record;
 * :mod:`.records`: the records passed from step to step, and the state (data only);
 * :mod:`.insert`: one insertion, top to bottom; :mod:`.replica`: where the state lives;
@@ -18,19 +20,24 @@ How the folder reads (each module one step, :mod:`.insert` the order of an inser
   view of the pending groups).
 """
 
-from torchrl_grpo.mcadvantage.options import (
+from torchrl_grpo.mcadvantage.estimators import (
+    ESTIMATORS,
     Distillation,
-    Limits,
+    Estimator,
+    GroupRelative,
     RewardToGo,
-    Staleness,
     StepGroups,
 )
+from torchrl_grpo.mcadvantage.options import Limits, Staleness, TrajectoryIds
 from torchrl_grpo.mcadvantage.queues import PendingGroups
 from torchrl_grpo.mcadvantage.ray_actor import RayMCAdvantage
 from torchrl_grpo.mcadvantage.transform import MCAdvantage, MCAdvantageSelector
 
 __all__ = [
+    "ESTIMATORS",
     "Distillation",
+    "Estimator",
+    "GroupRelative",
     "Limits",
     "MCAdvantage",
     "MCAdvantageSelector",
@@ -39,4 +46,5 @@ __all__ = [
     "RewardToGo",
     "Staleness",
     "StepGroups",
+    "TrajectoryIds",
 ]

@@ -65,7 +65,8 @@ def _check_capacity(buffer: ReplayBuffer, steps: int, warned: bool, strict: bool
                 f"holds (max_size={capacity}): the ring buffer keeps the last {capacity}, the "
                 f"first {steps - capacity} released steps and every stored one are overwritten "
                 "(torchrl's behaviour). Give the storage room for a release, or pass "
-                "on_overflow='raise' to refuse it with nothing lost. Said once per transform."
+                "limits=Limits(on_overflow='raise') to refuse it with nothing lost. Said once per "
+                "transform."
             )
         return True
     held = len(storage)

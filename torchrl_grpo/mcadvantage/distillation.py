@@ -30,7 +30,6 @@ from torchrl_grpo.advantages.distillation import (
     group_mean_baseline,
 )
 from torchrl_grpo.mcadvantage.host import read_ints
-from torchrl_grpo.mcadvantage.options import Distillation, Options
 from torchrl_grpo.mcadvantage.records import Insertion
 from torchrl_grpo.mcadvantage.steps import Steps
 
@@ -56,12 +55,18 @@ class _Rows(NamedTuple):
     end: Tensor  # (N,) the row's real tokens
 
 
-def check_insertion(options: Options, batch: Insertion) -> None:
+def check_insertion(distillation, batch: Insertion, *, per_step: bool, reward_key) -> None:
     """Refuse an insertion a release could not turn into distillation advantages.
 
     Every step must carry the teacher's and the sampling policy's log-probs, one per token of
-    its row, finite on its response; with ``alpha > 0`` and per-step rewards
-    (``trajectory_return=None``), every step one reward element (its turn's advantage).
+    its row, finite on its response; with ``per_step`` (``alpha > 0`` and per-step rewards,
+    ``trajectory_return=None``), every step one reward element (its turn's advantage).
+
+    Args:
+        distillation: the :class:`~torchrl_grpo.mcadvantage.estimators.Distillation`.
+        batch: the insertion.
+        per_step: whether each step's reward element is its turn's group advantage.
+        reward_key: the key of the rewards (named in the message).
 
     Raises:
         KeyError: a step without the teacher's (or the policy's) log-probs: the teacher did not
@@ -69,10 +74,8 @@ def check_insertion(options: Options, batch: Insertion) -> None:
         ValueError: a step whose log-probs are not as many as its tokens, or not finite on its
             response (the step, the key and the value named), or several reward elements.
     """
-    distillation = options.distillation
     rows = _read_rows(distillation, batch.steps)
     finite = torch.isfinite(rows.student) & torch.isfinite(rows.teacher) | ~rows.real
-    per_step = distillation.alpha != 0.0 and options.estimator.trajectory_return is None
     one_each = (batch.reward_lengths == batch.lengths).all() if per_step else True
     all_finite, one_each = read_ints(finite.all(), one_each)
     if not all_finite:
@@ -81,13 +84,13 @@ def check_insertion(options: Options, batch: Insertion) -> None:
         raise ValueError(
             f"MCAdvantage: Distillation(alpha={distillation.alpha}) adds each turn's group "
             f"advantage to its tokens, which needs one reward element per step under "
-            f"{options.keys.reward!r} (torchrl's [1, 1]) or a trajectory_return; this "
+            f"{reward_key!r} (torchrl's [1, 1]) or a trajectory_return; this "
             "insertion's steps have several."
         )
 
 
 def token_advantages(
-    distillation: Distillation,
+    distillation,
     steps: Steps,
     step_advantage: Tensor | None,
     trajectory_steps: Tensor,
@@ -154,7 +157,7 @@ def _segments(rows: _Rows, trajectory_steps: Tensor) -> tuple[Tensor, int]:
     return segment, count
 
 
-def _read_rows(distillation: Distillation, steps: Steps) -> _Rows:
+def _read_rows(distillation, steps: Steps) -> _Rows:
     """The rows' tokens, log-probs and masks, flat, checked to line up (see :class:`_Rows`).
 
     Positions count real tokens only, so that a row's padding (a padded sampler's trailing
@@ -243,7 +246,7 @@ def _mask(steps: Steps, key, full: Tensor, prompt: Tensor, total: int) -> Tensor
     return mask
 
 
-def _raise_not_finite(distillation: Distillation, rows: _Rows, bad: Tensor) -> None:
+def _raise_not_finite(distillation, rows: _Rows, bad: Tensor) -> None:
     """Name the first response token whose log-prob is not finite, its step and its key."""
     token = int(bad.nonzero()[0])
     step = int(rows.row[token])

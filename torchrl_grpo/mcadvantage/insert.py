@@ -15,7 +15,6 @@ from tensordict import TensorDictBase
 from torchrl import torchrl_logger
 
 from torchrl_grpo.mcadvantage import (
-    distillation,
     groups,
     limits,
     pending,
@@ -60,12 +59,12 @@ def insert(options: Options, state: State, tensordict: TensorDictBase) -> Outcom
     state, batch = staleness.drop_stale(options, state, batch)
     if batch is None:  # nothing completes, no step, or only stale trajectories
         return _finish(options, None, state._replace(insertions=clock), marks, tops)
-    _check_ragged(options, batch)
-    if options.distillation is not None:  # every step scored by the teacher, before any wait
-        distillation.check_insertion(options, batch)
-    estimator, group_filter = options.estimator, options.group_filter  # 3.
+    # what the estimator cannot compute on is refused before any wait (a step the teacher
+    # did not score, rewards a reward-to-go cannot discount)
+    options.estimator.check_insertion(batch, options.keys.reward, options.trajectory_return)
+    trajectory_return, group_filter = options.trajectory_return, options.group_filter  # 3.
     exact = options.selects or group_filter.keep_return_bounds is not None
-    incoming = returns.insertion_returns(batch, estimator.trajectory_return, exact=exact)
+    incoming = returns.insertion_returns(batch, trajectory_return, exact=exact)
     all_returns = None  # pending's then incoming's: where a group is chosen by them or released
     if options.selects:  # 4.
         all_returns = returns.concat(state.pending.returns, incoming)
@@ -77,7 +76,7 @@ def insert(options: Options, state: State, tensordict: TensorDictBase) -> Outcom
         short = None
         if bounds.min_group_size is not None:  # groups short past max_pending_age: released
             short = (bounds.min_group_size, bounds.max_age, clock)
-        tally = stats_.tally(batch, incoming.value, estimator.trajectory_return)  # read with
+        tally = stats_.tally(batch, incoming.value, trajectory_return)  # read with
         rounds = groups.find_rounds(state.pending, batch, options.grpo_size, short, tally)
     released = NOTHING_RELEASED  # 5.
     if rounds.num_rounds:
@@ -91,11 +90,11 @@ def insert(options: Options, state: State, tensordict: TensorDictBase) -> Outcom
         incoming.value,
         rounds,
         released,
-        trajectory_return=estimator.trajectory_return,
+        trajectory_return=trajectory_return,
         group_size=options.grpo_size,
         tallied=rounds.also,
     )
-    if rounds.num_rounds and estimator.trajectory_return is not None:
+    if rounds.num_rounds and trajectory_return is not None:
         stats = stats_.group_stats(stats, all_returns.value, rounds, options.grpo_size)
     if released.metrics:
         stats = {**stats, **released.metrics}
@@ -147,20 +146,6 @@ def _finish(options: Options, out, state: State, marks: tuple, tops: tuple) -> O
     state, marks = limits.apply_limits(options.limits, state, marks)  # 7.
     limits.warn_if_stuck(options.grpo_size, state)
     return Outcome(out, state, marks, tops)
-
-
-def _check_ragged(options: Options, batch) -> None:
-    """Ragged steps (an agent's turns) take a reward-to-go when every step has as many reward
-    elements (one per turn, torchrl's ``[1, 1]``): the steps are ragged, the rewards are not."""
-    if not batch.steps.ragged or options.estimator.reward_to_go_gamma is None:
-        return
-    per_step = batch.reward_lengths.double() / batch.lengths.double()
-    if not bool((per_step == per_step[0]).all()) or float(per_step[0]) % 1:
-        raise ValueError(
-            "MCAdvantage: reward_to_go_gamma discounts each reward element along the steps "
-            f"of its trajectory, which needs as many elements under {options.keys.reward!r} "
-            "at every step; this insertion's steps have rewards of different sizes."
-        )
 
 
 def _log(trajectories: int, rounds, released, pending: int, stats: dict) -> None:

@@ -132,8 +132,8 @@ def warn_if_stuck(grpo_size: int, state: State) -> None:
         "fewer (SameStartGroups(group_size) below grpo_size, resets that used seeds before the "
         "collector started (check_env_specs: call SameStartGroups.rewind() after it), prompts "
         "repeated fewer times), groups never complete: match grpo_size to the data, or bound "
-        "what is held (max_pending_groups, max_pending_age). If the trajectories of many groups "
-        "just arrive interleaved, their groups complete later: nothing is wrong."
+        "what is held (limits=Limits(max_groups=..., max_age=...)). If the trajectories of "
+        "many groups just arrive interleaved, their groups complete later: nothing is wrong."
     )
 
 

@@ -2,17 +2,21 @@
 
 :func:`make_options` takes ``MCAdvantage``'s arguments (torchrl's, with their defaults, and the
 keywords beyond them), raises on anything invalid before a transform exists, and groups the rest
-by the step of an insertion that reads it: the keys, the trajectory ids, the estimator, the group
-filters, candidate selection and the memory limits. :data:`SETTINGS` names the attribute of the
-transform that reads and changes each one (:func:`with_setting`).
+by the step of an insertion that reads it: the keys, the trajectory ids, the estimator (an object
+of :mod:`~torchrl_grpo.mcadvantage.estimators`), the group filters, candidate selection and the
+memory limits. :data:`SETTINGS` names the attribute of the transform that reads and changes each
+one (:func:`with_setting`). The flat keywords of earlier versions are accepted here as they were;
+:data:`DEPRECATED` names what replaces each (the transform warns with it).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 import operator
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import NamedTuple
 
 from tensordict import NestedKey
@@ -20,22 +24,29 @@ from torchrl.objectives.llm import MCAdvantageSelector
 
 from torchrl_grpo.advantages import BASELINES, RETURN_REDUCTIONS, SCALES
 from torchrl_grpo.advantages.distillation import check_weights
+from torchrl_grpo.mcadvantage.estimators import (
+    Distillation,
+    Estimator,
+    GroupRelative,
+    RewardToGo,
+    StepGroups,
+    lookup_estimator,
+)
 
 __all__ = [
+    "DEPRECATED",
     "KEYWORDS",
     "RECORDS",
     "SETTINGS",
-    "Distillation",
-    "Estimator",
     "GroupFilter",
     "Keys",
     "Limits",
     "Options",
-    "RewardToGo",
     "Selection",
     "Staleness",
-    "StepGroups",
+    "TrajectoryIds",
     "TrajectoryKeys",
+    "deprecated_forms",
     "make_options",
     "with_setting",
 ]
@@ -65,51 +76,21 @@ class TrajectoryKeys(NamedTuple):
     group: NestedKey | None = None  # the group id, read to name the groups a restart strands
 
 
-class StepGroups(NamedTuple):
-    """GiGPO's step-level groups: the weights and discount of ``MCAdvantage(anchor_key=...,
-    step_groups=StepGroups(...))``; the defaults are ROLL's.
+@dataclass(frozen=True)
+class TrajectoryIds:
+    """The keys that join trajectories across insertions, ``MCAdvantage(traj_key=
+    TrajectoryIds(...))`` (the flat ``step_count_key``): ``traj_key=key`` is
+    ``TrajectoryIds(key)``.
 
     Examples:
-        >>> from torchrl_grpo.mcadvantage import StepGroups
-        >>> StepGroups(step_weight=0.5)
-        StepGroups(episode_weight=1.0, step_weight=0.5, gamma=0.95)
+        >>> from torchrl_grpo.mcadvantage import TrajectoryIds
+        >>> TrajectoryIds("dialog_id", step_count_key=None)
+        TrajectoryIds(key='dialog_id', step_count_key=None)
     """
 
-    episode_weight: float = 1.0  # on the group-level advantage (episode_reward_weight)
-    step_weight: float = 1.0  # on the step-level advantage (step_reward_weight)
-    gamma: float = 0.95  # discount of the step-level returns (step_reward_gamma)
-
-
-class RewardToGo(NamedTuple):
-    """Each step's discounted reward-to-go as its sample: ``MCAdvantage(reward_to_go=
-    RewardToGo(gamma, baseline))`` (the flat ``reward_to_go_gamma`` /
-    ``reward_to_go_baseline``).
-
-    Examples:
-        >>> from torchrl_grpo.mcadvantage import RewardToGo
-        >>> RewardToGo(0.95, baseline="time_step")
-        RewardToGo(gamma=0.95, baseline='time_step')
-    """
-
-    gamma: float | None = None  # None: the reward itself
-    baseline: str = "group"  # "group", "time_step" or "step_group"
-
-
-class Estimator(NamedTuple):
-    """How a released group's rewards become advantages."""
-
-    trajectory_return: str | None  # None: every reward element is a sample
-    baseline: str
-    scale_rewards: str
-    epsilon: float
-    step_norm: bool
-    # beyond torchrl: whitening over the released samples, GiGPO's step groups (None: none),
-    # and the discount of each step's reward-to-go as its sample (None: the reward itself)
-    whiten: bool = False
-    step_groups: StepGroups | None = None
-    reward_to_go_gamma: float | None = None
-    # with reward_to_go_gamma: "group" (the mean over every step of the group) or "time_step"
-    reward_to_go_baseline: str = "group"
+    key: NestedKey = ("collector", "traj_ids")  # the trajectory id of every step
+    # a step counter (torchrl's StepCounter: 0 at a trajectory's first step), read where present
+    step_count_key: NestedKey | None = "step_count"
 
 
 class GroupFilter(NamedTuple):
@@ -165,38 +146,6 @@ class Staleness(NamedTuple):
     consumer_version: int | None = None  # the trainer's reference; None: the newest version read
 
 
-class Distillation(NamedTuple):
-    """On-policy distillation: ``MCAdvantage(distillation=Distillation(...))`` writes on the
-    response tokens of each released turn ``A_t = alpha * A_group - beta * D_t``, ``D_t`` the
-    student's reverse KL to the teacher from token ``t`` on, discounted by ``gamma`` (with
-    ``baseline=True``, less its group's mean: ``D_t - mean_group(D)``)
-    (:mod:`torchrl_grpo.advantages.distillation`; how the rows are read:
-    :mod:`torchrl_grpo.mcadvantage.distillation`).
-
-    Examples:
-        >>> from torchrl_grpo.mcadvantage import Distillation
-        >>> d = Distillation(alpha=0.0)  # pure distillation, Tinker's and Trinity-RFT's beta
-        >>> d.beta, d.gamma, d.teacher_key
-        (1.0, 0.0, ('next', 'teacher_log_probs', 'full'))
-    """
-
-    alpha: float = 1.0  # weight of the group-relative advantage (0: no reward needed)
-    beta: float = 1.0  # weight of the reverse KL (Tinker's kl_penalty_coef, Trinity's kl_coef)
-    gamma: float = 0.0  # discount of the future reverse KL (Tinker's kl_discount_factor)
-    # the teacher's log-probs of every token of ("tokens", "full"), as torchrl's RetrieveLogProb
-    # writes them (TeacherLogProbs' default; torchrl's DistillationLoss reads this key too)
-    teacher_key: NestedKey = ("next", "teacher_log_probs", "full")
-    # the sampling policy's (pi_old), as RetrieveLogProb writes them; the loss's sample_log_prob
-    log_prob_key: NestedKey = ("next", "log_probs", "full")
-    tokens_key: NestedKey = ("tokens", "full")  # each row's tokens: the advantage's shape
-    # the response: the tokens after the prompt (None: every token, a policy without prompts)
-    prompt_tokens_key: NestedKey | None = ("tokens", "prompt")
-    mask_key: NestedKey | None = ("masks", "all_attention_mask")  # real tokens, where present
-    # subtract from D_t its group's mean over the response tokens (group_mean_baseline): a
-    # centred teacher's term; False: the peers' form (Tinker, Trinity-RFT, NeMo-RL)
-    baseline: bool = False
-
-
 class Options(NamedTuple):
     """Every setting of one transform, checked."""
 
@@ -204,12 +153,12 @@ class Options(NamedTuple):
     verbose: bool
     keys: Keys
     trajectory_keys: TrajectoryKeys
-    estimator: Estimator
+    trajectory_return: str | None  # None: every reward element is a sample
+    estimator: Estimator  # how the samples become advantages (mcadvantage.estimators)
     group_filter: GroupFilter
     selection: Selection
     limits: Limits
     staleness: Staleness = Staleness()
-    distillation: Distillation | None = None  # None: the group's advantage per reward element
 
     @property
     def selects(self) -> bool:
@@ -220,7 +169,7 @@ class Options(NamedTuple):
         by ``keep_return_bounds`` (a filter applied when the group is released instead).
         """
         selection = self.selection
-        return self.estimator.trajectory_return is not None and (
+        return self.trajectory_return is not None and (
             selection.candidate_group_size > self.grpo_size
             or type(selection.selector) is not MCAdvantageSelector
         )
@@ -235,17 +184,8 @@ SETTINGS = {
     "rewards_key": ("keys", "reward"),
     "done_key": ("keys", "done"),
     "advantage_key": ("keys", "advantage"),
-    "anchor_key": ("keys", "anchor"),
-    "trajectory_return": ("estimator", "trajectory_return"),
-    "baseline": ("estimator", "baseline"),
-    "scale_rewards": ("estimator", "scale_rewards"),
-    "epsilon": ("estimator", "epsilon"),
-    "step_norm": ("estimator", "step_norm"),
-    "whiten": ("estimator", "whiten"),
-    "reward_to_go_gamma": ("estimator", "reward_to_go_gamma"),
-    "reward_to_go_baseline": ("estimator", "reward_to_go_baseline"),
+    "trajectory_return": (None, "trajectory_return"),
     "keep_return_bounds": ("group_filter", "keep_return_bounds"),
-    "std_threshold": ("group_filter", "std_threshold"),
     "candidate_group_size": ("selection", "candidate_group_size"),
     "candidate_selection_min_size": ("selection", "min_size"),
     "candidate_selector": ("selection", "selector"),
@@ -296,6 +236,7 @@ def make_options(
     if unknown:
         raise TypeError(f"MCAdvantage got unexpected keyword arguments {unknown}.")
     kw = _expand_records({**KEYWORDS, **keywords}, keywords)
+    own = _spread_estimator(kw, keywords)  # a user's own estimator, else None
     grpo_size, selection = _sizes(grpo_size, kw)
     trajectory_return = _trajectory_return(kw["trajectory_return"], grpo_size, selection)
     weights = _reward_weights(rewards_key, kw["reward_weights"])
@@ -319,13 +260,107 @@ def make_options(
             count=kw["step_count_key"] if traj_key is not None else None,
             group=prompt_key,
         ),
-        estimator=_estimator(kw, trajectory_return, bool(weights)),
+        trajectory_return=trajectory_return,
+        estimator=_estimator(kw, trajectory_return, weights, rewards_key, own),
         group_filter=_group_filter(kw, trajectory_return),
         selection=selection,
         limits=_limits(kw, grpo_size, selection),
         staleness=_staleness(kw),
-        distillation=_distillation(kw["distillation"], rewards_key),
     )
+
+
+#: The flat keywords of earlier versions, each with the slot and form that replace it (the
+#: transform's ``DeprecationWarning`` names them, with the exact value to write).
+DEPRECATED: dict[str, tuple[str, str]] = {
+    **{
+        name: ("estimator", f"GroupRelative({name}=...)")
+        for name in (
+            "baseline",
+            "scale_rewards",
+            "epsilon",
+            "whiten",
+            "std_threshold",
+            "step_norm",
+            "reward_weights",
+        )
+    },
+    "reward_to_go": ("estimator", "RewardToGo(gamma, baseline=...)"),
+    "reward_to_go_gamma": ("estimator", "RewardToGo(gamma)"),
+    "reward_to_go_baseline": ("estimator", "RewardToGo(gamma, baseline=...)"),
+    "anchor_key": ("estimator", "StepGroups(anchor_key=...)"),
+    "step_groups": ("estimator", "StepGroups(..., anchor_key=...)"),
+    "episode_reward_weight": ("estimator", "StepGroups(episode_weight=..., anchor_key=...)"),
+    "step_reward_weight": ("estimator", "StepGroups(step_weight=..., anchor_key=...)"),
+    "step_reward_gamma": ("estimator", "StepGroups(gamma=..., anchor_key=...)"),
+    "distillation": ("estimator", "Distillation(..., group=GroupRelative(...))"),
+    "max_pending_groups": ("limits", "Limits(max_groups=...)"),
+    "max_pending_age": ("limits", "Limits(max_age=...)"),
+    "on_overflow": ("limits", "Limits(on_overflow=...)"),
+    "min_group_size": ("limits", "Limits(min_group_size=...)"),
+    "max_policy_lag": ("staleness", "Staleness(max_lag=...)"),
+    "consumer_version": ("staleness", "Staleness(consumer_version=...)"),
+    "step_count_key": ("traj_key", "TrajectoryIds(key, step_count_key=...)"),
+}
+
+
+def deprecated_forms(given, options: Options) -> str | None:
+    """What to write instead of the flat keywords ``given`` (``None``: none was given): each
+    keyword, the form replacing it, and the whole argument with these settings."""
+    names = [name for name in given if name in DEPRECATED]
+    if not names:
+        return None
+    slots = dict.fromkeys(DEPRECATED[name][0] for name in names)
+    values = {
+        "estimator": options.estimator,
+        "limits": options.limits,
+        "staleness": options.staleness,
+        "traj_key": TrajectoryIds(options.trajectory_keys.traj, options.trajectory_keys.count),
+    }
+    forms = "; ".join(f"{name}= -> {DEPRECATED[name][0]}={DEPRECATED[name][1]}" for name in names)
+    write = ", ".join(f"{slot}={values[slot]!r}" for slot in slots)
+    return (
+        f"MCAdvantage's flat keywords are deprecated (they keep working): {forms} (classes of "
+        f"torchrl_grpo.mcadvantage). For these settings, write: {write}."
+    )
+
+
+def _spread_estimator(kw: dict, given: dict) -> Estimator | None:
+    """``kw`` with the ``estimator`` given (an object or a name) spread onto the flat keywords
+    it replaces, which are then checked as they were; a flat keyword given with it raises.
+    Returns a user's own estimator (kept as given), else ``None``."""
+    if kw["estimator"] is None:
+        return None
+    estimator = lookup_estimator(kw["estimator"])
+    both = [name for name in given if DEPRECATED.get(name, ("",))[0] == "estimator"]
+    if both:
+        raise ValueError(
+            f"MCAdvantage got estimator={estimator!r} and {', '.join(f'{n}=' for n in both)}: "
+            "the estimator holds these settings; write them in it, not beside it."
+        )
+    if isinstance(estimator, Distillation):
+        kw["distillation"], estimator = estimator, estimator.group
+    if isinstance(estimator, RewardToGo):
+        if estimator.gamma is None:
+            raise ValueError("RewardToGo needs gamma, the discount in [0, 1] (0: the rewards).")
+        kw.update(reward_to_go_gamma=estimator.gamma, reward_to_go_baseline=estimator.baseline)
+    elif isinstance(estimator, StepGroups):
+        kw.update(
+            anchor_key=estimator.anchor_key,
+            episode_reward_weight=estimator.episode_weight,
+            step_reward_weight=estimator.step_weight,
+            step_reward_gamma=estimator.gamma,
+        )
+        if estimator.anchor_key is None:
+            raise ValueError("StepGroups needs anchor_key: the key of each step's anchor state.")
+    if isinstance(estimator, Distillation):
+        raise TypeError("Distillation's group is the estimator of A_group, not a Distillation.")
+    group = estimator.group
+    if group is None:
+        return estimator
+    for name in ("baseline", "scale_rewards", "epsilon", "whiten", "std_threshold", "step_norm"):
+        kw[name] = getattr(group, name)
+    kw["reward_weights"] = group.reward_weights
+    return None
 
 
 #: The records that group MCAdvantage's settings beyond torchrl's, their keyword, and the flat
@@ -362,8 +397,15 @@ def _flat_defaults() -> dict:
     defaults = {}
     for record, fields in RECORDS.values():
         for field, flat in fields.items():
-            defaults[flat] = None if record is StepGroups else record._field_defaults[field]
+            defaults[flat] = None if record is StepGroups else _field_default(record, field)
     return defaults
+
+
+def _field_default(record: type, field: str):
+    """The default of ``field`` of a record (a named tuple or a dataclass)."""
+    if dataclasses.is_dataclass(record):
+        return {f.name: f.default for f in dataclasses.fields(record)}[field]
+    return record._field_defaults[field]
 
 
 #: ``MCAdvantage``'s keyword-only arguments and their defaults: torchrl's, the package's own,
@@ -386,6 +428,7 @@ KEYWORDS = {
     "step_count_key": "step_count",
     "policy_version_key": "policy_version",
     "distillation": None,
+    "estimator": None,
     **dict.fromkeys(RECORDS),
     **_flat_defaults(),
 }
@@ -394,6 +437,14 @@ KEYWORDS = {
 def _expand_records(kw: dict, given: dict) -> dict:
     """``kw`` with each record given spread onto its flat keywords; a record given with one of
     its flat keywords raises."""
+    if isinstance(kw["traj_key"], TrajectoryIds):
+        ids = kw["traj_key"]
+        if "step_count_key" in given:
+            raise ValueError(
+                f"MCAdvantage got traj_key={ids!r} and step_count_key=: pass the record or "
+                "its flat keywords, not both."
+            )
+        kw["traj_key"], kw["step_count_key"] = ids.key, ids.step_count_key
     for name, (record, fields) in RECORDS.items():
         value = kw.get(name)
         if value is None:
@@ -410,6 +461,8 @@ def _expand_records(kw: dict, given: dict) -> dict:
             )
         for field, flat in fields.items():
             kw[flat] = getattr(value, field)
+        if record is StepGroups and value.anchor_key is not None and "anchor_key" not in given:
+            kw["anchor_key"] = value.anchor_key
     return kw
 
 
@@ -421,7 +474,7 @@ def _distillation(value, rewards_key) -> Distillation | None:
         if rewards_key is None:
             raise ValueError(
                 "rewards_key=None reads no reward: it is for pure distillation, "
-                "distillation=Distillation(alpha=0.0, ...)."
+                "estimator=Distillation(alpha=0.0, ...)."
             )
         return None
     if not isinstance(value, Distillation):
@@ -442,7 +495,9 @@ def _distillation(value, rewards_key) -> Distillation | None:
             f"rewards_key=None reads no reward, but Distillation(alpha={value.alpha}) weighs the "
             "group's advantage of the reward: give rewards_key, or alpha=0.0."
         )
-    return value._replace(alpha=float(value.alpha), beta=float(value.beta), gamma=float(gamma))
+    return dataclasses.replace(
+        value, alpha=float(value.alpha), beta=float(value.beta), gamma=float(gamma)
+    )
 
 
 def _integer(name: str, value) -> int:
@@ -504,7 +559,10 @@ def _trajectory_return(mode: str | None, grpo_size: int, selection: Selection) -
     return mode
 
 
-def _estimator(kw: dict, trajectory_return: str | None, several_rewards: bool) -> Estimator:
+def _estimator(kw: dict, trajectory_return, weights, rewards_key, own) -> Estimator:
+    """The estimator, checked, built from the (flat) settings: a :class:`GroupRelative`, in a
+    :class:`RewardToGo` or a :class:`StepGroups` where theirs are given, in a
+    :class:`Distillation` with a teacher; ``own``, a user's estimator, in place of the first."""
     if kw["scale_rewards"] not in SCALES:
         raise ValueError(
             f"scale_rewards must be one of {sorted(SCALES)}, got {kw['scale_rewards']!r}."
@@ -514,17 +572,27 @@ def _estimator(kw: dict, trajectory_return: str | None, several_rewards: bool) -
     if not kw["epsilon"] > 0:
         raise ValueError(f"epsilon must be positive, got {kw['epsilon']}.")
     whiten = kw["whiten"]
-    return Estimator(
-        trajectory_return=trajectory_return,
+    group = GroupRelative(
         baseline=kw["baseline"],
         scale_rewards=kw["scale_rewards"],
         epsilon=float(kw["epsilon"]),
+        whiten=None if whiten is None else bool(whiten),
+        std_threshold=kw["std_threshold"],
         step_norm=kw["step_norm"],
-        whiten=several_rewards if whiten is None else bool(whiten),
-        step_groups=_step_groups(kw),
-        reward_to_go_gamma=_reward_to_go_gamma(kw, trajectory_return),
-        reward_to_go_baseline=_reward_to_go_baseline(kw),
+        reward_weights=dict(weights) or None,
     )
+    estimator = group if own is None else own
+    step_groups = _step_groups(kw)
+    gamma = _reward_to_go_gamma(kw, trajectory_return)
+    baseline = _reward_to_go_baseline(kw)
+    if gamma is not None:
+        estimator = RewardToGo(gamma, baseline, group=group)
+    if step_groups is not None:
+        estimator = dataclasses.replace(step_groups, anchor_key=kw["anchor_key"], group=group)
+    distillation = _distillation(kw["distillation"], rewards_key)
+    if distillation is not None:
+        estimator = dataclasses.replace(distillation, group=estimator)
+    return estimator
 
 
 def _group_filter(kw: dict, trajectory_return: str | None) -> GroupFilter:
@@ -633,16 +701,20 @@ def _step_groups(kw: dict) -> StepGroups | None:
                 "key of each step's anchor state)."
             )
         return None
-    default = StepGroups()  # ROLL's, where not given
-    groups = StepGroups(
-        *(float(d if v is None else v) for v, d in zip(given.values(), default, strict=True))
-    )
-    for name, value in zip(("episode_reward_weight", "step_reward_weight"), groups[:2]):
+    defaults = StepGroups()  # ROLL's, where not given
+    values = [
+        float(getattr(defaults, field) if value is None else value)
+        for field, value in zip(("episode_weight", "step_weight", "gamma"), given.values())
+    ]
+    for name, value in zip(("episode_reward_weight", "step_reward_weight"), values[:2]):
         if not math.isfinite(value):
             raise ValueError(f"{name} must be finite, got {value}.")
-    if not 0.0 <= groups.gamma <= 1.0:
-        raise ValueError(f"step_reward_gamma must be in [0, 1], got {groups.gamma}.")
-    return groups
+    if not 0.0 <= values[2] <= 1.0:
+        raise ValueError(
+            f"step_reward_gamma must be in [0, 1], got {values[2]}: StepGroups' gamma, the "
+            "discount of the step-level returns."
+        )
+    return StepGroups(*values)
 
 
 REWARD_TO_GO_BASELINES = ("group", "time_step", "step_group")
@@ -677,15 +749,17 @@ def _reward_to_go_gamma(kw: dict, trajectory_return: str | None) -> float | None
     if isinstance(gamma, bool) or not isinstance(gamma, numbers.Real):
         raise TypeError(
             f"reward_to_go_gamma must be a real number in [0, 1] or None, got {gamma!r} "
-            f"({type(gamma).__name__})."
+            f"({type(gamma).__name__}): RewardToGo's gamma, the discount."
         )
     if not 0.0 <= gamma <= 1.0:
-        raise ValueError(f"reward_to_go_gamma must be in [0, 1], got {gamma}.")
+        raise ValueError(
+            f"reward_to_go_gamma must be in [0, 1], got {gamma}: RewardToGo's gamma, the discount."
+        )
     if trajectory_return is not None:
         raise ValueError(
             "reward_to_go_gamma makes each step's sample its discounted reward-to-go, a per-step "
             "mode: it requires trajectory_return=None, got "
-            f"trajectory_return={trajectory_return!r}."
+            f"trajectory_return={trajectory_return!r} (RewardToGo is a per-step estimator)."
         )
     if kw["anchor_key"] is not None:
         raise ValueError(

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 from torch import Tensor
 
+from torchrl_grpo._segments import Segments
 from torchrl_grpo.mcadvantage.store import Chunks
 
 if TYPE_CHECKING:
@@ -23,7 +24,7 @@ if TYPE_CHECKING:
 
     from torchrl_grpo.mcadvantage.ids import GroupIds
     from torchrl_grpo.mcadvantage.registry import IdRegistry
-    from torchrl_grpo.mcadvantage.steps import Steps
+    from torchrl_grpo.mcadvantage.steps import Elements, Steps
 
 __all__ = [
     "LAST_COUNT",
@@ -39,8 +40,10 @@ __all__ = [
     "Outcome",
     "Pending",
     "Released",
+    "ReleasedGroups",
     "Returns",
     "Rounds",
+    "Samples",
     "Sizes",
     "State",
     "Tails",
@@ -120,6 +123,43 @@ class Rounds(NamedTuple):
     filtered: bool = False  # the group filters were applied when the rounds were chosen
     sizes: Sizes | None = None  # read with the rounds; None: found where needed
     also: list | None = None  # the values of the caller's tensors read with them (find_rounds)
+
+
+class Samples(NamedTuple):
+    """The released trajectories' rewards, as the estimator reads them."""
+
+    values: Tensor  # (E,) every reward element (float64 once weighted or discounted)
+    dtype: torch.dtype  # the reward's, which the advantage is written in
+    steps: Tensor  # (M,) steps of each released trajectory
+    elems: Tensor  # (M,) reward elements of each
+    elements: Elements  # how the reward elements lie on the steps
+    width: int | None  # the steps of every trajectory when known to be equal (0: they differ)
+    per_key: list | None  # with several rewards, each one's elements (or returns): K x (E,)
+    num_steps: int  # S
+
+    @property
+    def elems_width(self) -> int | None:  # the reward elements of every trajectory, if equal
+        return None if self.width is None else self.elements.run_width(self.width)
+
+    def by_steps(self) -> Segments:  # each released trajectory as a run of its steps
+        return Segments(None, lengths=self.steps, width=self.width, total=self.num_steps)
+
+    def by_elems(self) -> Segments:  # ... and as a run of its reward elements
+        total = self.values.shape[0]
+        return Segments(None, lengths=self.elems, width=self.elems_width, total=total)
+
+
+class ReleasedGroups(NamedTuple):
+    """What an estimator reads of the groups a release writes (see
+    :mod:`~torchrl_grpo.mcadvantage.estimators`)."""
+
+    x: Tensor  # the samples: (M,) returns in a return mode, else (E,) every reward element
+    runs: Tensor | None  # (M,) samples of each trajectory; None: one each (a return mode)
+    member_round: Tensor  # (M,) the released group of each trajectory
+    num_rounds: int
+    samples: Samples  # the rewards' elements and how they lie on steps and trajectories
+    steps: Steps  # the released steps (anchor states, tokens)
+    keys: object  # the transform's Keys (mcadvantage.options)
 
 
 class Released(NamedTuple):

@@ -11,7 +11,7 @@ checkpoints.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+import warnings
 
 from tensordict import NestedKey, TensorDictBase
 from torchrl.envs.transforms import Transform
@@ -21,14 +21,13 @@ from torchrl_grpo._compat import calling_replay_buffer
 from torchrl_grpo.checkpoint import allow_empty_dumps
 from torchrl_grpo.mcadvantage import shared
 from torchrl_grpo.mcadvantage.buffer import check_release
+from torchrl_grpo.mcadvantage.estimators import Distillation, Estimator
 from torchrl_grpo.mcadvantage.options import (
-    KEYWORDS,
-    Distillation,
     Limits,
     Options,
-    RewardToGo,
     Staleness,
-    StepGroups,
+    TrajectoryIds,
+    deprecated_forms,
     make_options,
     read_setting,
     with_setting,
@@ -106,7 +105,8 @@ class MCAdvantage(Transform):
        (an insertion released whole goes to storage as it came, without a copy). Groups still
        short of ``grpo_size`` stay pending (``None`` is returned if nothing completes).
 
-    Advantages follow :func:`~torchrl_grpo.advantages.group_relative_advantage`. With
+    Advantages are the ``estimator``'s: by default GRPO's
+    (:func:`~torchrl_grpo.advantages.group_relative_advantage`, as torchrl). With
     ``trajectory_return=None`` (torchrl's default) every reward element of every step of the group
     is one sample; otherwise each trajectory is reduced to one return and its advantage is
     broadcast to all its steps.
@@ -128,36 +128,6 @@ class MCAdvantage(Transform):
             its return: ``"sum"``, ``"max"``, ``"mean"`` (torchrl) or ``"last"`` (step-wise GRPO:
             the final reward is broadcast to every step; Trinity-RFT's ``step_wise_grpo``,
             rLLM's ``broadcast``: an agent's turns are the steps of its dialog).
-        reward_to_go (RewardToGo, optional): each step's discounted reward-to-go as its
-            sample (the flat ``reward_to_go_gamma`` and ``reward_to_go_baseline`` are accepted
-            too):
-
-            gamma: ``None`` (default), or a discount ``gamma`` in ``[0, 1]`` that makes, with
-                ``trajectory_return=None``, each step's sample its discounted reward-to-go instead
-                of its reward: ``G_t = r_t + gamma * G_{t+1}`` with ``G_T = r_T`` at the
-                trajectory's last step, i.e. ``G_t = sum over k >= t of gamma**(k - t) * r_k``
-                (REINFORCE's reward-to-go, torchrl's ``reward2go``; see
-                :func:`~torchrl_grpo.advantages.discounted_returns`). It is computed at release, on
-                whole trajectories (joined across insertions with ``traj_key``), so a collector's
-                ``frames_per_batch`` batches can be inserted as they come. A reward of several
-                elements per step is discounted element by element (as ``reward2go`` does with
-                trailing dimensions). ``0`` gives the rewards themselves, ``1`` the undiscounted sum
-                to the end. Requires ``trajectory_return=None``; not with ``anchor_key`` (GiGPO
-                discounts its step level with ``step_reward_gamma``). Ragged steps (an agent's
-                turns, token sequences of different lengths) take it when every step has as many
-                reward elements (torchrl's ``[1, 1]`` per turn). A group whose trajectories have
-                equal rewards-to-go at every time step (identical episodes) gets advantages of
-                exactly ``0``, as in the other modes.
-            baseline: with ``gamma``, what each step's reward-to-go is compared with: ``"group"``
-                (default), the mean over every step of the group's trajectories (a constant
-                baseline: the steps that led to a fall get negative advantages even within one
-                trajectory), or ``"time_step"``, the mean over the group's trajectories at the same
-                time step (a time-dependent baseline; the scale is the pooled std of those
-                deviations; see :func:`~torchrl_grpo.advantages.group_relative_advantage` with
-                ``by_time_step``), or ``"step_group"``, each (group, time step) a GRPO group of its
-                own, mean and std (rLLM's ``stepwise_advantage.mode="per_step"``: the turns of an
-                agent's dialogs compared turn index by turn index; a turn only one dialog reached
-                gets ``0``, where rLLM, through verl, gives it its raw return).
         keep_return_bounds: exclusive ``(low, high)`` bounds on a group's mean return; a group
             outside them is dropped (DAPO dynamic sampling), decided as torchrl decides it.
             Requires ``trajectory_return``.
@@ -165,46 +135,42 @@ class MCAdvantage(Transform):
             Defaults to ``grpo_size``; larger values require ``trajectory_return``.
         candidate_selection_min_size: candidates needed before the first selection attempt.
         candidate_selector: an :class:`MCAdvantageSelector` choosing ``grpo_size`` candidates.
-        scale_rewards: ``"group"`` (default: per-group std), ``"batch"`` (std over every sample
-            released by the same insertion, mean still per group) or ``"none"`` (Dr. GRPO).
-        baseline: ``"mean"`` (default), ``"leave_one_out"`` (RLOO) or ``"pass_at_k"`` (GRPO
-            pass@k, verl ``grpo_passk``: a group's unique best sample gets its gap to the
-            runner-up, every other sample ``0``).
-        std_threshold: groups whose sample std is at or below it are dropped and counted in
-            ``dropped_groups`` (Trinity-RFT). ``None`` (default) keeps every group. With
-            ``reward_to_go_gamma``, the std is the spread between the group's trajectories at
-            each time step, so ``0`` drops groups of identical episodes.
-        step_norm: divide each trajectory's advantages by its number of steps.
-        epsilon: floor of the std (``clamp_min``). Defaults to ``1e-6``, as torchrl.
-        whiten: after the baseline and the scale, whiten the advantages over every sample
-            released by the same insertion: subtract their mean, divide by their std
-            (REINFORCE++-baseline with ``scale_rewards="none"``). ``None`` (default): on with
-            ``reward_weights`` (GDPO's batch normalization, as TRL), off otherwise.
-        reward_weights: ``{reward key: weight}``, several rewards (GDPO, TRL's
-            ``multi_objective_aggregation="normalize_then_sum"``): each is normalized within its
-            group by ``baseline`` and ``scale_rewards``, then the weighted sum is taken (and
-            whitened, see ``whiten``). Its keys replace ``rewards_key`` (the first one gives the
-            advantage its shape); the group filters, candidate selection and statistics see the
-            weighted sum of the rewards. ``None`` (default): the one reward under ``rewards_key``.
-        anchor_key: key of each step's anchor state (a tensor compared by value: an id, a grid
-            cell, an observation; or a string), for GiGPO's step-level groups: the steps of a
-            released group with equal anchors form a step group, and each step's advantage
-            becomes ``episode_reward_weight * A_group + step_reward_weight * A_step``, where
-            ``A_step`` normalizes the step's discounted return (``step_reward_gamma``) within its
-            step group by ``baseline`` and ``scale_rewards``. ``None`` (default): no step groups.
-        step_groups (StepGroups, optional): with ``anchor_key``, the weights and discount of
-            GiGPO's step level (ROLL's defaults; the flat ``episode_reward_weight``,
-            ``step_reward_weight`` and ``step_reward_gamma`` are accepted too):
+        estimator (Estimator or str, optional): how a released group's samples become
+            advantages, one object of :mod:`~torchrl_grpo.mcadvantage.estimators` holding all
+            its settings (readable as ``transform.estimator.<setting>``), or a name of
+            :data:`~torchrl_grpo.mcadvantage.ESTIMATORS` (``"grpo"``, ``"dr_grpo"``,
+            ``"rloo"``, ``"reinforce_pp_baseline"``, ``"pass_at_k"``):
 
-            episode_weight (``episode_reward_weight``): weight of the group-level advantage with
-                ``anchor_key`` (default ``1.0``, ROLL's).
-            step_weight (``step_reward_weight``): weight of the step-level advantage (default
-                ``1.0``, ROLL's).
-            gamma (``step_reward_gamma``): discount of the step-level returns (default ``0.95``,
-                ROLL's).
+            - :class:`~torchrl_grpo.mcadvantage.GroupRelative` (default, torchrl's numbers):
+              ``baseline`` (``"mean"``, ``"leave_one_out"``, ``"pass_at_k"``), ``scale_rewards``
+              (``"group"``, ``"batch"``, ``"none"``), ``epsilon``, ``whiten``,
+              ``std_threshold`` (groups at or below it dropped and counted in
+              ``dropped_groups``; with a reward-to-go, the spread between trajectories at each
+              time step), ``step_norm`` and GDPO's ``reward_weights`` (their keys replace
+              ``rewards_key``; the filters, selection and statistics see the weighted sum);
+            - :class:`~torchrl_grpo.mcadvantage.RewardToGo` ``(gamma, baseline, group=...)``:
+              each step's discounted reward-to-go as its sample, compared with the group's mean
+              (``"group"``), the mean at the same time step (``"time_step"``) or per (group,
+              time step) (``"step_group"``); with ``trajectory_return=None``, computed at
+              release on whole trajectories; ragged steps take it when every step has as many
+              reward elements;
+            - :class:`~torchrl_grpo.mcadvantage.StepGroups` ``(episode_weight, step_weight,
+              gamma, anchor_key=..., group=...)``: GiGPO's step-level groups of equal anchor
+              states, ``episode_weight * A_group + step_weight * A_step``;
+            - :class:`~torchrl_grpo.mcadvantage.Distillation` ``(alpha, beta, gamma, ...,
+              group=...)``: a teacher's per-token reverse KL, ``alpha * A_group - beta * D_t``
+              on the response tokens (``rewards_key=None`` with ``alpha=0``: no reward read);
+            - a subclass of :class:`~torchrl_grpo.mcadvantage.Estimator` overriding
+              ``advantages(samples, group_index, num_groups)``: a user's own.
+
+            The flat keywords of earlier versions (``baseline=``, ``scale_rewards=``,
+            ``epsilon=``, ``whiten=``, ``std_threshold=``, ``step_norm=``, ``reward_weights=``,
+            ``reward_to_go=``, ``reward_to_go_gamma=``, ``anchor_key=``, ``step_groups=``,
+            ``distillation=``...) still work, with a ``DeprecationWarning`` that says what to
+            write; given with an ``estimator``, they are refused.
         limits (Limits, optional): bounds on what is held back (the flat
             ``max_pending_groups``, ``max_pending_age``, ``on_overflow`` and ``min_group_size``
-            are accepted too):
+            are deprecated):
 
             max_groups (``max_pending_groups``): most incomplete groups held at once. ``None``
                 (default): no limit.
@@ -224,19 +190,20 @@ class MCAdvantage(Transform):
                 up as before. It is released by the first insertion that brings a complete
                 trajectory once it is that old, and counted in ``short_groups``. ``None`` (default):
                 groups are released full only.
-        traj_key: key of the trajectory id of every step. When the input has it, trajectories
-            may cross insertions: the unfinished ones are held (:attr:`held_trajectories`) and
-            completed by later insertions, with the same advantages as inserting each whole
-            trajectory when its last step arrives (in the order of the last steps in the
-            row-major flattened input). Ids must be unique across everything written through the
-            transform (torchrl's collectors, multi-worker ones included, guarantee it); an id
-            that comes back after its trajectory ended raises ``ValueError``. A held trajectory
-            older than ``max_pending_age`` insertions is given up, and the steps of its id that
-            arrive later are left out (``evicted_steps``). Negative ids (torchrl's frames a
-            preemptive collector did not fill) are not data. Defaults to
-            ``("collector", "traj_ids")``; ``None`` always splits at the done flags (torchrl's
-            behaviour).
-        step_count_key: key of a step counter (torchrl's ``StepCounter`` writes
+        traj_key (NestedKey or TrajectoryIds): key of the trajectory id of every step
+            (``TrajectoryIds(key, step_count_key=...)`` names the step counter too). When the input
+            has it, trajectories may cross insertions: the unfinished ones are held
+            (:attr:`held_trajectories`) and completed by later insertions, with the same advantages
+            as inserting each whole trajectory when its last step arrives (in the order of the last
+            steps in the row-major flattened input). Ids must be unique across everything written
+            through the transform (torchrl's collectors, multi-worker ones included, guarantee it);
+            an id that comes back after its trajectory ended raises ``ValueError``. A held
+            trajectory older than ``max_pending_age`` insertions is given up, and the steps of its
+            id that arrive later are left out (``evicted_steps``). Negative ids (torchrl's frames a
+            preemptive collector did not fill) are not data. Defaults to ``("collector",
+            "traj_ids")``; ``None`` always splits at the done flags (torchrl's behaviour).
+            ``step_count_key`` (of ``TrajectoryIds``; the flat ``step_count_key`` is
+            deprecated): key of a step counter (torchrl's ``StepCounter`` writes
             ``"step_count"``), read with ``traj_key`` when the input has it: a trajectory must
             start at 0 and count up by one across insertions, so that a continuation whose
             earlier part is missing raises ``ValueError``. ``None``: not checked.
@@ -250,7 +217,7 @@ class MCAdvantage(Transform):
             one of them (``policy_version_spread``) in :meth:`get_stats`.
 
         staleness (Staleness, optional): how old the data may be, in policy versions (the flat
-            ``max_policy_lag`` and ``consumer_version`` are accepted too):
+            ``max_policy_lag`` and ``consumer_version`` are deprecated):
 
             max_lag (``max_policy_lag``): with an integer ``K``, the trajectories (pending or
                 arriving) that lag by more than ``K`` versions are dropped at each insertion and
@@ -263,13 +230,13 @@ class MCAdvantage(Transform):
 
     Raises:
         ValueError: for inconsistent arguments (same conditions as torchrl), and for the added
-            keywords: empty or non-finite ``reward_weights``, a ``rewards_key`` they leave out,
-            step-level weights without ``anchor_key``, a ``step_reward_gamma`` or a
-            ``reward_to_go_gamma`` outside ``[0, 1]``, ``reward_to_go_gamma`` with a
-            ``trajectory_return`` or an ``anchor_key``.
-        TypeError: for a size that is not an integer (``2.7``, ``True``), a
-            ``reward_to_go_gamma`` that is not a real number, a record of the wrong kind; and
-            a record given with one of its flat keywords (``ValueError``).
+            ones: empty or non-finite ``reward_weights``, a ``rewards_key`` they leave out,
+            ``StepGroups`` without ``anchor_key``, a discount outside ``[0, 1]``,
+            ``RewardToGo`` with a ``trajectory_return``, an unknown estimator name (the known
+            ones listed), an estimator given with a flat keyword it replaces, or a record with
+            one of its flat keywords (both named).
+        TypeError: for a size that is not an integer (``2.7``, ``True``), a discount that is
+            not a real number, an estimator or record of the wrong kind.
 
     Examples:
         >>> import torch
@@ -309,36 +276,40 @@ class MCAdvantage(Transform):
         candidate_group_size: int | None = None,
         candidate_selection_min_size: int | None = None,
         candidate_selector: MCAdvantageSelector | None = None,
-        scale_rewards: str = "group",
-        baseline: str = "mean",
-        std_threshold: float | None = None,
-        step_norm: bool = False,
-        epsilon: float = 1e-6,
-        whiten: bool | None = None,
-        reward_weights: Mapping[NestedKey, float] | None = None,
-        reward_to_go: RewardToGo | None = None,
-        anchor_key: NestedKey | None = None,
-        step_groups: StepGroups | None = None,
+        estimator: Estimator | str | None = None,
+        traj_key: NestedKey | TrajectoryIds | None = ("collector", "traj_ids"),
         limits: Limits | None = None,
         staleness: Staleness | None = None,
-        distillation: Distillation | None = None,
-        traj_key: NestedKey | None = ("collector", "traj_ids"),
-        step_count_key: NestedKey | None = "step_count",
         policy_version_key: NestedKey | None = "policy_version",
         **flat,
     ):
         super().__init__()
-        arguments = {name: value for name, value in locals().items() if name in _KEYWORDS}
-        arguments.update(flat)  # the records' flat keywords (checked by make_options)
         options = make_options(
-            grpo_size, prompt_key, rewards_key, advantage_key, done_key, verbose, **arguments
+            grpo_size,
+            prompt_key,
+            rewards_key,
+            advantage_key,
+            done_key,
+            verbose,
+            trajectory_return=trajectory_return,
+            keep_return_bounds=keep_return_bounds,
+            candidate_group_size=candidate_group_size,
+            candidate_selection_min_size=candidate_selection_min_size,
+            candidate_selector=candidate_selector,
+            estimator=estimator,
+            traj_key=traj_key,
+            limits=limits,
+            staleness=staleness,
+            policy_version_key=policy_version_key,
+            **flat,  # the flat keywords of earlier versions (checked by make_options)
         )
+        message = deprecated_forms(flat, options)
+        if message is not None:
+            warnings.warn(message, DeprecationWarning, stacklevel=2)
         keys = options.keys
         rewards = [k for k, _ in keys.reward_weights] or [keys.reward]
         self.in_keys = [prompt_key, *(key for key in rewards if key is not None), done_key]
-        self.in_keys += [anchor_key] if anchor_key is not None else []
-        if distillation is not None:
-            self.in_keys += [distillation.log_prob_key, distillation.teacher_key]
+        self.in_keys += options.estimator.in_keys()
         self.out_keys = [advantage_key]
         self._options = options
         self._replica = Replica(options)  # replaced by the owner's handle once shared
@@ -354,17 +325,8 @@ class MCAdvantage(Transform):
     rewards_key = Setting("Key of the rewards.")
     done_key = Setting("Key of the done flags.")
     advantage_key = Setting("Key written with the advantages.")
-    anchor_key = Setting("Key of each step's anchor state (GiGPO).")
     trajectory_return = Setting("How a return is reduced.")
-    reward_to_go_gamma = Setting("Discount of the per-step reward-to-go (``None``: off).")
-    reward_to_go_baseline = Setting("``group``, ``time_step`` or ``step_group``.")
-    baseline = Setting("``mean``, ``leave_one_out``, ``pass_at_k``.")
-    scale_rewards = Setting("``group``, ``batch`` or ``none``.")
-    epsilon = Setting("Floor of the scale.")
-    step_norm = Setting("Divide by each trajectory's steps.")
-    whiten = Setting("Whiten over the released samples.")
     keep_return_bounds = Setting("Dynamic sampling bounds.")
-    std_threshold = Setting("Groups with a std at or below go.")
     candidate_group_size = Setting("Candidates per group.")
     candidate_selection_min_size = Setting("Candidates to try with.")
     candidate_selector = Setting("Picks among candidates.")
@@ -379,19 +341,18 @@ class MCAdvantage(Transform):
     consumer_version = Setting("The version lags are measured from (``None``: the newest read).")
 
     @property
-    def reward_weights(self) -> dict | None:
-        """``{reward key: weight}`` (GDPO), or ``None`` for the one reward under ``rewards_key``."""
-        return dict(self._options.keys.reward_weights) or None
+    def estimator(self) -> Estimator:
+        """How advantages are computed, with every setting of it (``estimator.group.epsilon``,
+        ``estimator.gamma``...): the object given, checked, or the one the flat keywords of
+        earlier versions built."""
+        return self._options.estimator
 
     @property
     def distillation(self) -> Distillation | None:
-        """On-policy distillation's weights and keys; ``None`` without a teacher."""
-        return self._options.distillation
-
-    @property
-    def step_groups(self) -> StepGroups | None:
-        """GiGPO's ``episode_weight``, ``step_weight`` and ``gamma``; ``None`` without anchors."""
-        return self._options.estimator.step_groups
+        """The estimator when it is a :class:`~torchrl_grpo.mcadvantage.Distillation` (its
+        weights and keys), else ``None``: what ``distillation=`` used to hold."""
+        estimator = self._options.estimator
+        return estimator if isinstance(estimator, Distillation) else None
 
     def _set_options(self, options: Options) -> None:
         self._options = options
@@ -562,9 +523,6 @@ class MCAdvantage(Transform):
         warned = self._warned_overwrite
         if check_release(self, out, warned=warned) != warned:
             self._warned_overwrite = True
-
-
-_KEYWORDS = frozenset(KEYWORDS)
 
 
 def _read_earlier_checkpoints(module: MCAdvantage, state_dict, prefix, *args) -> None:
