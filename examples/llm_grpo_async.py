@@ -36,7 +36,7 @@ train/inference mismatches, not for stale policies.
 ``examples/llm_grpo.py`` trained (its ``model/`` and ``tokenizer/``, loaded by
 ``llm_distill.py``'s ``load_teacher``; it must share the student's tokenizer) scores each batch
 in the sampler process, after the reference (``TeacherLogProbs``: ``("next",
-"teacher_log_probs", "full")``), and ``MCAdvantage(distillation=Distillation(...))`` writes each
+"teacher_log_probs", "full")``), and ``MCAdvantage(estimator=Distillation(...))`` writes each
 response token's advantage ``alpha * A_group - beta * (log pi_old - log pi_T)`` on insertion
 (``--distill-alpha``, ``--distill-beta``, ``--distill-gamma``; ``log pi_old`` the sampler's own
 log-probs; ``--distill-alpha 0``: distillation alone, no reward read). The trainer is unchanged:

@@ -3,8 +3,8 @@
 :class:`TeacherLogProbs` runs torchrl's ``RetrieveLogProb`` on a teacher wrapper
 (:class:`~torchrl_grpo.LeanTransformersWrapper` with ``generate=False``: no logits, each shared
 prompt once) and writes the log-probs of every token of ``("tokens", "full")`` under their own
-key, ``("next", "teacher_log_probs", "full")``, which ``MCAdvantage(distillation=...)`` and
-torchrl's ``DistillationLoss`` read. With a mapping from a task to a teacher (multi-teacher
+key, ``("next", "teacher_log_probs", "full")``, which ``MCAdvantage(estimator=Distillation(...))``
+and torchrl's ``DistillationLoss`` read. With a mapping from a task to a teacher (multi-teacher
 on-policy distillation, MOPD), each row is scored by its task's teacher.
 
 A teacher must read the student's tokens as the student does: its tokenizer must have the
@@ -33,7 +33,7 @@ class TeacherLogProbs(Transform):
 
     Use it where the reference policy is scored: in the collector's post-processing (or the
     sampler's side of an asynchronous run), after the rewards and before the replay buffer's
-    ``MCAdvantage(distillation=...)``, under ``torch.no_grad`` (it sets it itself).
+    ``MCAdvantage(estimator=Distillation(...))``, under ``torch.no_grad`` (it sets it itself).
 
     Args:
         teacher: an LLM wrapper with ``generate=False`` and ``return_log_probs=True`` (a

@@ -485,7 +485,7 @@ def _distillation(value, rewards_key) -> Distillation | None:
     if value.alpha == 0.0 and value.beta == 0.0:
         raise ValueError(
             "Distillation(alpha=0, beta=0) uses neither the reward nor the teacher's log-probs: "
-            "drop distillation=, or give the teacher a weight beta > 0."
+            "use another estimator, or give the teacher a weight beta > 0."
         )
     gamma = value.gamma
     if isinstance(gamma, bool) or not isinstance(gamma, numbers.Real) or not 0 <= gamma <= 1:
