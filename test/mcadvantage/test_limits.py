@@ -64,13 +64,18 @@ class TestMemoryLimits:
         assert t.queued_trajectories == 0 and not [c for c in chunks if c is not None]
 
     def test_invalid_limits(self):
-        for kw, message in [
-            (dict(max_pending_groups=0), "max_pending_groups must be at least 1"),
-            (dict(max_pending_age=0), "max_pending_age must be at least 1"),
-            (dict(on_overflow="drop"), "on_overflow must be"),
+        for limits, message in [
+            (Limits(max_groups=0), "^Limits' max_groups must be at least 1"),
+            (Limits(max_age=0), "^Limits' max_age must be at least 1"),
+            (Limits(on_overflow="drop"), "^Limits' on_overflow must be"),
         ]:
             with pytest.raises(ValueError, match=message):
-                MCAdvantage(2, **kw)
+                MCAdvantage(2, limits=limits)
+
+    def test_invalid_flat_limit_names_both(self):
+        message = r"^Limits' max_groups \(given as max_pending_groups=\) must be at least 1"
+        with pytest.raises(ValueError, match=message):
+            MCAdvantage(2, max_pending_groups=0)
 
 
 class TestEvictGroups:
@@ -187,7 +192,7 @@ class TestMinGroupSize:
         [
             ({"min_group_size": 0, "max_pending_age": 2}, "between 1 and grpo_size=4, got 0"),
             ({"min_group_size": 5, "max_pending_age": 2}, "between 1 and grpo_size=4, got 5"),
-            ({"min_group_size": 2}, "set max_pending_age too"),
+            ({"min_group_size": 2}, "set Limits' max_age too"),
             (
                 {
                     "min_group_size": 2,

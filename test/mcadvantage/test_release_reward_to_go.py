@@ -176,26 +176,34 @@ class TestRewardToGo:
 
     def test_validation(self):
         for kw, error, words in [
-            (dict(reward_to_go_gamma=1.5), ValueError, r"reward_to_go_gamma must be in \[0, 1\]"),
-            (dict(reward_to_go_gamma=-0.1), ValueError, r"must be in \[0, 1\], got -0.1"),
-            (dict(reward_to_go_gamma=float("nan")), ValueError, r"must be in \[0, 1\], got nan"),
-            (dict(reward_to_go_gamma=True), TypeError, "real number .*True .*bool"),
-            (dict(reward_to_go_gamma="0.9"), TypeError, "real number .*'0.9' .*str"),
             (
-                dict(reward_to_go_gamma=0.9, trajectory_return="sum"),
+                dict(estimator=RewardToGo(1.5)),
+                ValueError,
+                r"^RewardToGo's gamma must be in \[0, 1\]",
+            ),
+            (dict(estimator=RewardToGo(-0.1)), ValueError, r"must be in \[0, 1\], got -0.1"),
+            (dict(estimator=RewardToGo(float("nan"))), ValueError, r"in \[0, 1\], got nan"),
+            (dict(estimator=RewardToGo(True)), TypeError, "real number .*True .*bool"),
+            (dict(estimator=RewardToGo("0.9")), TypeError, "real number .*'0.9' .*str"),
+            (
+                dict(estimator=RewardToGo(0.9), trajectory_return="sum"),
                 ValueError,
                 "requires trajectory_return=None, got trajectory_return='sum'",
+            ),
+            (  # the deprecated flat keywords: named as well
+                dict(reward_to_go_gamma=1.5),
+                ValueError,
+                r"^RewardToGo's gamma \(given as reward_to_go_gamma=\) must be in \[0, 1\]",
             ),
             (
                 dict(reward_to_go_gamma=0.9, anchor_key="obs"),
                 ValueError,
-                "cannot be combined with anchor_key.*step_reward_gamma",
+                "cannot be combined with StepGroups' anchor_key .*StepGroups' gamma",
             ),
         ]:
             with pytest.raises(error, match=words):
                 MCAdvantage(4, **kw)
-        assert MCAdvantage(4, reward_to_go_gamma=1).estimator.gamma == 1.0  # an int is fine
-        assert MCAdvantage(4, estimator=RewardToGo(1)).estimator.gamma == 1.0
+        assert MCAdvantage(4, estimator=RewardToGo(1)).estimator.gamma == 1.0  # an int is fine
         assert not isinstance(MCAdvantage(4).estimator, RewardToGo)
 
     def test_ragged_steps_raise_and_change_nothing(self):
@@ -208,7 +216,7 @@ class TestRewardToGo:
             for n, done in ((2, False), (3, True))
         ]
         before = t.get_stats()
-        with pytest.raises(ValueError, match="reward_to_go_gamma .* rewards of different sizes"):
+        with pytest.raises(ValueError, match="RewardToGo's gamma .* rewards of different sizes"):
             t.inv(lazy_stack(steps))
         assert t.get_stats() == before and t.queued_trajectories == 0
 
@@ -366,9 +374,9 @@ class TestRewardToGoByTimeStep:
         with pytest.raises(
             ValueError, match=r"must be one of \['group', 'time_step', 'step_group'\], got 'step'"
         ):
-            MCAdvantage(4, reward_to_go_gamma=0.9, reward_to_go_baseline="step")
-        with pytest.raises(ValueError, match="needs reward_to_go_gamma"):
-            MCAdvantage(4, reward_to_go_baseline="time_step")
-        t = MCAdvantage(4, reward_to_go_gamma=0.9, reward_to_go_baseline="time_step")
+            MCAdvantage(4, estimator=RewardToGo(0.9, baseline="step"))
+        with pytest.raises(ValueError, match="needs RewardToGo's gamma"):
+            MCAdvantage(4, reward_to_go_baseline="time_step")  # the deprecated flat keyword
+        t = MCAdvantage(4, estimator=RewardToGo(0.9, baseline="time_step"))
         assert t.estimator.baseline == "time_step"
         assert MCAdvantage(4, estimator=RewardToGo(0.5)).estimator.baseline == "group"

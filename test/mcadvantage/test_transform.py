@@ -22,6 +22,7 @@ from torchrl.data import LazyStackStorage, LazyTensorStorage, ReplayBuffer
 from torchrl.objectives.llm import MCAdvantage as TorchRLMCAdvantage
 
 from torchrl_grpo import MCAdvantage, MCAdvantageSelector, group_relative_advantage
+from torchrl_grpo.mcadvantage import GroupRelative
 
 
 class TestParityWithTorchRL:
@@ -215,13 +216,15 @@ class TestEstimators:
             with pytest.raises(ValueError, match=message):
                 MCAdvantage(**kw)
         for kw, message in [
-            (dict(scale_rewards="std"), "scale_rewards must be one of"),
-            (dict(baseline="median"), "baseline must be one of"),
-            (dict(std_threshold=-1.0), "std_threshold must be non-negative"),
-            (dict(epsilon=0.0), "epsilon must be positive"),
+            (dict(scale_rewards="std"), "^GroupRelative's scale_rewards must be one of"),
+            (dict(baseline="median"), "^GroupRelative's baseline must be one of"),
+            (dict(std_threshold=-1.0), "^GroupRelative's std_threshold must be non-negative"),
+            (dict(epsilon=0.0), "^GroupRelative's epsilon must be positive"),
         ]:
             with pytest.raises(ValueError, match=message):
-                MCAdvantage(4, **kw)
+                MCAdvantage(4, estimator=GroupRelative(**kw))
+        with pytest.raises(ValueError, match=r"\(given as epsilon=\) must be positive"):
+            MCAdvantage(4, epsilon=0.0)  # the deprecated flat keyword, named as well
 
 
 class TestBadInput:
