@@ -47,7 +47,7 @@ class TestIntegerArguments:
             np.int64(4),
             trajectory_return="sum",
             candidate_group_size=torch.tensor(6),
-            max_pending_groups=np.int32(3),
+            limits=Limits(max_groups=np.int32(3)),
         )
         assert (t.grpo_size, t.candidate_group_size, t.max_pending_groups) == (4, 6, 3)
         assert all(type(v) is int for v in (t.grpo_size, t.candidate_group_size))
