@@ -88,7 +88,7 @@ def reference_time_step_advantage(groups, baseline="mean", scale_rewards="group"
 
 def reward_to_go_reference(trajs, gamma, size, *, key="seed", step_norm=False, **estimator):
     """``{uid: advantage (steps, k)}`` of whole trajectories (flat TensorDicts) under
-    ``MCAdvantage(size, reward_to_go_gamma=gamma, ...)``: each group's trajectories in arrival
+    ``MCAdvantage(size, estimator=RewardToGo(gamma), ...)``: each group's trajectories in arrival
     order form rounds of ``size``; every reward element's discounted sum to the end of its
     trajectory (element by element) is compared at its time step
     (:func:`reference_time_step_advantage`)."""

@@ -8,6 +8,7 @@ from helpers import trajectory
 from torchrl.data import LazyTensorStorage, ReplayBuffer
 
 from torchrl_grpo import MCAdvantage
+from torchrl_grpo.mcadvantage import Limits
 
 
 def buffer(size, **kwargs):
@@ -53,7 +54,7 @@ class TestCapacity:
             rb.extend(torch.cat([trajectory(1, [1.0, 1.0]), trajectory(1, [2.0, 2.0])]))
 
     def test_a_release_larger_than_the_storage_is_refused_on_request(self):
-        rb = buffer(3, on_overflow="raise")
+        rb = buffer(3, limits=Limits(on_overflow="raise"))
         rb.extend(trajectory(0, [1.0, 1.0]))
         with pytest.raises(ValueError, match=r"releases 4 steps, more than .*max_size=3.*raise"):
             rb.extend(trajectory(0, [1.0, 2.0]))
@@ -83,7 +84,7 @@ class TestCapacity:
 class TestShared:
     def test_a_refused_release_leaves_the_owner_as_it_was(self):
         rb = ReplayBuffer(storage=LazyTensorStorage(3), shared=True)
-        rb.append_transform(MCAdvantage(2, prompt_key="seed", on_overflow="raise"))
+        rb.append_transform(MCAdvantage(2, prompt_key="seed", limits=Limits(on_overflow="raise")))
         rb.extend(trajectory(0, [1.0, 1.0]))
         with pytest.raises(ValueError, match="more than the storage holds"):
             rb.extend(trajectory(0, [1.0, 2.0]))

@@ -17,6 +17,7 @@ from helpers import (
 )
 
 from torchrl_grpo import MCAdvantage
+from torchrl_grpo.mcadvantage import GroupRelative, Limits
 from torchrl_grpo.mcadvantage.insert import commit, insert
 from torchrl_grpo.mcadvantage.options import make_options
 from torchrl_grpo.mcadvantage.replica import fresh_state
@@ -43,7 +44,8 @@ class TestProperties:
         the per-group scale exactly."""
         key = "query" if strings else "seed"
         trajs = random_stream(num_groups, size, seed, strings=strings, key=key)
-        kw = dict(grpo_size=size, prompt_key=key, trajectory_return=mode, scale_rewards=scale)
+        kw = dict(grpo_size=size, prompt_key=key, trajectory_return=mode)
+        kw.update(estimator=GroupRelative(scale_rewards=scale))
         one_by_one = stream_outputs(MCAdvantage(**kw), trajs)
         shuffled = trajs[:]
         random.Random(seed + 1).shuffle(shuffled)
@@ -54,7 +56,7 @@ class TestProperties:
             for uid, adv in one_by_one.items():
                 torch.testing.assert_close(chunked[uid], adv, atol=1e-6, rtol=1e-6)
             return
-        per_group = stream_outputs(MCAdvantage(**{**kw, "scale_rewards": "group"}), trajs)
+        per_group = stream_outputs(MCAdvantage(**{**kw, "estimator": GroupRelative()}), trajs)
         for uid, adv in one_by_one.items():
             torch.testing.assert_close(per_group[uid], adv, atol=1e-6, rtol=1e-6)
         groups: dict = {}
@@ -118,7 +120,7 @@ class TestProperties:
             prompt_key="seed",
             trajectory_return="sum",
             keep_return_bounds=(0.1, 0.9) if bounds else None,
-            max_pending_groups=limit,
+            limits=Limits(max_groups=limit),
         )
         stored = 0
         with warnings.catch_warnings():

@@ -19,7 +19,7 @@ from torchrl_grpo.mcadvantage.records import Pending
 
 class TestMemoryLimits:
     def test_drop_oldest_groups_past_max_pending_groups(self):
-        t = MCAdvantage(3, prompt_key="seed", max_pending_groups=2)
+        t = MCAdvantage(3, prompt_key="seed", limits=Limits(max_groups=2))
         t.inv(trajectory(0, [1.0]))
         t.inv(trajectory(1, [1.0]))
         with pytest.warns(RuntimeWarning, match="max_pending_groups=2"):
@@ -31,7 +31,7 @@ class TestMemoryLimits:
         assert out["seed"].tolist() == [1, 1, 1]
 
     def test_max_pending_age_in_insertions(self):
-        t = MCAdvantage(2, prompt_key="seed", max_pending_age=2)
+        t = MCAdvantage(2, prompt_key="seed", limits=Limits(max_age=2))
         t.inv(trajectory(0, [1.0]))  # insertion 0
         t.inv(trajectory(1, [1.0]))  # insertion 1
         with pytest.warns(RuntimeWarning):
@@ -40,7 +40,7 @@ class TestMemoryLimits:
         assert t.get_stats()["evicted_groups"] == 1
 
     def test_raise_rejects_the_insertion_and_changes_nothing(self):
-        t = MCAdvantage(3, prompt_key="seed", max_pending_groups=1, on_overflow="raise")
+        t = MCAdvantage(3, prompt_key="seed", limits=Limits(max_groups=1, on_overflow="raise"))
         t.inv(trajectory(0, [1.0]))
         before = t.get_stats()
         with pytest.raises(RuntimeError, match="rejected"):
@@ -64,13 +64,18 @@ class TestMemoryLimits:
         assert t.queued_trajectories == 0 and not [c for c in chunks if c is not None]
 
     def test_invalid_limits(self):
-        for kw, message in [
-            (dict(max_pending_groups=0), "max_pending_groups must be at least 1"),
-            (dict(max_pending_age=0), "max_pending_age must be at least 1"),
-            (dict(on_overflow="drop"), "on_overflow must be"),
+        for limits, message in [
+            (Limits(max_groups=0), "^Limits' max_groups must be at least 1"),
+            (Limits(max_age=0), "^Limits' max_age must be at least 1"),
+            (Limits(on_overflow="drop"), "^Limits' on_overflow must be"),
         ]:
             with pytest.raises(ValueError, match=message):
-                MCAdvantage(2, **kw)
+                MCAdvantage(2, limits=limits)
+
+    def test_invalid_flat_limit_names_both(self):
+        message = r"^Limits' max_groups \(given as max_pending_groups=\) must be at least 1"
+        with pytest.raises(ValueError, match=message):
+            MCAdvantage(2, max_pending_groups=0)
 
 
 class TestEvictGroups:
@@ -103,7 +108,7 @@ class TestEvictGroups:
 class TestWarning:
     def test_points_at_the_caller(self):
         """The eviction warning names the line that inserted, not a line of this package."""
-        t = MCAdvantage(3, prompt_key="seed", max_pending_groups=1)
+        t = MCAdvantage(3, prompt_key="seed", limits=Limits(max_groups=1))
         t.inv(trajectory(0, [1.0]))
         with pytest.warns(RuntimeWarning, match="max_pending_groups=1") as caught:
             t.inv(trajectory(1, [1.0]))
@@ -111,7 +116,7 @@ class TestWarning:
 
     def test_through_a_replay_buffer(self):
         rb = ReplayBuffer(storage=LazyTensorStorage(10))
-        rb.append_transform(MCAdvantage(3, prompt_key="seed", max_pending_groups=1))
+        rb.append_transform(MCAdvantage(3, prompt_key="seed", limits=Limits(max_groups=1)))
         rb.extend(trajectory(0, [1.0]))
         with pytest.warns(RuntimeWarning, match="oldest were dropped"):
             rb.extend(trajectory(1, [1.0]))
@@ -149,7 +154,10 @@ class TestMinGroupSize:
 
     def test_a_short_group_is_released_past_the_age(self):
         t = MCAdvantage(
-            4, prompt_key="seed", trajectory_return="sum", max_pending_age=2, min_group_size=2
+            4,
+            prompt_key="seed",
+            trajectory_return="sum",
+            limits=Limits(max_age=2, min_group_size=2),
         )
         assert t.inv(torch.cat([trajectory(7, [1.0]), trajectory(7, [3.0, 2.0])])) is None
         assert t.inv(trajectory(8, [1.0])) is None  # age 1: still waiting
@@ -166,7 +174,10 @@ class TestMinGroupSize:
 
     def test_shorter_than_the_minimum_is_given_up(self):
         t = MCAdvantage(
-            4, prompt_key="seed", trajectory_return="sum", max_pending_age=1, min_group_size=2
+            4,
+            prompt_key="seed",
+            trajectory_return="sum",
+            limits=Limits(max_age=1, min_group_size=2),
         )
         t.inv(trajectory(7, [1.0]))
         with warnings.catch_warnings():
@@ -176,7 +187,10 @@ class TestMinGroupSize:
 
     def test_a_group_of_one_gets_zero(self):
         t = MCAdvantage(
-            3, prompt_key="seed", trajectory_return="sum", max_pending_age=1, min_group_size=1
+            3,
+            prompt_key="seed",
+            trajectory_return="sum",
+            limits=Limits(max_age=1, min_group_size=1),
         )
         t.inv(trajectory(7, [4.0]))
         out = t.inv(trajectory(8, [1.0]))
@@ -185,13 +199,12 @@ class TestMinGroupSize:
     @pytest.mark.parametrize(
         ("kw", "words"),
         [
-            ({"min_group_size": 0, "max_pending_age": 2}, "between 1 and grpo_size=4, got 0"),
-            ({"min_group_size": 5, "max_pending_age": 2}, "between 1 and grpo_size=4, got 5"),
-            ({"min_group_size": 2}, "set max_pending_age too"),
+            ({"limits": Limits(min_group_size=0, max_age=2)}, "between 1 and grpo_size=4, got 0"),
+            ({"limits": Limits(min_group_size=5, max_age=2)}, "between 1 and grpo_size=4, got 5"),
+            ({"limits": Limits(min_group_size=2)}, "set Limits' max_age too"),
             (
                 {
-                    "min_group_size": 2,
-                    "max_pending_age": 2,
+                    "limits": Limits(min_group_size=2, max_age=2),
                     "candidate_group_size": 6,
                     "trajectory_return": "sum",
                 },

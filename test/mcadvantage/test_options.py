@@ -32,8 +32,8 @@ class TestIntegerArguments:
             (dict(grpo_size="4"), "grpo_size"),
             (dict(grpo_size=2, candidate_group_size=3.5), "candidate_group_size"),
             (dict(grpo_size=2, candidate_selection_min_size=False), "candidate_selection_min_size"),
-            (dict(grpo_size=2, max_pending_groups=1.5), "max_pending_groups"),
-            (dict(grpo_size=2, max_pending_age=True), "max_pending_age"),
+            (dict(grpo_size=2, limits=Limits(max_groups=1.5)), "Limits' max_groups"),
+            (dict(grpo_size=2, limits=Limits(max_age=True)), "Limits' max_age"),
         ],
     )
     def test_non_integers_are_rejected(self, kw, name):
@@ -47,7 +47,7 @@ class TestIntegerArguments:
             np.int64(4),
             trajectory_return="sum",
             candidate_group_size=torch.tensor(6),
-            max_pending_groups=np.int32(3),
+            limits=Limits(max_groups=np.int32(3)),
         )
         assert (t.grpo_size, t.candidate_group_size, t.max_pending_groups) == (4, 6, 3)
         assert all(type(v) is int for v in (t.grpo_size, t.candidate_group_size))

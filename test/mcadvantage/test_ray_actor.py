@@ -10,6 +10,7 @@ from helpers import bad_inputs, random_chunks, random_stream, released, trajecto
 from torchrl.data import LazyTensorStorage, ReplayBuffer
 
 from torchrl_grpo import MCAdvantage, RayMCAdvantage
+from torchrl_grpo.mcadvantage import GroupRelative, Limits
 from torchrl_grpo.mcadvantage.ray_actor import RayOwner
 
 ray = pytest.importorskip("ray", reason="the `dist` extra (ray) is not installed")
@@ -39,7 +40,8 @@ def make():
 
 def test_same_releases_and_statistics_as_local(make):
     trajs = random_stream(6, 3, seed=4)
-    ours, local = make(**KWARGS, step_norm=True), MCAdvantage(**KWARGS, step_norm=True)
+    normed = GroupRelative(step_norm=True)
+    ours, local = make(**KWARGS, estimator=normed), MCAdvantage(**KWARGS, estimator=normed)
     assert ours.is_shared and isinstance(ours._replica, RayOwner)
     for chunk in random_chunks(trajs, seed=4):
         got, want = released(ours.inv(chunk)), released(local.inv(chunk))
@@ -75,7 +77,7 @@ def test_writers_in_ray_tasks_complete_one_set_of_groups(make):
 
 def test_a_release_the_storage_cannot_hold_is_refused_and_kept_pending(make):
     rb = ReplayBuffer(storage=LazyTensorStorage(4), batch_size=2)
-    rb.append_transform(t := make(2, prompt_key="seed", on_overflow="raise"))
+    rb.append_transform(t := make(2, prompt_key="seed", limits=Limits(on_overflow="raise")))
     rb.extend(trajectory(0, [1.0, 2.0, 3.0]))
     before = t.get_stats()
     with pytest.raises(ValueError, match="storage"):
@@ -116,7 +118,7 @@ def test_errors_are_raised_as_they_are_and_change_nothing(make):
 
 
 def test_warnings_are_issued_in_the_writer(make):
-    t = make(2, prompt_key="seed", max_pending_groups=1)
+    t = make(2, prompt_key="seed", limits=Limits(max_groups=1))
     t.inv(trajectory(0, [1.0]))
     with pytest.warns(RuntimeWarning, match="evict") as record:
         t.inv(trajectory(1, [1.0]))

@@ -242,7 +242,10 @@ class TestEstimatorsBeyondTorchRL:
     def test_whiten_is_reinforce_pp_baseline(self):
         trajs = [trajectory(g, r) for g, r in [(0, [0.0, 1.0]), (0, [3.0]), (1, [9.0]), (1, [5.0])]]
         t = MCAdvantage(
-            2, prompt_key="seed", trajectory_return="sum", scale_rewards="none", whiten=True
+            2,
+            prompt_key="seed",
+            trajectory_return="sum",
+            estimator=GroupRelative(scale_rewards="none", whiten=True),
         )
         adv, _ = self.release(t, trajs)
         want = reinforce_pp_baseline_advantage(
@@ -261,7 +264,9 @@ class TestEstimatorsBeyondTorchRL:
             trajectory(1, [2.0]),
             trajectory(1, [4.0]),
         ]
-        t = MCAdvantage(2, prompt_key="seed", whiten=True, scale_rewards="none")
+        t = MCAdvantage(
+            2, prompt_key="seed", estimator=GroupRelative(whiten=True, scale_rewards="none")
+        )
         adv, _ = self.release(t, trajs)
         x = torch.tensor([1.0, 2.0, 6.0, 2.0, 4.0])
         want = reinforce_pp_baseline_advantage(x, torch.tensor([0, 0, 0, 1, 1]))
@@ -269,7 +274,12 @@ class TestEstimatorsBeyondTorchRL:
 
     def test_pass_at_k(self):
         trajs = [trajectory(0, r) for r in ([1.0, 1.0], [0.0], [3.0], [0.5])]
-        t = MCAdvantage(4, prompt_key="seed", trajectory_return="sum", baseline="pass_at_k")
+        t = MCAdvantage(
+            4,
+            prompt_key="seed",
+            trajectory_return="sum",
+            estimator=GroupRelative(baseline="pass_at_k"),
+        )
         adv, _ = self.release(t, trajs)
         returns = torch.tensor([2.0, 0.0, 3.0, 0.5])
         best = 1.0 / returns.std().item()  # 3 - 2, over the group std
@@ -283,7 +293,12 @@ class TestEstimatorsBeyondTorchRL:
     def test_gdpo_matches_the_math(self, mode):
         trajs, (returns, groups, rewards, lengths, _) = agent_episodes(seed=1)
         fmt = torch.cat([t["next", "format"].reshape(-1) for t in trajs])
-        t = MCAdvantage(3, prompt_key="seed", trajectory_return=mode, reward_weights=GDPO_KEYS)
+        t = MCAdvantage(
+            3,
+            prompt_key="seed",
+            trajectory_return=mode,
+            estimator=GroupRelative(reward_weights=GDPO_KEYS),
+        )
         adv, _ = self.release(t, trajs)
         weights = torch.tensor([1.0, 0.5])
         if mode is None:  # every reward element a sample, each trajectory a run of its group
@@ -304,8 +319,8 @@ class TestEstimatorsBeyondTorchRL:
     @pytest.mark.parametrize(
         "seed, neutral",
         [
-            (2, {"reward_weights": {("next", "reward"): 1.0}, "whiten": False}),  # one reward
-            (5, {"anchor_key": "obs", "step_reward_weight": 0.0}),  # GiGPO without its term
+            (2, GroupRelative(reward_weights={("next", "reward"): 1.0}, whiten=False)),  # one
+            (5, StepGroups(anchor_key="obs", step_weight=0.0)),  # GiGPO without its term
         ],
         ids=["gdpo_one_reward", "gigpo_no_step_weight"],
     )
@@ -316,7 +331,8 @@ class TestEstimatorsBeyondTorchRL:
                 MCAdvantage(3, prompt_key="seed", trajectory_return=mode), trajs
             )
             got, _ = self.release(
-                MCAdvantage(3, prompt_key="seed", trajectory_return=mode, **neutral), trajs
+                MCAdvantage(3, prompt_key="seed", trajectory_return=mode, estimator=neutral),
+                trajs,
             )
             torch.testing.assert_close(got, plain)
 
@@ -329,7 +345,7 @@ class TestEstimatorsBeyondTorchRL:
             2,
             prompt_key="seed",
             trajectory_return="sum",
-            reward_weights=GDPO_KEYS,
+            estimator=GroupRelative(reward_weights=GDPO_KEYS),
             keep_return_bounds=(1.0, 2.5),
         )
         _, out = self.release(t, trajs)  # weighted returns 3 and 1: mean 2, inside the bounds
@@ -346,11 +362,13 @@ class TestEstimatorsBeyondTorchRL:
             3,
             prompt_key="seed",
             trajectory_return=mode,
-            scale_rewards=scale,
-            anchor_key="obs",
-            episode_reward_weight=0.5,
-            step_reward_weight=2.0,
-            step_reward_gamma=0.9,
+            estimator=StepGroups(
+                episode_weight=0.5,
+                step_weight=2.0,
+                gamma=0.9,
+                anchor_key="obs",
+                group=GroupRelative(scale_rewards=scale),
+            ),
         )
         adv, _ = self.release(t, trajs)
         if mode == "sum":
@@ -390,7 +408,7 @@ class TestEstimatorsBeyondTorchRL:
             )
             for t in trajs
         ]
-        t = MCAdvantage(3, prompt_key="seed", anchor_key="obs", step_reward_gamma=0.8)
+        t = MCAdvantage(3, prompt_key="seed", estimator=StepGroups(gamma=0.8, anchor_key="obs"))
         adv, _ = self.release(t, two)
         elements = (rewards / 2).repeat_interleave(2)
         episode = group_relative_advantage(elements, groups, lengths=2 * lengths)
@@ -411,10 +429,11 @@ class TestEstimatorsBeyondTorchRL:
             3,
             prompt_key="seed",
             trajectory_return="sum",
-            reward_weights=GDPO_KEYS,
-            anchor_key="obs",
-            step_norm=True,
-            step_reward_weight=0.5,
+            estimator=StepGroups(
+                step_weight=0.5,
+                anchor_key="obs",
+                group=GroupRelative(reward_weights=GDPO_KEYS, step_norm=True),
+            ),
         )
         adv, _ = self.release(t, trajs)
         traj = torch.arange(len(lengths)).repeat_interleave(lengths)
@@ -433,7 +452,9 @@ class TestEstimatorsBeyondTorchRL:
 
     def test_gigpo_string_anchors_and_ragged_steps(self):
         trajs, (returns, groups, rewards, lengths, states) = agent_episodes(seed=4, strings=True)
-        t = MCAdvantage(3, prompt_key="seed", trajectory_return="sum", anchor_key="obs")
+        t = MCAdvantage(
+            3, prompt_key="seed", trajectory_return="sum", estimator=StepGroups(anchor_key="obs")
+        )
         adv, _ = self.release(t, trajs)
         want = gigpo_advantage(returns, groups, rewards, lengths, states)
         torch.testing.assert_close(adv.double(), want, atol=1e-5, rtol=1e-5)
@@ -445,7 +466,9 @@ class TestEstimatorsBeyondTorchRL:
                 step["next", "reward"] = step["next", "reward"].expand(2) / 2  # two halves
                 steps.append(step)
         steps[0]["next", "reward"] = steps[0]["next", "reward"].repeat(2) / 2  # four quarters
-        ragged = MCAdvantage(3, prompt_key="seed", trajectory_return="sum", anchor_key="obs")
+        ragged = MCAdvantage(
+            3, prompt_key="seed", trajectory_return="sum", estimator=StepGroups(anchor_key="obs")
+        )
         out = ragged.inv(lazy_stack(steps))
         per_step = torch.stack([step["advantage"][0] for step in out.unbind(0)])
         torch.testing.assert_close(per_step.double(), want, atol=1e-5, rtol=1e-5)
@@ -453,17 +476,20 @@ class TestEstimatorsBeyondTorchRL:
     def test_gigpo_by_hand(self):
         """Two runs from room 7: one reaches 8 and wins, one reaches 9 and loses."""
         trajs = [trajectory(0, [0.0, 1.0], obs=[7, 8]), trajectory(0, [0.0, 0.0], obs=[7, 9])]
-        kw = dict(prompt_key="seed", trajectory_return="sum", scale_rewards="none")
-        kw.update(anchor_key="obs", step_reward_gamma=0.5)
-        adv, _ = self.release(MCAdvantage(2, **kw), trajs)
+        kw = dict(prompt_key="seed", trajectory_return="sum")
+        steps = StepGroups(gamma=0.5, anchor_key="obs", group=GroupRelative(scale_rewards="none"))
+        adv, _ = self.release(MCAdvantage(2, **kw, estimator=steps), trajs)
         # episode: +-0.5; step group {first steps}: returns 0.5, 0 -> +-0.25; lone steps: 0
         assert adv.tolist() == [0.75, 0.5, -0.75, -0.5]
-        adv, _ = self.release(MCAdvantage(2, **kw, step_norm=True), trajs)
+        normed = GroupRelative(scale_rewards="none", step_norm=True)
+        steps = StepGroups(gamma=0.5, anchor_key="obs", group=normed)
+        adv, _ = self.release(MCAdvantage(2, **kw, estimator=steps), trajs)
         assert adv.tolist() == [0.375, 0.25, -0.375, -0.25]
 
     def test_gigpo_chunking_does_not_matter(self):
         trajs, _ = agent_episodes(num_groups=3, size=4, seed=6)
-        kw = dict(grpo_size=4, prompt_key="seed", trajectory_return="sum", anchor_key="obs")
+        kw = dict(grpo_size=4, prompt_key="seed", trajectory_return="sum")
+        kw.update(estimator=StepGroups(anchor_key="obs"))
         one_by_one = stream_outputs(MCAdvantage(**kw), trajs)
         shuffled = trajs[:]
         random.Random(0).shuffle(shuffled)
@@ -474,13 +500,27 @@ class TestEstimatorsBeyondTorchRL:
 
     def test_validation(self):
         for kw, words in [
-            (dict(reward_weights={}), "non-empty"),
-            (dict(reward_weights={("next", "reward"): float("nan")}), "finite"),
-            (dict(reward_weights={("next", "a"): 1.0}, rewards_key=("next", "b")), "rewards_key"),
-            (dict(step_reward_weight=0.5), "anchor_key"),
-            (dict(step_reward_gamma=0.9), "anchor_key"),
-            (dict(anchor_key="obs", step_reward_gamma=1.5), "step_reward_gamma"),
-            (dict(anchor_key="obs", episode_reward_weight=float("inf")), "episode_reward_weight"),
+            (dict(estimator=GroupRelative(reward_weights={})), "non-empty"),
+            (
+                dict(estimator=GroupRelative(reward_weights={("next", "reward"): float("nan")})),
+                "^GroupRelative's reward_weights must be finite",
+            ),
+            (
+                dict(
+                    estimator=GroupRelative(reward_weights={("next", "a"): 1.0}),
+                    rewards_key=("next", "b"),
+                ),
+                "rewards_key",
+            ),
+            (dict(estimator=StepGroups(gamma=0.9)), "StepGroups needs anchor_key"),
+            (dict(estimator=StepGroups(gamma=1.5, anchor_key="obs")), "^StepGroups' gamma"),
+            (
+                dict(estimator=StepGroups(episode_weight=float("inf"), anchor_key="obs")),
+                "^StepGroups' episode_weight must be finite",
+            ),
+            # the deprecated flat keywords (refused before their warning): named as well
+            (dict(step_reward_weight=0.5), "need anchor_key"),
+            (dict(anchor_key="obs", step_reward_gamma=1.5), r"\(given as step_reward_gamma=\)"),
         ]:
             with pytest.raises(ValueError, match=words):
                 MCAdvantage(4, **kw)
@@ -488,21 +528,26 @@ class TestEstimatorsBeyondTorchRL:
     @pytest.mark.parametrize(
         "kw, break_it, error, words",
         [
-            (dict(anchor_key="obs"), lambda td: td.exclude("obs"), KeyError, "anchor key .*obs"),
             (
-                dict(anchor_key="obs"),
+                dict(estimator=StepGroups(anchor_key="obs")),
+                lambda td: td.exclude("obs"),
+                KeyError,
+                "anchor key .*obs",
+            ),
+            (
+                dict(estimator=StepGroups(anchor_key="obs")),
                 lambda td: td.set("obs", NonTensorStack(*[{"a": 1}] * td.shape[0])),
                 TypeError,
                 "tensor or a string",
             ),
             (
-                dict(reward_weights=GDPO_KEYS),
+                dict(estimator=GroupRelative(reward_weights=GDPO_KEYS)),
                 lambda td: td.exclude(("next", "format")),
                 KeyError,
                 "format",
             ),
             (
-                dict(reward_weights=GDPO_KEYS),
+                dict(estimator=GroupRelative(reward_weights=GDPO_KEYS)),
                 lambda td: td.set(
                     ("next", "format"), td["next", "format"].clone().fill_(float("nan"))
                 ),
@@ -510,7 +555,7 @@ class TestEstimatorsBeyondTorchRL:
                 "non-finite reward value\\(s\\) under \\('next', 'format'\\)",
             ),
             (
-                dict(reward_weights=GDPO_KEYS),
+                dict(estimator=GroupRelative(reward_weights=GDPO_KEYS)),
                 lambda td: td.set(("next", "format"), td["next", "format"].expand(-1, 2).clone()),
                 ValueError,
                 "as many elements",

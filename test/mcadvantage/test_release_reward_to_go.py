@@ -1,6 +1,6 @@
 """Tests of torchrl_grpo/mcadvantage/release.py, continued: advantages of rewards-to-go
-(``reward_to_go=``), against a constant baseline per group and per time step
-(``reward_to_go_baseline=``)."""
+(``estimator=RewardToGo(gamma)``), against a constant baseline per group and per time step
+(``RewardToGo(gamma, baseline=...)``)."""
 
 import statistics
 
@@ -24,7 +24,7 @@ from torchrl.objectives.llm import MCAdvantage as TorchRLMCAdvantage
 from torchrl.objectives.value.functional import reward2go
 
 from torchrl_grpo import MCAdvantage, group_relative_advantage
-from torchrl_grpo.mcadvantage import RewardToGo
+from torchrl_grpo.mcadvantage import GroupRelative, RewardToGo
 
 
 def _with_reward2go(steps, gamma, key=("next", "reward"), out=("next", "reward_to_go")):
@@ -40,7 +40,7 @@ class TestRewardToGo:
         # group 0: rewards [1, 2, 4] and [10, 0]; with gamma 0.5 the samples are the
         # rewards-to-go [1 + 1 + 1, 2 + 2, 4] and [10, 0]
         trajs = [trajectory(0, [1.0, 2.0, 4.0]), trajectory(0, [10.0, 0.0])]
-        t = MCAdvantage(2, prompt_key="seed", reward_to_go_gamma=0.5)
+        t = MCAdvantage(2, prompt_key="seed", estimator=RewardToGo(0.5))
         out = t.inv(torch.cat(trajs))
         samples = [3.0, 4.0, 4.0, 10.0, 0.0]
         mean, std = statistics.mean(samples), statistics.stdev(samples)  # Bessel's correction
@@ -60,9 +60,13 @@ class TestRewardToGo:
         """Whole trajectories: the same advantages as torchrl's ``reward2go`` written on the
         batch, then torchrl's ``MCAdvantage`` (our plain one for the keywords beyond torchrl)."""
         chunks = random_chunks(random_stream(6, 3, seed=1, max_len=12), seed=2)
-        ours = MCAdvantage(3, prompt_key="seed", reward_to_go_gamma=gamma, **estimator)
-        reference = TorchRLMCAdvantage if not estimator else MCAdvantage
-        ref = reference(3, prompt_key="seed", rewards_key=("next", "reward_to_go"), **estimator)
+        group = GroupRelative(**estimator)
+        ours = MCAdvantage(3, prompt_key="seed", estimator=RewardToGo(gamma, group=group))
+        to_go = dict(prompt_key="seed", rewards_key=("next", "reward_to_go"))
+        if estimator:  # our plain one, for the settings beyond torchrl
+            ref = MCAdvantage(3, **to_go, estimator=group)
+        else:
+            ref = TorchRLMCAdvantage(3, **to_go)
         written = 0
         for chunk in chunks:
             got, want = released(ours.inv(chunk)), released(ref.inv(_with_reward2go(chunk, gamma)))
@@ -77,7 +81,7 @@ class TestRewardToGo:
         """``[N, T]`` batches cut anywhere: the reward-to-go is computed on the joined
         trajectories, equal to ``reward2go`` on each whole trajectory."""
         batches, completed = collector_stream(4, 6, 3, seed=12, max_len=11, steps_per_batch=4)
-        ours = streaming(reward_to_go_gamma=0.9)
+        ours = streaming(estimator=RewardToGo(0.9))
         ref = streaming(traj_key=None, rewards_key=("next", "reward_to_go"))
         crossed = False
         for batch, whole in zip(batches, completed):
@@ -98,17 +102,17 @@ class TestRewardToGo:
         undiscounted sum to the end."""
         chunks = random_chunks(random_stream(5, 3, seed=3, max_len=6), seed=4)
         plain = MCAdvantage(3, prompt_key="seed")
-        zero = MCAdvantage(3, prompt_key="seed", reward_to_go_gamma=0.0)
+        zero = MCAdvantage(3, prompt_key="seed", estimator=RewardToGo(0.0))
         for chunk in chunks:
             got, want = released(zero.inv(chunk.clone())), released(plain.inv(chunk.clone()))
             assert got.keys() == want.keys()
             assert all(torch.equal(got[uid], want[uid]) for uid in want)
         single = random_stream(4, 3, seed=5, max_len=1)
         want = MCAdvantage(3, prompt_key="seed").inv(torch.cat(single))["advantage"]
-        got = MCAdvantage(3, prompt_key="seed", reward_to_go_gamma=0.7).inv(torch.cat(single))
+        got = MCAdvantage(3, prompt_key="seed", estimator=RewardToGo(0.7)).inv(torch.cat(single))
         assert torch.equal(got["advantage"], want)
         trajs = [trajectory(0, [1.0, 2.0, 3.0]), trajectory(0, [5.0])]
-        got = MCAdvantage(2, prompt_key="seed", reward_to_go_gamma=1.0).inv(torch.cat(trajs))
+        got = MCAdvantage(2, prompt_key="seed", estimator=RewardToGo(1.0)).inv(torch.cat(trajs))
         want = MCAdvantage(2, prompt_key="seed").inv(
             torch.cat([trajectory(0, [6.0, 5.0, 3.0]), trajectory(0, [5.0])])
         )
@@ -120,7 +124,7 @@ class TestRewardToGo:
         gen = torch.Generator().manual_seed(6)
         trajs = [trajectory(g, torch.randn(n, 2, generator=gen)) for g in (0, 1) for n in (3, 1, 4)]
         steps = torch.cat(trajs)
-        got = MCAdvantage(3, prompt_key="seed", reward_to_go_gamma=0.8).inv(steps.clone())
+        got = MCAdvantage(3, prompt_key="seed", estimator=RewardToGo(0.8)).inv(steps.clone())
         want = MCAdvantage(3, prompt_key="seed", rewards_key=("next", "reward_to_go")).inv(
             _with_reward2go(steps, 0.8)
         )
@@ -131,7 +135,8 @@ class TestRewardToGo:
         """GDPO: each reward's reward-to-go normalized within the group, then weighted."""
         trajs, _ = agent_episodes(seed=11)
         steps = torch.cat(trajs)
-        got = MCAdvantage(3, prompt_key="seed", reward_weights=GDPO_KEYS, reward_to_go_gamma=0.6)
+        gdpo = GroupRelative(reward_weights=GDPO_KEYS)
+        got = MCAdvantage(3, prompt_key="seed", estimator=RewardToGo(0.6, group=gdpo))
         discounted = _with_reward2go(
             _with_reward2go(steps, 0.6, out=("next", "reward_rtg")),
             0.6,
@@ -141,7 +146,9 @@ class TestRewardToGo:
         ref = MCAdvantage(
             3,
             prompt_key="seed",
-            reward_weights={("next", "reward_rtg"): 1.0, ("next", "format_rtg"): 0.5},
+            estimator=GroupRelative(
+                reward_weights={("next", "reward_rtg"): 1.0, ("next", "format_rtg"): 0.5}
+            ),
         )
         torch.testing.assert_close(
             got.inv(steps)["advantage"], ref.inv(discounted)["advantage"], atol=1e-5, rtol=1e-5
@@ -151,7 +158,7 @@ class TestRewardToGo:
         """The reward-to-go is computed at release: what is pending or held (and saved) is the
         raw steps, the same with or without it, and a state saved by either restores in either."""
         batches, _ = collector_stream(4, 6, 3, seed=13, max_len=9, steps_per_batch=4)
-        with_it, without = streaming(reward_to_go_gamma=0.9), streaming()
+        with_it, without = streaming(estimator=RewardToGo(0.9)), streaming()
         for batch in batches[:3]:
             with_it.inv(batch.clone())
             without.inv(batch.clone())
@@ -169,37 +176,45 @@ class TestRewardToGo:
                 torch.equal(value, plain[path]) if torch.is_tensor(value) else value == plain[path]
             )
             assert same, path
-        restored = streaming(reward_to_go_gamma=0.9)
+        restored = streaming(estimator=RewardToGo(0.9))
         restored.load_state_dict(torch.load(tmp_path / "plain.pt", weights_only=True))
         for batch in batches[3:]:
             same_output(restored.inv(batch.clone()), with_it.inv(batch.clone()))
 
     def test_validation(self):
         for kw, error, words in [
-            (dict(reward_to_go_gamma=1.5), ValueError, r"reward_to_go_gamma must be in \[0, 1\]"),
-            (dict(reward_to_go_gamma=-0.1), ValueError, r"must be in \[0, 1\], got -0.1"),
-            (dict(reward_to_go_gamma=float("nan")), ValueError, r"must be in \[0, 1\], got nan"),
-            (dict(reward_to_go_gamma=True), TypeError, "real number .*True .*bool"),
-            (dict(reward_to_go_gamma="0.9"), TypeError, "real number .*'0.9' .*str"),
             (
-                dict(reward_to_go_gamma=0.9, trajectory_return="sum"),
+                dict(estimator=RewardToGo(1.5)),
+                ValueError,
+                r"^RewardToGo's gamma must be in \[0, 1\]",
+            ),
+            (dict(estimator=RewardToGo(-0.1)), ValueError, r"must be in \[0, 1\], got -0.1"),
+            (dict(estimator=RewardToGo(float("nan"))), ValueError, r"in \[0, 1\], got nan"),
+            (dict(estimator=RewardToGo(True)), TypeError, "real number .*True .*bool"),
+            (dict(estimator=RewardToGo("0.9")), TypeError, "real number .*'0.9' .*str"),
+            (
+                dict(estimator=RewardToGo(0.9), trajectory_return="sum"),
                 ValueError,
                 "requires trajectory_return=None, got trajectory_return='sum'",
+            ),
+            (  # the deprecated flat keywords: named as well
+                dict(reward_to_go_gamma=1.5),
+                ValueError,
+                r"^RewardToGo's gamma \(given as reward_to_go_gamma=\) must be in \[0, 1\]",
             ),
             (
                 dict(reward_to_go_gamma=0.9, anchor_key="obs"),
                 ValueError,
-                "cannot be combined with anchor_key.*step_reward_gamma",
+                "cannot be combined with StepGroups' anchor_key .*StepGroups' gamma",
             ),
         ]:
             with pytest.raises(error, match=words):
                 MCAdvantage(4, **kw)
-        assert MCAdvantage(4, reward_to_go_gamma=1).estimator.gamma == 1.0  # an int is fine
-        assert MCAdvantage(4, estimator=RewardToGo(1)).estimator.gamma == 1.0
+        assert MCAdvantage(4, estimator=RewardToGo(1)).estimator.gamma == 1.0  # an int is fine
         assert not isinstance(MCAdvantage(4).estimator, RewardToGo)
 
     def test_ragged_steps_raise_and_change_nothing(self):
-        t = MCAdvantage(2, reward_to_go_gamma=0.9)
+        t = MCAdvantage(2, estimator=RewardToGo(0.9))
         steps = [
             TensorDict(
                 query=NonTensorData("prompt"),
@@ -208,13 +223,13 @@ class TestRewardToGo:
             for n, done in ((2, False), (3, True))
         ]
         before = t.get_stats()
-        with pytest.raises(ValueError, match="reward_to_go_gamma .* rewards of different sizes"):
+        with pytest.raises(ValueError, match="RewardToGo's gamma .* rewards of different sizes"):
             t.inv(lazy_stack(steps))
         assert t.get_stats() == before and t.queued_trajectories == 0
 
 
 class TestRewardToGoByTimeStep:
-    """``reward_to_go_baseline="time_step"``: each reward-to-go compared with the group's at
+    """``RewardToGo(gamma, baseline="time_step")``: each reward-to-go compared with the group's at
     the same time step."""
 
     def test_by_hand(self):
@@ -222,9 +237,7 @@ class TestRewardToGoByTimeStep:
         # rewards-to-go [1 + 1 + 1, 2 + 2, 4] and [10, 0]; at t = 0: 3 vs 10, t = 1: 4 vs 0,
         # t = 2: 4 alone; deviations -3.5, 2, 0 | 3.5, -2; pooled std over 5 - 3 = 2 degrees
         trajs = [trajectory(0, [1.0, 2.0, 4.0]), trajectory(0, [10.0, 0.0])]
-        t = MCAdvantage(
-            2, prompt_key="seed", reward_to_go_gamma=0.5, reward_to_go_baseline="time_step"
-        )
+        t = MCAdvantage(2, prompt_key="seed", estimator=RewardToGo(0.5, baseline="time_step"))
         out = t.inv(torch.cat(trajs))
         std = ((3.5**2 * 2 + 2.0**2 * 2) / 2) ** 0.5
         want = [-3.5 / std, 2.0 / std, 0.0, 3.5 / std, -2.0 / std]
@@ -237,7 +250,7 @@ class TestRewardToGoByTimeStep:
         trajs = [trajectory(g, torch.randn(n).tolist()) for g in (0, 1) for n in (5, 2, 7)]
         steps = torch.cat(trajs)
         got = MCAdvantage(
-            3, prompt_key="seed", reward_to_go_gamma=0.9, reward_to_go_baseline="time_step"
+            3, prompt_key="seed", estimator=RewardToGo(0.9, baseline="time_step")
         ).inv(steps.clone())
         to_go = _with_reward2go(steps, 0.9)["next", "reward_to_go"].reshape(-1)
         want = group_relative_advantage(
@@ -265,9 +278,7 @@ class TestRewardToGoByTimeStep:
         ours = MCAdvantage(
             3,
             prompt_key="seed",
-            reward_to_go_gamma=gamma,
-            reward_to_go_baseline="time_step",
-            **estimator,
+            estimator=RewardToGo(gamma, baseline="time_step", group=GroupRelative(**estimator)),
         )
         timing = TorchRLMCAdvantage(3, prompt_key="seed")
         want = reward_to_go_reference(trajs, gamma, 3, **estimator)
@@ -283,7 +294,7 @@ class TestRewardToGoByTimeStep:
         """``[N, T]`` batches cut anywhere: the reward-to-go is computed on the joined
         trajectories, the same numbers as on each whole trajectory."""
         batches, completed = collector_stream(4, 6, 3, seed=12, max_len=11, steps_per_batch=4)
-        ours = streaming(reward_to_go_gamma=0.9, reward_to_go_baseline="time_step")
+        ours = streaming(estimator=RewardToGo(0.9, baseline="time_step"))
         timing = streaming(traj_key=None)
         want = reward_to_go_reference([w for whole in completed for w in whole], 0.9, 3)
         crossed = False
@@ -305,7 +316,7 @@ class TestRewardToGoByTimeStep:
         gen = torch.Generator().manual_seed(6)
         trajs = [trajectory(g, torch.randn(n, 2, generator=gen)) for g in (0, 1) for n in (3, 1, 4)]
         got = MCAdvantage(
-            3, prompt_key="seed", reward_to_go_gamma=0.8, reward_to_go_baseline="time_step"
+            3, prompt_key="seed", estimator=RewardToGo(0.8, baseline="time_step")
         ).inv(torch.cat(trajs))
         assert got["advantage"].shape == (sum(t.shape[0] for t in trajs), 2)
         want = reward_to_go_reference(trajs, 0.8, 3)
@@ -319,9 +330,9 @@ class TestRewardToGoByTimeStep:
         got = MCAdvantage(
             3,
             prompt_key="seed",
-            reward_weights=GDPO_KEYS,
-            reward_to_go_gamma=0.6,
-            reward_to_go_baseline="time_step",
+            estimator=RewardToGo(
+                0.6, baseline="time_step", group=GroupRelative(reward_weights=GDPO_KEYS)
+            ),
         )
         out = released(got.inv(torch.cat(trajs)))
         total = {uid: 0.0 for uid in out}
@@ -342,11 +353,15 @@ class TestRewardToGoByTimeStep:
         ``trajectory_return="sum"`` does."""
         episodes = [trajectory(7, [1.0] * 40) for _ in range(4)]
         other = [trajectory(8, [1.0] * n) for n in (40, 30, 35, 20)]
-        kw = dict(prompt_key="seed", reward_to_go_gamma=0.99, reward_to_go_baseline=mode)
-        out = MCAdvantage(4, **kw).inv(torch.cat(episodes + other))
+        out = MCAdvantage(4, prompt_key="seed", estimator=RewardToGo(0.99, baseline=mode)).inv(
+            torch.cat(episodes + other)
+        )
         same = out["seed"] == 7
         assert (out["advantage"][same] == 0).all() and (out["advantage"][~same] != 0).any()
-        filtered = MCAdvantage(4, std_threshold=0.0, **kw)
+        group = GroupRelative(std_threshold=0.0)
+        filtered = MCAdvantage(
+            4, prompt_key="seed", estimator=RewardToGo(0.99, baseline=mode, group=group)
+        )
         out = filtered.inv(torch.cat(episodes + other))
         assert (out["seed"] == 8).all() and filtered.get_stats()["dropped_groups"] == 1
 
@@ -356,19 +371,20 @@ class TestRewardToGoByTimeStep:
         a = trajectory(3, [1.0, 0.0], next_format=torch.tensor([[0.0], [1.0]]))
         b = trajectory(3, [0.0, 1.0], next_format=torch.tensor([[1.0], [0.0]]))
         weights = {("next", "reward"): 1.0, ("next", "format"): 1.0}
-        t = MCAdvantage(2, prompt_key="seed", reward_weights=weights, reward_to_go_gamma=1.0)
+        rtg = RewardToGo(1.0, group=GroupRelative(reward_weights=weights))
+        t = MCAdvantage(2, prompt_key="seed", estimator=rtg)
         out = t.inv(torch.cat([a, b]))
         assert (out["advantage"] != 0).any()
-        same = MCAdvantage(2, prompt_key="seed", reward_weights=weights, reward_to_go_gamma=1.0)
+        same = MCAdvantage(2, prompt_key="seed", estimator=rtg)
         assert (same.inv(torch.cat([a, a.clone()]))["advantage"] == 0).all()
 
     def test_validation(self):
         with pytest.raises(
             ValueError, match=r"must be one of \['group', 'time_step', 'step_group'\], got 'step'"
         ):
-            MCAdvantage(4, reward_to_go_gamma=0.9, reward_to_go_baseline="step")
-        with pytest.raises(ValueError, match="needs reward_to_go_gamma"):
-            MCAdvantage(4, reward_to_go_baseline="time_step")
-        t = MCAdvantage(4, reward_to_go_gamma=0.9, reward_to_go_baseline="time_step")
+            MCAdvantage(4, estimator=RewardToGo(0.9, baseline="step"))
+        with pytest.raises(ValueError, match="needs RewardToGo's gamma"):
+            MCAdvantage(4, reward_to_go_baseline="time_step")  # the deprecated flat keyword
+        t = MCAdvantage(4, estimator=RewardToGo(0.9, baseline="time_step"))
         assert t.estimator.baseline == "time_step"
         assert MCAdvantage(4, estimator=RewardToGo(0.5)).estimator.baseline == "group"

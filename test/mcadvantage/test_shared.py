@@ -29,6 +29,7 @@ from torchrl.data import LazyTensorStorage, ReplayBuffer
 
 from torchrl_grpo import MCAdvantage, MCAdvantageSelector
 from torchrl_grpo.advantages import group_relative_advantage
+from torchrl_grpo.mcadvantage import GroupRelative, Limits
 from torchrl_grpo.mcadvantage import shared as _shared
 from torchrl_grpo.mcadvantage.stats import GROUP_STATS
 
@@ -111,10 +112,10 @@ class TestSameAsLocal:
             grpo_size=3,
             prompt_key="seed",
             trajectory_return="sum",
-            baseline="leave_one_out",
+            estimator=GroupRelative(baseline="leave_one_out"),
             candidate_group_size=4,
             keep_return_bounds=(-1.0, 1.0),
-            max_pending_groups=3,
+            limits=Limits(max_groups=3),
         )
         chunks = random_chunks(random_stream(8, 4, 3), 3)
         local, t = MCAdvantage(**kwargs), shared(**kwargs)

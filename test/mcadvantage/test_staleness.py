@@ -79,8 +79,8 @@ class TestMaxPolicyLag:
         with pytest.raises(TypeError, match="integer policy versions"):
             insert(t, strings)
         assert t.get_stats()["completed_trajectories"] == 0  # the rejected calls changed nothing
-        with pytest.raises(ValueError, match="at least 0"):
-            MCAdvantage(grpo_size=2, max_policy_lag=-1)
+        with pytest.raises(ValueError, match="^Staleness' max_lag must be at least 0"):
+            MCAdvantage(grpo_size=2, staleness=Staleness(max_lag=-1))
         with pytest.raises(ValueError, match="needs policy_version_key"):
             MCAdvantage(grpo_size=2, staleness=Staleness(max_lag=1), policy_version_key=None)
         with pytest.raises(TypeError, match="integer"):

@@ -16,6 +16,13 @@ from hypothesis import strategies as st
 from tensordict import TensorDict, lazy_stack
 
 from torchrl_grpo import MCAdvantage
+from torchrl_grpo.mcadvantage import (
+    GroupRelative,
+    Limits,
+    RewardToGo,
+    StepGroups,
+    TrajectoryIds,
+)
 from torchrl_grpo.mcadvantage.options import TrajectoryKeys
 from torchrl_grpo.mcadvantage.records import LAST_COUNT, STARTED_AT, TAIL_ID, Tails
 from torchrl_grpo.mcadvantage.registry import ENDED, GIVEN_UP, IdRegistry
@@ -189,11 +196,11 @@ class TestStreaming:
     @pytest.mark.parametrize(
         "estimator",
         [
-            {"whiten": True, "trajectory_return": "sum"},
-            {"baseline": "pass_at_k", "trajectory_return": "sum"},
-            {"anchor_key": "step_count", "step_reward_weight": 0.5},
-            {"scale_rewards": "batch"},
-            {"reward_to_go_gamma": 0.9},
+            {"estimator": GroupRelative(whiten=True), "trajectory_return": "sum"},
+            {"estimator": GroupRelative(baseline="pass_at_k"), "trajectory_return": "sum"},
+            {"estimator": StepGroups(step_weight=0.5, anchor_key="step_count")},
+            {"estimator": GroupRelative(scale_rewards="batch")},
+            {"estimator": RewardToGo(0.9)},
         ],
         ids=["whiten", "pass_at_k", "gigpo", "batch_std", "reward_to_go"],
     )
@@ -299,7 +306,7 @@ class TestStreaming:
 
     def test_without_step_count_continuations_are_trusted(self):
         batches, completed = collector_stream(3, 4, 3, seed=7)
-        ours = streaming(step_count_key=None)
+        ours = streaming(traj_key=TrajectoryIds(step_count_key=None))
         ref = streaming(traj_key=None)
         for batch, whole in zip(batches, completed):
             same_output(
@@ -313,7 +320,7 @@ class TestStreaming:
 
     def test_age_limit_gives_up_held_trajectories(self):
         batches, _ = collector_stream(2, 2, 3, seed=9, max_len=20, steps_per_batch=2)
-        t = streaming(max_pending_age=1)
+        t = streaming(limits=Limits(max_age=1))
         with pytest.warns(RuntimeWarning, match="unfinished trajectories"):
             for batch in batches:
                 t.inv(batch)  # later steps of the given-up ids are left out, no error
@@ -323,7 +330,7 @@ class TestStreaming:
 
     def test_age_limit_raise_changes_nothing(self):
         batches, _ = collector_stream(2, 2, 3, seed=9, max_len=20, steps_per_batch=2)
-        t = streaming(max_pending_age=1, on_overflow="raise")
+        t = streaming(limits=Limits(max_age=1, on_overflow="raise"))
         t.inv(batches[0])
         held = t.held_trajectories
         with pytest.raises(RuntimeError, match="max_pending_age=1.*nothing changed"):
@@ -373,7 +380,7 @@ class TestStreaming:
 
 
 # --------------------------------------------------------------------------------------------
-# each step's discounted reward-to-go as its sample (reward_to_go_gamma)
+# each step's discounted reward-to-go as its sample (RewardToGo(gamma))
 # --------------------------------------------------------------------------------------------
 
 
@@ -404,7 +411,7 @@ class TestRestarts:
             join(first.tails, steps([0], [True]), no_count, 1)
 
     def test_forget_trajectory_ids(self):
-        t = MCAdvantage(2, prompt_key="seed", step_count_key=None)
+        t = MCAdvantage(2, prompt_key="seed", traj_key=TrajectoryIds(step_count_key=None))
         one = steps([0, 1], [True, False])
         one["seed"] = torch.zeros(2, dtype=torch.long)
         one["next", "reward"] = torch.ones(2, 1)

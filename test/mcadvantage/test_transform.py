@@ -22,6 +22,7 @@ from torchrl.data import LazyStackStorage, LazyTensorStorage, ReplayBuffer
 from torchrl.objectives.llm import MCAdvantage as TorchRLMCAdvantage
 
 from torchrl_grpo import MCAdvantage, MCAdvantageSelector, group_relative_advantage
+from torchrl_grpo.mcadvantage import GroupRelative, StepGroups
 
 
 class TestParityWithTorchRL:
@@ -136,27 +137,35 @@ class TestEstimators:
             (dict(scale_rewards="none"), returns - 2.0),
             (dict(scale_rewards="none", baseline="leave_one_out"), 1.5 * (returns - 2.0)),
         ]:
-            t = MCAdvantage(3, prompt_key="seed", trajectory_return="sum", **kw)
+            t = MCAdvantage(
+                3, prompt_key="seed", trajectory_return="sum", estimator=GroupRelative(**kw)
+            )
             adv, _ = self.release(t, trajs)
             assert adv.squeeze(-1).tolist() == pytest.approx(
                 want.repeat_interleave(torch.tensor([2, 1, 3])).tolist()
             )
-        t = MCAdvantage(
-            3, prompt_key="seed", trajectory_return="sum", scale_rewards="none", step_norm=True
-        )
+        dr_grpo = GroupRelative(scale_rewards="none", step_norm=True)
+        t = MCAdvantage(3, prompt_key="seed", trajectory_return="sum", estimator=dr_grpo)
         adv, _ = self.release(t, trajs)
         assert adv.squeeze(-1).tolist() == pytest.approx([0.0, 0.0, -2.0, 2 / 3, 2 / 3, 2 / 3])
 
     def test_step_norm_per_step(self):
         """Per-step samples: each element's advantage is divided by its trajectory's steps."""
         trajs = [trajectory(0, [1.0, 1.0]), trajectory(0, [0.0]), trajectory(0, [0.0, 0.0, 4.0])]
-        t = MCAdvantage(3, prompt_key="seed", scale_rewards="none", step_norm=True)
+        t = MCAdvantage(
+            3, prompt_key="seed", estimator=GroupRelative(scale_rewards="none", step_norm=True)
+        )
         adv, _ = self.release(t, trajs)  # mean of the six rewards is 1
         assert adv.squeeze(-1).tolist() == pytest.approx([0.0, 0.0, -1.0, -1 / 3, -1 / 3, 1.0])
 
     def test_batch_scale_uses_every_released_return(self):
         trajs = [trajectory(g, [r]) for g, r in [(0, 0.0), (0, 2.0), (1, 10.0), (1, 30.0)]]
-        t = MCAdvantage(2, prompt_key="seed", trajectory_return="sum", scale_rewards="batch")
+        t = MCAdvantage(
+            2,
+            prompt_key="seed",
+            trajectory_return="sum",
+            estimator=GroupRelative(scale_rewards="batch"),
+        )
         adv, _ = self.release(t, trajs)
         std = torch.tensor([0.0, 2.0, 10.0, 30.0]).std().item()
         assert adv.squeeze(-1).tolist() == pytest.approx([-1 / std, 1 / std, -10 / std, 10 / std])
@@ -168,7 +177,12 @@ class TestEstimators:
             trajectory(1, [0.0]),
             trajectory(1, [1.0]),
         ]
-        t = MCAdvantage(2, prompt_key="seed", trajectory_return="sum", std_threshold=0.0)
+        t = MCAdvantage(
+            2,
+            prompt_key="seed",
+            trajectory_return="sum",
+            estimator=GroupRelative(std_threshold=0.0),
+        )
         _, out = self.release(t, trajs)
         assert out["seed"].tolist() == [1, 1]
         stats = t.get_stats()
@@ -215,13 +229,15 @@ class TestEstimators:
             with pytest.raises(ValueError, match=message):
                 MCAdvantage(**kw)
         for kw, message in [
-            (dict(scale_rewards="std"), "scale_rewards must be one of"),
-            (dict(baseline="median"), "baseline must be one of"),
-            (dict(std_threshold=-1.0), "std_threshold must be non-negative"),
-            (dict(epsilon=0.0), "epsilon must be positive"),
+            (dict(scale_rewards="std"), "^GroupRelative's scale_rewards must be one of"),
+            (dict(baseline="median"), "^GroupRelative's baseline must be one of"),
+            (dict(std_threshold=-1.0), "^GroupRelative's std_threshold must be non-negative"),
+            (dict(epsilon=0.0), "^GroupRelative's epsilon must be positive"),
         ]:
             with pytest.raises(ValueError, match=message):
-                MCAdvantage(4, **kw)
+                MCAdvantage(4, estimator=GroupRelative(**kw))
+        with pytest.raises(ValueError, match=r"\(given as epsilon=\) must be positive"):
+            MCAdvantage(4, epsilon=0.0)  # the deprecated flat keyword, named as well
 
 
 class TestBadInput:
@@ -333,7 +349,8 @@ class TestNumerics:
     def test_extreme_rewards(self, scale):
         trajs = [trajectory(0, [r * scale]) for r in (1.0, 2.0, 3.0)]
         for mode in (None, "sum"):
-            out = MCAdvantage(3, prompt_key="seed", trajectory_return=mode, epsilon=1e-30).inv(
+            tiny = GroupRelative(epsilon=1e-30)
+            out = MCAdvantage(3, prompt_key="seed", trajectory_return=mode, estimator=tiny).inv(
                 torch.cat([t.clone() for t in trajs])
             )
             assert out["advantage"].squeeze(-1).tolist() == pytest.approx(
@@ -349,10 +366,14 @@ class TestDevices:
         [
             {},
             {"trajectory_return": "sum"},
-            {"trajectory_return": "sum", "whiten": True},
-            {"scale_rewards": "batch", "std_threshold": 0.0},
-            {"anchor_key": "state", "step_reward_weight": 0.5},
-            {"reward_weights": {("next", "reward"): 1.0, ("next", "format"): 0.5}},
+            {"trajectory_return": "sum", "estimator": GroupRelative(whiten=True)},
+            {"estimator": GroupRelative(scale_rewards="batch", std_threshold=0.0)},
+            {"estimator": StepGroups(anchor_key="state", step_weight=0.5)},
+            {
+                "estimator": GroupRelative(
+                    reward_weights={("next", "reward"): 1.0, ("next", "format"): 0.5}
+                )
+            },
         ],
         ids=["per_step", "sum", "whiten", "batch_std", "gigpo", "gdpo"],
     )

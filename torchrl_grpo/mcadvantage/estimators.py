@@ -258,7 +258,7 @@ class RewardToGo(Estimator):
         per_step = batch.reward_lengths.double() / batch.lengths.double()
         if not bool((per_step == per_step[0]).all()) or float(per_step[0]) % 1:
             raise ValueError(
-                "MCAdvantage: reward_to_go_gamma discounts each reward element along the steps "
+                "MCAdvantage: RewardToGo's gamma discounts each reward element along the steps "
                 f"of its trajectory, which needs as many elements under {reward_key!r} "
                 "at every step; this insertion's steps have rewards of different sizes."
             )

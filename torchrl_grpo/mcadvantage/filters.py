@@ -11,7 +11,7 @@ torchrl computes them (in the reward's dtype, see
 
 torchrl counts a group in ``selected_trajectories`` after the first test. ``std_threshold`` (not
 in torchrl) is part of selection: a group whose float64 std of the advantage's samples is at or
-below it is neither selected nor written (with ``reward_to_go_gamma``, the std around each time
+below it is neither selected nor written (with ``RewardToGo``'s gamma, the std around each time
 step's mean, so a group of identical episodes has std 0).
 """
 

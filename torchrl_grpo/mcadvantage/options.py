@@ -229,17 +229,18 @@ def make_options(
     :class:`~torchrl_grpo.MCAdvantage`, with its defaults).
 
     Raises:
-        TypeError: a size that is not an integer, a ``reward_to_go_gamma`` that is not a number.
+        TypeError: a size that is not an integer, a ``RewardToGo`` gamma that is not a number.
         ValueError: any other invalid value or combination; the message names the argument.
     """
     unknown = sorted(set(keywords) - set(KEYWORDS))
     if unknown:
         raise TypeError(f"MCAdvantage got unexpected keyword arguments {unknown}.")
     kw = _expand_records({**KEYWORDS, **keywords}, keywords)
+    kw[GIVEN] = frozenset(keywords)  # which settings came as flat keywords, for the messages
     own = _spread_estimator(kw, keywords)  # a user's own estimator, else None
     grpo_size, selection = _sizes(grpo_size, kw)
     trajectory_return = _trajectory_return(kw["trajectory_return"], grpo_size, selection)
-    weights = _reward_weights(rewards_key, kw["reward_weights"])
+    weights = _reward_weights(rewards_key, kw["reward_weights"], _named(kw, "reward_weights"))
     keys = Keys(
         group=prompt_key,
         reward=weights[0][0] if weights else rewards_key,  # the first gives the advantage's shape
@@ -408,6 +409,44 @@ def _field_default(record: type, field: str):
     return record._field_defaults[field]
 
 
+def _possessive(name: str) -> str:
+    return f"{name}'" if name.endswith("s") else f"{name}'s"
+
+
+#: Each flat keyword's field in the object that holds it, as messages name the setting.
+FIELDS: dict[str, str] = {
+    **{
+        name: f"GroupRelative's {name}"
+        for name in (
+            "baseline",
+            "scale_rewards",
+            "epsilon",
+            "whiten",
+            "std_threshold",
+            "step_norm",
+            "reward_weights",
+        )
+    },
+    "anchor_key": "StepGroups' anchor_key",
+    **{
+        flat: f"{_possessive(record.__name__)} {field}"
+        for record, fields in RECORDS.values()
+        for field, flat in fields.items()
+    },
+}
+
+#: The key of ``kw`` holding the names of the keywords given (not a keyword).
+GIVEN = object()
+
+
+def _named(kw: dict, flat: str) -> str:
+    """The setting of the flat keyword ``flat`` as messages name it: its object's field, and
+    the flat keyword where the value was given by it."""
+    if flat in kw.get(GIVEN, ()):
+        return f"{FIELDS[flat]} (given as {flat}=)"
+    return FIELDS[flat]
+
+
 #: ``MCAdvantage``'s keyword-only arguments and their defaults: torchrl's, the package's own,
 #: the records (``None``: given by their flat keywords) and the flat keywords of the records.
 KEYWORDS = {
@@ -565,12 +604,15 @@ def _estimator(kw: dict, trajectory_return, weights, rewards_key, own) -> Estima
     :class:`Distillation` with a teacher; ``own``, a user's estimator, in place of the first."""
     if kw["scale_rewards"] not in SCALES:
         raise ValueError(
-            f"scale_rewards must be one of {sorted(SCALES)}, got {kw['scale_rewards']!r}."
+            f"{_named(kw, 'scale_rewards')} must be one of {sorted(SCALES)}, "
+            f"got {kw['scale_rewards']!r}."
         )
     if kw["baseline"] not in BASELINES:
-        raise ValueError(f"baseline must be one of {sorted(BASELINES)}, got {kw['baseline']!r}.")
+        raise ValueError(
+            f"{_named(kw, 'baseline')} must be one of {sorted(BASELINES)}, got {kw['baseline']!r}."
+        )
     if not kw["epsilon"] > 0:
-        raise ValueError(f"epsilon must be positive, got {kw['epsilon']}.")
+        raise ValueError(f"{_named(kw, 'epsilon')} must be positive, got {kw['epsilon']}.")
     whiten = kw["whiten"]
     group = GroupRelative(
         baseline=kw["baseline"],
@@ -609,7 +651,7 @@ def _group_filter(kw: dict, trajectory_return: str | None) -> GroupFilter:
             )
         bounds = (float(bounds[0]), float(bounds[1]))
     if threshold is not None and threshold < 0:
-        raise ValueError(f"std_threshold must be non-negative, got {threshold}.")
+        raise ValueError(f"{_named(kw, 'std_threshold')} must be non-negative, got {threshold}.")
     return GroupFilter(keep_return_bounds=bounds, std_threshold=threshold)
 
 
@@ -618,29 +660,29 @@ def _limits(kw: dict, grpo_size: int, selection: Selection) -> Limits:
     for name in ("max_pending_groups", "max_pending_age"):
         limit = kw[name]
         if limit is not None:
-            limit = _integer(name, limit)
+            limit = _integer(_named(kw, name), limit)
             if limit < 1:
-                raise ValueError(f"{name} must be at least 1 or None, got {limit}.")
+                raise ValueError(f"{_named(kw, name)} must be at least 1 or None, got {limit}.")
         limits[name] = limit
     if kw["on_overflow"] not in ("drop_oldest", "raise"):
         raise ValueError(
-            f"on_overflow must be 'drop_oldest' or 'raise', got {kw['on_overflow']!r}."
+            f"{_named(kw, 'on_overflow')} must be 'drop_oldest' or 'raise', "
+            f"got {kw['on_overflow']!r}."
         )
     min_size = kw["min_group_size"]
     if min_size is not None:
-        min_size = _integer("min_group_size", min_size)
+        name = _named(kw, "min_group_size")
+        min_size = _integer(name, min_size)
         if not 1 <= min_size <= grpo_size:
-            raise ValueError(
-                f"min_group_size must be between 1 and grpo_size={grpo_size}, got {min_size}."
-            )
+            raise ValueError(f"{name} must be between 1 and grpo_size={grpo_size}, got {min_size}.")
         if limits["max_pending_age"] is None:
             raise ValueError(
-                "min_group_size releases the groups still short after max_pending_age "
-                "insertions: set max_pending_age too."
+                f"{name} releases the groups still short after max_age insertions: set "
+                f"{FIELDS['max_pending_age']} too."
             )
         if selection.candidate_group_size > grpo_size:
             raise ValueError(
-                "min_group_size cannot be combined with candidate_group_size > grpo_size: a "
+                f"{name} cannot be combined with candidate_group_size > grpo_size: a "
                 "short group has no candidates to select among."
             )
     return Limits(
@@ -652,37 +694,38 @@ def _staleness(kw: dict) -> Staleness:
     """``max_policy_lag`` (a non-negative integer) and ``consumer_version`` (an integer)."""
     max_lag, consumer = kw["max_policy_lag"], kw["consumer_version"]
     if max_lag is not None:
-        max_lag = _integer("max_policy_lag", max_lag)
+        name = _named(kw, "max_policy_lag")
+        max_lag = _integer(name, max_lag)
         if max_lag < 0:
-            raise ValueError(f"max_policy_lag must be at least 0 or None, got {max_lag}.")
+            raise ValueError(f"{name} must be at least 0 or None, got {max_lag}.")
         if kw["policy_version_key"] is None:
             raise ValueError(
-                "max_policy_lag bounds the lag of each trajectory's policy version: it needs "
+                f"{name} bounds the lag of each trajectory's policy version: it needs "
                 "policy_version_key (torchrl's PolicyVersion writes 'policy_version')."
             )
     if consumer is not None:
-        consumer = _integer("consumer_version", consumer)
+        consumer = _integer(_named(kw, "consumer_version"), consumer)
     return Staleness(max_lag, consumer)
 
 
 def _reward_weights(
-    rewards_key: NestedKey, reward_weights: Mapping[NestedKey, float] | None
+    rewards_key: NestedKey, reward_weights: Mapping[NestedKey, float] | None, name: str
 ) -> tuple[tuple[NestedKey, float], ...]:
-    """``reward_weights`` checked, as ``((key, weight), ...)``; ``()`` for one reward."""
+    """``reward_weights`` (named ``name`` in messages) checked, as ``((key, weight), ...)``;
+    ``()`` for one reward."""
     if reward_weights is None:
         return ()
     if not isinstance(reward_weights, Mapping) or not reward_weights:
         raise ValueError(
-            f"reward_weights must be a non-empty mapping {{reward key: weight}}, got "
-            f"{reward_weights!r}."
+            f"{name} must be a non-empty mapping {{reward key: weight}}, got {reward_weights!r}."
         )
     weights = tuple((key, float(weight)) for key, weight in reward_weights.items())
     if not all(math.isfinite(weight) for _, weight in weights):
-        raise ValueError(f"reward_weights must be finite, got {reward_weights!r}.")
+        raise ValueError(f"{name} must be finite, got {reward_weights!r}.")
     if rewards_key != ("next", "reward") and rewards_key not in dict(weights):
         raise ValueError(
-            f"rewards_key={rewards_key!r} is not a key of reward_weights ({list(dict(weights))}): "
-            "with several rewards, name them all in reward_weights."
+            f"rewards_key={rewards_key!r} is not a key of {name} ({list(dict(weights))}): "
+            "with several rewards, name them all there."
         )
     return weights
 
@@ -694,11 +737,11 @@ def _step_groups(kw: dict) -> StepGroups | None:
         for name in ("episode_reward_weight", "step_reward_weight", "step_reward_gamma")
     }
     if kw["anchor_key"] is None:
-        named = [name for name, value in given.items() if value is not None]
+        named = [_named(kw, name) for name, value in given.items() if value is not None]
         if named:
             raise ValueError(
-                f"{', '.join(named)} weigh GiGPO's step-level groups, which need anchor_key (the "
-                "key of each step's anchor state)."
+                f"{', '.join(named)} weigh GiGPO's step-level groups, which need anchor_key "
+                "(StepGroups' anchor_key, the key of each step's anchor state)."
             )
         return None
     defaults = StepGroups()  # ROLL's, where not given
@@ -708,10 +751,10 @@ def _step_groups(kw: dict) -> StepGroups | None:
     ]
     for name, value in zip(("episode_reward_weight", "step_reward_weight"), values[:2]):
         if not math.isfinite(value):
-            raise ValueError(f"{name} must be finite, got {value}.")
+            raise ValueError(f"{_named(kw, name)} must be finite, got {value}.")
     if not 0.0 <= values[2] <= 1.0:
         raise ValueError(
-            f"step_reward_gamma must be in [0, 1], got {values[2]}: StepGroups' gamma, the "
+            f"{_named(kw, 'step_reward_gamma')} must be in [0, 1], got {values[2]}: the "
             "discount of the step-level returns."
         )
     return StepGroups(*values)
@@ -723,47 +766,44 @@ REWARD_TO_GO_BASELINES = ("group", "time_step", "step_group")
 def _reward_to_go_baseline(kw: dict) -> str:
     """``reward_to_go_baseline`` checked: one of :data:`REWARD_TO_GO_BASELINES`, and only
     chosen with ``reward_to_go_gamma``."""
-    value = kw["reward_to_go_baseline"]
+    value, name = kw["reward_to_go_baseline"], _named(kw, "reward_to_go_baseline")
     if value not in REWARD_TO_GO_BASELINES:
-        raise ValueError(
-            f"reward_to_go_baseline must be one of {list(REWARD_TO_GO_BASELINES)}, got {value!r}."
-        )
+        raise ValueError(f"{name} must be one of {list(REWARD_TO_GO_BASELINES)}, got {value!r}.")
     if value != "group" and kw["reward_to_go_gamma"] is None:
         raise ValueError(
-            f"reward_to_go_baseline={value!r} compares rewards-to-go: it needs reward_to_go_gamma."
+            f"{name}, {value!r}, compares rewards-to-go: it needs RewardToGo's gamma "
+            "(write RewardToGo(gamma, baseline=...))."
         )
     scale = kw["scale_rewards"]
     if value == "time_step" and getattr(SCALES[scale], "pooled", None) is None:
         raise ValueError(
-            f"scale_rewards={scale!r} has no form pooled over time steps (a Scale of SCALES "
-            "with pooled=...): reward_to_go_baseline='time_step' cannot use it."
+            f"{_named(kw, 'scale_rewards')}, {scale!r}, has no form pooled over time steps (a "
+            f"Scale of SCALES with pooled=...): {name} 'time_step' cannot use it."
         )
     return value
 
 
 def _reward_to_go_gamma(kw: dict, trajectory_return: str | None) -> float | None:
     """``reward_to_go_gamma`` checked, as a float; ``None`` when off."""
-    gamma = kw["reward_to_go_gamma"]
+    gamma, name = kw["reward_to_go_gamma"], _named(kw, "reward_to_go_gamma")
     if gamma is None:
         return None
     if isinstance(gamma, bool) or not isinstance(gamma, numbers.Real):
         raise TypeError(
-            f"reward_to_go_gamma must be a real number in [0, 1] or None, got {gamma!r} "
-            f"({type(gamma).__name__}): RewardToGo's gamma, the discount."
+            f"{name} must be a real number in [0, 1], got {gamma!r} ({type(gamma).__name__}): "
+            "the discount."
         )
     if not 0.0 <= gamma <= 1.0:
-        raise ValueError(
-            f"reward_to_go_gamma must be in [0, 1], got {gamma}: RewardToGo's gamma, the discount."
-        )
+        raise ValueError(f"{name} must be in [0, 1], got {gamma}: the discount.")
     if trajectory_return is not None:
         raise ValueError(
-            "reward_to_go_gamma makes each step's sample its discounted reward-to-go, a per-step "
-            "mode: it requires trajectory_return=None, got "
-            f"trajectory_return={trajectory_return!r} (RewardToGo is a per-step estimator)."
+            f"{name} makes each step's sample its discounted reward-to-go, a per-step mode: "
+            f"it requires trajectory_return=None, got trajectory_return={trajectory_return!r} "
+            "(RewardToGo is a per-step estimator)."
         )
     if kw["anchor_key"] is not None:
         raise ValueError(
-            "reward_to_go_gamma cannot be combined with anchor_key: GiGPO's step level already "
-            "compares discounted returns (step_reward_gamma), over the raw rewards."
+            f"{name} cannot be combined with {_named(kw, 'anchor_key')}: GiGPO's step level "
+            "already compares discounted returns (StepGroups' gamma), over the raw rewards."
         )
     return float(gamma)
