@@ -124,7 +124,7 @@ class TestSameAsLocal:
             for chunk in chunks:
                 assert_same(released(t.inv(chunk)), released(local.inv(chunk)))
         assert t.get_stats() == local.get_stats() and t.evicted_groups > 0
-        evictions = [w for w in caught if "max_pending_groups=3" in str(w.message)]
+        evictions = [w for w in caught if "max_groups=3," in str(w.message)]
         assert evictions and all(w.category is RuntimeWarning for w in evictions)
         assert len(evictions) % 2 == 0  # as many in the writer (shared) as in the local one
 
@@ -169,7 +169,7 @@ class TestOwner:
         t = shared(grpo_size=3, prompt_key="seed")
         t.max_pending_groups = 1
         t.inv(trajectory(0, [1.0]))
-        with pytest.warns(RuntimeWarning, match="max_pending_groups=1"):
+        with pytest.warns(RuntimeWarning, match="max_groups=1,"):
             t.inv(trajectory(1, [1.0]))
         assert list(t.queues) == [1] and t.evicted_groups == 1
 

@@ -333,7 +333,7 @@ class TestStreaming:
         t = streaming(limits=Limits(max_age=1, on_overflow="raise"))
         t.inv(batches[0])
         held = t.held_trajectories
-        with pytest.raises(RuntimeError, match="max_pending_age=1.*nothing changed"):
+        with pytest.raises(RuntimeError, match="max_age=1.*nothing changed"):
             for batch in batches[1:]:
                 t.inv(batch)
         assert t.held_trajectories >= held

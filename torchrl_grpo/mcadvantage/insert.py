@@ -74,7 +74,7 @@ def insert(options: Options, state: State, tensordict: TensorDictBase) -> Outcom
     else:
         bounds = options.limits
         short = None
-        if bounds.min_group_size is not None:  # groups short past max_pending_age: released
+        if bounds.min_group_size is not None:  # groups short past Limits.max_age: released
             short = (bounds.min_group_size, bounds.max_age, clock)
         tally = stats_.tally(batch, incoming.value, trajectory_return)  # read with
         rounds = groups.find_rounds(state.pending, batch, options.grpo_size, short, tally)

@@ -1,7 +1,8 @@
 """What is held back: the memory limits, and a warning when no group ever completes.
 
-``max_pending_groups`` bounds the incomplete groups held, ``max_pending_age`` how many insertions
-a group (from its first trajectory) or an unfinished trajectory (from its first step) may wait.
+``Limits(max_groups=...)`` bounds the incomplete groups held, ``Limits(max_age=...)`` how many
+insertions a group (from its first trajectory) or an unfinished trajectory (from its first step)
+may wait.
 Past them, :func:`apply_limits` gives up the oldest (counted in ``evicted_*``, with a
 ``RuntimeWarning``), or, with ``on_overflow="raise"``, rejects the insertion before anything
 changed. Given-up trajectory ids are marked so that their later steps are left out.
@@ -47,7 +48,7 @@ def apply_limits(limits: Limits, state: State, marks: tuple) -> tuple[State, tup
             if limits.on_overflow == "raise":
                 raise RuntimeError(
                     f"MCAdvantage: {int(old.sum())} unfinished trajectories are older than "
-                    f"max_pending_age={limits.max_age}; the insertion was rejected and nothing "
+                    f"Limits' max_age={limits.max_age}; the insertion was rejected and nothing "
                     "changed."
                 )
             before = int(tails.pieces[:, LENGTH].sum())
@@ -60,7 +61,7 @@ def apply_limits(limits: Limits, state: State, marks: tuple) -> tuple[State, tup
     also = f" and {unfinished} unfinished trajectories" if steps else ""
     warn(
         f"MCAdvantage: {groups} incomplete group(s) ({trajectories} trajectories){also} exceed "
-        f"max_pending_groups={limits.max_groups} / max_pending_age={limits.max_age}; the "
+        f"Limits(max_groups={limits.max_groups}, max_age={limits.max_age}); the "
         "oldest were dropped (see evicted_groups)."
     )
     stats = dict(state.stats)
@@ -110,7 +111,7 @@ def evict_groups(limits: Limits, pending, clock: int):
     if limits.on_overflow == "raise":
         raise RuntimeError(
             f"MCAdvantage: {groups} incomplete group(s) ({trajectories} trajectories) exceed "
-            f"max_pending_groups={limits.max_groups} / max_pending_age={limits.max_age}; the "
+            f"Limits(max_groups={limits.max_groups}, max_age={limits.max_age}); the "
             "insertion was rejected and nothing changed."
         )
     return pending_.drop(pending, ~gone), groups, trajectories
