@@ -274,9 +274,12 @@ def test_a_scale_without_a_pooled_form_is_refused_by_the_time_step_baseline(half
 
 def test_mcadvantage_refuses_it_at_construction(half_group):
     from torchrl_grpo import MCAdvantage
+    from torchrl_grpo.mcadvantage import GroupRelative, RewardToGo
 
-    with pytest.raises(ValueError, match="'plain' has no form pooled over time steps"):
-        MCAdvantage(
-            4, scale_rewards="plain", reward_to_go_gamma=1.0, reward_to_go_baseline="time_step"
-        )
-    MCAdvantage(4, scale_rewards="half", reward_to_go_gamma=1.0, reward_to_go_baseline="time_step")
+    def by_time_step(scale):
+        group = GroupRelative(scale_rewards=scale)
+        return MCAdvantage(4, estimator=RewardToGo(1.0, baseline="time_step", group=group))
+
+    with pytest.raises(ValueError, match="'plain', has no form pooled over time steps"):
+        by_time_step("plain")
+    by_time_step("half")
