@@ -272,19 +272,19 @@ def make_options(
 
 #: The flat keywords of earlier versions, each with the slot and form that replace it (the
 #: transform's ``DeprecationWarning`` names them, with the exact value to write).
+#: GroupRelative's fields, each once a flat keyword of the transform.
+GROUP_FIELDS = (
+    "baseline",
+    "scale_rewards",
+    "epsilon",
+    "whiten",
+    "std_threshold",
+    "step_norm",
+    "reward_weights",
+)
+
 DEPRECATED: dict[str, tuple[str, str]] = {
-    **{
-        name: ("estimator", f"GroupRelative({name}=...)")
-        for name in (
-            "baseline",
-            "scale_rewards",
-            "epsilon",
-            "whiten",
-            "std_threshold",
-            "step_norm",
-            "reward_weights",
-        )
-    },
+    **{name: ("estimator", f"GroupRelative({name}=...)") for name in GROUP_FIELDS},
     "reward_to_go": ("estimator", "RewardToGo(gamma, baseline=...)"),
     "reward_to_go_gamma": ("estimator", "RewardToGo(gamma)"),
     "reward_to_go_baseline": ("estimator", "RewardToGo(gamma, baseline=...)"),
@@ -415,18 +415,7 @@ def _possessive(name: str) -> str:
 
 #: Each flat keyword's field in the object that holds it, as messages name the setting.
 FIELDS: dict[str, str] = {
-    **{
-        name: f"GroupRelative's {name}"
-        for name in (
-            "baseline",
-            "scale_rewards",
-            "epsilon",
-            "whiten",
-            "std_threshold",
-            "step_norm",
-            "reward_weights",
-        )
-    },
+    **{name: f"GroupRelative's {name}" for name in GROUP_FIELDS},
     "anchor_key": "StepGroups' anchor_key",
     **{
         flat: f"{_possessive(record.__name__)} {field}"
