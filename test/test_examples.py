@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import csv
-import importlib.util
 import os
 import re
 import subprocess
@@ -14,6 +13,7 @@ import gymnasium as gym
 import numpy as np
 import pytest
 import torch
+from helpers.examples import load_example
 from tensordict import TensorDict
 from torchrl.collectors import Collector
 from torchrl.envs import ExplorationType, GymWrapper
@@ -30,10 +30,7 @@ RESULT = re.compile(
 
 @pytest.fixture(scope="module")
 def example():
-    spec = importlib.util.spec_from_file_location("cartpole_grpo", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_example(EXAMPLE, "cartpole_grpo")
 
 
 def greedy_returns_by_hand(actor, seeds) -> list[float]:
@@ -369,10 +366,7 @@ class TestAcrobot:
     @pytest.fixture(scope="class")
     def acrobot(self):
         path = ROOT / "examples" / "acrobot_grpo.py"
-        spec = importlib.util.spec_from_file_location("acrobot_grpo", path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
+        return load_example(path, "acrobot_grpo")
 
     def test_trains_on_released_groups(self, acrobot):
         """A budget that lets one training batch of 64 episodes complete: it trains on them and

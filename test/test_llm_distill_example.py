@@ -1,6 +1,5 @@
 """examples/llm_distill.py: the teacher's check, per-token advantages, the KL, a tiny run."""
 
-import importlib.util
 import json
 import os
 import re
@@ -11,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.examples import load_example
 
 from torchrl_grpo.llm.head import head_tensors
 
@@ -32,10 +32,7 @@ TINY = ["--prompts-per-step", "4", "--group-size", "4", "--minibatch", "8", "--e
 
 @pytest.fixture(scope="module")
 def ex():
-    spec = importlib.util.spec_from_file_location("llm_distill", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_example(EXAMPLE, "llm_distill")
 
 
 @pytest.fixture(scope="module")

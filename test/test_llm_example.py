@@ -2,7 +2,6 @@
 
 import copy
 import csv
-import importlib.util
 import math
 import os
 import re
@@ -13,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.examples import load_example
 from tensordict import TensorDict
 
 from torchrl_grpo.checkpoint import load_checkpoint
@@ -31,10 +31,7 @@ TINY = ["--prompts-per-step", "4", "--group-size", "4", "--minibatch", "8", "--e
 
 @pytest.fixture(scope="module")
 def ex():
-    spec = importlib.util.spec_from_file_location("llm_grpo", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_example(EXAMPLE, "llm_grpo")
 
 
 @pytest.fixture(scope="module")

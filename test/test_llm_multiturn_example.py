@@ -2,7 +2,6 @@
 
 import csv
 import dataclasses
-import importlib.util
 import os
 import re
 import subprocess
@@ -21,6 +20,7 @@ except ImportError:
     pytest.skip("needs the llm extra: pip install -e '.[llm]'", allow_module_level=True)
 
 import tensordict
+from helpers.examples import load_example
 from tensordict import lazy_stack
 from torch.utils.data import DataLoader
 from torchrl.modules.llm.policies.common import Tokens
@@ -35,10 +35,7 @@ TINY = ["--prompts-per-step", "4", "--group-size", "4", "--minibatch", "8", "--e
 
 @pytest.fixture(scope="module")
 def ex():
-    spec = importlib.util.spec_from_file_location("llm_grpo_multiturn", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_example(EXAMPLE, "llm_grpo_multiturn")
 
 
 @pytest.fixture(autouse=True)

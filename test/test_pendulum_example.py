@@ -5,12 +5,12 @@ MCAdvantage releases their 8 groups and the script trains on them once. The test
 reached the loss and the RESULT line.
 """
 
-import importlib.util
 import re
 from pathlib import Path
 
 import pytest
 import torch
+from helpers.examples import load_example
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULT = re.compile(
@@ -22,10 +22,7 @@ ONE_BATCH = ["--max-env-steps", "12800"]
 @pytest.fixture(scope="module")
 def pendulum():
     path = ROOT / "examples" / "pendulum_grpo.py"
-    spec = importlib.util.spec_from_file_location("pendulum_grpo", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_example(path, "pendulum_grpo")
 
 
 def run(pendulum, monkeypatch, capsys, argv):

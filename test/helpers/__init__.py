@@ -1,6 +1,7 @@
 """Helpers shared by the test files: ``from helpers import trajectory`` (the transform's
 trajectories and streams), ``helpers.writers`` (shared mode's writer processes), ``helpers.llm``
-(a tiny local language model) and ``helpers.checkpoints`` (checkpoints of earlier versions).
+(a tiny local language model), ``helpers.checkpoints`` (checkpoints of earlier versions) and
+``helpers.examples`` (the example scripts loaded as modules).
 Fixtures are in ``conftest.py``."""
 
 from helpers.trajectories import (
