@@ -85,7 +85,7 @@ def profile_pipeline(ex, cfg, steps: int, contiguous: bool) -> dict[str, float]:
         real_contiguous, ex.Contiguous = ex.Contiguous, Identity
     try:
         torch.manual_seed(0)
-        task = ex.digit_sum_task(cfg.digits)
+        task = ex.make_task(cfg)
         model, tokenizer = ex.tiny_qwen2(cfg, task)
         ref_model = copy.deepcopy(model).requires_grad_(False)
         gen = torch.Generator().manual_seed(0)
@@ -168,7 +168,7 @@ def per_call(ex, cfg) -> list[tuple[str, float, float]]:
     """(call, through torchrl's wrappers ms, on the model itself ms) on one step's batch."""
     from tensordict import TensorDict
 
-    task = ex.digit_sum_task(cfg.digits)
+    task = ex.make_task(cfg)
     model, tokenizer = ex.tiny_qwen2(cfg, task)
     rows = cfg.prompts_per_step * cfg.group_size
     problems = ex.draw_problems(task, torch.Generator().manual_seed(0), rows, set())

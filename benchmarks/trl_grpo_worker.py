@@ -276,7 +276,7 @@ def main(argv=None):
     check_mapped(cfg)
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()  # save_pretrained's bar
-    task = ex.digit_sum_task(cfg.digits)
+    task = ex.make_task(cfg)
     model, tokenizer, gen, held_out, eval_accuracy, acc_before, sft_steps = warm_started(
         ex, cfg, task
     )

@@ -1,11 +1,12 @@
 """On-policy distillation against GRPO: a student learns the digit sum from a teacher, on a CPU.
 
-The task, model, wrappers and pipeline are ``examples/llm_grpo.py``'s (imported from it). A
-teacher is a model that ``examples/llm_grpo.py`` trained (``--teacher <its run folder>``; without
-it, this example first trains one with it, for ``--time-limit`` seconds). The student is a fresh
-tiny Qwen2 (``--n-layer``, ``--n-embd``: smaller than the teacher if you like) after the same
-short supervised warm start only. From that one warm start, three runs of the same training
-budget (``--budget`` seconds each, the evaluations left out of the clock), side by side:
+The task (``--task``), model, wrappers and pipeline are ``examples/llm_grpo.py``'s (imported
+from it). A teacher is a model that ``examples/llm_grpo.py`` trained (``--teacher <its run
+folder>``; without it, this example first trains one with it, for ``--time-limit`` seconds). The
+student is a fresh tiny Qwen2 (``--n-layer``, ``--n-embd``: smaller than the teacher if you
+like) after the same short supervised warm start only. From that one warm start, three runs of
+the same training budget (``--budget`` seconds each, the evaluations left out of the clock), side
+by side:
 
 * **GRPO alone**: the task's reward, group-relative advantages, as ``llm_grpo.py``;
 * **distillation alone**: ``Distillation(alpha=0, beta=--beta)``, no reward read: each response
@@ -99,7 +100,7 @@ class Settings(llm_grpo.Settings):
         default="",
         metadata={
             "help": "without --teacher: more flags for examples/llm_grpo.py, as one string "
-            "('--n-layer 4 --steps 300'); --seed, --digits, --eval-prompts, --threads and "
+            "('--n-layer 4 --steps 300'); --seed, --task, --digits, --eval-prompts, --threads and "
             "--device are passed on"
         },
     )
@@ -169,7 +170,8 @@ def teacher_folder(cfg: Settings) -> Path:
         return folder / "model" if (folder / "model").is_dir() else folder
     out = Path(cfg.out) / "teacher"
     out.mkdir(parents=True, exist_ok=True)
-    argv = ["--seed", str(cfg.seed), "--digits", str(cfg.digits), "--out", str(out)]
+    argv = ["--seed", str(cfg.seed), "--task", cfg.task, "--digits", str(cfg.digits)]
+    argv += ["--out", str(out)]
     argv += ["--eval-prompts", str(cfg.eval_prompts), "--threads", str(cfg.threads)]
     argv += [
         "--device",
@@ -464,7 +466,7 @@ def main(argv=None) -> dict:
     cfg = llm_grpo.parse_args(argv, settings_cls=Settings)
     if cfg.dynamic_sampling or cfg.group_minibatches:  # not read by this example's pipeline
         raise SystemExit("--dynamic-sampling and --group-minibatches: examples/llm_grpo.py only")
-    task = llm_grpo.digit_sum_task(cfg.digits)
+    task = llm_grpo.make_task(cfg)
     torch.set_num_threads(cfg.threads)
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
@@ -504,12 +506,13 @@ def main(argv=None) -> dict:
     final = {name: results[name]["accuracy"][-1] for name in RUN_NAMES}
     t_reach = time_to_reach(results["distill"], final["grpo"])
     kl_end = results["distill"]["kl"][-1]
-    run_dir = Path(cfg.out) / f"digit_sum_seed{cfg.seed}_{time.strftime('%Y%m%d-%H%M%S')}"
+    run_dir = Path(cfg.out) / f"{task.name}_seed{cfg.seed}_{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir.mkdir(parents=True, exist_ok=True)
     summary = {"settings": dataclasses.asdict(cfg), "teacher_acc": teacher_acc}
     summary |= {"acc_start": acc_start, "kl_start": kl_start, "runs": results}
     (run_dir / "curves.json").write_text(json.dumps(summary, indent=1))
-    title = f"Digit sum, tiny Qwen2 on {cfg.device}: {cfg.budget:.0f} s of training per run"
+    title = f"{task.name.replace('_', ' ').capitalize()}, tiny Qwen2 on {cfg.device}: "
+    title += f"{cfg.budget:.0f} s of training per run"
     plot(results, runs, teacher_acc, run_dir / "llm_distill.png", title)
     wall_s = time.perf_counter() - start
     for run in runs:

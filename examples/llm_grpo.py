@@ -1,7 +1,8 @@
 """GRPO makes a tiny language model better at a verifiable task, on a CPU, with torchrl's LLM stack.
 
 The task: read four digits and write their sum (``"3 9 1 4=" -> "17"``); the reward is 1 for the
-exact answer followed by the end-of-sequence token, else 0. Everything runs on torchrl's LLM
+exact answer followed by the end-of-sequence token, else 0 (``--task running-sum``: every partial
+sum, ``"3 9 1 4=" -> "3 12 13 17"``, a longer answer). Everything runs on torchrl's LLM
 components, nothing is downloaded:
 
 * a ``transformers`` Qwen2 with a tiny config, created locally, and a character-level
@@ -51,6 +52,7 @@ import gc
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import accumulate
 from pathlib import Path
 
 import matplotlib
@@ -186,8 +188,16 @@ class Settings:
             "shorter than the default 32)"
         },
     )
+    task: str = field(
+        default="digit-sum",
+        metadata={
+            "help": "the task: digit-sum (the answer is the digits' sum, two or three tokens) "
+            "or running-sum (every partial sum, up to 11 tokens: running_sum_task)",
+            "choices": ("digit-sum", "running-sum"),  # TASKS' names
+        },
+    )
     digits: int = field(
-        default=4, metadata={"help": "digit sum task: digits per prompt (the answer is their sum)"}
+        default=4, metadata={"help": "digits per prompt (the answer is their sum, or sums)"}
     )
     eval_prompts: int = field(
         default=500,
@@ -314,7 +324,7 @@ def parse_args(
     if cfg.checkpoint_every < 0 or cfg.stop_at_step < 0:
         parser.error("--checkpoint-every and --stop-at-step: 0 (off) or a number of steps")
     if cfg.max_new_tokens is None:
-        task = task or digit_sum_task(cfg.digits)
+        task = task or make_task(cfg)
         cfg.max_new_tokens = task.answer_length + 1
     return cfg
 
@@ -377,6 +387,39 @@ def digit_sum_task(digits: int = 4) -> Task:
         reward=reward,
         metric="accuracy",  # the reward is 1 for the exact sum, else 0
     )
+
+
+def running_sum_task(digits: int = 4) -> Task:
+    """Read ``digits`` digits and write each partial sum: ``"3 9 1 4=" -> "3 12 13 17"``; reward
+    1 for exactly those sums followed by end-of-sequence, else 0 (``--task running-sum``).
+
+    The same prompts as :func:`digit_sum_task` with an answer of up to 11 tokens (four digits)
+    instead of two: one reward per completion says less about which token was wrong, where a
+    teacher's per-token signal says it token by token (docs/tutorial_distill.rst).
+    """
+
+    def draw(gen: torch.Generator, n: int) -> list[tuple[str, str]]:
+        rows = torch.randint(0, 10, (n, digits), generator=gen).tolist()
+        return [(prompt_text(row), " ".join(map(str, accumulate(row)))) for row in rows]
+
+    return Task(
+        name="running_sum",
+        alphabet="0123456789 =",
+        prompt_length=2 * digits,
+        answer_length=len(" ".join(str(9 * k) for k in range(1, digits + 1))),
+        draw=draw,
+        reward=reward,
+        metric="accuracy",  # the reward is 1 for every sum right, else 0
+    )
+
+
+#: ``--task``'s choices: each builds its task from ``--digits``.
+TASKS = {"digit-sum": digit_sum_task, "running-sum": running_sum_task}
+
+
+def make_task(cfg: Settings) -> Task:
+    """The task that ``--task`` and ``--digits`` name."""
+    return TASKS[cfg.task](cfg.digits)
 
 
 def prompt_text(digits: list[int]) -> str:
@@ -1026,15 +1069,16 @@ def plot(history: dict, path: str, acc_before: float, title: str, metric: str) -
 
 
 def main(argv=None, *, task: Task | None = None, model_and_tokenizer=None) -> dict:
-    """Warm start, then GRPO, on ``task`` (default: :func:`digit_sum_task` of ``--digits``) with
-    the model and tokenizer of ``model_and_tokenizer(cfg, task)`` (default: :func:`tiny_qwen2`).
+    """Warm start, then GRPO, on ``task`` (default: :func:`make_task`, from ``--task`` and
+    ``--digits``) with the model and tokenizer of ``model_and_tokenizer(cfg, task)`` (default:
+    :func:`tiny_qwen2`).
 
     Returns the accuracies before and after GRPO, the wall time and the run's folder.
     """
     start = T0 if main.first_call else time.perf_counter()  # a second call: its own clock
     main.first_call = False
     cfg = parse_args(argv, task)
-    task = task or digit_sum_task(cfg.digits)
+    task = task or make_task(cfg)
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     hf_logging.set_verbosity_error()

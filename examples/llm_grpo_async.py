@@ -343,7 +343,7 @@ def local_sampling(cfg: AsyncSettings, exclude: set[str], resumed: dict | None =
     """
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()  # from_pretrained's "Loading weights" bar (the teacher)
-    task = sync.digit_sum_task(cfg.digits)
+    task = sync.make_task(cfg)
     model, tokenizer = sync.tiny_qwen2(cfg, task)
     teacher = None
     if cfg.teacher:  # the padding out of the softmax, as the trainer's (llm_distill.py's reason)
@@ -738,7 +738,7 @@ def main(argv=None) -> dict:
     CLOCK["first_call"] = False
     cfg = check_settings(sync.parse_args(argv, settings_cls=AsyncSettings, checkpoints=True))
     state = sync.load_checkpoint(cfg, SAME_ON_RESUME) if cfg.resume else None  # before any work
-    task = sync.digit_sum_task(cfg.digits)
+    task = sync.make_task(cfg)
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     hf_logging.set_verbosity_error()

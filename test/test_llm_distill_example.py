@@ -79,6 +79,22 @@ class TestTeacher:
             assert isinstance(scorer, ex.TeacherLogProbs)
             assert not any(p.requires_grad for p in model.parameters())
 
+    def test_the_teacher_trained_here_learns_the_students_task(self, ex, tmp_path, monkeypatch):
+        """Without ``--teacher``, ``llm_grpo.py`` trains one on ``--task`` and ``--digits``."""
+        given = []
+
+        def train(argv):
+            given.append(argv)
+            return {"acc_before": 0.1, "acc_after": 0.9, "wall_s": 1.0, "run_dir": str(tmp_path)}
+
+        monkeypatch.setattr(ex.llm_grpo, "main", train)
+        flags = ["--task", "running-sum", "--digits", "3", "--out", str(tmp_path / "out")]
+        settings = ex.llm_grpo.parse_args(flags, settings_cls=ex.Settings)
+        assert ex.teacher_folder(settings) == tmp_path / "model"
+        [argv] = given
+        assert argv[argv.index("--task") + 1] == "running-sum"
+        assert argv[argv.index("--digits") + 1] == "3"
+
 
 def test_distillation_writes_a_per_token_advantage(ex, parts):
     """The distillation run's batch: an advantage per token of ``("tokens", "full")``, 0 on the

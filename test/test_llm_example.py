@@ -2,6 +2,7 @@
 
 import copy
 import csv
+import dataclasses
 import math
 import os
 import re
@@ -73,6 +74,28 @@ class TestTask:
         assert ex.parse_args(["--digits", "3"]).max_new_tokens == 3  # two digits and the end
         assert ex.parse_args(["--digits", "2", "--max-new-tokens", "5"]).max_new_tokens == 5
         assert ex.digit_sum_task(1).answer_length == 1
+
+    def test_running_sum_task(self, ex):
+        task = ex.running_sum_task(4)
+        assert (task.prompt_length, task.answer_length) == (8, 10)  # "9 9 9 9=", "9 18 27 36"
+        problems = task.draw(torch.Generator().manual_seed(0), 200)
+        for query, answer in problems:
+            digits = [int(d) for d in query[:-1].split()]
+            sums = [sum(digits[: k + 1]) for k in range(4)]
+            assert answer == " ".join(map(str, sums)) and len(answer) <= task.answer_length
+        assert max(len(a) for _, a in problems) >= 8  # the digit sum's are 1 or 2 long
+        assert task.reward("3 12 13 17" + ex.EOS, "3 12 13 17") == 1.0
+        assert task.reward("3 12 13 18" + ex.EOS, "3 12 13 17") == 0.0
+
+    def test_the_task_flag(self, ex, capsys):
+        [field] = [f for f in dataclasses.fields(ex.Settings) if f.name == "task"]
+        assert field.metadata["choices"] == tuple(ex.TASKS)  # --help lists every task
+        cfg = ex.parse_args(["--task", "running-sum", "--digits", "3"])
+        assert ex.make_task(cfg).name == "running_sum" and cfg.max_new_tokens == 8  # "9 18 27"
+        assert ex.make_task(ex.parse_args([])).name == "digit_sum"
+        with pytest.raises(SystemExit):
+            ex.parse_args(["--task", "sum"])
+        assert "invalid choice: 'sum'" in capsys.readouterr().err
 
     def test_completions_are_cut_at_the_end_of_sequence(self, ex, tokenizer):
         """What the task's reward reads: the response up to its first end-of-sequence, then
