@@ -295,7 +295,7 @@ def parse_args(argv=None) -> Settings:
     if not cfg.time_limit > 0:
         wrong.append(f"--time-limit {cfg.time_limit}: seconds, more than 0")
     if cfg.task != "digit-sum":  # this example's dialogs ask for the sum, turn by turn
-        wrong.append(f"--task {cfg.task}: examples/llm_grpo.py and llm_distill.py only")
+        wrong.append(f"--task {cfg.task}: the single-turn examples only (llm_grpo.py...)")
     if wrong:
         print(f"{Path(sys.argv[0]).name}: error: " + "; ".join(wrong), file=sys.stderr)
         sys.exit(2)

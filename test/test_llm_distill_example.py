@@ -195,11 +195,13 @@ def test_stopwatch_and_time_to_reach(ex):
     assert ex.time_to_reach(curves, 0.8) == float("inf")
 
 
-def test_tiny_run_prints_a_result_line(tmp_path):
-    """The script end to end, training its own tiny teacher: one RESULT line, the plot, and
-    the distillation run's advantage per token."""
-    teacher = "--steps 2 --sft-target 0.05 " + " ".join(TINY)
-    args = [*TINY, "--budget", "1", "--eval-every", "4", "--sft-target", "0.05"]
+@pytest.mark.parametrize("task", ["digit-sum", "running-sum"])
+def test_tiny_run_prints_a_result_line(tmp_path, task):
+    """The script end to end, training its own tiny teacher on the student's task: one RESULT
+    line, the plot, and the distillation run's advantage per token."""
+    target = "0.05" if task == "digit-sum" else "0"  # 0: stop at the first check, for time
+    teacher = f"--steps 2 --sft-target {target} " + " ".join(TINY)
+    args = [*TINY, "--task", task, "--budget", "1", "--eval-every", "4", "--sft-target", target]
     args += ["--teacher-flags", teacher, "--out", str(tmp_path)]
     start = time.perf_counter()
     proc = subprocess.run(
@@ -218,9 +220,10 @@ def test_tiny_run_prints_a_result_line(tmp_path):
     assert budget_s == 1.0 and 0.0 < wall_s <= elapsed and kl_start > 0.0 and kl_end > 0.0
     assert t_reach == float("inf") or 0.0 <= t_reach <= 10.0
 
-    (run_dir,) = [p for p in tmp_path.iterdir() if p.name.startswith("digit_sum")]
+    (run_dir,) = [p for p in tmp_path.iterdir() if p.name.startswith(task.replace("-", "_"))]
     assert (run_dir / "llm_distill.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "RESULT acc_before=" in (tmp_path / "teacher" / "teacher.log").read_text()
+    assert list((tmp_path / "teacher").glob(f"{task.replace('-', '_')}_seed0_*/model"))
     curves = json.loads((run_dir / "curves.json").read_text())["runs"]
     assert curves["distill"]["advantage_shape"] == curves["distill"]["tokens_shape"]
     assert curves["grpo"]["advantage_shape"] == [16, 1, 1]  # one per completion, as the reward

@@ -137,7 +137,7 @@ class TestSettings:
             (["--sft-ask", "1.5"], "--sft-ask 1.5: between 0 and 1"),
             (["--eval-every", "0"], "--eval-every 0: at least 1"),
             (["--time-limit", "0"], "--time-limit 0.0: seconds, more than 0"),
-            (["--task", "running-sum"], "--task running-sum: examples/llm_grpo.py and"),
+            (["--task", "running-sum"], "--task running-sum: the single-turn examples only"),
         ],
     )
     def test_nonsense_is_refused_naming_the_flag(self, ex, capsys, flags, named):
