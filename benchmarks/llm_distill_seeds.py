@@ -6,7 +6,8 @@ a table.
     .venv/bin/python benchmarks/llm_distill_seeds.py --seeds 3 4 -- --budget 90  # example flags
 
 Without ``--teacher`` the teacher is trained first, once, by ``examples/llm_grpo.py
---seed 1 --steps 250 --time-limit 900`` (a fresh process, about 14 minutes: greedy accuracy 0.96
+--seed 1 --steps 250 --time-limit 900`` and the example flags' ``--task`` and ``--digits``, if
+given (a fresh process, about 14 minutes on the digit sum: greedy accuracy 0.96
 on this CPU, where the example's 190 s defaults give 0.82-0.86, about what GRPO reaches in a
 student's budget), and every seed distils from it: the seeds vary the
 student's warm start, its prompts and its samples, not the teacher. Each seed runs the
@@ -42,10 +43,10 @@ MAX_KL_SHARE = 0.5  # the held-out reverse KL at the end, over the start
 TEACHER_FLAGS = ("--seed", "1", "--steps", "250", "--time-limit", "900")
 
 
-def train_teacher(out: str) -> Path:
-    """examples/llm_grpo.py with :data:`TEACHER_FLAGS`; its saved run folder (model/,
-    tokenizer/)."""
-    flags = [*TEACHER_FLAGS, "--out", f"{out}/teacher"]
+def train_teacher(out: str, extra: list[str]) -> Path:
+    """examples/llm_grpo.py with :data:`TEACHER_FLAGS` and the example's ``--task`` and
+    ``--digits`` if ``extra`` (its flags) has them; its saved run folder (model/, tokenizer/)."""
+    flags = [*TEACHER_FLAGS, *shared_flags(extra), "--out", f"{out}/teacher"]
     print(f"training the teacher: {TEACHER.name} {' '.join(flags)}", flush=True)
     proc = subprocess.run(
         [sys.executable, str(TEACHER), *flags],
@@ -59,6 +60,16 @@ def train_teacher(out: str) -> Path:
         sys.exit(f"the teacher's run failed (exit {proc.returncode}):\n{proc.stdout}")
     print(proc.stdout.strip().splitlines()[-1], flush=True)
     return ROOT / folder.group(1)
+
+
+def shared_flags(extra: list[str]) -> list[str]:
+    """The flags of ``extra`` that the teacher must share with the student: its task."""
+    shared = []
+    for i, flag in enumerate(extra):
+        name = flag.split("=")[0]
+        if name in ("--task", "--digits"):
+            shared += [flag] if "=" in flag else [flag, extra[i + 1]]
+    return shared
 
 
 def run(seed: int, teacher: Path, out: str, extra: list[str]) -> dict:
@@ -93,7 +104,7 @@ def main(argv=None):
     parser.add_argument("extra", nargs="*", help="flags passed to the example (after --)")
     args = parser.parse_args(argv)
 
-    teacher = Path(args.teacher) if args.teacher else train_teacher(args.out)
+    teacher = Path(args.teacher) if args.teacher else train_teacher(args.out, args.extra)
     print(
         f"{EXAMPLE.name} {' '.join(args.extra) or '(defaults)'}, teacher {teacher}, "
         f"{os.cpu_count()} CPUs"
