@@ -192,7 +192,7 @@ class Settings:
         default="digit-sum",
         metadata={
             "help": "the task: digit-sum (the answer is the digits' sum, two or three tokens) "
-            "or running-sum (every partial sum, up to 11 tokens: running_sum_task)",
+            "or running-sum (every partial sum, up to 10 tokens: running_sum_task)",
             "choices": ("digit-sum", "running-sum"),  # TASKS' names
         },
     )
@@ -393,7 +393,7 @@ def running_sum_task(digits: int = 4) -> Task:
     """Read ``digits`` digits and write each partial sum: ``"3 9 1 4=" -> "3 12 13 17"``; reward
     1 for exactly those sums followed by end-of-sequence, else 0 (``--task running-sum``).
 
-    The same prompts as :func:`digit_sum_task` with an answer of up to 11 tokens (four digits)
+    The same prompts as :func:`digit_sum_task` with an answer of up to 10 tokens (four digits)
     instead of two: one reward per completion says less about which token was wrong, where a
     teacher's per-token signal says it token by token (docs/tutorial_distill.rst).
     """
