@@ -69,20 +69,12 @@ def one_batch(cfg):
     return student, teacher_model, tokenizer, batch
 
 
-def log_probs(model, tokens, mask):
-    """``(log-prob of each token given the ones before (0 at the first), log-softmax)``."""
+def taken_log_probs(model, tokens, mask):
+    """The log-prob of each token given the ones before it (0 at the first), ``(B, T)``."""
     logits = model(input_ids=tokens, attention_mask=mask.long()).logits.float()
-    every = logits.log_softmax(-1)  # (B, T, V): position t predicts token t + 1
     taken = torch.zeros(tokens.shape)
-    taken[:, 1:] = every[:, :-1].gather(-1, tokens[:, 1:, None])[..., 0]
-    return taken, every
-
-
-def exact_kl(student, tokens, mask, predicts, teacher_every):
-    """The mean over the response positions of KL(student || teacher), exact over the vocabulary."""
-    _, every = log_probs(student, tokens, mask)
-    kl = (every.exp() * (every - teacher_every)).sum(-1)  # (B, T)
-    return kl[predicts].mean()
+    taken[:, 1:] = logits.log_softmax(-1)[:, :-1].gather(-1, tokens[:, 1:, None])[..., 0]
+    return taken
 
 
 def main(argv=None):
@@ -99,32 +91,28 @@ def main(argv=None):
     tokens, mask = batch["tokens", "full"], batch["masks", "all_attention_mask"]
     response = mask.clone()
     response[:, : batch["tokens", "prompt"].shape[-1]] = False
-    predicts = torch.zeros_like(response)  # the positions whose next token is a response token
-    predicts[:, :-1] = response[:, 1:]
-    with torch.no_grad():
-        teacher_taken, teacher_every = log_probs(teacher, tokens, mask)
-        student_taken, _ = log_probs(student, tokens, mask)
     stored = ("next", "log_probs", "full"), ("next", "teacher_log_probs", "full")
-    for name, key, own in zip(("student", "teacher"), stored, (student_taken, teacher_taken)):
+    for name, key, model in zip(("student", "teacher"), stored, (student, teacher)):
+        with torch.no_grad():
+            own = taken_log_probs(model, tokens, mask)
         gap = (batch[key] - own)[response].abs().max().item()
         print(f"stored {name} log-probs vs a forward pass, largest gap on the response: {gap:.1e}")
-    print(one_line_gradients(cfg, student, tokenizer, batch, tokens, mask, predicts, teacher_every))
+    print(one_line_gradients(cfg, student, teacher, tokenizer, batch, response))
     weights = copy.deepcopy(student.state_dict())
-    before = exact_kl(student, tokens, mask, predicts, teacher_every).item()
+    before = llm_distill.reverse_kl(student, teacher, tokens, response)
     print(f"\n{tuple(tokens.shape)} tokens; exact reverse KL on the batch before: {before:.4f}")
     print(f"{'learning rate':>13}  {'after one epoch':>15}")
     for lr in args.lrs:
         student.load_state_dict(weights)
         one_epoch(cfg, student, tokenizer, batch, lr)
-        with torch.no_grad():
-            after = exact_kl(student, tokens, mask, predicts, teacher_every).item()
+        after = llm_distill.reverse_kl(student, teacher, tokens, response)
         print(f"{lr:>13.1e}  {after:>15.4f}")
 
 
-def one_line_gradients(cfg, student, tokenizer, batch, tokens, mask, predicts, teacher_every):
+def one_line_gradients(cfg, student, teacher, tokenizer, batch, response):
     """The cosine of the loss's gradient on the whole batch and the exact reverse KL's."""
     params = [p for p in student.parameters() if p.requires_grad]
-    kl = exact_kl(student, tokens, mask, predicts, teacher_every)
+    kl = llm_distill.exact_reverse_kl(student, teacher, batch["tokens", "full"], response)
     loss_fn = llm_grpo.make_loss(llm_grpo.make_scorer(student, tokenizer, cfg), cfg)
     exact, sampled = (
         torch.cat([g.reshape(-1) for g in torch.autograd.grad(value, params)])

@@ -238,10 +238,17 @@ def reverse_kl(student, teacher, tokens: torch.Tensor, response: torch.Tensor) -
     outputs at ``t - 1``.
     """
     with torch.no_grad():
-        logp = student(tokens).logits.log_softmax(-1)[:, :-1]  # (B, T-1, V)
+        return float(exact_reverse_kl(student, teacher, tokens, response))
+
+
+def exact_reverse_kl(student, teacher, tokens: torch.Tensor, response: torch.Tensor):
+    """:func:`reverse_kl` as a 0-d tensor, differentiable in the student's weights (the
+    teacher's log-probs are read without gradient)."""
+    logp = student(tokens).logits.log_softmax(-1)[:, :-1]  # (B, T-1, V)
+    with torch.no_grad():
         logq = teacher(tokens).logits.log_softmax(-1)[:, :-1]
     kl = (logp.exp() * (logp - logq)).sum(-1)  # (B, T-1): at the position predicting t + 1
-    return float(kl[response[:, 1:]].mean())
+    return kl[response[:, 1:]].mean()
 
 
 class HeldOut:

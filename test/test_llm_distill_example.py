@@ -172,6 +172,13 @@ def test_reverse_kl_on_held_out_completions(ex, parts):
     )
     assert tokens.tolist() == [[1, 2, 5, eos, pad], [3, 4, 6, 7, 8]]
     assert response.tolist() == [[0, 0, 1, 1, 0], [0, 0, 1, 1, 1]]
+    # the same number as a tensor with the student's gradient only (benchmarks/llm_distill_step.py)
+    value = ex.exact_reverse_kl(student, teacher, tokens, response)
+    assert value.item() == pytest.approx(ex.reverse_kl(student, teacher, tokens, response))
+    value.backward()
+    assert all(p.grad is not None for p in student.parameters() if p.requires_grad)
+    assert all(p.grad is None for p in teacher.parameters())
+    student.zero_grad(set_to_none=True)
 
 
 @pytest.mark.parametrize("flag", ["--dynamic-sampling", "--group-minibatches", "--lora-rank=4"])

@@ -270,8 +270,6 @@ def make_options(
     )
 
 
-#: The flat keywords of earlier versions, each with the slot and form that replace it (the
-#: transform's ``DeprecationWarning`` names them, with the exact value to write).
 #: GroupRelative's fields, each once a flat keyword of the transform.
 GROUP_FIELDS = (
     "baseline",
@@ -283,6 +281,8 @@ GROUP_FIELDS = (
     "reward_weights",
 )
 
+#: The flat keywords of earlier versions, each with the slot and form that replace it (the
+#: transform's ``DeprecationWarning`` names them, with the exact value to write).
 DEPRECATED: dict[str, tuple[str, str]] = {
     **{name: ("estimator", f"GroupRelative({name}=...)") for name in GROUP_FIELDS},
     "reward_to_go": ("estimator", "RewardToGo(gamma, baseline=...)"),
