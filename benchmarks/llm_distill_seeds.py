@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shlex
 import subprocess
 import sys
 import time
@@ -106,7 +107,7 @@ def main(argv=None):
 
     teacher = Path(args.teacher) if args.teacher else train_teacher(args.out, args.extra)
     print(
-        f"{EXAMPLE.name} {' '.join(args.extra) or '(defaults)'}, teacher {teacher}, "
+        f"{EXAMPLE.name} {shlex.join(args.extra) or '(defaults)'}, teacher {teacher}, "
         f"{os.cpu_count()} CPUs"
     )
     header = (

@@ -8,8 +8,8 @@ to the exact reverse KL on the batch's own tokens.
 
 Everything after ``--`` is ``examples/llm_distill.py``'s flags (``--teacher`` is needed). The
 student gets the example's warm start (``--seed``), then one batch is collected and scored as in
-the example's distillation run (``TeacherLogProbs``, then ``MCAdvantage(estimator=
-Distillation(0, --beta, baseline=--baseline))``). Printed:
+the example's distillation run, its ``--distill-flags`` applied (``TeacherLogProbs``, then
+``MCAdvantage(estimator=Distillation(0, --beta, baseline=--baseline))``). Printed:
 
 * the largest difference, on the response tokens, between the log-probs stored in the batch
   (student and teacher) and those of a plain forward pass of each model on the same tokens;
@@ -35,8 +35,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 import llm_distill  # noqa: E402  (examples/ is not a package)
 
-from torchrl_grpo.mcadvantage import Distillation  # noqa: E402
-
 llm_grpo = llm_distill.llm_grpo
 
 
@@ -56,8 +54,7 @@ def one_batch(cfg):
     val_accuracy = llm_grpo.GreedyAccuracy(tokenizer, task, validation, greedy)
     llm_grpo.warm_start(student, tokenizer, cfg, task, gen, held_out, val_accuracy)
     ref = copy.deepcopy(student).requires_grad_(False)
-    distillation = Distillation(0.0, cfg.beta, cfg.gamma, baseline=cfg.baseline)
-    run = llm_distill.Run("distill", "distillation alone", distillation)
+    run = llm_distill.three_runs(cfg)[1]  # distillation alone
     collector, rb = llm_distill.make_collector(
         cfg, task, student, ref, tokenizer, gen, held_out, teacher, run
     )
@@ -85,6 +82,7 @@ def main(argv=None):
     cfg = llm_grpo.parse_args(args.example, settings_cls=llm_distill.Settings)
     if not cfg.teacher:
         parser.error("--teacher <examples/llm_grpo.py run folder> after --")
+    cfg = llm_distill.with_flags(cfg, cfg.distill_flags)  # the distillation run's settings
     torch.set_num_threads(cfg.threads)
     hf_logging.set_verbosity_error()
     student, teacher, tokenizer, batch = one_batch(cfg)

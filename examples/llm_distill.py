@@ -42,10 +42,12 @@ import time
 
 T0 = time.perf_counter()
 
+import argparse
 import contextlib
 import copy
 import dataclasses
 import json
+import shlex
 import sys
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -73,6 +75,7 @@ from torchrl_grpo.llm import TeacherLogProbs
 from torchrl_grpo.mcadvantage import Distillation
 
 RUN_NAMES = ("grpo", "distill", "both")
+BASELINES = ["none", "group", "position"]  # --baseline: Distillation(baseline=False, ...)
 
 
 @dataclass
@@ -129,32 +132,99 @@ class Settings(llm_grpo.Settings):
         default=0.0,
         metadata={"help": "discount of the future reverse KL (Tinker's kl_discount_factor)"},
     )
-    baseline: bool = field(
-        default=True,
+    baseline: str = field(
+        default="position",
         metadata={
-            "help": "runs with the teacher: each token's reverse KL less its group's mean "
-            "(Distillation(baseline=True)); --no-baseline: the peers' uncentred form"
+            "choices": BASELINES,
+            "help": "runs with the teacher: each token's reverse KL less its group's mean at "
+            "its position in the response (Distillation(baseline='position')), over all the "
+            "group's response tokens (group), or not centred (none: the peers' form)",
+        },
+    )
+    epochs: int = field(
+        default=4,
+        metadata={
+            "help": "passes over each step's data, the three runs (llm_grpo.py's default is 2; "
+            "4 gave GRPO alone and distillation both more in the same budget here)"
+        },
+    )
+    distill_flags: str = field(
+        default="--kl-coeff 0",
+        metadata={
+            "help": "the distillation-alone run's own training settings, as examples/"
+            "llm_grpo.py flags in one string (the default: no KL to the warm start, the teacher "
+            "is the anchor; another: '--lr 1e-3 --group-size 4 --prompts-per-step 32'); only "
+            "how it trains (RUN_FLAGS), the other two runs keep the flags given"
         },
     )
 
 
 class Run(NamedTuple):
-    """One of the three runs: its name, its label, and its distillation (``None``: GRPO)."""
+    """One of the three runs: its name, its label, its distillation (``None``: GRPO) and its
+    settings (``--distill-flags`` applied for the distillation-alone run)."""
 
     name: str
     label: str
     distillation: Distillation | None
+    settings: Settings
 
 
 def three_runs(cfg: Settings) -> list[Run]:
-    centred = {"baseline": cfg.baseline}
+    """The three runs; ``--distill-flags`` is read (and a flag it may not set refused) here."""
+    centred = {"baseline": False if cfg.baseline == "none" else cfg.baseline}
+    alone = Distillation(0.0, cfg.beta, cfg.gamma, **centred)
+    both = Distillation(1.0, cfg.both_beta, cfg.gamma, **centred)
     return [
-        Run("grpo", "GRPO alone", None),
-        Run("distill", "distillation alone", Distillation(0.0, cfg.beta, cfg.gamma, **centred)),
-        Run(
-            "both", "GRPO with the teacher", Distillation(1.0, cfg.both_beta, cfg.gamma, **centred)
-        ),
+        Run("grpo", "GRPO alone", None, cfg),
+        Run("distill", "distillation alone", alone, with_flags(cfg, cfg.distill_flags)),
+        Run("both", "GRPO with the teacher", both, cfg),
     ]
+
+
+#: What ``--distill-flags`` may set apart from the other runs: how a run trains, not the
+#: student, the task, the teacher or the budget, which the comparison holds equal.
+RUN_FLAGS = (
+    "prompts_per_step",
+    "group_size",
+    "epochs",
+    "minibatch",
+    "lr",
+    "warmup_steps",
+    "clip_epsilon",
+    "clip_epsilon_high",
+    "kl_coeff",
+    "entropy_coeff",
+    "eval_every",
+)
+
+
+def with_flags(cfg: Settings, flags: str) -> Settings:
+    """``cfg`` with ``flags`` applied: ``examples/llm_grpo.py`` flags of :data:`RUN_FLAGS`, in
+    one string; another flag, a value of the wrong type or a group smaller than 2 is refused
+    (``SystemExit``, naming it)."""
+    parser = argparse.ArgumentParser(
+        prog="--distill-flags", add_help=False, allow_abbrev=False, exit_on_error=False
+    )
+    defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
+    for name in RUN_FLAGS:
+        flag = "--" + name.replace("_", "-")
+        parser.add_argument(flag, type=type(defaults[name]), default=argparse.SUPPRESS)
+    try:
+        given, rest = parser.parse_known_args(shlex.split(flags))
+    except argparse.ArgumentError as error:
+        raise SystemExit(f"--distill-flags: {error}") from None
+    if rest:
+        allowed = " ".join("--" + name.replace("_", "-") for name in RUN_FLAGS)
+        raise SystemExit(
+            f"--distill-flags: {' '.join(rest)} is not one of the settings a run may set apart "
+            f"(the student, task, teacher and budget are the three runs'): {allowed}"
+        )
+    settings = dataclasses.replace(cfg, **vars(given))
+    if settings.group_size < 2 or settings.epochs < 1 or settings.minibatch < 1:
+        raise SystemExit(
+            "--distill-flags: --group-size must be at least 2, --epochs and --minibatch at least 1"
+        )
+    return settings
 
 
 # --------------------------------------------------------------------------------------------
@@ -249,6 +319,39 @@ def exact_reverse_kl(student, teacher, tokens: torch.Tensor, response: torch.Ten
         logq = teacher(tokens).logits.log_softmax(-1)[:, :-1]
     kl = (logp.exp() * (logp - logq)).sum(-1)  # (B, T-1): at the position predicting t + 1
     return kl[response[:, 1:]].mean()
+
+
+class ExactReverseKL:
+    """A loss on the student's own batches without the estimator's sampling noise: the exact
+    per-position reverse KL to the teacher (:func:`exact_reverse_kl`, over the vocabulary) on
+    each completion's response tokens, the zero-noise limit of the distillation advantage with
+    ``gamma = 0`` (``benchmarks/llm_distill_exact.py``). It needs the teacher's logits, which the
+    lean path never builds, so it is a yardstick here, not a method for LLM vocabularies.
+
+    ``ExactReverseKL(teacher)(model, cfg)`` is an ``objective`` of :func:`train`.
+    """
+
+    def __init__(self, teacher):
+        self.teacher = teacher
+
+    def __call__(self, model, cfg):
+        return lambda batch: _Total(self.loss(model, batch))
+
+    def loss(self, model, batch):
+        """The batch's exact reverse KL, a 0-d tensor with the student's gradient."""
+        tokens = batch["tokens", "full"]
+        response = batch["masks", "all_attention_mask"].clone()
+        response[:, : batch["tokens", "prompt"].shape[-1]] = False
+        return exact_reverse_kl(model, self.teacher, tokens, response)
+
+
+class _Total(NamedTuple):
+    """A loss's value as :func:`train` reads it: ``total_loss()``."""
+
+    value: torch.Tensor
+
+    def total_loss(self) -> torch.Tensor:
+        return self.value
 
 
 class HeldOut:
@@ -371,12 +474,16 @@ class Stopwatch:
             self.start()
 
 
-def train(run: Run, cfg: Settings, task, student: dict, tokenizer, teacher, held_out, evaluate):
-    """One run from the warm-started ``student`` weights, for ``--budget`` seconds of training.
+def train(run: Run, cfg: Settings, setup: "Setup", objective=None):
+    """One run from the warm-started weights of ``setup``, for ``--budget`` seconds of training.
 
-    Returns its curves: training time, step, greedy accuracy and reverse KL at each evaluation,
-    and the advantage's shape in the last batch.
+    ``objective(model, cfg)``: the loss the run minimizes on each minibatch (its output's
+    ``total_loss()``); by default GRPO's clipped objective (:func:`llm_grpo.make_loss`) on the
+    advantages the run's buffer writes. Returns its curves: training time, step, greedy accuracy
+    and reverse KL at each evaluation, and the advantage's shape in the last batch.
     """
+    task, tokenizer, teacher, held_out = setup.task, setup.tokenizer, setup.teacher, setup.held_out
+    student, evaluate = setup.weights, setup.evaluate
     torch.manual_seed(cfg.seed)  # the same sampling noise and prompts in each run
     gen = torch.Generator().manual_seed(cfg.seed + 1)
     model = llm_grpo.make_model(cfg, tokenizer, task.prompt_length + cfg.max_new_tokens)
@@ -387,7 +494,10 @@ def train(run: Run, cfg: Settings, task, student: dict, tokenizer, teacher, held
     collector, rb = make_collector(
         cfg, task, model, ref_model, tokenizer, gen, held_out, teacher, run
     )
-    loss_fn = llm_grpo.make_loss(llm_grpo.make_scorer(model, tokenizer, cfg), cfg)
+    if objective is None:
+        loss_fn = llm_grpo.make_loss(llm_grpo.make_scorer(model, tokenizer, cfg), cfg)
+    else:
+        loss_fn = objective(model, cfg)
     optim = torch.optim.Adam(model.parameters(), lr=cfg.lr)
     clock = Stopwatch()
     schedule = llm_grpo.lr_schedule(optim, cfg, deadline=cfg.budget, clock=clock)
@@ -465,20 +575,32 @@ def plot(results: dict, runs: list[Run], teacher_acc: float, path: Path, title: 
     plt.close(fig)
 
 
-def main(argv=None) -> dict:
-    """The teacher, the student's warm start, then the three runs; returns the RESULT's fields
-    and each run's curves."""
-    start = T0 if main.first_call else time.perf_counter()
-    main.first_call = False
-    cfg = llm_grpo.parse_args(argv, settings_cls=Settings)
-    if cfg.dynamic_sampling or cfg.group_minibatches:  # not read by this example's pipeline
-        raise SystemExit("--dynamic-sampling and --group-minibatches: examples/llm_grpo.py only")
+class Setup(NamedTuple):
+    """What the runs share: the task and tokenizer, the teacher (its model and its scorer of the
+    student's tokens), the student's warm-started weights, the held-out prompts and their
+    evaluation, and the teacher's and the student's standing before any run."""
+
+    task: llm_grpo.Task
+    tokenizer: object
+    teacher_model: torch.nn.Module
+    teacher: TeacherLogProbs
+    weights: dict
+    held_out: set
+    evaluate: HeldOut
+    teacher_acc: float
+    acc_start: float
+    kl_start: float
+
+
+def prepare(cfg: Settings, start: float) -> Setup:
+    """The teacher (refused before any training if its tokenizer is not the student's), then the
+    student's warm start; ``start`` is the clock the printed time counts from."""
     task = llm_grpo.make_task(cfg)
     torch.set_num_threads(cfg.threads)
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     tokenizer = llm_grpo.make_tokenizer(task.alphabet)
-    teacher_model, teacher = load_teacher(cfg, task, tokenizer)  # refused before any training
+    teacher_model, teacher = load_teacher(cfg, task, tokenizer)
     torch.manual_seed(cfg.seed)
     student = llm_grpo.make_model(cfg, tokenizer, task.prompt_length + cfg.max_new_tokens)
     student = suppress_padding(student, tokenizer).to(cfg.device)
@@ -504,11 +626,33 @@ def main(argv=None) -> dict:
         flush=True,
     )
     weights = copy.deepcopy(student.state_dict())
-    runs = three_runs(cfg)
-    results = {
-        run.name: train(run, cfg, task, weights, tokenizer, teacher, held_out, evaluate)
-        for run in runs
-    }
+    return Setup(
+        task,
+        tokenizer,
+        teacher_model,
+        teacher,
+        weights,
+        held_out,
+        evaluate,
+        teacher_acc,
+        acc_start,
+        kl_start,
+    )
+
+
+def main(argv=None) -> dict:
+    """The teacher, the student's warm start, then the three runs; returns the RESULT's fields
+    and each run's curves."""
+    start = T0 if main.first_call else time.perf_counter()
+    main.first_call = False
+    cfg = llm_grpo.parse_args(argv, settings_cls=Settings)
+    if cfg.dynamic_sampling or cfg.group_minibatches:  # not read by this example's pipeline
+        raise SystemExit("--dynamic-sampling and --group-minibatches: examples/llm_grpo.py only")
+    runs = three_runs(cfg)  # a bad --distill-flags is refused before any training
+    setup = prepare(cfg, start)
+    task, teacher_acc = setup.task, setup.teacher_acc
+    acc_start, kl_start = setup.acc_start, setup.kl_start
+    results = {run.name: train(run, run.settings, setup) for run in runs}
 
     final = {name: results[name]["accuracy"][-1] for name in RUN_NAMES}
     t_reach = time_to_reach(results["distill"], final["grpo"])

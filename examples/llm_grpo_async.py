@@ -177,7 +177,7 @@ class AsyncSettings(sync.Settings):
         default=True,
         metadata={
             "help": "with --teacher: each token's reverse KL less its group's mean "
-            "(Distillation(baseline=True), llm_distill.py's --baseline); "
+            "(Distillation(baseline=True), llm_distill.py's --baseline group); "
             "--no-distill-baseline: the peers' uncentred form"
         },
     )

@@ -1,5 +1,7 @@
 """examples/llm_distill.py: the teacher's check, per-token advantages, the KL, a tiny run."""
 
+import copy
+import dataclasses
 import json
 import os
 import re
@@ -11,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers.examples import load_example
+from tensordict import TensorDict
 
 from torchrl_grpo.llm.head import head_tensors
 
@@ -119,11 +122,13 @@ def test_distillation_writes_a_per_token_advantage(ex, parts):
     taught = batch["next", "teacher_log_probs", "full"]
     real = batch["masks", "all_attention_mask"][:, prompt:]
     d = (old - taught)[:, prompt:].double()
-    if run.distillation.baseline:  # less the mean over its group's response tokens
-        _, group = torch.unique(batch["tokens", "prompt"], dim=0, return_inverse=True)
-        for g in group.unique():
-            rows = group == g
-            d[rows] -= d[rows][real[rows]].mean()
+    assert run.distillation.baseline == "position"  # less its group's mean at its position
+    _, group = torch.unique(batch["tokens", "prompt"], dim=0, return_inverse=True)
+    for g in group.unique():
+        rows = group == g
+        for k in range(d.shape[1]):  # the completions are right-padded: k is the position
+            here = real[rows, k]
+            d[rows, k] -= torch.where(here, d[rows, k][here].mean() if here.any() else 0, 0)
     expected = (-run.distillation.beta * d * real).to(adv.dtype)
     torch.testing.assert_close(adv[:, prompt:], expected)
     assert (adv[:, prompt:].std(-1) > 0).any()  # not one value per sequence
@@ -154,6 +159,41 @@ def test_the_runs(ex, parts):
     assert [r.name for r in runs] == list(ex.RUN_NAMES)
     assert runs[0].distillation is None
     assert (runs[2].distillation.alpha, runs[2].distillation.beta) == (1.0, cfg.both_beta)
+    assert runs[0].settings == runs[2].settings == cfg
+    assert runs[1].settings == dataclasses.replace(cfg, kl_coeff=0.0)  # --distill-flags' default
+    assert runs[1].distillation.baseline == runs[2].distillation.baseline == "position"
+    for flag, baseline in (("none", False), ("group", "group")):
+        cfg = ex.llm_grpo.parse_args([*TINY, "--baseline", flag], settings_cls=ex.Settings)
+        assert ex.three_runs(cfg)[1].distillation.baseline == baseline
+
+
+def test_distill_flags_set_the_distillation_run_apart(ex):
+    """``--distill-flags``: the distillation-alone run's own training settings; GRPO and GRPO
+    with the teacher keep the command line's."""
+    flags = "--group-size 2 --prompts-per-step 32 --kl-coeff 0 --lr 1e-3"
+    cfg = ex.llm_grpo.parse_args([*TINY, "--distill-flags", flags], settings_cls=ex.Settings)
+    grpo, alone, both = (run.settings for run in ex.three_runs(cfg))
+    assert grpo == both == cfg and (cfg.group_size, cfg.kl_coeff, cfg.lr) == (4, 0.02, 5e-4)
+    changed = alone.group_size, alone.prompts_per_step, alone.kl_coeff, alone.lr
+    assert changed == (2, 32, 0.0, 1e-3)
+    assert alone.minibatch == cfg.minibatch and alone.n_layer == cfg.n_layer  # the rest: shared
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        ("--n-layer 1", "--n-layer 1 is not one of"),  # the student is the three runs'
+        ("--budget 10", "--budget 10 is not one of"),
+        ("--group 4", "--group 4 is not one of"),  # no abbreviations
+        ("--group-size 1", "--group-size must be at least 2"),
+        ("--lr fast", "invalid float value: 'fast'"),
+    ],
+)
+def test_distill_flags_refused_before_any_training(ex, flags, named, tmp_path):
+    argv = ["--distill-flags", flags, "--teacher", str(tmp_path), "--out", str(tmp_path / "o")]
+    with pytest.raises(SystemExit, match=named):
+        ex.main(argv)
+    assert not (tmp_path / "o").exists()
 
 
 def test_reverse_kl_on_held_out_completions(ex, parts):
@@ -179,6 +219,55 @@ def test_reverse_kl_on_held_out_completions(ex, parts):
     assert all(p.grad is not None for p in student.parameters() if p.requires_grad)
     assert all(p.grad is None for p in teacher.parameters())
     student.zero_grad(set_to_none=True)
+
+
+def test_the_exact_objective_is_the_reverse_kl_of_the_response(ex, parts):
+    """``ExactReverseKL``: the batch's exact reverse KL on the completions' tokens (not the
+    prompt's, not the padding), with the student's gradient."""
+    cfg, _, tokenizer, student, teacher = parts
+    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
+    full = torch.tensor([[1, 10, 2, 11, 3, eos, pad], [4, 10, 5, 11, 6, 7, eos]])
+    batch = TensorDict(
+        tokens=TensorDict(full=full, prompt=full[:, :4], batch_size=[2]),
+        masks=TensorDict(all_attention_mask=full != pad, batch_size=[2]),
+        batch_size=[2],
+    )
+    loss = ex.ExactReverseKL(teacher)(student, cfg)(batch).total_loss()
+    response = torch.tensor([[0, 0, 0, 0, 1, 1, 0], [0, 0, 0, 0, 1, 1, 1]], dtype=torch.bool)
+    assert loss.item() == pytest.approx(ex.reverse_kl(student, teacher, full, response))
+    loss.backward()
+    assert student.model.embed_tokens.weight.grad is not None
+    student.zero_grad(set_to_none=True)
+
+
+def test_a_run_minimizes_the_objective_it_is_given(ex, parts):
+    """``train(..., objective=...)``: each minibatch's loss is the objective's, not GRPO's."""
+    cfg, task, tokenizer, student, teacher_model = parts
+    cfg = dataclasses.replace(cfg, steps=1, epochs=1, eval_every=1, budget=60.0)
+    wrapper = ex.llm_grpo.make_scorer(teacher_model, tokenizer, cfg, "teacher_log_probs")
+    problems = ex.llm_grpo.draw_problems(task, torch.Generator().manual_seed(0), 8, set())
+    setup = ex.Setup(
+        task,
+        tokenizer,
+        teacher_model,
+        ex.TeacherLogProbs(wrapper, tokenizer=tokenizer),
+        ex.suppress_padding(copy.deepcopy(student), tokenizer).state_dict(),
+        set(problems["query"]),
+        ex.HeldOut(tokenizer, task, problems, teacher_model, cfg),
+        teacher_acc=0.0,
+        acc_start=0.0,
+        kl_start=0.0,
+    )
+    seen = []
+
+    def objective(model, settings):
+        assert settings is cfg
+        exact = ex.ExactReverseKL(teacher_model)(model, settings)
+        return lambda batch: seen.append(len(batch)) or exact(batch)
+
+    run = ex.Run("exact", "exact reverse KL", None, cfg)
+    curves = ex.train(run, cfg, setup, objective=objective)
+    assert seen == [8, 8] and curves["step"] == [0, 1]  # 16 completions, minibatches of 8
 
 
 @pytest.mark.parametrize("flag", ["--dynamic-sampling", "--group-minibatches", "--lora-rank=4"])
@@ -209,6 +298,7 @@ def test_tiny_run_prints_a_result_line(tmp_path, task):
     target = "0.05" if task == "digit-sum" else "0"  # 0: stop at the first check, for time
     teacher = f"--steps 2 --sft-target {target} " + " ".join(TINY)
     args = [*TINY, "--task", task, "--budget", "1", "--eval-every", "4", "--sft-target", target]
+    args += ["--distill-flags", "--group-size 2 --minibatch 4"]  # 8 completions a batch
     args += ["--teacher-flags", teacher, "--out", str(tmp_path)]
     start = time.perf_counter()
     proc = subprocess.run(
@@ -234,5 +324,6 @@ def test_tiny_run_prints_a_result_line(tmp_path, task):
     curves = json.loads((run_dir / "curves.json").read_text())["runs"]
     assert curves["distill"]["advantage_shape"] == curves["distill"]["tokens_shape"]
     assert curves["grpo"]["advantage_shape"] == [16, 1, 1]  # one per completion, as the reward
+    assert curves["distill"]["tokens_shape"][0] == 8  # its own --distill-flags: groups of 2
     assert curves["distill"]["kl"][-1] == pytest.approx(kl_end, abs=1e-4)  # 4 decimals printed
     assert curves["distill"]["kl"][0] == pytest.approx(kl_start, abs=1e-4)

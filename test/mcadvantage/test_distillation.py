@@ -266,6 +266,24 @@ class TestBaseline:
                 if g == group:  # plain - beta * (d - mean) = plain + beta * mean
                     close([c], [p.double() + 0.7 * d.mean()])
 
+    @LAYOUTS
+    def test_position_takes_out_the_groups_mean_at_each_response_position(self, padded):
+        """``baseline="position"``: ``D_t`` less the mean of ``D`` over the group's turns'
+        tokens at ``t``'s index in its own response (the same turn index or not)."""
+        ds = dialogs(GROUPS, SIZE, 3, seed=13)
+        plain, _ = distilled(ds, padded=padded, estimator=Distillation(1.0, 0.7))
+        got, _ = distilled(ds, padded=padded, estimator=Distillation(1.0, 0.7, baseline="position"))
+        grouped, _ = distilled(ds, padded=padded, estimator=Distillation(1.0, 0.7, baseline=True))
+        turns = [(d // SIZE, t) for d, dialog in enumerate(ds) for t in dialog]
+        at = {}  # (group, position in the response): the reverse KL of the tokens there
+        for g, t in turns:
+            for k, d in enumerate(torch.tensor(t.student) - torch.tensor(t.teacher)):
+                at.setdefault((g, k), []).append(d.double())
+        for (g, t), p, c in zip(turns, plain, got, strict=True):
+            mean = torch.stack([torch.stack(at[g, k]).mean() for k in range(len(t.student))])
+            close([c], [p.double() + 0.7 * mean])
+        assert any(not torch.allclose(a, b) for a, b in zip(got, grouped, strict=True))
+
     def test_groups_completed_across_insertions_give_the_same_advantages(self):
         ds = dialogs(GROUPS, SIZE, 3, seed=12)
         distillation = Distillation(beta=0.3, gamma=0.5, baseline=True)
@@ -360,6 +378,7 @@ class TestBadInput:
             (dict(alpha=float("inf")), "alpha must be finite"),
             (dict(alpha=0.0, beta=0.0), r"alpha=0, beta=0\) uses neither"),
             (dict(gamma=1.5), r"gamma must be a number in \[0, 1\]"),
+            (dict(baseline="token"), r"baseline must be False, True .* got 'token'"),
         ],
     )
     def test_bad_settings(self, kw, match):

@@ -104,8 +104,8 @@ def token_advantages(
         step_advantage: the group's advantage of each step, ``(N,)``; ``None`` with
             ``alpha = 0``.
         trajectory_steps: steps per released trajectory, ``(M,)``.
-        groups: ``(group of each released trajectory (M,), number of groups)``, read with
-            ``baseline=True``.
+        groups: ``(group of each released trajectory (M,), number of groups)``, read with a
+            ``baseline``.
 
     Returns:
         ``(advantage, stats)``: every token's advantage, ``(T,)`` in the log-probs' dtype, row
@@ -128,7 +128,12 @@ def token_advantages(
         step_group = member.cpu().repeat_interleave(
             trajectory_steps.cpu(), output_size=len(per_row)
         )
-        baseline = group_mean_baseline(kl, step_group[token_row], num_groups)
+        token_group = step_group[token_row]
+        if distillation.baseline == "position":  # a mean per group and position in the response
+            offset = rows.position[real] - rows.prompt_real[token_row]  # real tokens before it
+            [width] = read_ints(offset.max() + 1) if len(offset) else [1]
+            token_group, num_groups = token_group * width + offset, num_groups * width
+        baseline = group_mean_baseline(kl, token_group, num_groups)
     adv = distillation_advantage(
         kl,
         beta=distillation.beta,

@@ -313,8 +313,11 @@ class StepGroups(Estimator):
 class Distillation(Estimator):
     """On-policy distillation: on the response tokens of each released turn ``A_t = alpha *
     A_group - beta * D_t``, ``D_t`` the student's reverse KL to the teacher from token ``t`` on,
-    discounted by ``gamma`` (with ``baseline=True``, less its group's mean: ``D_t -
-    mean_group(D)``) (:mod:`torchrl_grpo.advantages.distillation`; how the rows are read:
+    discounted by ``gamma``, less a baseline if ``baseline`` is set: ``True`` or ``"group"``,
+    the mean of ``D`` over the group's response tokens; ``"position"``, the mean over the
+    group's tokens at the same position of their response (``D_t - mean_group,position(D)``,
+    the first tokens of a group's responses share their context)
+    (:mod:`torchrl_grpo.advantages.distillation`; how the rows are read:
     :mod:`torchrl_grpo.mcadvantage.distillation`). ``A_group`` is ``group``'s.
 
     Examples:
@@ -336,9 +339,10 @@ class Distillation(Estimator):
     # the response: the tokens after the prompt (None: every token, a policy without prompts)
     prompt_tokens_key: NestedKey | None = ("tokens", "prompt")
     mask_key: NestedKey | None = ("masks", "all_attention_mask")  # real tokens, where present
-    # subtract from D_t its group's mean over the response tokens (group_mean_baseline): a
-    # centred teacher's term; False: the peers' form (Tinker, Trinity-RFT, NeMo-RL)
-    baseline: bool = False
+    # subtract from D_t a mean of it (group_mean_baseline): True or "group", over the group's
+    # response tokens; "position", over the group's tokens at t's position in their response;
+    # False: the peers' form (Tinker, Trinity-RFT, NeMo-RL)
+    baseline: bool | str = False
     _: KW_ONLY
     group: Estimator = field(default=_GRPO)  # A_group: GroupRelative, RewardToGo or StepGroups
 

@@ -494,10 +494,15 @@ def _expand_records(kw: dict, given: dict) -> dict:
     return kw
 
 
+#: What ``Distillation(baseline=...)`` takes beside ``False`` and ``True`` (``"group"``).
+DISTILLATION_BASELINES = frozenset({"group", "position"})
+
+
 def _distillation(value, rewards_key) -> Distillation | None:
     """``distillation`` checked: a :class:`Distillation` whose weights are finite, ``beta`` and
-    ``alpha`` at least ``0`` and not both ``0``, ``gamma`` in ``[0, 1]``; ``rewards_key=None``
-    (no reward read) only with ``alpha = 0``."""
+    ``alpha`` at least ``0`` and not both ``0``, ``gamma`` in ``[0, 1]``, ``baseline`` a bool or
+    one of :data:`DISTILLATION_BASELINES`; ``rewards_key=None`` (no reward read) only with
+    ``alpha = 0``."""
     if value is None:
         if rewards_key is None:
             raise ValueError(
@@ -518,6 +523,11 @@ def _distillation(value, rewards_key) -> Distillation | None:
     gamma = value.gamma
     if isinstance(gamma, bool) or not isinstance(gamma, numbers.Real) or not 0 <= gamma <= 1:
         raise ValueError(f"Distillation's gamma must be a number in [0, 1], got {gamma!r}.")
+    if not isinstance(value.baseline, bool) and value.baseline not in DISTILLATION_BASELINES:
+        raise ValueError(
+            'Distillation\'s baseline must be False, True ("group") or one of '
+            f"{sorted(DISTILLATION_BASELINES)}, got {value.baseline!r}."
+        )
     if rewards_key is None and value.alpha != 0.0:
         raise ValueError(
             f"rewards_key=None reads no reward, but Distillation(alpha={value.alpha}) weighs the "
