@@ -120,7 +120,11 @@ class Settings(llm_grpo.Settings):
         metadata={"help": "at most this many steps per run (the budget usually ends it first)"},
     )
     eval_every: int = field(
-        default=5, metadata={"help": "steps between two held-out evaluations of a run"}
+        default=2,
+        metadata={
+            "help": "steps between two held-out evaluations of a run (t_distill_to_grpo is "
+            "read at them: a step is about 1/40 of the default budget)"
+        },
     )
     beta: float = field(
         default=1.0, metadata={"help": "distillation alone: the reverse KL's weight (alpha=0)"}
