@@ -87,8 +87,7 @@ def main(argv=None):
     hf_logging.set_verbosity_error()
     student, teacher, tokenizer, batch = one_batch(cfg)
     tokens, mask = batch["tokens", "full"], batch["masks", "all_attention_mask"]
-    response = mask.clone()
-    response[:, : batch["tokens", "prompt"].shape[-1]] = False
+    response = llm_distill.response_mask(batch)
     stored = ("next", "log_probs", "full"), ("next", "teacher_log_probs", "full")
     for name, key, model in zip(("student", "teacher"), stored, (student, teacher)):
         with torch.no_grad():

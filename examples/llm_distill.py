@@ -11,8 +11,9 @@ by side:
 * **GRPO alone**: the task's reward, group-relative advantages, as ``llm_grpo.py``;
 * **distillation alone**: ``Distillation(alpha=0, beta=--beta)``, no reward read: each response
   token's advantage is ``-beta`` times the student's reverse KL to the teacher on that token,
-  the teacher scoring the student's own samples (``TeacherLogProbs``, torchrl's
-  ``RetrieveLogProb`` on a ``LeanTransformersWrapper`` of the teacher);
+  less its group's mean at that position (``--baseline``), the teacher scoring the student's own
+  samples (``TeacherLogProbs``, torchrl's ``RetrieveLogProb`` on a ``LeanTransformersWrapper``
+  of the teacher); its own training settings with ``--distill-flags``;
 * **GRPO with the teacher**: ``Distillation(alpha=1, beta=--both-beta)``: the group's advantage
   plus the teacher's term, per token.
 
@@ -75,7 +76,7 @@ from torchrl_grpo.llm import TeacherLogProbs
 from torchrl_grpo.mcadvantage import Distillation
 
 RUN_NAMES = ("grpo", "distill", "both")
-BASELINES = ["none", "group", "position"]  # --baseline: Distillation(baseline=False, ...)
+BASELINES = ["none", "group", "position"]  # --baseline's choices; none: baseline=False
 
 
 @dataclass
@@ -343,10 +344,15 @@ class ExactReverseKL:
 
     def loss(self, model, batch):
         """The batch's exact reverse KL, a 0-d tensor with the student's gradient."""
-        tokens = batch["tokens", "full"]
-        response = batch["masks", "all_attention_mask"].clone()
-        response[:, : batch["tokens", "prompt"].shape[-1]] = False
-        return exact_reverse_kl(model, self.teacher, tokens, response)
+        return exact_reverse_kl(model, self.teacher, batch["tokens", "full"], response_mask(batch))
+
+
+def response_mask(batch) -> torch.Tensor:
+    """``(B, T)``: where a collected batch's completions' real tokens are (after the prompt,
+    not the padding)."""
+    response = batch["masks", "all_attention_mask"].clone()
+    response[:, : batch["tokens", "prompt"].shape[-1]] = False
+    return response
 
 
 class _Total(NamedTuple):
