@@ -64,7 +64,6 @@ from torch.utils.data import DataLoader
 from torchrl.collectors.llm import LLMCollector
 from torchrl.data import LazyStackStorage, ReplayBuffer, SamplerWithoutReplacement
 from torchrl.envs import Compose, ExcludeTransform, InitTracker
-from torchrl.envs.llm import RetrieveLogProb
 from tqdm import tqdm
 from transformers.utils import logging as hf_logging
 
@@ -412,7 +411,8 @@ class HeldOut:
 
 def make_collector(cfg, task, model, ref_model, tokenizer, gen, exclude, teacher, run: Run):
     """``llm_grpo.make_collector`` with the teacher: ``TeacherLogProbs`` after the sampling
-    policy's and the reference's ``RetrieveLogProb``, and
+    policy's and the reference's ``RetrieveLogProb`` (:func:`llm_grpo.log_prob_scorers`: no
+    reference at ``--kl-coeff 0``, the distillation-alone run's default), and
     ``MCAdvantage(estimator=Distillation(...))`` writing each response token's advantage on
     insertion (distillation alone: no reward read, ``rewards_key=None``)."""
     rows = cfg.prompts_per_step * cfg.group_size
@@ -440,14 +440,10 @@ def make_collector(cfg, task, model, ref_model, tokenizer, gen, exclude, teacher
         )
     )
     unread = ("answer", "step_count", "terminated", "truncated", "is_init")
-    scorers = [
-        llm_grpo.make_scorer(model, tokenizer, cfg, response_only=True),  # pi_old
-        llm_grpo.make_scorer(ref_model, tokenizer, cfg, "ref_log_probs", response_only=True),
-    ]
     score = Compose(
         llm_grpo.Contiguous(),
         ExcludeTransform(*unread, *[("next", key) for key in (*unread, "query", "tokens")]),
-        *[RetrieveLogProb(scorer, assistant_only=False) for scorer in scorers],
+        *llm_grpo.log_prob_scorers(cfg, model, ref_model, tokenizer),  # pi_old; ref if weighed
     )
     if run.distillation is not None:
         score.append(teacher)  # ("next", "teacher_log_probs", "full"), before the buffer
@@ -500,7 +496,7 @@ def train(run: Run, cfg: Settings, setup: "Setup", objective=None):
     model = suppress_padding(model, tokenizer)
     model.load_state_dict(student)
     model = model.to(cfg.device)
-    ref_model = copy.deepcopy(model).requires_grad_(False)
+    ref_model = copy.deepcopy(model).requires_grad_(False) if cfg.kl_coeff else None
     collector, rb = make_collector(
         cfg, task, model, ref_model, tokenizer, gen, held_out, teacher, run
     )

@@ -755,8 +755,9 @@ def make_collector(cfg: Settings, task: Task, model, ref_model, tokenizer, gen, 
     ``exclude``),
     each ``group_size`` times; the sampled completions and their rewards from the env; the
     log-probs of the sampled tokens under the sampling policy (the "old" policy of the ratio) and
-    under the frozen reference, added by torchrl's ``RetrieveLogProb`` at
-    ``("next", "log_probs", "full")`` and ``("next", "ref_log_probs", "full")``; then
+    under the frozen reference (where ``--kl-coeff`` weighs it), added by torchrl's
+    ``RetrieveLogProb`` at ``("next", "log_probs", "full")`` and
+    ``("next", "ref_log_probs", "full")`` (:func:`log_prob_scorers`); then
     ``MCAdvantage`` writes ``"advantage"`` per completion, grouped by prompt, on the way into
     the buffer.
     """
@@ -793,21 +794,10 @@ def make_collector(cfg: Settings, task: Task, model, ref_model, tokenizer, gen, 
         )
     )
     unread = ("answer", "step_count", "terminated", "truncated", "is_init")  # the loss reads none
-    ref_scorer = make_scorer(  # ref_model None: the LoRA policy with its adapters disabled
-        model if ref_model is None else ref_model,
-        tokenizer,
-        cfg,
-        "ref_log_probs",
-        response_only=True,
-        disable_adapters=ref_model is None,
-    )
     score = Compose(
         Contiguous(),
         ExcludeTransform(*unread, *[("next", key) for key in (*unread, "query", "tokens")]),
-        RetrieveLogProb(
-            make_scorer(model, tokenizer, cfg, response_only=True), assistant_only=False
-        ),
-        RetrieveLogProb(ref_scorer, assistant_only=False),
+        *log_prob_scorers(cfg, model, ref_model, tokenizer),
     )
     collector = LLMCollector(
         env,
@@ -820,13 +810,36 @@ def make_collector(cfg: Settings, task: Task, model, ref_model, tokenizer, gen, 
     return collector, rb
 
 
+def log_prob_scorers(cfg: Settings, model, ref_model, tokenizer) -> list[RetrieveLogProb]:
+    """torchrl's ``RetrieveLogProb`` for the batch's sampled tokens: their log-probs under the
+    sampling policy (the ratio's "old" policy, ``("next", "log_probs", "full")``) and, where the
+    loss weighs the KL to the reference (``--kl-coeff`` above 0), under the frozen reference
+    (``("next", "ref_log_probs", "full")``; ``ref_model`` None: the LoRA policy with its adapters
+    disabled). At ``--kl-coeff 0`` the reference is not scored: one forward pass less a step
+    (TRL's ``beta=0.0`` loads no reference either)."""
+    old = make_scorer(model, tokenizer, cfg, response_only=True)
+    scorers = [RetrieveLogProb(old, assistant_only=False)]
+    if cfg.kl_coeff:
+        ref = make_scorer(
+            model if ref_model is None else ref_model,
+            tokenizer,
+            cfg,
+            "ref_log_probs",
+            response_only=True,
+            disable_adapters=ref_model is None,
+        )
+        scorers.append(RetrieveLogProb(ref, assistant_only=False))
+    return scorers
+
+
 def make_loss(scorer, cfg: Settings) -> GRPOLoss:
-    """GRPO's clipped objective over the response tokens, with the KL to the reference."""
+    """GRPO's clipped objective over the response tokens, with the KL to the reference (none at
+    ``--kl-coeff 0``: the loss reads no reference log-probs then)."""
     loss_fn = GRPOLoss(
         actor_network=scorer,
         masking_strategy="sft",  # the response tokens: full sequence minus the prompt
         clip_epsilon=(cfg.clip_epsilon, cfg.clip_epsilon_high),
-        kl_to_ref_coeff=cfg.kl_coeff,
+        kl_to_ref_coeff=cfg.kl_coeff or None,
         entropy_coeff=cfg.entropy_coeff,
     )
     loss_fn.set_keys(sample_log_prob=("next", "log_probs", "full"))
@@ -1116,7 +1129,7 @@ def main(argv=None, *, task: Task | None = None, model_and_tokenizer=None) -> di
         acc_before = state["progress"]["acc_before"]
     reference = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
     ref_model = None  # LoRA on the lean wrapper: the policy itself, its adapters disabled
-    if not (cfg.lora_rank and cfg.lean):
+    if cfg.kl_coeff and not (cfg.lora_rank and cfg.lean):
         ref_model = copy.deepcopy(model).requires_grad_(False)  # the frozen reference policy
     if cfg.lora_rank:
         model = with_lora(model, cfg.lora_rank)  # adapters injected in place: the samplers see them

@@ -283,6 +283,32 @@ def test_prompts_of_different_lengths(ex):
     assert abs(out.kl_to_ref.item()) < 1e-5
 
 
+def test_no_reference_is_scored_at_kl_coeff_0(ex, tokenizer):
+    """``--kl-coeff 0``: the collector scores the sampling policy only (no reference pass, no
+    ``ref_log_probs`` in the batch), the loss has no KL term and trains on that batch; above 0
+    the reference is scored and the loss weighs it."""
+    from torchrl.envs.llm import RetrieveLogProb
+
+    task, gen = ex.digit_sum_task(), torch.Generator().manual_seed(0)
+    for coeff in (0.0, 0.02):
+        cfg = ex.parse_args([*TINY, "--kl-coeff", str(coeff)])
+        torch.manual_seed(0)
+        model = ex.make_model(cfg, tokenizer, task.prompt_length + cfg.max_new_tokens)
+        reference = copy.deepcopy(model)
+        scorers = ex.log_prob_scorers(cfg, model, reference, tokenizer)
+        assert all(isinstance(s, RetrieveLogProb) for s in scorers)
+        assert len(scorers) == (2 if coeff else 1)
+        collector, rb = ex.make_collector(cfg, task, model, reference, tokenizer, gen, set())
+        next(iter(collector))
+        collector.shutdown()
+        batch = rb[:]
+        assert (("next", "ref_log_probs", "full") in batch.keys(True)) == bool(coeff)
+        out = ex.make_loss(ex.make_scorer(model, tokenizer, cfg), cfg)(batch)
+        assert (out.kl_to_ref is None) == (coeff == 0) and torch.isfinite(out.total_loss())
+        if coeff:
+            assert abs(out.kl_to_ref.item()) < 1e-5  # the reference: the policy, unchanged
+
+
 class TestLearningRateSchedule:
     class Clock:  # one second per GRPO step
         now = 0.0
