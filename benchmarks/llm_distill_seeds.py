@@ -36,6 +36,9 @@ TEACHER = ROOT / "examples" / "llm_grpo.py"
 NAMES = ("acc_grpo", "acc_distill", "acc_both", "t_distill_to_grpo", "budget_s", "wall_s")
 NAMES += ("kl_start", "kl_end")
 RESULT = re.compile("^RESULT " + " ".join(f"{name}=(\\S+)" for name in NAMES) + "$", re.MULTILINE)
+STEPS = re.compile(
+    r"^ *(?:GRPO alone|distillation alone|GRPO with the teacher): .* in (\d+) steps$", re.M
+)
 MAX_TIME_SHARE = 0.5  # distillation's time to GRPO's final accuracy, over the budget
 MAX_KL_SHARE = 0.5  # the held-out reverse KL at the end, over the start
 
@@ -91,6 +94,7 @@ def run(seed: int, teacher: Path, out: str, extra: list[str]) -> dict:
         sys.exit(f"seed {seed}: the example failed (exit {proc.returncode}):\n{proc.stdout}")
     result = dict(zip(NAMES, map(float, match.groups()), strict=True))
     return result | {
+        "steps": "/".join(STEPS.findall(proc.stdout)),  # GRPO, distillation, both: the pace
         "seed": seed,
         "process_s": process_s,
         "load": (load_before, os.getloadavg()[0]),
@@ -113,7 +117,7 @@ def main(argv=None):
     header = (
         f"{'seed':>4}  {'acc GRPO':>8}  {'acc distil':>10}  {'acc both':>8}  {'t distil':>8}  "
         f"{'t/budget':>8}  {'KL start':>8}  {'KL end':>8}  {'KL ratio':>8}  {'process s':>9}  "
-        f"{'load 1-min':>11}  targets met"
+        f"{'steps G/D/B':>11}  {'load 1-min':>11}  targets met"
     )
     print(header)
     print("-" * len(header))
@@ -127,7 +131,7 @@ def main(argv=None):
         print(
             f"{seed:>4}  {r['acc_grpo']:>8.3f}  {r['acc_distill']:>10.3f}  {r['acc_both']:>8.3f}  "
             f"{r['t_distill_to_grpo']:>8.1f}  {share:>8.2f}  {r['kl_start']:>8.4f}  "
-            f"{r['kl_end']:>8.4f}  {kl_share:>8.2f}  {r['process_s']:>9.0f}  "
+            f"{r['kl_end']:>8.4f}  {kl_share:>8.2f}  {r['process_s']:>9.0f}  {r['steps']:>11}  "
             f"{r['load'][0]:>5.2f}-{r['load'][1]:<5.2f}  {'yes' if ok else 'NO'}",
             flush=True,
         )

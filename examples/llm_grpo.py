@@ -263,7 +263,10 @@ class Settings:
     clip_epsilon_high: float = field(
         default=0.28, metadata={"help": "DAPO's clip-higher: rare right answers can gain faster"}
     )
-    kl_coeff: float = field(default=0.02, metadata={"help": "beta of the KL to the reference"})
+    kl_coeff: float = field(
+        default=0.02,
+        metadata={"help": "beta of the KL to the reference (0: no reference is kept or scored)"},
+    )
     entropy_coeff: float = field(default=0.0, metadata={"help": "entropy bonus"})
     eval_every: int = field(default=10, metadata={"help": "GRPO steps between two evaluations"})
     time_limit: float = field(
@@ -810,14 +813,16 @@ def make_collector(cfg: Settings, task: Task, model, ref_model, tokenizer, gen, 
     return collector, rb
 
 
-def log_prob_scorers(cfg: Settings, model, ref_model, tokenizer) -> list[RetrieveLogProb]:
+def log_prob_scorers(
+    cfg: Settings, model, ref_model, tokenizer, pad_output: bool = True
+) -> list[RetrieveLogProb]:
     """torchrl's ``RetrieveLogProb`` for the batch's sampled tokens: their log-probs under the
     sampling policy (the ratio's "old" policy, ``("next", "log_probs", "full")``) and, where the
     loss weighs the KL to the reference (``--kl-coeff`` above 0), under the frozen reference
     (``("next", "ref_log_probs", "full")``; ``ref_model`` None: the LoRA policy with its adapters
     disabled). At ``--kl-coeff 0`` the reference is not scored: one forward pass less a step
-    (TRL's ``beta=0.0`` loads no reference either)."""
-    old = make_scorer(model, tokenizer, cfg, response_only=True)
+    (TRL's ``beta=0.0`` loads no reference either). ``pad_output``: :func:`make_scorer`'s."""
+    old = make_scorer(model, tokenizer, cfg, response_only=True, pad_output=pad_output)
     scorers = [RetrieveLogProb(old, assistant_only=False)]
     if cfg.kl_coeff:
         ref = make_scorer(
@@ -827,6 +832,7 @@ def log_prob_scorers(cfg: Settings, model, ref_model, tokenizer) -> list[Retriev
             "ref_log_probs",
             response_only=True,
             disable_adapters=ref_model is None,
+            pad_output=pad_output,
         )
         scorers.append(RetrieveLogProb(ref, assistant_only=False))
     return scorers

@@ -67,7 +67,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from torchrl.collectors.llm import LLMCollector
 from torchrl.data import LazyStackStorage, ReplayBuffer
 from torchrl.envs import InitTracker, StepCounter
-from torchrl.envs.llm import DatasetChatEnv, RetrieveLogProb
+from torchrl.envs.llm import DatasetChatEnv
 from torchrl.envs.utils import step_mdp
 from torchrl.record.loggers import CSVLogger, generate_exp_name
 from tqdm import tqdm
@@ -515,23 +515,17 @@ def main(argv=None) -> dict:
         f"warm start: {sft_steps} supervised steps; greedy {describe(before)} "
         f"({time.perf_counter() - start:.0f} s)"
     )
-    ref_model = copy.deepcopy(model).requires_grad_(False)
+    ref_model = copy.deepcopy(model).requires_grad_(False) if cfg.kl_coeff else None
 
     collector, rb, advantage = make_collector(cfg, model, tokenizer, gen, held_out)
-    # the old and reference log-probs on each turn's answer only (the loss reads nothing else)
-    scorer = llm_grpo.make_scorer(model, tokenizer, cfg, pad_output=False, response_only=True)
-    ref_scorer = llm_grpo.make_scorer(
-        ref_model, tokenizer, cfg, "ref_log_probs", pad_output=False, response_only=True
-    )
-    score = [
-        RetrieveLogProb(scorer, assistant_only=False),
-        RetrieveLogProb(ref_scorer, assistant_only=False),
-    ]
+    # the old and reference log-probs on each turn's answer only (the loss reads nothing else;
+    # no reference at --kl-coeff 0)
+    score = llm_grpo.log_prob_scorers(cfg, model, ref_model, tokenizer, pad_output=False)
     loss_fn = GRPOLoss(
-        scorer,
+        llm_grpo.make_scorer(model, tokenizer, cfg, pad_output=False, response_only=True),
         masking_strategy="sft",
         clip_epsilon=(cfg.clip_epsilon, cfg.clip_epsilon_high),
-        kl_to_ref_coeff=cfg.kl_coeff,
+        kl_to_ref_coeff=cfg.kl_coeff or None,
         entropy_coeff=cfg.entropy_coeff,
     )
     loss_fn.set_keys(sample_log_prob=("next", "log_probs", "full"))
