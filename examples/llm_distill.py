@@ -173,9 +173,14 @@ class Run(NamedTuple):
     settings: Settings
 
 
+def baseline_option(choice: str) -> bool | str:
+    """``Distillation``'s ``baseline`` for a choice of :data:`BASELINES` (``"none"``: ``False``)."""
+    return False if choice == "none" else choice
+
+
 def three_runs(cfg: Settings) -> list[Run]:
     """The three runs; ``--distill-flags`` is read (and a flag it may not set refused) here."""
-    centred = {"baseline": False if cfg.baseline == "none" else cfg.baseline}
+    centred = {"baseline": baseline_option(cfg.baseline)}
     alone = Distillation(0.0, cfg.beta, cfg.gamma, **centred)
     both = Distillation(1.0, cfg.both_beta, cfg.gamma, **centred)
     return [

@@ -1070,8 +1070,14 @@ def restore(parts: dict, state: dict) -> None:
     parts["schedule"].load_state_dict(state["schedule"])
     schedule_progress(parts["schedule"]).load_state_dict(state["schedule_progress"])
     missing, unexpected = parts["loss"].load_state_dict(state["loss"], strict=False)
-    if unexpected or any(not k.startswith("actor_network") for k in missing):
-        raise SystemExit(f"--resume: the loss's state does not match: {missing + unexpected}")
+    differ = unexpected + [k for k in missing if not k.startswith("actor_network")]
+    if "kl_to_ref_coeff" in differ:  # a KL term in one run only: --kl-coeff 0 has none
+        raise SystemExit(
+            "--resume: --kl-coeff is 0 in one of the two runs (the checkpoint's, this one) and "
+            "not in the other; the KL to the reference cannot be added or dropped on a resume"
+        )
+    if differ:
+        raise SystemExit(f"--resume: the loss's state does not match: {differ}")
     parts["rb"].loads(state["buffer"])
     torch.set_rng_state(state["rng"])
     if state.get("cuda_rng") is not None and torch.cuda.is_available():

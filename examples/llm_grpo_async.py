@@ -173,12 +173,14 @@ class AsyncSettings(sync.Settings):
             "kl_discount_factor; 0: each token's own)"
         },
     )
-    distill_baseline: bool = field(
-        default=True,
+    distill_baseline: str = field(
+        default="position",
         metadata={
-            "help": "with --teacher: each token's reverse KL less its group's mean "
-            "(Distillation(baseline=True), llm_distill.py's --baseline group); "
-            "--no-distill-baseline: the peers' uncentred form"
+            "choices": distill.BASELINES,
+            "help": "with --teacher: each token's reverse KL less its group's mean at its "
+            "position in the response (Distillation(baseline='position')), over all the "
+            "group's response tokens (group), or not centred (none: the peers' form); "
+            "llm_distill.py's --baseline",
         },
     )
 
@@ -187,8 +189,9 @@ class AsyncSettings(sync.Settings):
 DEFAULT_LAG = {"local": 1, "ray": 4}
 #: Settings a resumed run must share with its checkpoint: ``llm_grpo.py``'s, and the teacher's
 #: (the pending groups in the checkpoint's buffer were scored by it, with or without rewards).
-SAME_ON_RESUME = (*sync.SAME_ON_RESUME, "teacher", "distill_alpha", "distill_beta")
-SAME_ON_RESUME += ("distill_gamma", "distill_baseline")
+#: The teacher's weights and baseline: read with --teacher only.
+DISTILL_SETTINGS = ("distill_alpha", "distill_beta", "distill_gamma", "distill_baseline")
+SAME_ON_RESUME = (*sync.SAME_ON_RESUME, "teacher", *DISTILL_SETTINGS)
 
 
 def check_settings(cfg: AsyncSettings) -> AsyncSettings:
@@ -218,12 +221,13 @@ def check_settings(cfg: AsyncSettings) -> AsyncSettings:
 def check_teacher_settings(cfg: AsyncSettings) -> None:
     """``--teacher`` and its weights checked before anything starts (the teacher's tokenizer
     is checked in ``main``, once the student's is built)."""
-    weights = (cfg.distill_alpha, cfg.distill_beta, cfg.distill_gamma)
+    defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
     if not cfg.teacher:
-        if weights != (1.0, 1.0, 0.0):
+        if any(getattr(cfg, name) != defaults[name] for name in DISTILL_SETTINGS):
             raise ValueError(
-                "--distill-alpha, --distill-beta and --distill-gamma weigh a teacher's reverse "
-                "KL: give the teacher, --teacher <run folder of examples/llm_grpo.py>."
+                "--distill-alpha, --distill-beta, --distill-gamma and --distill-baseline weigh "
+                "a teacher's reverse KL: give the teacher, --teacher <run folder of "
+                "examples/llm_grpo.py>."
             )
         return
     if cfg.backend != "local":
@@ -262,7 +266,7 @@ def buffer_transform(cfg: AsyncSettings) -> Compose:
             cfg.distill_beta,
             cfg.distill_gamma,
             log_prob_key=("log_probs", "full"),
-            baseline=cfg.distill_baseline,
+            baseline=distill.baseline_option(cfg.distill_baseline),
         )
     alone = distillation is not None and distillation.alpha == 0.0
     advantage = MCAdvantage(

@@ -11,6 +11,7 @@ import time
 import pytest
 import torch
 from helpers.async_example import TINY, async_example
+from helpers.distillation import centred_per_position
 
 ARGS = [*TINY, "--eval-every", "2", "--sft-max-steps", "2", "--time-limit", "1e6"]
 
@@ -54,9 +55,10 @@ def logged(run_dir, name: str) -> list[tuple[int, float]]:
 
 
 def check_token_advantages(rows, beta: float) -> torch.Tensor:
-    """Distillation alone (``alpha = 0``, ``gamma = 0``, centred): each token's advantage is
-    ``-beta * (d_t - mean_group(d))``, ``d_t = log pi_old - log pi_T`` on the response,
-    ``log pi_old`` the sampler's, and 0 elsewhere.
+    """Distillation alone (``alpha = 0``, ``gamma = 0``, centred per position, the default):
+    each token's advantage is ``-beta * (d_t - mean of its group's d at its position)``,
+    ``d_t = log pi_old - log pi_T`` on the response, ``log pi_old`` the sampler's, and 0
+    elsewhere.
     Returns the reverse KL of the real response tokens."""
     tokens, adv = rows["tokens", "full"], rows["advantage"]
     assert adv.shape == tokens.shape and adv.dim() == 2  # [B, T]: per token, not per row
@@ -65,10 +67,7 @@ def check_token_advantages(rows, beta: float) -> torch.Tensor:
     old = rows["log_probs", "full"][:, prompt:]  # the sampler's (NaN over the prompt)
     taught = rows["next", "teacher_log_probs", "full"][:, prompt:]
     real = rows["masks", "all_attention_mask"][:, prompt:].bool()
-    d = (old - taught).double()
-    _, group = torch.unique(rows["tokens", "prompt"], dim=0, return_inverse=True)
-    for g in group.unique():  # --distill-baseline (the default): less the group's mean
-        d[group == g] -= d[group == g][real[group == g]].mean()
+    d = centred_per_position((old - taught).double(), real, rows["tokens", "prompt"])
     expected = torch.where(real, -beta * d, torch.zeros_like(d)).to(adv.dtype)
     torch.testing.assert_close(adv[:, prompt:], expected)
     assert (adv[:, prompt:].std(-1) > 0).any()  # the teacher's, token by token
@@ -115,12 +114,27 @@ def test_grpo_with_the_teacher_reads_the_reward(ex, teacher):
     advantage = ex.buffer_transform(ex.check_settings(cfg))[-1]
     assert advantage.rewards_key == ("next", "reward") and advantage.trajectory_return == "sum"
     assert advantage.distillation == ex.Distillation(
-        1.0, 1.0, 0.0, log_prob_key=("log_probs", "full"), baseline=True
+        1.0, 1.0, 0.0, log_prob_key=("log_probs", "full"), baseline="position"
     )
     plain = ex.buffer_transform(
         ex.check_settings(llm_grpo.parse_args(TINY, settings_cls=ex.AsyncSettings))
     )[-1]
     assert plain.distillation is None  # no teacher: GRPO as before
+
+
+def test_distill_baseline_is_llm_distill_baseline(ex, teacher, capsys):
+    """``--distill-baseline``: ``llm_distill.py``'s ``--baseline`` choices, the same
+    ``Distillation(baseline=...)`` (``none``: ``False``); another value is refused."""
+    import llm_grpo
+
+    for choice, baseline in [("none", False), ("group", "group"), ("position", "position")]:
+        flags = [*TINY, "--teacher", str(teacher), "--distill-baseline", choice]
+        cfg = ex.check_settings(llm_grpo.parse_args(flags, settings_cls=ex.AsyncSettings))
+        given = ex.buffer_transform(cfg)[-1].distillation.baseline
+        assert (given, type(given)) == (baseline, type(baseline))
+    with pytest.raises(SystemExit):
+        llm_grpo.parse_args([*TINY, "--distill-baseline", "yes"], settings_cls=ex.AsyncSettings)
+    assert "invalid choice: 'yes'" in capsys.readouterr().err
 
 
 def test_another_tokenizer_is_refused_before_anything_starts(ex, tmp_path, capsys):
@@ -140,6 +154,7 @@ def test_another_tokenizer_is_refused_before_anything_starts(ex, tmp_path, capsy
     "flags, match",
     [
         (["--distill-beta", "2"], "give the teacher, --teacher"),
+        (["--distill-baseline", "none"], "give the teacher, --teacher"),
         (["--teacher", "t", "--backend", "ray"], "--teacher: the local backend only"),
         (["--teacher", "t", "--distill-beta", "-1"], "--distill-beta.*beta must be finite"),
         (["--teacher", "t", "--distill-alpha", "0", "--distill-beta", "0"], "neither the reward"),

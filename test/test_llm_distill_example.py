@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.distillation import centred_per_position
 from helpers.examples import load_example
 from tensordict import TensorDict
 
@@ -123,12 +124,7 @@ def test_distillation_writes_a_per_token_advantage(ex, parts):
     real = batch["masks", "all_attention_mask"][:, prompt:]
     d = (old - taught)[:, prompt:].double()
     assert run.distillation.baseline == "position"  # less its group's mean at its position
-    _, group = torch.unique(batch["tokens", "prompt"], dim=0, return_inverse=True)
-    for g in group.unique():
-        rows = group == g
-        for k in range(d.shape[1]):  # the completions are right-padded: k is the position
-            here = real[rows, k]
-            d[rows, k] -= torch.where(here, d[rows, k][here].mean() if here.any() else 0, 0)
+    d = centred_per_position(d, real, batch["tokens", "prompt"])
     expected = (-run.distillation.beta * d * real).to(adv.dtype)
     torch.testing.assert_close(adv[:, prompt:], expected)
     assert (adv[:, prompt:].std(-1) > 0).any()  # not one value per sequence

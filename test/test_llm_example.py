@@ -639,3 +639,5 @@ def test_resume_goes_on_from_the_checkpoint(ex, tmp_path, lora):
     assert spent.stamp == 2 and spent.values["state"]["schedule"]["_last_lr"] == [rates[0]]
     with pytest.raises(SystemExit, match="--group-size 4"):
         ex.main([*args, "--group-size", "2", "--resume", str(first), "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match="--kl-coeff is 0 in one of the two runs"):
+        ex.main([*args, "--kl-coeff", "0", "--resume", str(first), "--out", str(tmp_path)])

@@ -127,3 +127,17 @@ def tinker_transitions(dialog: list[Turn]):
     for t in dialog:
         teacher[len(t.prompt) : len(t.prompt) + len(t.response)] = t.teacher
     return transitions, [None, *teacher[1:]]
+
+
+def centred_per_position(d: torch.Tensor, real: torch.Tensor, prompts: torch.Tensor):
+    """``d`` (``[B, R]``: the log-ratio at each response position of right-padded completions)
+    less the mean over the real tokens of its group (its rows of one prompt, ``prompts``
+    ``[B, P]``) at the same position: ``Distillation(baseline="position")``, transcribed."""
+    d = d.clone()
+    _, group = torch.unique(prompts, dim=0, return_inverse=True)
+    for g in group.unique():
+        rows = group == g
+        for k in range(d.shape[1]):  # the completions are right-padded: k is the position
+            here = real[rows, k]
+            d[rows, k] -= torch.where(here, d[rows, k][here].mean() if here.any() else 0, 0)
+    return d
