@@ -33,6 +33,14 @@ llm_grpo = llm_distill.llm_grpo
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--top",
+        type=int,
+        nargs=2,
+        metavar=("TEACHER_K", "STUDENT_K"),
+        help="a fourth run: the exact reverse KL over the teacher's and the student's most "
+        "likely tokens at each position only, the rest of the vocabulary as one outcome",
+    )
     parser.add_argument("example", nargs="*", help="examples/llm_distill.py's flags (after --)")
     args = parser.parse_args(argv)
     cfg = llm_grpo.parse_args(args.example, settings_cls=llm_distill.Settings)
@@ -47,14 +55,19 @@ def main(argv=None):
         "distill": llm_distill.train(distill, distill.settings, setup),
         "exact": llm_distill.train(exact, exact.settings, setup, objective=objective),
     }
+    if args.top:
+        name = "top {}+{}".format(*args.top)
+        few = llm_distill.Run(name, f"reverse KL, {name}", None, distill.settings)
+        objective = llm_distill.ExactReverseKL(setup.teacher_model, top=tuple(args.top))
+        curves[name] = llm_distill.train(few, few.settings, setup, objective=objective)
     target = curves["grpo"]["accuracy"][-1]
     print(f"\nteacher {setup.teacher_acc:.3f}; student after its warm start {setup.acc_start:.3f}")
-    print(f"{'run':>8}  {'final acc':>9}  {'KL end':>7}  {'t to GRPO':>9}  {'t/budget':>8}  curve")
+    print(f"{'run':>9}  {'final acc':>9}  {'KL end':>7}  {'t to GRPO':>9}  {'t/budget':>8}  curve")
     for name, c in curves.items():
         t = llm_distill.time_to_reach(c, target)
         curve = " ".join(f"{s:.0f}:{a:.2f}" for s, a in zip(c["time"], c["accuracy"], strict=True))
         print(
-            f"{name:>8}  {c['accuracy'][-1]:>9.3f}  {c['kl'][-1]:>7.3f}  {t:>9.1f}  "
+            f"{name:>9}  {c['accuracy'][-1]:>9.3f}  {c['kl'][-1]:>7.3f}  {t:>9.1f}  "
             f"{t / cfg.budget:>8.2f}  {curve}"
         )
 

@@ -330,6 +330,28 @@ def exact_reverse_kl(student, teacher, tokens: torch.Tensor, response: torch.Ten
     return kl[response[:, 1:]].mean()
 
 
+def few_tokens_reverse_kl(
+    student, teacher, tokens: torch.Tensor, response: torch.Tensor, teacher_k: int, student_k: int
+):
+    """:func:`exact_reverse_kl` over a few tokens per position: the teacher's ``teacher_k`` most
+    likely and the student's ``student_k`` (chosen without gradient), the rest of the vocabulary
+    as one more outcome (a KL over at most ``teacher_k + student_k + 1`` outcomes, a lower
+    bound of the full one; without that outcome the student would lower the sum by moving its
+    mass off the chosen tokens). Only the teacher's log-probs of the chosen tokens are read."""
+    logp = student(tokens).logits.log_softmax(-1)[:, :-1]  # (B, T-1, V)
+    with torch.no_grad():
+        logq = teacher(tokens).logits.log_softmax(-1)[:, :-1]
+        chosen = torch.zeros_like(logp, dtype=torch.bool)
+        chosen.scatter_(-1, logq.topk(teacher_k, -1).indices, True)
+        chosen.scatter_(-1, logp.topk(student_k, -1).indices, True)
+        rest_q = (1 - torch.where(chosen, logq.exp(), 0).sum(-1)).clamp_min(1e-12)
+    p = logp.exp()
+    kl = torch.where(chosen, p * (logp - logq), 0).sum(-1)  # (B, T-1)
+    rest_p = (1 - torch.where(chosen, p, 0).sum(-1)).clamp_min(1e-12)
+    kl = kl + rest_p * (rest_p.log() - rest_q.log())
+    return kl[response[:, 1:]].mean()
+
+
 class ExactReverseKL:
     """A loss on the student's own batches without the estimator's sampling noise: the exact
     per-position reverse KL to the teacher (:func:`exact_reverse_kl`, over the vocabulary) on
@@ -337,18 +359,25 @@ class ExactReverseKL:
     ``gamma = 0`` (``benchmarks/llm_distill_exact.py``). It needs the teacher's logits, which the
     lean path never builds, so it is a yardstick here, not a method for LLM vocabularies.
 
+    ``top=(teacher_k, student_k)``: over those few tokens per position and the rest as one
+    outcome (:func:`few_tokens_reverse_kl`): what a teacher scoring a few tokens per position
+    instead of the sampled one would give.
+
     ``ExactReverseKL(teacher)(model, cfg)`` is an ``objective`` of :func:`train`.
     """
 
-    def __init__(self, teacher):
-        self.teacher = teacher
+    def __init__(self, teacher, top: tuple[int, int] | None = None):
+        self.teacher, self.top = teacher, top
 
     def __call__(self, model, cfg):
         return lambda batch: _Total(self.loss(model, batch))
 
     def loss(self, model, batch):
         """The batch's exact reverse KL, a 0-d tensor with the student's gradient."""
-        return exact_reverse_kl(model, self.teacher, batch["tokens", "full"], response_mask(batch))
+        tokens, response = batch["tokens", "full"], response_mask(batch)
+        if self.top is None:
+            return exact_reverse_kl(model, self.teacher, tokens, response)
+        return few_tokens_reverse_kl(model, self.teacher, tokens, response, *self.top)
 
 
 def response_mask(batch) -> torch.Tensor:

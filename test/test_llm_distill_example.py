@@ -3,6 +3,7 @@
 import copy
 import dataclasses
 import json
+import math
 import os
 import re
 import subprocess
@@ -231,6 +232,40 @@ def test_the_exact_objective_is_the_reverse_kl_of_the_response(ex, parts):
     loss = ex.ExactReverseKL(teacher)(student, cfg)(batch).total_loss()
     response = torch.tensor([[0, 0, 0, 0, 1, 1, 0], [0, 0, 0, 0, 1, 1, 1]], dtype=torch.bool)
     assert loss.item() == pytest.approx(ex.reverse_kl(student, teacher, full, response))
+    loss.backward()
+    assert student.model.embed_tokens.weight.grad is not None
+    student.zero_grad(set_to_none=True)
+
+
+def test_the_few_tokens_objective(ex, parts):
+    """``ExactReverseKL(top=(teacher_k, student_k))``: over every token it is the exact reverse
+    KL; over the teacher's top token and the student's, a KL of those outcomes and the rest of
+    the vocabulary as one, transcribed; with the student's gradient."""
+    cfg, _, tokenizer, student, teacher = parts
+    full = torch.tensor([[1, 10, 2, 11, 3, 4, 5], [4, 10, 5, 11, 6, 7, 8]])
+    batch = TensorDict(
+        tokens=TensorDict(full=full, prompt=full[:, :4], batch_size=[2]),
+        masks=TensorDict(
+            all_attention_mask=torch.ones_like(full, dtype=torch.bool), batch_size=[2]
+        ),
+        batch_size=[2],
+    )
+    vocab = student.get_output_embeddings().out_features
+    everything = ex.ExactReverseKL(teacher, top=(vocab, 0))(student, cfg)(batch).total_loss()
+    exact = ex.ExactReverseKL(teacher)(student, cfg)(batch).total_loss()
+    torch.testing.assert_close(everything, exact, rtol=1e-5, atol=1e-6)
+    loss = ex.ExactReverseKL(teacher, top=(1, 1))(student, cfg)(batch).total_loss()
+    with torch.no_grad():
+        p = student(full).logits.softmax(-1)[:, 3:-1].double()  # predicting the response
+        q = teacher(full).logits.softmax(-1)[:, 3:-1].double()
+    expected = []
+    for pi, qi in zip(p.reshape(-1, vocab), q.reshape(-1, vocab), strict=True):
+        chosen = sorted({int(qi.argmax()), int(pi.argmax())})
+        ps, qs = [float(pi[v]) for v in chosen], [float(qi[v]) for v in chosen]
+        ps, qs = [*ps, 1 - sum(ps)], [*qs, 1 - sum(qs)]
+        expected.append(sum(a * math.log(a / b) for a, b in zip(ps, qs, strict=True)))
+    assert loss.item() == pytest.approx(sum(expected) / len(expected), rel=1e-4)
+    assert 0 < loss.item() < exact.item()  # a lower bound of the full KL
     loss.backward()
     assert student.model.embed_tokens.weight.grad is not None
     student.zero_grad(set_to_none=True)
