@@ -7,6 +7,11 @@ advantage estimates from one sampled token with ``gamma = 0``), each for ``--bud
     .venv/bin/python benchmarks/llm_distill_exact.py -- --teacher runs/teacher/<run> --seed 3
     .venv/bin/python benchmarks/llm_distill_exact.py -- --teacher runs/teacher/<run> \\
         --sft-target 0.1 --seed 3     # a less trained student
+    .venv/bin/python benchmarks/llm_distill_exact.py --top 2 2 -- --teacher runs/teacher/<run>
+
+``--top TEACHER_K STUDENT_K`` adds a fourth run: the same objective over the teacher's and the
+student's most likely tokens at each position only, the rest of the vocabulary as one outcome
+(``ExactReverseKL(teacher, top=...)``).
 
 Everything after ``--`` is ``examples/llm_distill.py``'s flags (``--teacher`` is needed; the
 exact run takes the distillation run's settings, ``--distill-flags`` included). Printed, per
