@@ -56,15 +56,15 @@ def main(argv=None):
     exact = llm_distill.Run("exact", "exact reverse KL", None, distill.settings)
     objective = llm_distill.ExactReverseKL(setup.teacher_model)
     curves = {
-        "grpo": llm_distill.train(grpo, grpo.settings, setup),
-        "distill": llm_distill.train(distill, distill.settings, setup),
-        "exact": llm_distill.train(exact, exact.settings, setup, objective=objective),
+        "grpo": llm_distill.train(grpo, setup),
+        "distill": llm_distill.train(distill, setup),
+        "exact": llm_distill.train(exact, setup, objective=objective),
     }
     if args.top:
         name = "top {}+{}".format(*args.top)
         few = llm_distill.Run(name, f"reverse KL, {name}", None, distill.settings)
         objective = llm_distill.ExactReverseKL(setup.teacher_model, top=tuple(args.top))
-        curves[name] = llm_distill.train(few, few.settings, setup, objective=objective)
+        curves[name] = llm_distill.train(few, setup, objective=objective)
     target = curves["grpo"]["accuracy"][-1]
     print(f"\nteacher {setup.teacher_acc:.3f}; student after its warm start {setup.acc_start:.3f}")
     print(f"{'run':>9}  {'final acc':>9}  {'KL end':>7}  {'t to GRPO':>9}  {'t/budget':>8}  curve")

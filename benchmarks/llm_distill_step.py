@@ -38,8 +38,10 @@ import llm_distill  # noqa: E402  (examples/ is not a package)
 llm_grpo = llm_distill.llm_grpo
 
 
-def one_batch(cfg):
-    """The warm-started student, the teacher, and one scored batch with its advantages."""
+def one_batch(run):
+    """The warm-started student, the teacher, and one scored batch of ``run`` (the example's
+    distillation-alone run) with its advantages."""
+    cfg = run.settings
     task = llm_grpo.make_task(cfg)
     tokenizer = llm_grpo.make_tokenizer(task.alphabet)
     teacher_model, teacher = llm_distill.load_teacher(cfg, task, tokenizer)
@@ -53,8 +55,7 @@ def one_batch(cfg):
     greedy = llm_grpo.make_sampler(student, tokenizer, cfg, greedy=True)
     val_accuracy = llm_grpo.GreedyAccuracy(tokenizer, task, validation, greedy)
     llm_grpo.warm_start(student, tokenizer, cfg, task, gen, held_out, val_accuracy)
-    ref = copy.deepcopy(student).requires_grad_(False)
-    run = llm_distill.three_runs(cfg)[1]  # distillation alone
+    ref = copy.deepcopy(student).requires_grad_(False) if cfg.kl_coeff else None
     collector, rb = llm_distill.make_collector(
         cfg, task, student, ref, tokenizer, gen, held_out, teacher, run
     )
@@ -82,10 +83,11 @@ def main(argv=None):
     cfg = llm_grpo.parse_args(args.example, settings_cls=llm_distill.Settings)
     if not cfg.teacher:
         parser.error("--teacher <examples/llm_grpo.py run folder> after --")
-    cfg = llm_distill.with_flags(cfg, cfg.distill_flags)  # the distillation run's settings
+    run = llm_distill.three_runs(cfg)[1]  # distillation alone, its --distill-flags applied
+    cfg = run.settings
     torch.set_num_threads(cfg.threads)
     hf_logging.set_verbosity_error()
-    student, teacher, tokenizer, batch = one_batch(cfg)
+    student, teacher, tokenizer, batch = one_batch(run)
     tokens, mask = batch["tokens", "full"], batch["masks", "all_attention_mask"]
     response = llm_distill.response_mask(batch)
     stored = ("next", "log_probs", "full"), ("next", "teacher_log_probs", "full")

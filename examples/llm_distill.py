@@ -323,11 +323,17 @@ def reverse_kl(student, teacher, tokens: torch.Tensor, response: torch.Tensor) -
 def exact_reverse_kl(student, teacher, tokens: torch.Tensor, response: torch.Tensor):
     """:func:`reverse_kl` as a 0-d tensor, differentiable in the student's weights (the
     teacher's log-probs are read without gradient)."""
-    logp = student(tokens).logits.log_softmax(-1)[:, :-1]  # (B, T-1, V)
-    with torch.no_grad():
-        logq = teacher(tokens).logits.log_softmax(-1)[:, :-1]
+    logp, logq = _log_softmaxes(student, teacher, tokens)
     kl = (logp.exp() * (logp - logq)).sum(-1)  # (B, T-1): at the position predicting t + 1
     return kl[response[:, 1:]].mean()
+
+
+def _log_softmaxes(student, teacher, tokens: torch.Tensor):
+    """The student's (with its gradient) and the teacher's log-softmax at every position but the
+    last, ``(B, T-1, V)`` each: position ``t`` predicts token ``t + 1``."""
+    logp = student(tokens).logits.log_softmax(-1)[:, :-1]
+    with torch.no_grad():
+        return logp, teacher(tokens).logits.log_softmax(-1)[:, :-1]
 
 
 def few_tokens_reverse_kl(
@@ -338,9 +344,8 @@ def few_tokens_reverse_kl(
     as one more outcome (a KL over at most ``teacher_k + student_k + 1`` outcomes, a lower
     bound of the full one; without that outcome the student would lower the sum by moving its
     mass off the chosen tokens). Only the teacher's log-probs of the chosen tokens are read."""
-    logp = student(tokens).logits.log_softmax(-1)[:, :-1]  # (B, T-1, V)
+    logp, logq = _log_softmaxes(student, teacher, tokens)  # (B, T-1, V)
     with torch.no_grad():
-        logq = teacher(tokens).logits.log_softmax(-1)[:, :-1]
         chosen = torch.zeros_like(logp, dtype=torch.bool)
         chosen.scatter_(-1, logq.topk(teacher_k, -1).indices, True)
         chosen.scatter_(-1, logp.topk(student_k, -1).indices, True)
@@ -514,14 +519,16 @@ class Stopwatch:
             self.start()
 
 
-def train(run: Run, cfg: Settings, setup: "Setup", objective=None):
-    """One run from the warm-started weights of ``setup``, for ``--budget`` seconds of training.
+def train(run: Run, setup: "Setup", objective=None):
+    """One run from the warm-started weights of ``setup``, for ``--budget`` seconds of training,
+    with the run's settings (``run.settings``).
 
-    ``objective(model, cfg)``: the loss the run minimizes on each minibatch (its output's
+    ``objective(model, settings)``: the loss the run minimizes on each minibatch (its output's
     ``total_loss()``); by default GRPO's clipped objective (:func:`llm_grpo.make_loss`) on the
     advantages the run's buffer writes. Returns its curves: training time, step, greedy accuracy
     and reverse KL at each evaluation, and the advantage's shape in the last batch.
     """
+    cfg = run.settings
     task, tokenizer, teacher, held_out = setup.task, setup.tokenizer, setup.teacher, setup.held_out
     student, evaluate = setup.weights, setup.evaluate
     torch.manual_seed(cfg.seed)  # the same sampling noise and prompts in each run
@@ -692,7 +699,7 @@ def main(argv=None) -> dict:
     setup = prepare(cfg, start)
     task, teacher_acc = setup.task, setup.teacher_acc
     acc_start, kl_start = setup.acc_start, setup.kl_start
-    results = {run.name: train(run, run.settings, setup) for run in runs}
+    results = {run.name: train(run, setup) for run in runs}
 
     final = {name: results[name]["accuracy"][-1] for name in RUN_NAMES}
     t_reach = time_to_reach(results["distill"], final["grpo"])

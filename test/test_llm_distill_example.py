@@ -297,7 +297,7 @@ def test_a_run_minimizes_the_objective_it_is_given(ex, parts):
         return lambda batch: seen.append(len(batch)) or exact(batch)
 
     run = ex.Run("exact", "exact reverse KL", None, cfg)
-    curves = ex.train(run, cfg, setup, objective=objective)
+    curves = ex.train(run, setup, objective=objective)
     assert seen == [8, 8] and curves["step"] == [0, 1]  # 16 completions, minibatches of 8
 
 
