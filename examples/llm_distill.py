@@ -70,7 +70,7 @@ from transformers.utils import logging as hf_logging
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import llm_grpo  # the single-turn example: task, tokenizer, model, wrappers, warm start
 
-from torchrl_grpo import MCAdvantage
+from torchrl_grpo import MCAdvantage, TopKDistillationLoss
 from torchrl_grpo.llm import TeacherLogProbs
 from torchrl_grpo.mcadvantage import Distillation
 
@@ -152,6 +152,15 @@ class Settings(llm_grpo.Settings):
             "4 gave GRPO alone and distillation both more in the same budget here)"
         },
     )
+    top_k: int = field(
+        default=0,
+        metadata={
+            "help": "distillation alone: train on the student's reverse KL over the teacher's "
+            "K most likely tokens at each response position (TopKDistillationLoss; the teacher "
+            "scores them, TeacherLogProbs(top_k=K)) instead of the distillation advantage; 0: "
+            "the advantage"
+        },
+    )
     distill_flags: str = field(
         default="--kl-coeff 0",
         metadata={
@@ -171,6 +180,29 @@ class Run(NamedTuple):
     label: str
     distillation: Distillation | None
     settings: Settings
+
+
+def run_objective(run: Run, setup: "Setup"):
+    """The run's loss, an ``objective`` of :func:`train`: with ``--top-k K`` the distillation-
+    alone run's is :class:`TopKObjective`; ``None`` otherwise (GRPO's clipped objective on the
+    advantages the run's buffer writes)."""
+    k = run.settings.top_k
+    return TopKObjective(setup.tokenizer) if k and run.name == "distill" else None
+
+
+class TopKObjective:
+    """``--top-k K``: :class:`~torchrl_grpo.TopKDistillationLoss` on the student's samples, the
+    reverse KL over the teacher's ``K`` most likely tokens at each response position and the
+    rest of the vocabulary as one outcome, from the student's hidden states (its
+    ``LeanTransformersWrapper``) and the teacher's top tokens, which ``TeacherLogProbs(top_k=K)``
+    wrote before the buffer; no advantage read. ``TopKObjective(tokenizer)(model, cfg)`` is an
+    ``objective`` of :func:`train`."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def __call__(self, model, cfg):
+        return TopKDistillationLoss(llm_grpo.make_scorer(model, self.tokenizer, cfg))
 
 
 def baseline_option(choice: str) -> bool | str:
@@ -283,7 +315,7 @@ def load_teacher(cfg: Settings, task: llm_grpo.Task, tokenizer):
     wrapper = llm_grpo.make_scorer(
         model, teacher_tokenizer, cfg, "teacher_log_probs", response_only=True
     )
-    return model, TeacherLogProbs(wrapper, tokenizer=tokenizer)
+    return model, TeacherLogProbs(wrapper, tokenizer=tokenizer, top_k=cfg.top_k or None)
 
 
 #: The padding's logit offset: ``exp(-30)`` is 1e-13 of a token's mass, far below any other.
@@ -699,7 +731,7 @@ def main(argv=None) -> dict:
     setup = prepare(cfg, start)
     task, teacher_acc = setup.task, setup.teacher_acc
     acc_start, kl_start = setup.acc_start, setup.kl_start
-    results = {run.name: train(run, setup) for run in runs}
+    results = {run.name: train(run, setup, objective=run_objective(run, setup)) for run in runs}
 
     final = {name: results[name]["accuracy"][-1] for name in RUN_NAMES}
     t_reach = time_to_reach(results["distill"], final["grpo"])

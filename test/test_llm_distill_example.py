@@ -271,6 +271,40 @@ def test_the_few_tokens_objective(ex, parts):
     student.zero_grad(set_to_none=True)
 
 
+def test_top_k_objective_is_the_few_tokens_kl_of_the_yardstick(ex, parts):
+    """``--top-k K``: the distillation-alone run trains on ``TopKDistillationLoss`` over the
+    teacher's top tokens that ``TeacherLogProbs(top_k=K)`` wrote (lean, no logits), which is the
+    dense yardstick's ``ExactReverseKL(teacher, top=(K, 0))`` on the same batch."""
+    cfg, task, tokenizer, student, teacher_model = parts
+    cfg = dataclasses.replace(cfg, top_k=3)
+    runs = ex.three_runs(cfg)
+    setup = ex.Setup(*[None] * len(ex.Setup._fields))._replace(tokenizer=tokenizer)
+    assert [type(ex.run_objective(run, setup)).__name__ for run in runs] == [
+        "NoneType",
+        "TopKObjective",
+        "NoneType",
+    ]
+    plain = ex.three_runs(dataclasses.replace(cfg, top_k=0))[1]
+    assert ex.run_objective(plain, setup) is None
+    wrapper = ex.llm_grpo.make_scorer(
+        teacher_model, tokenizer, cfg, "teacher_log_probs", response_only=True
+    )
+    teacher = ex.TeacherLogProbs(wrapper, tokenizer=tokenizer, top_k=3)
+    gen = torch.Generator().manual_seed(0)
+    collector, rb = ex.make_collector(
+        cfg, task, student, student, tokenizer, gen, set(), teacher, runs[1]
+    )
+    next(iter(collector))
+    collector.shutdown()
+    batch = rb[:]
+    prompt = batch["tokens", "prompt"].shape[-1]
+    ids = batch["next", "teacher_top_ids", "full"]
+    assert ids.shape == (*batch["tokens", "full"].shape, 3) and not ids[:, :prompt].any()
+    out = ex.run_objective(runs[1], setup)(student, cfg)(batch)
+    dense = ex.ExactReverseKL(teacher_model, top=(3, 0)).loss(student, batch)
+    torch.testing.assert_close(out.total_loss(), dense, rtol=1e-4, atol=1e-6)
+
+
 def test_a_run_minimizes_the_objective_it_is_given(ex, parts):
     """``train(..., objective=...)``: each minibatch's loss is the objective's, not GRPO's."""
     cfg, task, tokenizer, student, teacher_model = parts

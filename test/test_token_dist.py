@@ -13,8 +13,10 @@ from torchrl_grpo.token_dist import (
     HiddenTokenCategorical,
     TokenCategorical,
     _chunk_rows,
+    log_probs_at_from_hidden,
     token_log_prob_entropy,
     token_log_prob_entropy_from_hidden,
+    top_log_probs_from_hidden,
 )
 
 
@@ -458,3 +460,64 @@ class TestDevices:
         torch.testing.assert_close(lp.cpu(), lp_ref.detach(), atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(ent.cpu(), ent_ref.detach(), atol=1e-5, rtol=1e-5)
         assert h.grad.device == h.device and w.grad.device == w.device
+
+
+class TestTopTokens:
+    """``log_probs_at_from_hidden`` (a student's log-probs at a teacher's tokens, with
+    gradient) and ``top_log_probs_from_hidden`` (a teacher's top tokens), against the logits."""
+
+    @pytest.mark.parametrize("chunk_size", [None, 1, 4])
+    @pytest.mark.parametrize("bias", [False, True])
+    def test_log_probs_at_ids_match_the_logits_with_gradients(self, chunk_size, bias):
+        g = torch.Generator().manual_seed(0)
+        head = torch.nn.Linear(6, 17, bias=bias)
+        hidden = torch.randn(3, 5, 6, generator=g, requires_grad=True)
+        ids = torch.randint(17, (3, 5, 4), generator=g)
+        weight = torch.randn(3, 5, 4, generator=g)
+        ours = log_probs_at_from_hidden(hidden, head.weight, ids, head.bias, chunk_size=chunk_size)
+        ref = head(hidden).log_softmax(-1).gather(-1, ids)
+        torch.testing.assert_close(ours, ref, atol=1e-6, rtol=1e-5)
+        inputs = [hidden, *head.parameters()]
+        grads = torch.autograd.grad((weight * ours).sum(), inputs)
+        expected = torch.autograd.grad((weight * ref).sum(), inputs)
+        for a, b in zip(grads, expected, strict=True):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+        dist = HiddenTokenCategorical(hidden, head, chunk_size=chunk_size)
+        torch.testing.assert_close(dist.log_probs_at(ids), ours)
+        torch.testing.assert_close(TokenCategorical(head(hidden)).log_probs_at(ids), ref)
+
+    def test_bf16_weights_accumulate_in_float32(self):
+        g = torch.Generator().manual_seed(1)
+        hidden = torch.randn(8, 6, generator=g).bfloat16()
+        weight = torch.randn(11, 6, generator=g).bfloat16()
+        ids = torch.randint(11, (8, 2), generator=g)
+        ours = log_probs_at_from_hidden(hidden, weight, ids)
+        assert ours.dtype == torch.float32
+        ref = (hidden.float() @ weight.float().T).log_softmax(-1).gather(-1, ids)
+        torch.testing.assert_close(ours, ref, atol=2e-2, rtol=1e-2)
+
+    @pytest.mark.parametrize("chunk_size", [None, 2])
+    def test_top_tokens_match_the_logits(self, chunk_size):
+        g = torch.Generator().manual_seed(2)
+        head = torch.nn.Linear(6, 17)
+        hidden = torch.randn(3, 5, 6, generator=g)
+        values, ids = top_log_probs_from_hidden(
+            hidden, head.weight, 4, head.bias, chunk_size=chunk_size
+        )
+        ref = head(hidden).log_softmax(-1).topk(4, -1)
+        torch.testing.assert_close(values, ref.values.detach())
+        assert torch.equal(ids, ref.indices) and not values.requires_grad
+
+    def test_bad_input_is_refused(self):
+        hidden, weight = torch.randn(2, 3, 4), torch.randn(7, 4)
+        for k in (0, 8, 1.5, True):
+            with pytest.raises(ValueError, match="k must be an integer in \\[1, 7\\]"):
+                top_log_probs_from_hidden(hidden, weight, k)
+        with pytest.raises(ValueError, match="do not match"):
+            top_log_probs_from_hidden(hidden, torch.randn(7, 5), 2)
+        with pytest.raises(ValueError, match="ids \\(2, 2, 3\\) do not match"):
+            log_probs_at_from_hidden(hidden, weight, torch.zeros(2, 2, 3, dtype=torch.long))
+        with pytest.raises(IndexError, match="token id 7 is out of range"):
+            log_probs_at_from_hidden(hidden, weight, torch.full((2, 3, 2), 7))
+        with pytest.raises(IndexError, match="token id -1 is out of range"):
+            log_probs_at_from_hidden(hidden, weight, torch.full((2, 3, 2), -1))

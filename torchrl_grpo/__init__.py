@@ -41,6 +41,7 @@ from torchrl_grpo.loss import (
     LLMLossOutput,
     LUSPOLoss,
     SAPOLoss,
+    TopKDistillationLoss,
     VESPOLoss,
     k3_kl_token_estimate,
 )
@@ -50,8 +51,10 @@ from torchrl_grpo.sampler import GroupSampler
 from torchrl_grpo.token_dist import (
     HiddenTokenCategorical,
     TokenCategorical,
+    log_probs_at_from_hidden,
     token_log_prob_entropy,
     token_log_prob_entropy_from_hidden,
+    top_log_probs_from_hidden,
 )
 
 __version__ = "0.1.0"
@@ -81,13 +84,16 @@ __all__ = [
     "SAPOLoss",
     "SameStartGroups",
     "TokenCategorical",
+    "TopKDistillationLoss",
     "VESPOLoss",
     "evaluate",
     "group_mean",
     "group_relative_advantage",
     "group_std",
     "k3_kl_token_estimate",
+    "log_probs_at_from_hidden",
     "token_log_prob_entropy",
     "token_log_prob_entropy_from_hidden",
+    "top_log_probs_from_hidden",
     "trajectory_returns",
 ]

@@ -41,8 +41,10 @@ from torchrl_grpo.token_chunk import chunk_grad, chunk_stats
 __all__ = [
     "HiddenTokenCategorical",
     "TokenCategorical",
+    "log_probs_at_from_hidden",
     "token_log_prob_entropy",
     "token_log_prob_entropy_from_hidden",
+    "top_log_probs_from_hidden",
 ]
 
 #: Elements per chunk (rows x vocabulary) when no chunk size is given: 2**20 float32 = 4 MiB.
@@ -395,14 +397,7 @@ def token_log_prob_entropy_from_hidden(
         >>> torch.allclose(hidden.grad, grad, atol=1e-6)
         True
     """
-    if weight.ndim != 2 or hidden.shape[-1:] != weight.shape[1:]:
-        raise ValueError(
-            f"hidden {tuple(hidden.shape)} and weight {tuple(weight.shape)} do not match: "
-            "expected hidden [..., H] and weight [V, H]."
-        )
-    vocab = weight.shape[0]
-    if bias is not None and bias.shape != (vocab,):
-        raise ValueError(f"bias has shape {tuple(bias.shape)}, expected ({vocab},).")
+    vocab = _check_head(hidden, weight, bias)
     _check_tokens(tokens, hidden.shape[:-1], vocab, f"hidden {tuple(hidden.shape)}")
     rows = _chunk_rows(chunk_size, vocab, tokens.numel(), hidden.device)
     log_prob, entropy = _TokenLogProbEntropyFromHidden.apply(
@@ -414,6 +409,188 @@ def token_log_prob_entropy_from_hidden(
         token_chunk.use_compile(hidden.device, compile),
     )
     return log_prob.view(tokens.shape), entropy.view(tokens.shape)
+
+
+class _LogProbsAtFromHidden(torch.autograd.Function):
+    """Log-probs of ``K`` given tokens per position from hidden states and an output layer; no
+    ``(N, V)`` tensor lives beyond one chunk (built in forward, built again in backward)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, ids, rows):
+        # hidden (N, H), weight (V, H), bias (V,) or None, ids (N, K) int64 in [0, V)
+        dtype = torch.promote_types(hidden.dtype, torch.float32)
+        lse = torch.empty(hidden.shape[0], 1, dtype=dtype, device=hidden.device)  # (N, 1)
+        out = torch.empty(ids.shape, dtype=dtype, device=hidden.device)  # (N, K)
+        for r in _chunks(hidden.shape[0], rows):
+            x = torch.nn.functional.linear(hidden[r], weight, bias).to(dtype)  # (n, V)
+            torch.logsumexp(x, -1, keepdim=True, out=lse[r])
+            torch.sub(x.gather(-1, ids[r]), lse[r], out=out[r])
+        ctx.rows = rows
+        ctx.save_for_backward(hidden, weight, bias, ids, lse)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):
+        # d log p_k / d x_v = [v = id_k] - p_v: g = scatter(grad) - (sum_k grad_k) p
+        hidden, weight, bias, ids, lse = ctx.saved_tensors
+        needs_hidden, needs_weight, needs_bias = ctx.needs_input_grad[:3]
+        dtype = lse.dtype
+        grad_out = grad_out.to(dtype)  # (N, K)
+        total = grad_out.sum(-1, keepdim=True)  # (N, 1)
+        grad_hidden = torch.empty_like(hidden) if needs_hidden else None  # (N, H)
+        grad_weight = torch.zeros_like(weight, dtype=dtype) if needs_weight else None  # (V, H)
+        grad_bias = torch.zeros_like(bias, dtype=dtype) if needs_bias else None  # (V,)
+        for r in _chunks(hidden.shape[0], ctx.rows):
+            h = hidden[r]  # (n, H)
+            x = torch.nn.functional.linear(h, weight, bias).to(dtype)  # (n, V), recomputed
+            g = x.sub_(lse[r]).exp_().mul_(total[r].neg())  # (n, V)
+            g.scatter_add_(-1, ids[r], grad_out[r])
+            if grad_hidden is not None:
+                torch.mm(g.to(weight.dtype), weight, out=grad_hidden[r])  # (n, H)
+            if grad_weight is not None:
+                grad_weight.addmm_(g.t(), h.to(dtype))  # (V, H)
+            if grad_bias is not None:
+                grad_bias += g.sum(0)
+        if grad_weight is not None:
+            grad_weight = grad_weight.to(weight.dtype)
+        if grad_bias is not None:
+            grad_bias = grad_bias.to(bias.dtype)
+        return grad_hidden, grad_weight, grad_bias, None, None
+
+
+def _check_head(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> int:
+    """The vocabulary size of ``weight`` ``[V, H]``, after checking it against ``hidden`` and
+    ``bias``."""
+    if weight.ndim != 2 or hidden.shape[-1:] != weight.shape[1:]:
+        raise ValueError(
+            f"hidden {tuple(hidden.shape)} and weight {tuple(weight.shape)} do not match: "
+            "expected hidden [..., H] and weight [V, H]."
+        )
+    vocab = weight.shape[0]
+    if bias is not None and bias.shape != (vocab,):
+        raise ValueError(f"bias has shape {tuple(bias.shape)}, expected ({vocab},).")
+    return vocab
+
+
+def log_probs_at_from_hidden(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    ids: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    chunk_size: int | None = None,
+) -> torch.Tensor:
+    """The log-probs of ``K`` given tokens at each position, with their gradient, the logits
+    never materialised: ``log_softmax(hidden @ weight.T + bias)`` read at ``ids``.
+
+    A student's log-probs at a teacher's most likely tokens (:func:`top_log_probs_from_hidden`,
+    :class:`~torchrl_grpo.TopKDistillationLoss`). As
+    :func:`token_log_prob_entropy_from_hidden`, chunk by chunk over the positions: each chunk's
+    logits are built, reduced to ``K + 1`` numbers per position and dropped, and built again in
+    the backward pass. Computation is in float32 at least.
+
+    Args:
+        hidden (torch.Tensor): last hidden states ``[..., H]``.
+        weight (torch.Tensor): the output layer's weight ``[V, H]``.
+        ids (torch.Tensor): token ids ``[..., K]`` (``hidden.shape[:-1] + (K,)``) in ``[0, V)``.
+        bias (torch.Tensor, optional): the output layer's bias ``[V]``.
+        chunk_size (int, optional): positions per chunk, as
+            :func:`token_log_prob_entropy_from_hidden`'s.
+
+    Returns:
+        torch.Tensor: ``[..., K]`` log-probs.
+
+    Raises:
+        ValueError: the shapes of ``hidden``, ``weight``, ``bias`` and ``ids`` disagree.
+        IndexError: an id is outside ``[0, V)`` (read on the CPU only, as the tokens of
+            :func:`token_log_prob_entropy_from_hidden`).
+
+    Examples:
+        >>> import torch
+        >>> _ = torch.manual_seed(0)
+        >>> hidden, head = torch.randn(2, 3, 4, requires_grad=True), torch.nn.Linear(4, 7)
+        >>> ids = torch.randint(7, (2, 3, 2))
+        >>> lean = log_probs_at_from_hidden(hidden, head.weight, ids, head.bias, chunk_size=2)
+        >>> dense = head(hidden).log_softmax(-1).gather(-1, ids)
+        >>> torch.allclose(lean, dense, atol=1e-6)
+        True
+        >>> g_lean = torch.autograd.grad(lean.sum(), hidden)[0]
+        >>> torch.allclose(g_lean, torch.autograd.grad(dense.sum(), hidden)[0], atol=1e-6)
+        True
+    """
+    vocab = _check_head(hidden, weight, bias)
+    if ids.ndim != hidden.ndim or ids.shape[:-1] != hidden.shape[:-1]:
+        raise ValueError(
+            f"ids {tuple(ids.shape)} do not match hidden {tuple(hidden.shape)}: expected "
+            "ids of shape hidden.shape[:-1] + (K,)."
+        )
+    flat_ids = ids.reshape(-1, ids.shape[-1]).long()  # (N, K)
+    if flat_ids.device.type == "cpu" and flat_ids.numel():
+        low, high = int(flat_ids.min()), int(flat_ids.max())
+        if low < 0 or high >= vocab:
+            raise IndexError(
+                f"token id {low if low < 0 else high} is out of range for a vocabulary of {vocab}."
+            )
+    rows = _chunk_rows(chunk_size, vocab, flat_ids.shape[0], hidden.device)
+    out = _LogProbsAtFromHidden.apply(
+        hidden.reshape(-1, hidden.shape[-1]), weight, bias, flat_ids, rows
+    )
+    return out.view(ids.shape)
+
+
+def top_log_probs_from_hidden(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    k: int,
+    bias: torch.Tensor | None = None,
+    *,
+    chunk_size: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` most likely tokens at each position and their log-probs, without gradient and
+    without the ``[..., V]`` logits: a teacher's top tokens
+    (:class:`~torchrl_grpo.llm.TeacherLogProbs` with ``top_k``), a chunk of positions at a
+    time.
+
+    Args:
+        hidden (torch.Tensor): last hidden states ``[..., H]``.
+        weight (torch.Tensor): the output layer's weight ``[V, H]``.
+        k (int): tokens per position, ``1 <= k <= V``.
+        bias (torch.Tensor, optional): the output layer's bias ``[V]``.
+        chunk_size (int, optional): positions per chunk.
+
+    Returns:
+        tuple[torch.Tensor, torch.Tensor]: ``(log_probs, ids)``, each ``[..., k]``, the most
+        likely first (float32 at least, and int64).
+
+    Raises:
+        ValueError: ``k`` outside ``[1, V]``, or the shapes disagree.
+
+    Examples:
+        >>> import torch
+        >>> _ = torch.manual_seed(0)
+        >>> hidden, head = torch.randn(2, 3, 4), torch.nn.Linear(4, 7)
+        >>> values, ids = top_log_probs_from_hidden(hidden, head.weight, 2, head.bias)
+        >>> dense = head(hidden).log_softmax(-1).topk(2, -1)
+        >>> torch.allclose(values, dense.values, atol=1e-6), torch.equal(ids, dense.indices)
+        (True, True)
+    """
+    vocab = _check_head(hidden, weight, bias)
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= vocab:
+        raise ValueError(f"k must be an integer in [1, {vocab}] (the vocabulary), got {k!r}.")
+    flat = hidden.reshape(-1, hidden.shape[-1])  # (N, H)
+    dtype = torch.promote_types(hidden.dtype, torch.float32)
+    rows = _chunk_rows(chunk_size, vocab, flat.shape[0], flat.device)
+    values = torch.empty(flat.shape[0], k, dtype=dtype, device=flat.device)  # (N, k)
+    ids = torch.empty(flat.shape[0], k, dtype=torch.long, device=flat.device)  # (N, k)
+    with torch.no_grad():
+        for r in _chunks(flat.shape[0], rows):
+            x = torch.nn.functional.linear(flat[r], weight, bias).to(dtype)  # (n, V)
+            top = x.topk(k, -1)
+            torch.sub(top.values, x.logsumexp(-1, keepdim=True), out=values[r])
+            ids[r] = top.indices
+    shape = hidden.shape[:-1] + (k,)
+    return values.view(shape), ids.view(shape)
 
 
 class _TokenDistribution(Distribution):
@@ -555,6 +732,11 @@ class TokenCategorical(_TokenDistribution):
             self.logits, value, chunk_size=self.chunk_size, compile=self.compile
         )
 
+    def log_probs_at(self, ids: torch.Tensor) -> torch.Tensor:
+        """The log-probs of ``K`` token ids at each position (``batch_shape + (K,)`` ids and
+        log-probs), as :meth:`HiddenTokenCategorical.log_probs_at`."""
+        return self.logits.log_softmax(-1).gather(-1, ids.long())
+
 
 class HiddenTokenCategorical(_TokenDistribution):
     """Categorical over a vocabulary, given the last hidden states and the output layer.
@@ -676,4 +858,18 @@ class HiddenTokenCategorical(_TokenDistribution):
             self.bias,
             chunk_size=self.chunk_size,
             compile=self.compile,
+        )
+
+    def log_probs_at(self, ids: torch.Tensor) -> torch.Tensor:
+        """The log-probs of ``K`` token ids at each position, with their gradient, chunk by
+        chunk (:func:`log_probs_at_from_hidden`).
+
+        Args:
+            ids (torch.Tensor): ``batch_shape + (K,)`` token ids.
+
+        Returns:
+            torch.Tensor: ``batch_shape + (K,)`` log-probs.
+        """
+        return log_probs_at_from_hidden(
+            self.hidden, self.weight, ids, self.bias, chunk_size=self.chunk_size
         )

@@ -497,3 +497,44 @@ class TestHiddenLLMMaskedCategorical:
             HiddenLLMMaskedCategorical(
                 torch.randn(3, 6, 8), torch.ones(3, 5, dtype=torch.bool), torch.randn(40, 8)
             )
+
+    def test_log_probs_at_ids_on_the_mask_only(self):
+        lean, ref, mask = self._pair()
+        ids = torch.randint(40, (3, 6, 5))
+        ours = lean.log_probs_at(ids)
+        expected = ref.logits.log_softmax(-1).gather(-1, ids)
+        torch.testing.assert_close(ours[mask], expected[mask])
+        assert (ours[~mask] == 0).all()
+        with pytest.raises(ValueError, match=r"ids \(3, 5, 2\) do not match"):
+            lean.log_probs_at(torch.zeros(3, 5, 2, dtype=torch.long))
+
+
+class TestTopLogProbs:
+    """``LeanTransformersWrapper.top_log_probs``: a teacher's top tokens, laid out as the
+    log-probs the wrapper writes, against the model's own logits."""
+
+    @pytest.mark.parametrize("log_probs_at", ["all", "response"])
+    def test_top_tokens_of_ragged_rows(self, tiny_llm, log_probs_at):
+        model, tokenizer = tiny_llm
+        lean = LeanTransformersWrapper(
+            model,
+            tokenizer=tokenizer,
+            input_mode="tokens",
+            generate=False,
+            return_log_probs=True,
+            pad_output=False,
+            log_probs_at=log_probs_at,
+        )
+        full = [torch.tensor(tokenizer(t)["input_ids"]) for t in TEXTS]
+        batch = lazy_stack([TensorDict(tokens=Tokens(full=f, prompt=f[:3])) for f in full])
+        values, ids = lean.top_log_probs(batch, 3)
+        first = 3 if log_probs_at == "response" else 1  # no log-prob before it
+        for row, v, i in zip(full, values, ids, strict=True):
+            with torch.no_grad():
+                top = model(row[None]).logits[0, first - 1 : -1].log_softmax(-1).topk(3, -1)
+            assert v.shape == i.shape == (len(row), 3)
+            torch.testing.assert_close(v[first:], top.values, rtol=1e-5, atol=1e-5)
+            assert torch.equal(i[first:], top.indices)
+            assert not v[:first].any() and not i[:first].any()
+        with pytest.raises(ValueError, match="k must be an integer"):
+            lean.top_log_probs(batch, 0)

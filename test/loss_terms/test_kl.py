@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from helpers.running_example import close
 
@@ -14,6 +15,7 @@ from torchrl_grpo.loss_terms import (
     kl_k1,
     kl_k2,
     kl_k3,
+    top_k_reverse_kl,
 )
 
 
@@ -72,3 +74,31 @@ class TestImportanceWeightedKL:
         d = (ref - log_prob).detach()
         want = torch.tensor([1.1, 0.5]) * (kl.detach() + 1 - d.exp())
         close(log_prob.grad, want)
+
+
+class TestTopKReverseKL:
+    """The KL over a teacher's top tokens and the rest as one outcome, by hand."""
+
+    P = torch.tensor([[0.5, 0.2, 0.2, 0.1], [0.1, 0.1, 0.1, 0.7]])
+    Q = torch.tensor([[0.6, 0.3, 0.05, 0.05], [0.25, 0.25, 0.25, 0.25]])
+
+    def test_two_tokens_and_the_rest_by_hand(self):
+        top = torch.tensor([[0, 1], [2, 0]])  # the teacher's two first (any order)
+        ours = top_k_reverse_kl(self.P.gather(-1, top).log(), self.Q.gather(-1, top).log())
+        first = 0.5 * math.log(0.5 / 0.6) + 0.2 * math.log(0.2 / 0.3) + 0.3 * math.log(0.3 / 0.1)
+        second = 2 * 0.1 * math.log(0.1 / 0.25) + 0.8 * math.log(0.8 / 0.5)
+        close(ours, [first, second])
+
+    def test_a_lower_bound_equal_at_the_vocabulary_with_the_students_gradient(self):
+        full = (self.P * (self.P / self.Q).log()).sum(-1)
+        close(top_k_reverse_kl(self.P.log(), self.Q.log()), full.tolist())
+        logp = self.P[:, :1].log().requires_grad_()
+        merged = top_k_reverse_kl(logp, self.Q[:, :1].log())
+        assert (merged <= full).all()
+        (grad,) = torch.autograd.grad(merged.sum(), logp)
+        p, q = self.P[:, 0], self.Q[:, 0]  # d/dlog p of p log(p/q) + (1-p) log((1-p)/(1-q))
+        close(grad[:, 0], (p * ((p / q).log() - ((1 - p) / (1 - q)).log())).tolist())
+
+    def test_shapes_must_agree(self):
+        with pytest.raises(ValueError, match="differ"):
+            top_k_reverse_kl(torch.zeros(2, 3), torch.zeros(2, 2))

@@ -25,7 +25,7 @@ from numbers import Integral
 
 import numpy as np
 import torch
-from tensordict import TensorDict, TensorDictBase
+from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase
 from torch.distributions import Categorical
 from torchrl.modules.distributions import LLMMaskedCategorical
 from torchrl.modules.llm import TransformersWrapper
@@ -47,6 +47,7 @@ from torchrl_grpo.llm.scoring import (
     read_token_rows,
     response_starts,
     token_rows,
+    unpadded,
     write_outputs,
 )
 from torchrl_grpo.ragged import upload
@@ -54,7 +55,9 @@ from torchrl_grpo.token_dist import (
     _HIDDEN_CHUNK_ELEMENTS,
     HiddenTokenCategorical,
     _chunk_rows,
+    log_probs_at_from_hidden,
     token_log_prob_entropy_from_hidden,
+    top_log_probs_from_hidden,
 )
 
 __all__ = ["HiddenLLMMaskedCategorical", "LeanTransformersWrapper", "output_layer"]
@@ -201,6 +204,34 @@ class HiddenLLMMaskedCategorical(HiddenTokenCategorical):
             return self._entropy[0]
         dummy = torch.zeros(self.batch_shape, dtype=torch.long, device=self.hidden.device)
         return self.log_prob_entropy(dummy)[1]
+
+    def log_probs_at(self, ids: torch.Tensor) -> torch.Tensor:
+        """The log-probs of ``K`` token ids at each position, with their gradient: the output
+        layer runs at the positions of :attr:`mask` only, ``0`` elsewhere (a student's
+        log-probs at a teacher's most likely tokens, :class:`~torchrl_grpo.TopKDistillationLoss`).
+
+        Args:
+            ids (torch.Tensor): token ids ``[B, T, K]`` (any value at masked positions).
+
+        Returns:
+            torch.Tensor: ``[B, T, K]`` log-probs (float32 at least).
+        """
+        if ids.shape[:-1] != self.batch_shape:
+            raise ValueError(
+                f"ids {tuple(ids.shape)} do not match the distribution's positions "
+                f"{tuple(self.batch_shape)}: expected [B, T, K]."
+            )
+        index = self._positions
+        if index is None:
+            index = self._mask.reshape(-1).nonzero()[:, 0]  # (N,)
+        width = ids.shape[-1]
+        states = self.hidden.reshape(-1, self.hidden.shape[-1])[index]  # (N, F)
+        chosen = ids.reshape(-1, width)[index]  # (N, K)
+        found = log_probs_at_from_hidden(
+            states, self.weight, chosen, self.bias, chunk_size=self.chunk_size
+        )  # (N, K)
+        out = found.new_zeros(self._mask.numel(), width)
+        return out.index_put((index,), found).view(ids.shape)
 
     @property
     def mode(self) -> torch.Tensor:
@@ -656,6 +687,52 @@ class LeanTransformersWrapper(TransformersWrapper):
         index = upload(index, shifted.device)
         log_probs, _ = _at_positions(shifted, None, weight, rows.tokens, None, chunk, index)
         return log_probs, shifted
+
+    def top_log_probs(self, tensordict: TensorDictBase, k: int):
+        """The ``k`` most likely tokens at each position of a call's token rows and their
+        log-probs, without gradient and without the logits: what a teacher scores beyond the
+        sampled token (:class:`~torchrl_grpo.llm.TeacherLogProbs` with ``top_k``).
+
+        Position ``t`` holds the distribution that token ``t`` was drawn from (the model's
+        output at ``t - 1``), laid out as the ``("log_probs", "full")`` this wrapper writes for
+        the same call: ``[B, T, k]`` (left-padded rows, as the log-probs) with ``pad_output``
+        or a dense batch, else one ``[L_i, k]`` tensor per row of a lazy stack. Zeros where no
+        log-prob is computed (padding, each row's first token and, with
+        ``log_probs_at="response"``, the prompt).
+
+        Args:
+            tensordict (TensorDictBase): the batch, with ``("tokens", "full")`` (input mode
+                ``"tokens"``).
+            k (int): tokens per position, at most the vocabulary.
+
+        Returns:
+            ``(log_probs, ids)``: float32 (at least) and int64, the most likely first.
+
+        Raises:
+            ValueError: ``k`` outside ``[1, V]``; rows that are not one-dimensional token ids.
+        """
+        response = self.log_probs_at == "response"
+        with torch.no_grad(), self._adapters():
+            rows = self._token_rows(tensordict, prompts=response)
+            if rows is None:
+                raise ValueError(
+                    "top_log_probs reads one-dimensional rows of token ids (input_mode="
+                    f"'tokens', {self.input_key!r})."
+                )
+            _, shifted = self._scored(rows, logits_only=True)
+            index = read_index(rows, response_starts(rows) if response else None)
+            weight = self._head()
+            chunk = self._rows(weight.shape[0], len(index), shifted.device)
+            index = upload(index, shifted.device)
+            states = shifted.reshape(-1, shifted.shape[-1])[index]  # (N, F)
+            values, ids = top_log_probs_from_hidden(states, weight, k, chunk_size=chunk)
+        shape = (*rows.tokens.shape, k)
+        values = values.new_zeros(rows.tokens.numel(), k).index_put((index,), values)
+        ids = ids.new_zeros(rows.tokens.numel(), k).index_put((index,), ids)
+        values, ids = values.view(shape), ids.view(shape)
+        if self.pad_output or not isinstance(tensordict, LazyStackedTensorDict):
+            return values, ids
+        return unpadded(values, rows), unpadded(ids, rows)
 
     def _rows_hidden(self, rows: TokenRows) -> torch.Tensor:
         """The body's last hidden states ``[B, T, H]`` of the left-padded rows.

@@ -21,11 +21,21 @@ import torch
 from tensordict import LazyStackedTensorDict, NestedKey, TensorDictBase, lazy_stack
 from torchrl.envs.transforms import Transform
 
-__all__ = ["TEACHER_LOG_PROBS", "TeacherLogProbs", "check_same_tokenizer"]
+__all__ = [
+    "TEACHER_LOG_PROBS",
+    "TEACHER_TOP_IDS",
+    "TEACHER_TOP_LOG_PROBS",
+    "TeacherLogProbs",
+    "check_same_tokenizer",
+]
 
 #: Where :class:`TeacherLogProbs` writes, under ``"next"`` (torchrl's ``DistillationLoss`` and
 #: :class:`~torchrl_grpo.mcadvantage.Distillation` read ``("next", *TEACHER_LOG_PROBS)``).
 TEACHER_LOG_PROBS = ("teacher_log_probs", "full")
+#: Where ``TeacherLogProbs(top_k=K)`` writes, under ``"next"``: the teacher's ``K`` most likely
+#: tokens at each position and their log-probs (:class:`~torchrl_grpo.TopKDistillationLoss`).
+TEACHER_TOP_LOG_PROBS = ("teacher_top_log_probs", "full")
+TEACHER_TOP_IDS = ("teacher_top_ids", "full")
 
 
 class TeacherLogProbs(Transform):
@@ -46,12 +56,20 @@ class TeacherLogProbs(Transform):
         task_key: with a mapping, the key of each row's task (a string, or a tensor of one
             value); rows whose task has no teacher are refused before any is scored.
         log_probs_key: written under ``"next"``. Defaults to :data:`TEACHER_LOG_PROBS`.
+        top_k (int, optional): also write the teacher's ``top_k`` most likely tokens at each
+            position and their log-probs, under ``"next"``: :data:`TEACHER_TOP_LOG_PROBS` and
+            :data:`TEACHER_TOP_IDS` (``[B, T, top_k]``, or one ``[L_i, top_k]`` per row, in the
+            layout of the log-probs), what :class:`~torchrl_grpo.TopKDistillationLoss` reads.
+            Needs :class:`~torchrl_grpo.LeanTransformersWrapper` teachers (chunk by chunk, no
+            logits). Defaults to ``None``: the sampled tokens' log-probs only.
         **kwargs: passed to each ``RetrieveLogProb`` (``assistant_only`` defaults to
             ``False``: every token of ``("tokens", "full")`` is scored).
 
     Raises:
         ValueError: a teacher whose tokenizer or vocabulary is not the student's (both named),
-            a mapping without ``task_key`` or a ``task_key`` without a mapping, no teacher.
+            a mapping without ``task_key`` or a ``task_key`` without a mapping, no teacher,
+            ``top_k`` not a positive integer or with a teacher that is not a
+            ``LeanTransformersWrapper``.
         KeyError: on a call, a row whose task has no teacher (the task and the row named).
 
     Examples:
@@ -86,6 +104,7 @@ class TeacherLogProbs(Transform):
         tokenizer,
         task_key: NestedKey | None = None,
         log_probs_key: NestedKey = TEACHER_LOG_PROBS,
+        top_k: int | None = None,
         **kwargs,
     ):
         several = isinstance(teacher, Mapping)
@@ -99,6 +118,7 @@ class TeacherLogProbs(Transform):
             raise ValueError("TeacherLogProbs: the mapping holds no teacher.")
         for task, wrapper in teachers.items():
             check_same_tokenizer(wrapper, tokenizer, "the teacher" if task is None else repr(task))
+        _check_top_k(top_k, teachers)
         kwargs.setdefault("assistant_only", False)
         # imported here: importing the package leaves torchrl's LLM envs (and their imports) out
         from torchrl.envs.llm import RetrieveLogProb
@@ -113,11 +133,17 @@ class TeacherLogProbs(Transform):
         self.tasks = list(scorers)
         self.task_key = task_key
         self.written = ("next", *key)
+        self.top_k = top_k
+        if top_k is not None:
+            self.out_keys += [TEACHER_TOP_LOG_PROBS, TEACHER_TOP_IDS]
 
     def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
         with torch.no_grad():
             if self.task_key is None:
-                return self.scorers[0](tensordict)
+                scored = self.scorers[0](tensordict)
+                if self.top_k is not None:
+                    _write_top(scored, self.scorers[0].model, self.top_k)
+                return scored
             return self._by_task(tensordict)
 
     def _inv_call(self, tensordict: TensorDictBase) -> TensorDictBase:
@@ -141,12 +167,48 @@ class TeacherLogProbs(Transform):
         by_task: dict = {}  # each task's rows, the tasks in order of first appearance
         for row, task in enumerate(tasks):
             by_task.setdefault(task, []).append(row)
-        scored: list = [None] * len(rows)
+        entries = [written]
+        if self.top_k is not None:
+            entries += [(*written[:-2], *TEACHER_TOP_LOG_PROBS), (*written[:-2], *TEACHER_TOP_IDS)]
+        scored = {entry: [None] * len(rows) for entry in entries}
         for task, members in by_task.items():  # each teacher once
-            part = self.scorers[index[task]](lazy_stack([rows[row].copy() for row in members]))
-            for row, value in zip(members, part.get(written, as_list=True), strict=True):
-                scored[row] = value
-        return _write_rows(tensordict, written, scored)
+            scorer = self.scorers[index[task]]
+            part = scorer(lazy_stack([rows[row].copy() for row in members]))
+            if self.top_k is not None:
+                _write_top(part, scorer.model, self.top_k)
+            for entry in entries:
+                for row, value in zip(members, part.get(entry, as_list=True), strict=True):
+                    scored[entry][row] = value
+        for entry in entries:
+            tensordict = _write_rows(tensordict, entry, scored[entry])
+        return tensordict
+
+
+def _check_top_k(top_k, teachers: dict) -> None:
+    if top_k is None:
+        return
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
+        raise ValueError(f"TeacherLogProbs: top_k must be a positive integer, got {top_k!r}.")
+    for task, wrapper in teachers.items():
+        if not callable(getattr(wrapper, "top_log_probs", None)):
+            name = "the teacher" if task is None else f"the teacher of {task!r}"
+            raise ValueError(
+                f"TeacherLogProbs: top_k={top_k} needs a LeanTransformersWrapper teacher (its "
+                f"top tokens chunk by chunk, without the logits); {name} is a "
+                f"{type(wrapper).__name__}."
+            )
+
+
+def _write_top(tensordict: TensorDictBase, wrapper, k: int) -> None:
+    """The teacher's ``k`` most likely tokens and their log-probs at each position, under
+    ``"next"`` where the batch has it (as ``RetrieveLogProb`` writes), at the root otherwise."""
+    values, ids = wrapper.top_log_probs(tensordict, k)
+    root = ("next",) if "next" in tensordict.keys() else ()
+    for key, value in ((TEACHER_TOP_LOG_PROBS, values), (TEACHER_TOP_IDS, ids)):
+        if isinstance(value, list):
+            _write_rows(tensordict, (*root, *key), value)
+        else:
+            tensordict.set((*root, *key), value)
 
 
 def _tasks(tensordict: TensorDictBase, key) -> list:

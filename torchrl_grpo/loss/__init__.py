@@ -33,6 +33,7 @@ The package, one concern a module: ``grpo.py`` (the module: keys, wiring, ``forw
 ``presets.py`` (the papers' defaults).
 """
 
+from torchrl_grpo.loss.distill import TopKDistillationLoss, TopKDistillationLossOutput
 from torchrl_grpo.loss.grpo import GRPOLoss
 from torchrl_grpo.loss.inputs import LLM_KEYS as LLM_KEYS
 from torchrl_grpo.loss.inputs import MASK_SOURCES as MASK_SOURCES
@@ -118,5 +119,7 @@ __all__ = [
     "LLMLossOutput",
     "LUSPOLoss",
     "SAPOLoss",
+    "TopKDistillationLoss",
+    "TopKDistillationLossOutput",
     "VESPOLoss",
 ]

@@ -90,6 +90,7 @@ from torchrl_grpo.loss_terms.kl import (
     kl_k2,
     kl_k3,
     kl_trust_region_mask,
+    top_k_reverse_kl,
 )
 from torchrl_grpo.loss_terms.objectives import (
     MAX_LOG_RATIO,
@@ -188,6 +189,7 @@ __all__ = [
     "sequence_log_ratio",
     "sequence_sum_log_ratio",
     "sequence_veto_mask",
+    "top_k_reverse_kl",
     "truncate_importance_weight",
     "truncated_is_weight",
     "two_sided_clip_loss",

@@ -177,3 +177,44 @@ def kl_trust_region_mask(log_ratio: torch.Tensor, threshold: float | torch.Tenso
     """
     with torch.no_grad():
         return 0.5 * log_ratio.square() <= threshold
+
+
+def top_k_reverse_kl(log_probs: torch.Tensor, teacher_log_probs: torch.Tensor) -> torch.Tensor:
+    """The student's reverse KL to the teacher at each position over the teacher's ``K`` most
+    likely tokens and the rest of the vocabulary as one more outcome (``K + 1`` outcomes):
+
+    .. math:: \\sum_{i \\le K} p_i (\\log p_i - \\log q_i) + p_r (\\log p_r - \\log q_r),
+        \\qquad p_r = 1 - \\sum_{i \\le K} p_i, \\quad q_r = 1 - \\sum_{i \\le K} q_i
+
+    with ``p`` the student's probabilities and ``q`` the teacher's at those tokens. A lower
+    bound of the full ``KL(p || q)`` (merging outcomes never raises a KL), equal to it when the
+    ``K`` tokens are the vocabulary; without the rest outcome the student could lower the sum by
+    moving its mass off the ``K`` tokens. Differentiable in ``log_probs``; each rest mass is
+    floored at ``1e-12`` (a vocabulary the ``K`` tokens cover).
+
+    Args:
+        log_probs (torch.Tensor): the student's log-probs at the teacher's tokens ``[..., K]``.
+        teacher_log_probs (torch.Tensor): the teacher's ``[..., K]``, the same tokens.
+
+    Returns:
+        torch.Tensor: ``[...]`` the KL at each position.
+
+    Examples:
+        >>> import torch
+        >>> p, q = torch.tensor([0.5, 0.3, 0.2]), torch.tensor([0.7, 0.1, 0.2])
+        >>> full = (p * (p.log() - q.log())).sum()
+        >>> torch.allclose(top_k_reverse_kl(p.log(), q.log()), full)  # K = V: the full KL
+        True
+        >>> bool(top_k_reverse_kl(p[:1].log(), q[:1].log()) <= full)  # {0}, {1, 2} merged
+        True
+    """
+    if log_probs.shape != teacher_log_probs.shape:
+        raise ValueError(
+            f"the student's log-probs {tuple(log_probs.shape)} and the teacher's "
+            f"{tuple(teacher_log_probs.shape)} differ: expected the same [..., K] tokens."
+        )
+    p = log_probs.exp()
+    kl = (p * (log_probs - teacher_log_probs)).sum(-1)
+    rest = (1 - p.sum(-1)).clamp_min(1e-12)
+    teacher_rest = (1 - teacher_log_probs.exp().sum(-1)).clamp_min(1e-12)
+    return kl + rest * (rest.log() - teacher_rest.log())
