@@ -527,7 +527,10 @@ class TestTopLogProbs:
         )
         full = [torch.tensor(tokenizer(t)["input_ids"]) for t in TEXTS]
         batch = lazy_stack([TensorDict(tokens=Tokens(full=f, prompt=f[:3])) for f in full])
-        values, ids = lean.top_log_probs(batch, 3)
+        token_log_probs, values, ids = lean.top_log_probs(batch, 3)
+        written = lean(batch.copy()).get(("log_probs", "full"), as_list=True)
+        for a, b in zip(token_log_probs, written, strict=True):
+            torch.testing.assert_close(a, b)
         first = 3 if log_probs_at == "response" else 1  # no log-prob before it
         for row, v, i in zip(full, values, ids, strict=True):
             with torch.no_grad():

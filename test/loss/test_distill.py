@@ -169,6 +169,25 @@ def test_each_task_has_its_own_teachers_top_tokens(tok):
     assert batch[0].get(("next", "teacher_log_probs", "full")).shape == rows[0].shape
 
 
+@pytest.mark.parametrize("pad_output", [False, True])
+def test_one_pass_writes_what_retrieve_log_prob_writes(tok, pad_output):
+    """With ``top_k`` the teacher's token log-probs come from the pass that finds its top
+    tokens: the entry ``RetrieveLogProb`` writes without ``top_k``, in its layout."""
+    _, teacher_model = models(tok)
+    rows = token_rows()
+    batch = ragged(rows) if not pad_output else padded(rows, tok.pad_token_id)
+    key = ("next", "teacher_log_probs", "full")
+    with_top = scored(tok, teacher_model, batch.clone(), 2, pad_output)
+    teacher = llm_scorer(
+        teacher_model, tok, lean=True, pad_output=pad_output, log_probs_key="teacher_log_probs"
+    )
+    alone = TeacherLogProbs(teacher, tokenizer=tok)(batch.clone())
+    for a, b in zip(with_top.get(key, as_list=True), alone.get(key, as_list=True), strict=True):
+        torch.testing.assert_close(a, b)
+    with pytest.raises(ValueError, match="without RetrieveLogProb's options"):
+        TeacherLogProbs(teacher, tokenizer=tok, top_k=2, assistant_only=True)
+
+
 def test_refusals_name_the_problem(tok):
     student_model, teacher_model = models(tok)
     student = llm_scorer(student_model, tok, lean=True)

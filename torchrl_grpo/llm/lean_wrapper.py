@@ -690,15 +690,16 @@ class LeanTransformersWrapper(TransformersWrapper):
 
     def top_log_probs(self, tensordict: TensorDictBase, k: int):
         """The ``k`` most likely tokens at each position of a call's token rows and their
-        log-probs, without gradient and without the logits: what a teacher scores beyond the
-        sampled token (:class:`~torchrl_grpo.llm.TeacherLogProbs` with ``top_k``).
+        log-probs, and the log-probs of the rows' own tokens, from one pass, without gradient
+        and without the logits: what a teacher scores (:class:`~torchrl_grpo.llm.TeacherLogProbs`
+        with ``top_k``).
 
         Position ``t`` holds the distribution that token ``t`` was drawn from (the model's
         output at ``t - 1``), laid out as the ``("log_probs", "full")`` this wrapper writes for
-        the same call: ``[B, T, k]`` (left-padded rows, as the log-probs) with ``pad_output``
-        or a dense batch, else one ``[L_i, k]`` tensor per row of a lazy stack. Zeros where no
-        log-prob is computed (padding, each row's first token and, with
-        ``log_probs_at="response"``, the prompt).
+        the same call: ``[B, T, ...]`` (as the log-probs) with ``pad_output`` or a dense batch,
+        else one ``[L_i, ...]`` tensor per row of a lazy stack. Zeros where no log-prob is
+        computed (padding, each row's first token and, with ``log_probs_at="response"``, the
+        prompt).
 
         Args:
             tensordict (TensorDictBase): the batch, with ``("tokens", "full")`` (input mode
@@ -706,7 +707,8 @@ class LeanTransformersWrapper(TransformersWrapper):
             k (int): tokens per position, at most the vocabulary.
 
         Returns:
-            ``(log_probs, ids)``: float32 (at least) and int64, the most likely first.
+            ``(log_probs, top_log_probs, top_ids)``: ``[B, T]``, ``[B, T, k]`` (float32 at
+            least) and ``[B, T, k]`` (int64, the most likely first), or lists of rows.
 
         Raises:
             ValueError: ``k`` outside ``[1, V]``; rows that are not one-dimensional token ids.
@@ -719,7 +721,7 @@ class LeanTransformersWrapper(TransformersWrapper):
                     "top_log_probs reads one-dimensional rows of token ids (input_mode="
                     f"'tokens', {self.input_key!r})."
                 )
-            _, shifted = self._scored(rows, logits_only=True)
+            log_probs, shifted = self._scored(rows, False, response)
             index = read_index(rows, response_starts(rows) if response else None)
             weight = self._head()
             chunk = self._rows(weight.shape[0], len(index), shifted.device)
@@ -729,10 +731,10 @@ class LeanTransformersWrapper(TransformersWrapper):
         shape = (*rows.tokens.shape, k)
         values = values.new_zeros(rows.tokens.numel(), k).index_put((index,), values)
         ids = ids.new_zeros(rows.tokens.numel(), k).index_put((index,), ids)
-        values, ids = values.view(shape), ids.view(shape)
+        found = (log_probs, values.view(shape), ids.view(shape))
         if self.pad_output or not isinstance(tensordict, LazyStackedTensorDict):
-            return values, ids
-        return unpadded(values, rows), unpadded(ids, rows)
+            return found
+        return tuple(unpadded(x, rows) for x in found)
 
     def _rows_hidden(self, rows: TokenRows) -> torch.Tensor:
         """The body's last hidden states ``[B, T, H]`` of the left-padded rows.

@@ -118,8 +118,8 @@ class TeacherLogProbs(Transform):
             raise ValueError("TeacherLogProbs: the mapping holds no teacher.")
         for task, wrapper in teachers.items():
             check_same_tokenizer(wrapper, tokenizer, "the teacher" if task is None else repr(task))
-        _check_top_k(top_k, teachers)
         kwargs.setdefault("assistant_only", False)
+        _check_top_k(top_k, teachers, kwargs)
         # imported here: importing the package leaves torchrl's LLM envs (and their imports) out
         from torchrl.envs.llm import RetrieveLogProb
 
@@ -140,11 +140,24 @@ class TeacherLogProbs(Transform):
     def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
         with torch.no_grad():
             if self.task_key is None:
-                scored = self.scorers[0](tensordict)
-                if self.top_k is not None:
-                    _write_top(scored, self.scorers[0].model, self.top_k)
-                return scored
+                return self._score(self.scorers[0], tensordict)
             return self._by_task(tensordict)
+
+    def _score(self, scorer, tensordict: TensorDictBase) -> TensorDictBase:
+        """One teacher's scores: ``RetrieveLogProb``'s, or with ``top_k`` the token log-probs
+        and the top tokens from one pass of the lean wrapper, written where ``RetrieveLogProb``
+        writes (under ``"next"`` where the batch has it)."""
+        if self.top_k is None:
+            return scorer(tensordict)
+        found = scorer.model.top_log_probs(tensordict, self.top_k)
+        root = ("next",) if "next" in tensordict.keys() else ()
+        keys = (self.written[1:], TEACHER_TOP_LOG_PROBS, TEACHER_TOP_IDS)
+        for key, value in zip(keys, found, strict=True):
+            if isinstance(value, list):
+                _write_rows(tensordict, (*root, *key), value)
+            else:
+                tensordict.set((*root, *key), value)
+        return tensordict
 
     def _inv_call(self, tensordict: TensorDictBase) -> TensorDictBase:
         return self.forward(tensordict)  # appended to a buffer: scored on the way in
@@ -172,10 +185,8 @@ class TeacherLogProbs(Transform):
             entries += [(*written[:-2], *TEACHER_TOP_LOG_PROBS), (*written[:-2], *TEACHER_TOP_IDS)]
         scored = {entry: [None] * len(rows) for entry in entries}
         for task, members in by_task.items():  # each teacher once
-            scorer = self.scorers[index[task]]
-            part = scorer(lazy_stack([rows[row].copy() for row in members]))
-            if self.top_k is not None:
-                _write_top(part, scorer.model, self.top_k)
+            part = lazy_stack([rows[row].copy() for row in members])
+            part = self._score(self.scorers[index[task]], part)
             for entry in entries:
                 for row, value in zip(members, part.get(entry, as_list=True), strict=True):
                     scored[entry][row] = value
@@ -184,11 +195,16 @@ class TeacherLogProbs(Transform):
         return tensordict
 
 
-def _check_top_k(top_k, teachers: dict) -> None:
+def _check_top_k(top_k, teachers: dict, kwargs: dict) -> None:
     if top_k is None:
         return
     if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
         raise ValueError(f"TeacherLogProbs: top_k must be a positive integer, got {top_k!r}.")
+    if kwargs != {"assistant_only": False}:
+        raise ValueError(
+            f"TeacherLogProbs: top_k={top_k} scores every token of ('tokens', 'full') in one "
+            f"pass of the lean wrapper, without RetrieveLogProb's options; got {kwargs}."
+        )
     for task, wrapper in teachers.items():
         if not callable(getattr(wrapper, "top_log_probs", None)):
             name = "the teacher" if task is None else f"the teacher of {task!r}"
@@ -197,18 +213,6 @@ def _check_top_k(top_k, teachers: dict) -> None:
                 f"top tokens chunk by chunk, without the logits); {name} is a "
                 f"{type(wrapper).__name__}."
             )
-
-
-def _write_top(tensordict: TensorDictBase, wrapper, k: int) -> None:
-    """The teacher's ``k`` most likely tokens and their log-probs at each position, under
-    ``"next"`` where the batch has it (as ``RetrieveLogProb`` writes), at the root otherwise."""
-    values, ids = wrapper.top_log_probs(tensordict, k)
-    root = ("next",) if "next" in tensordict.keys() else ()
-    for key, value in ((TEACHER_TOP_LOG_PROBS, values), (TEACHER_TOP_IDS, ids)):
-        if isinstance(value, list):
-            _write_rows(tensordict, (*root, *key), value)
-        else:
-            tensordict.set((*root, *key), value)
 
 
 def _tasks(tensordict: TensorDictBase, key) -> list:
