@@ -17,6 +17,11 @@ by side:
 * **GRPO with the teacher**: ``Distillation(alpha=1, beta=--both-beta)``: the group's advantage
   plus the teacher's term, per token.
 
+With ``--top-k K`` the distillation-alone run trains instead on ``TopKDistillationLoss``: the
+student's reverse KL over the teacher's ``K`` most likely tokens at each response position and
+the rest of the vocabulary as one outcome, the teacher writing its top tokens beside its
+log-probs (``TeacherLogProbs(top_k=K)``), neither model building its logits.
+
 Every ``--eval-every`` steps each run's greedy accuracy on the 500 held-out prompts and its
 reverse KL to the teacher there (the exact per-token KL(student || teacher) over the whole
 vocabulary, on the student's greedy completions, averaged over their tokens) are measured.

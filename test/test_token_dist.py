@@ -508,6 +508,19 @@ class TestTopTokens:
         torch.testing.assert_close(values, ref.values.detach())
         assert torch.equal(ids, ref.indices) and not values.requires_grad
 
+    def test_only_the_ids_below_among_are_ranked(self):
+        g = torch.Generator().manual_seed(3)
+        hidden, weight = torch.randn(4, 6, generator=g), torch.randn(9, 6, generator=g)
+        weight[7:] = 10 * hidden.mean(0)  # two padding rows that would rank first
+        values, ids = top_log_probs_from_hidden(hidden, weight, 3, among=7)
+        ref = (hidden @ weight.T).log_softmax(-1)  # normalised over every row
+        top = ref[:, :7].topk(3, -1)
+        torch.testing.assert_close(values, top.values)
+        assert torch.equal(ids, top.indices) and (ids < 7).all()
+        assert (top_log_probs_from_hidden(hidden, weight, 3)[1] >= 7).any()  # without it
+        with pytest.raises(ValueError, match="k must be an integer in \\[1, 7\\]"):
+            top_log_probs_from_hidden(hidden, weight, 8, among=7)
+
     def test_bad_input_is_refused(self):
         hidden, weight = torch.randn(2, 3, 4), torch.randn(7, 4)
         for k in (0, 8, 1.5, True):

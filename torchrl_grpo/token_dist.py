@@ -546,11 +546,13 @@ def top_log_probs_from_hidden(
     bias: torch.Tensor | None = None,
     *,
     chunk_size: int | None = None,
+    among: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``k`` most likely tokens at each position and their log-probs, without gradient and
     without the ``[..., V]`` logits: a teacher's top tokens
     (:class:`~torchrl_grpo.llm.TeacherLogProbs` with ``top_k``), a chunk of positions at a
-    time.
+    time. The log-probs are normalised over the whole output layer; ``among`` ranks the ids
+    below it only (a tokenizer's ids, where the layer has padding rows beyond them).
 
     Args:
         hidden (torch.Tensor): last hidden states ``[..., H]``.
@@ -558,13 +560,14 @@ def top_log_probs_from_hidden(
         k (int): tokens per position, ``1 <= k <= V``.
         bias (torch.Tensor, optional): the output layer's bias ``[V]``.
         chunk_size (int, optional): positions per chunk.
+        among (int, optional): rank the ids ``[0, among)`` only. Defaults to ``V``.
 
     Returns:
         tuple[torch.Tensor, torch.Tensor]: ``(log_probs, ids)``, each ``[..., k]``, the most
         likely first (float32 at least, and int64).
 
     Raises:
-        ValueError: ``k`` outside ``[1, V]``, or the shapes disagree.
+        ValueError: ``k`` outside ``[1, among]``, or the shapes disagree.
 
     Examples:
         >>> import torch
@@ -576,8 +579,9 @@ def top_log_probs_from_hidden(
         (True, True)
     """
     vocab = _check_head(hidden, weight, bias)
-    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= vocab:
-        raise ValueError(f"k must be an integer in [1, {vocab}] (the vocabulary), got {k!r}.")
+    among = vocab if among is None else min(among, vocab)
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= among:
+        raise ValueError(f"k must be an integer in [1, {among}] (the vocabulary), got {k!r}.")
     flat = hidden.reshape(-1, hidden.shape[-1])  # (N, H)
     dtype = torch.promote_types(hidden.dtype, torch.float32)
     rows = _chunk_rows(chunk_size, vocab, flat.shape[0], flat.device)
@@ -586,7 +590,7 @@ def top_log_probs_from_hidden(
     with torch.no_grad():
         for r in _chunks(flat.shape[0], rows):
             x = torch.nn.functional.linear(flat[r], weight, bias).to(dtype)  # (n, V)
-            top = x.topk(k, -1)
+            top = x[:, :among].topk(k, -1)
             torch.sub(top.values, x.logsumexp(-1, keepdim=True), out=values[r])
             ids[r] = top.indices
     shape = hidden.shape[:-1] + (k,)

@@ -711,7 +711,8 @@ class LeanTransformersWrapper(TransformersWrapper):
             least) and ``[B, T, k]`` (int64, the most likely first), or lists of rows.
 
         Raises:
-            ValueError: ``k`` outside ``[1, V]``; rows that are not one-dimensional token ids.
+            ValueError: ``k`` outside ``[1, V]`` (``V`` the tokenizer's ids: only they are
+                ranked); rows that are not one-dimensional token ids.
         """
         response = self.log_probs_at == "response"
         with torch.no_grad(), self._adapters():
@@ -727,7 +728,9 @@ class LeanTransformersWrapper(TransformersWrapper):
             chunk = self._rows(weight.shape[0], len(index), shifted.device)
             index = upload(index, shifted.device)
             states = shifted.reshape(-1, shifted.shape[-1])[index]  # (N, F)
-            values, ids = top_log_probs_from_hidden(states, weight, k, chunk_size=chunk)
+            values, ids = top_log_probs_from_hidden(
+                states, weight, k, chunk_size=chunk, among=len(self.tokenizer)
+            )  # the tokenizer's ids: a student's output layer may have other padding rows
         shape = (*rows.tokens.shape, k)
         values = values.new_zeros(rows.tokens.numel(), k).index_put((index,), values)
         ids = ids.new_zeros(rows.tokens.numel(), k).index_put((index,), ids)
