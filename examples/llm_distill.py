@@ -9,18 +9,18 @@ the same training budget (``--budget`` seconds each, the evaluations left out of
 by side:
 
 * **GRPO alone**: the task's reward, group-relative advantages, as ``llm_grpo.py``;
-* **distillation alone**: ``Distillation(alpha=0, beta=--beta)``, no reward read: each response
-  token's advantage is ``-beta`` times the student's reverse KL to the teacher on that token,
-  less its group's mean at that position (``--baseline``), the teacher scoring the student's own
-  samples (``TeacherLogProbs``, torchrl's ``RetrieveLogProb`` on a ``LeanTransformersWrapper``
-  of the teacher); its own training settings with ``--distill-flags``;
+* **distillation alone**, no reward read, the teacher scoring the student's own samples
+  (``TeacherLogProbs`` on a ``LeanTransformersWrapper`` of the teacher), its own training
+  settings with ``--distill-flags`` (default: no KL to the warm start, 8 epochs): by default
+  (``--top-k 4``) ``TopKDistillationLoss``, the student's reverse KL over the teacher's 4 most
+  likely tokens at each response position and the rest of the vocabulary as one outcome, the
+  teacher writing its top tokens beside its log-probs (``TeacherLogProbs(top_k=4)``), neither
+  model building its logits; with ``--top-k 0`` the distillation advantage,
+  ``Distillation(alpha=0, beta=--beta)``: each response token's advantage is ``-beta`` times the
+  student's reverse KL to the teacher on that token (its one-sample estimate), less its group's
+  mean at that position (``--baseline``), in GRPO's clipped objective;
 * **GRPO with the teacher**: ``Distillation(alpha=1, beta=--both-beta)``: the group's advantage
   plus the teacher's term, per token.
-
-With ``--top-k K`` the distillation-alone run trains instead on ``TopKDistillationLoss``: the
-student's reverse KL over the teacher's ``K`` most likely tokens at each response position and
-the rest of the vocabulary as one outcome, the teacher writing its top tokens beside its
-log-probs (``TeacherLogProbs(top_k=K)``), neither model building its logits.
 
 Every ``--eval-every`` steps each run's greedy accuracy on the 500 held-out prompts and its
 reverse KL to the teacher there (the exact per-token KL(student || teacher) over the whole
@@ -132,7 +132,11 @@ class Settings(llm_grpo.Settings):
         },
     )
     beta: float = field(
-        default=1.0, metadata={"help": "distillation alone: the reverse KL's weight (alpha=0)"}
+        default=1.0,
+        metadata={
+            "help": "distillation alone: the reverse KL's weight (the advantage's beta with "
+            "alpha=0, or TopKDistillationLoss's coeff)"
+        },
     )
     both_beta: float = field(
         default=1.0, metadata={"help": "GRPO with the teacher: the reverse KL's weight (alpha=1)"}
@@ -158,21 +162,22 @@ class Settings(llm_grpo.Settings):
         },
     )
     top_k: int = field(
-        default=0,
+        default=4,
         metadata={
             "help": "distillation alone: train on the student's reverse KL over the teacher's "
             "K most likely tokens at each response position (TopKDistillationLoss; the teacher "
-            "scores them, TeacherLogProbs(top_k=K)) instead of the distillation advantage; 0: "
-            "the advantage"
+            "scores them, TeacherLogProbs(top_k=K)); 0: on the distillation advantage "
+            "(Distillation(alpha=0, beta=--beta), GRPO's clipped objective)"
         },
     )
     distill_flags: str = field(
-        default="--kl-coeff 0",
+        default="--kl-coeff 0 --epochs 8",
         metadata={
             "help": "the distillation-alone run's own training settings, as examples/"
             "llm_grpo.py flags in one string (the default: no KL to the warm start, the teacher "
-            "is the anchor; another: '--lr 1e-3 --group-size 4 --prompts-per-step 32'); only "
-            "how it trains (RUN_FLAGS), the other two runs keep the flags given"
+            "is the anchor, and eight passes over each batch, which the top-k loss turns into "
+            "speed; another: '--lr 1e-3 --group-size 4 --prompts-per-step 32'); only how it "
+            "trains (RUN_FLAGS), the other two runs keep the flags given"
         },
     )
 
@@ -207,7 +212,8 @@ class TopKObjective:
         self.tokenizer = tokenizer
 
     def __call__(self, model, cfg):
-        return TopKDistillationLoss(llm_grpo.make_scorer(model, self.tokenizer, cfg))
+        scorer = llm_grpo.make_scorer(model, self.tokenizer, cfg)
+        return TopKDistillationLoss(scorer, coeff=cfg.beta)  # --beta: the reverse KL's weight
 
 
 def baseline_option(choice: str) -> bool | str:
@@ -308,9 +314,10 @@ def teacher_folder(cfg: Settings) -> Path:
     return Path(result["run_dir"]) / "model"
 
 
-def load_teacher(cfg: Settings, task: llm_grpo.Task, tokenizer):
+def load_teacher(cfg: Settings, task: llm_grpo.Task, tokenizer, top_k: int = 0):
     """The teacher's model and its scorer of the student's tokens, ``TeacherLogProbs``, which
-    refuses a teacher whose tokenizer is not the student's (both named)."""
+    refuses a teacher whose tokenizer is not the student's (both named); with ``top_k`` it
+    writes the teacher's ``top_k`` most likely tokens too (``--top-k``)."""
     folder = teacher_folder(cfg)
     model, teacher_tokenizer = llm_grpo.from_folder(
         dataclasses.replace(cfg, model=str(folder), tokenizer=""), task
@@ -320,7 +327,7 @@ def load_teacher(cfg: Settings, task: llm_grpo.Task, tokenizer):
     wrapper = llm_grpo.make_scorer(
         model, teacher_tokenizer, cfg, "teacher_log_probs", response_only=True
     )
-    return model, TeacherLogProbs(wrapper, tokenizer=tokenizer, top_k=cfg.top_k or None)
+    return model, TeacherLogProbs(wrapper, tokenizer=tokenizer, top_k=top_k or None)
 
 
 #: The padding's logit offset: ``exp(-30)`` is 1e-13 of a token's mass, far below any other.
@@ -684,7 +691,7 @@ def prepare(cfg: Settings, start: float) -> Setup:
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     tokenizer = llm_grpo.make_tokenizer(task.alphabet)
-    teacher_model, teacher = load_teacher(cfg, task, tokenizer)
+    teacher_model, teacher = load_teacher(cfg, task, tokenizer, cfg.top_k)
     torch.manual_seed(cfg.seed)
     student = llm_grpo.make_model(cfg, tokenizer, task.prompt_length + cfg.max_new_tokens)
     student = suppress_padding(student, tokenizer).to(cfg.device)
@@ -747,7 +754,8 @@ def main(argv=None) -> dict:
     summary |= {"acc_start": acc_start, "kl_start": kl_start, "runs": results}
     (run_dir / "curves.json").write_text(json.dumps(summary, indent=1))
     title = f"{task.name.replace('_', ' ').capitalize()}, tiny Qwen2 on {cfg.device}: "
-    title += f"{cfg.budget:.0f} s of training per run"
+    title += f"{cfg.budget:.0f} s of training per run\ndistillation alone: "
+    title += f"top-{cfg.top_k} reverse KL" if cfg.top_k else "the distillation advantage"
     plot(results, runs, teacher_acc, run_dir / "llm_distill.png", title)
     wall_s = time.perf_counter() - start
     for run in runs:

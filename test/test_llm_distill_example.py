@@ -157,7 +157,8 @@ def test_the_runs(ex, parts):
     assert runs[0].distillation is None
     assert (runs[2].distillation.alpha, runs[2].distillation.beta) == (1.0, cfg.both_beta)
     assert runs[0].settings == runs[2].settings == cfg
-    assert runs[1].settings == dataclasses.replace(cfg, kl_coeff=0.0)  # --distill-flags' default
+    # --distill-flags' default
+    assert runs[1].settings == dataclasses.replace(cfg, kl_coeff=0.0, epochs=8)
     assert runs[1].distillation.baseline == runs[2].distillation.baseline == "position"
     for flag, baseline in (("none", False), ("group", "group")):
         cfg = ex.llm_grpo.parse_args([*TINY, "--baseline", flag], settings_cls=ex.Settings)
