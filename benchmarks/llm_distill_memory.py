@@ -28,9 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import resource
-import subprocess
 import sys
 import time
 import warnings
@@ -153,9 +151,7 @@ def worker(args) -> None:
         try:
             values = step(batch)
         except (RuntimeError, MemoryError) as err:  # the address-space cap: out of memory
-            tried = re.search(r"allocate (\d+) bytes", str(err))
-            what = f"{int(tried[1]) / 2**30:.1f} GiB" if tried else str(err)[:100]
-            print(json.dumps({"error": f"out of memory: could not allocate {what} more"}))
+            print(json.dumps(base.out_of_memory(err)))
             return
         seconds = time.perf_counter() - start
         peak = base.max_rss_bytes()
@@ -171,23 +167,14 @@ def worker(args) -> None:
 
 
 def run_path(path: str, args) -> dict:
-    cmd = [sys.executable, __file__, "--worker", path]
+    flags = []
     for name in ("batch", "length", "vocab", "hidden", "top_k", "threads", "memory_gib"):
-        cmd += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    lines = proc.stdout.strip().splitlines()
-    if proc.returncode != 0 or not lines:
-        return {"error": f"exit {proc.returncode}: {proc.stderr.strip().splitlines()[-1:]}"}
-    return json.loads(lines[-1])
+        flags += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    return base.run_worker(__file__, path, flags)
 
 
 def main(args) -> None:
-    results = {}
-    for path in args.paths:
-        print(f"running {NAMES[path]} ...", file=sys.stderr, flush=True)
-        results[path] = run_path(path, args)
-    done = [r for r in results.values() if "error" not in r]
-    tokens = done[0]["tokens"] if done else "?"
+    results, tokens = base.run_paths(args.paths, NAMES, lambda path: run_path(path, args))
     logits = args.batch * args.length * args.vocab * 4
     print(
         f"Top-k distillation step (1-layer Qwen2 student and teacher, H={args.hidden}, float32), "

@@ -233,9 +233,7 @@ def worker(args) -> None:
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
                 values = step(batch)
         except (RuntimeError, MemoryError) as err:  # the address-space cap: out of memory
-            tried = re.search(r"allocate (\d+) bytes", str(err))
-            what = f"{int(tried[1]) / 2**30:.1f} GiB" if tried else str(err)[:100]
-            print(json.dumps({"error": f"out of memory: could not allocate {what} more"}))
+            print(json.dumps(out_of_memory(err)))
             return
         sync(device)
         first = time.perf_counter() - start
@@ -261,18 +259,41 @@ def worker(args) -> None:
     print(json.dumps(result))
 
 
-def run_path(path: str, args) -> dict:
-    cmd = [sys.executable, __file__, "--worker", path]
-    for name in ("batch", "length", "vocab", "hidden", "dtype", "repeats", "threads", "device"):
-        cmd += [f"--{name}", str(getattr(args, name))]
-    cmd += ["--memory-gib", str(args.memory_gib)]
-    if args.chunk_size is not None:
-        cmd += ["--chunk-size", str(args.chunk_size)]
+def out_of_memory(err: BaseException) -> dict:
+    """A worker's result when its step hit the address-space cap: what it tried to allocate."""
+    tried = re.search(r"allocate (\d+) bytes", str(err))
+    what = f"{int(tried[1]) / 2**30:.1f} GiB" if tried else str(err)[:100]
+    return {"error": f"out of memory: could not allocate {what} more"}
+
+
+def run_worker(script: str, path: str, flags: list[str]) -> dict:
+    """``script --worker path flags`` in a fresh process: its last line of JSON, or the error."""
+    cmd = [sys.executable, script, "--worker", path, *flags]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     lines = proc.stdout.strip().splitlines()
     if proc.returncode != 0 or not lines:
         return {"error": f"exit {proc.returncode}: {proc.stderr.strip().splitlines()[-1:]}"}
     return json.loads(lines[-1])
+
+
+def run_paths(paths, names: dict, run_path) -> tuple[dict, object]:
+    """Each path's result (``run_path(path)``), in order, and the tokens of the batch."""
+    results = {}
+    for path in paths:
+        print(f"running {names[path]} ...", file=sys.stderr, flush=True)
+        results[path] = run_path(path)
+    done = [r for r in results.values() if "error" not in r]
+    return results, done[0]["tokens"] if done else "?"
+
+
+def run_path(path: str, args) -> dict:
+    flags = []
+    for name in ("batch", "length", "vocab", "hidden", "dtype", "repeats", "threads", "device"):
+        flags += [f"--{name}", str(getattr(args, name))]
+    flags += ["--memory-gib", str(args.memory_gib)]
+    if args.chunk_size is not None:
+        flags += ["--chunk-size", str(args.chunk_size)]
+    return run_worker(__file__, path, flags)
 
 
 def relative_gap(grads: list[float], ref: list[float]) -> float:
@@ -281,12 +302,7 @@ def relative_gap(grads: list[float], ref: list[float]) -> float:
 
 
 def main(args) -> None:
-    results = {}
-    for path in args.paths:
-        print(f"running {NAMES[path]} ...", file=sys.stderr, flush=True)
-        results[path] = run_path(path, args)
-    done = [r for r in results.values() if "error" not in r]
-    tokens = done[0]["tokens"] if done else "?"
+    results, tokens = run_paths(args.paths, NAMES, lambda path: run_path(path, args))
     logits = args.batch * args.length * args.vocab * 4
     print(
         f"GRPO step on torchrl's LLM stack (1-layer Qwen2, H={args.hidden}, {args.dtype}), "

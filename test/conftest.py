@@ -98,6 +98,21 @@ def tiny_llm():
 
 
 @pytest.fixture
+def list_to_stack():
+    """tensordict's list-to-stack mode (torchrl's LLM stack builds lazy stacks of rows)."""
+    import tensordict
+
+    with tensordict.set_list_to_stack(True):
+        yield
+
+
+@pytest.fixture(scope="module")
+def char_tokenizer():
+    """:func:`tiny_tokenizer`, once per module."""
+    return tiny_tokenizer()
+
+
+@pytest.fixture
 def make_llm_scorer():
     """:func:`llm_scorer`, as a fixture."""
     return llm_scorer

@@ -277,6 +277,32 @@ def token_log_prob_entropy(
     return log_prob.view(tokens.shape), entropy.view(tokens.shape)
 
 
+class _HeadGrads:
+    """The gradients of an output layer's inputs, accumulated chunk by chunk from each chunk's
+    gradient on its logits ``g`` ``(n, V)``: ``grad_hidden = g W`` row by row, ``grad_W +=
+    g^T h`` and ``grad_b += sum(g)`` in float32 at least; ``None`` where no input needs one."""
+
+    def __init__(self, hidden, weight, bias, needs: tuple, dtype: torch.dtype):
+        self.weight, self.bias = weight, bias
+        self.hidden = torch.empty_like(hidden) if needs[0] else None  # (N, H)
+        self.w = torch.zeros_like(weight, dtype=dtype) if needs[1] else None  # (V, H)
+        self.b = torch.zeros_like(bias, dtype=dtype) if needs[2] else None  # (V,)
+
+    def add(self, g: torch.Tensor, h: torch.Tensor, rows: slice) -> None:
+        if self.hidden is not None:
+            torch.mm(g.to(self.weight.dtype), self.weight, out=self.hidden[rows])  # (n, H)
+        if self.w is not None:
+            self.w.addmm_(g.t(), h.to(g.dtype))  # (V, H)
+        if self.b is not None:
+            self.b += g.sum(0)
+
+    def result(self) -> tuple:
+        """``(grad_hidden, grad_weight, grad_bias)`` in the inputs' dtypes."""
+        w = None if self.w is None else self.w.to(self.weight.dtype)
+        b = None if self.b is None else self.b.to(self.bias.dtype)
+        return self.hidden, w, b
+
+
 class _TokenLogProbEntropyFromHidden(torch.autograd.Function):
     """Log-prob and entropy from hidden states and an output layer; no ``(N, V)`` tensor lives
     beyond one chunk: each chunk's logits are computed in forward and recomputed in backward."""
@@ -304,16 +330,12 @@ class _TokenLogProbEntropyFromHidden(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_log_prob, grad_entropy):
         hidden, weight, bias, index, is_pad, lse, entropy = ctx.saved_tensors
-        needs_hidden, needs_weight, needs_bias = ctx.needs_input_grad[:3]
         if grad_log_prob is None and grad_entropy is None:
             return None, None, None, None, None, None
         dtype = lse.dtype
         g_lp, scale, shift = _grad_terms(grad_log_prob, grad_entropy, entropy, is_pad)
         lse = lse.unsqueeze(-1)  # (N, 1)
-        # gradients of the parameters accumulate over chunks, in float32 at least
-        grad_hidden = torch.empty_like(hidden) if needs_hidden else None  # (N, H)
-        grad_weight = torch.zeros_like(weight, dtype=dtype) if needs_weight else None  # (V, H)
-        grad_bias = torch.zeros_like(bias, dtype=dtype) if needs_bias else None  # (V,)
+        grads = _HeadGrads(hidden, weight, bias, ctx.needs_input_grad[:3], dtype)
         _, grad_fn = _chunk_fns(ctx.compile)
         for r in _chunks(hidden.shape[0], ctx.rows):
             h = hidden[r]  # (n, H)
@@ -321,17 +343,8 @@ class _TokenLogProbEntropyFromHidden(torch.autograd.Function):
             g = grad_fn(x, lse[r], _rows(scale, r), shift[r])  # (n, V) float32
             if g_lp is not None:
                 g.scatter_add_(-1, index[r], g_lp[r])
-            if grad_hidden is not None:
-                torch.mm(g.to(weight.dtype), weight, out=grad_hidden[r])  # (n, H)
-            if grad_weight is not None:
-                grad_weight.addmm_(g.t(), h.to(dtype))  # (V, H)
-            if grad_bias is not None:
-                grad_bias += g.sum(0)
-        if grad_weight is not None:
-            grad_weight = grad_weight.to(weight.dtype)
-        if grad_bias is not None:
-            grad_bias = grad_bias.to(bias.dtype)
-        return grad_hidden, grad_weight, grad_bias, None, None, None
+            grads.add(g, h, r)
+        return *grads.result(), None, None, None
 
 
 def token_log_prob_entropy_from_hidden(
@@ -434,29 +447,17 @@ class _LogProbsAtFromHidden(torch.autograd.Function):
     def backward(ctx, grad_out):
         # d log p_k / d x_v = [v = id_k] - p_v: g = scatter(grad) - (sum_k grad_k) p
         hidden, weight, bias, ids, lse = ctx.saved_tensors
-        needs_hidden, needs_weight, needs_bias = ctx.needs_input_grad[:3]
         dtype = lse.dtype
         grad_out = grad_out.to(dtype)  # (N, K)
         total = grad_out.sum(-1, keepdim=True)  # (N, 1)
-        grad_hidden = torch.empty_like(hidden) if needs_hidden else None  # (N, H)
-        grad_weight = torch.zeros_like(weight, dtype=dtype) if needs_weight else None  # (V, H)
-        grad_bias = torch.zeros_like(bias, dtype=dtype) if needs_bias else None  # (V,)
+        grads = _HeadGrads(hidden, weight, bias, ctx.needs_input_grad[:3], dtype)
         for r in _chunks(hidden.shape[0], ctx.rows):
             h = hidden[r]  # (n, H)
             x = torch.nn.functional.linear(h, weight, bias).to(dtype)  # (n, V), recomputed
             g = x.sub_(lse[r]).exp_().mul_(total[r].neg())  # (n, V)
             g.scatter_add_(-1, ids[r], grad_out[r])
-            if grad_hidden is not None:
-                torch.mm(g.to(weight.dtype), weight, out=grad_hidden[r])  # (n, H)
-            if grad_weight is not None:
-                grad_weight.addmm_(g.t(), h.to(dtype))  # (V, H)
-            if grad_bias is not None:
-                grad_bias += g.sum(0)
-        if grad_weight is not None:
-            grad_weight = grad_weight.to(weight.dtype)
-        if grad_bias is not None:
-            grad_bias = grad_bias.to(bias.dtype)
-        return grad_hidden, grad_weight, grad_bias, None, None
+            grads.add(g, h, r)
+        return *grads.result(), None, None
 
 
 def _check_head(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> int:

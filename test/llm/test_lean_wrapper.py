@@ -514,17 +514,9 @@ class TestTopLogProbs:
     log-probs the wrapper writes, against the model's own logits."""
 
     @pytest.mark.parametrize("log_probs_at", ["all", "response"])
-    def test_top_tokens_of_ragged_rows(self, tiny_llm, log_probs_at):
+    def test_top_tokens_of_ragged_rows(self, tiny_llm, make_llm_scorer, log_probs_at):
         model, tokenizer = tiny_llm
-        lean = LeanTransformersWrapper(
-            model,
-            tokenizer=tokenizer,
-            input_mode="tokens",
-            generate=False,
-            return_log_probs=True,
-            pad_output=False,
-            log_probs_at=log_probs_at,
-        )
+        lean = make_llm_scorer(model, tokenizer, lean=True, log_probs_at=log_probs_at)
         full = [torch.tensor(tokenizer(t)["input_ids"]) for t in TEXTS]
         batch = lazy_stack([TensorDict(tokens=Tokens(full=f, prompt=f[:3])) for f in full])
         token_log_probs, values, ids = lean.top_log_probs(batch, 3)

@@ -14,7 +14,6 @@ except ImportError:
         raise  # CI installs the `llm` extra (make test): without it this is a failure, not a skip
     pytest.skip("needs the llm extra: pip install -e '.[llm]'", allow_module_level=True)
 
-import tensordict
 from helpers.llm import llm_batch, llm_scorer, tiny_causal_lm, tiny_tokenizer
 from tensordict import TensorDict, lazy_stack
 from torchrl.envs.llm import RetrieveLogProb
@@ -26,15 +25,12 @@ from torchrl_grpo.mcadvantage import Distillation
 KEY = ("next", "teacher_log_probs", "full")
 
 
-@pytest.fixture(autouse=True)
-def _list_to_stack():
-    with tensordict.set_list_to_stack(True):
-        yield
+pytestmark = pytest.mark.usefixtures("list_to_stack")
 
 
 @pytest.fixture(scope="module")
-def tok():
-    return tiny_tokenizer()
+def tok(char_tokenizer):
+    return char_tokenizer
 
 
 def teacher(tok, seed):

@@ -14,8 +14,7 @@ except ImportError:
         raise  # CI installs the `llm` extra (make test): without it this is a failure, not a skip
     pytest.skip("needs the llm extra: pip install -e '.[llm]'", allow_module_level=True)
 
-import tensordict
-from helpers.llm import llm_scorer, tiny_causal_lm, tiny_tokenizer
+from helpers.llm import llm_scorer, tiny_causal_lm
 from tensordict import TensorDict, lazy_stack
 
 from torchrl_grpo import TopKDistillationLoss
@@ -25,15 +24,12 @@ IDS, TOP = ("next", "teacher_top_ids", "full"), ("next", "teacher_top_log_probs"
 PROMPT = 2
 
 
-@pytest.fixture(autouse=True)
-def _list_to_stack():
-    with tensordict.set_list_to_stack(True):
-        yield
+pytestmark = pytest.mark.usefixtures("list_to_stack")
 
 
 @pytest.fixture(scope="module")
-def tok():
-    return tiny_tokenizer()
+def tok(char_tokenizer):
+    return char_tokenizer
 
 
 def token_rows(n=4):
