@@ -371,6 +371,10 @@ PRIVATE_NAMES: dict[str, tuple[tuple[str, ...] | None, str]] = {
     ),
     "torchrl.objectives:PPOLoss._set_in_keys": (("self",), "GRPOLoss's in_keys"),
     "torchrl.objectives:PPOLoss._in_keys": (None, "GRPOLoss's in_keys, reset when keys change"),
+    "torchrl.objectives:LossModule._forward_value_estimator_keys": (
+        ("self",),
+        "TopKDistillationLoss refreshes its in_keys when set_keys changes a key",
+    ),
     "torchrl.objectives:ClipPPOLoss._schedulable_buffers": (
         None,
         "GRPOLoss's coefficients are schedulable buffers, as ClipPPOLoss's clip_epsilon",

@@ -210,6 +210,19 @@ def test_refusals_name_the_problem(tok):
         TopKDistillationLoss(student, masking_strategy="everything")
 
 
+def test_set_keys_renames_what_it_reads(tok):
+    student_model, teacher_model = models(tok)
+    batch = scored(tok, teacher_model, ragged(token_rows()), 3, False)
+    loss = TopKDistillationLoss(llm_scorer(student_model, tok, lean=True))
+    expected = loss(batch).loss_distill
+    renamed = batch.clone()
+    for row in renamed.tensordicts:
+        row.set("top_ids", row.get(IDS))
+    loss.set_keys(teacher_top_ids="top_ids")
+    assert "top_ids" in loss.in_keys and IDS not in loss.in_keys
+    torch.testing.assert_close(loss(renamed.exclude(IDS)).loss_distill, expected)
+
+
 def test_teacher_top_k_refusals(tok):
     _, teacher_model = models(tok)
     plain = llm_scorer(teacher_model, tok, log_probs_key="teacher_log_probs")
