@@ -222,7 +222,12 @@ def baseline_option(choice: str) -> bool | str:
 
 
 def three_runs(cfg: Settings) -> list[Run]:
-    """The three runs; ``--distill-flags`` is read (and a flag it may not set refused) here."""
+    """The three runs; ``--distill-flags`` is read (and a flag it may not set refused) here, and
+    a negative ``--top-k``."""
+    if cfg.top_k < 0:
+        raise SystemExit(
+            f"--top-k must be 0 (the advantage) or a number of tokens, not {cfg.top_k}"
+        )
     centred = {"baseline": baseline_option(cfg.baseline)}
     alone = Distillation(0.0, cfg.beta, cfg.gamma, **centred)
     both = Distillation(1.0, cfg.both_beta, cfg.gamma, **centred)

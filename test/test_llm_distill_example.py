@@ -194,6 +194,12 @@ def test_distill_flags_refused_before_any_training(ex, flags, named, tmp_path):
     assert not (tmp_path / "o").exists()
 
 
+def test_a_negative_top_k_is_refused_before_any_training(ex, tmp_path):
+    with pytest.raises(SystemExit, match="--top-k must be 0"):
+        ex.main(["--top-k", "-1", "--teacher", str(tmp_path), "--out", str(tmp_path / "o")])
+    assert not (tmp_path / "o").exists()
+
+
 def test_reverse_kl_on_held_out_completions(ex, parts):
     """Exact KL(student || teacher) per response token: 0 against itself, positive otherwise,
     read on the completions up to their end-of-sequence."""
