@@ -155,14 +155,17 @@ def test_each_task_has_its_own_teachers_top_tokens(tok):
         task: llm_scorer(m, tok, lean=True, log_probs_key="teacher_log_probs")
         for task, m in models_.items()
     }
-    batch = TeacherLogProbs(teachers, tokenizer=tok, task_key="task", top_k=2)(batch)
+    scorer = TeacherLogProbs(
+        teachers, tokenizer=tok, task_key="task", top_k=2, log_probs_key="teacher_lp"
+    )  # a key of one name: the top tokens still go under "next", as the log-probs
+    batch = scorer(batch)
     for row, (task, full) in enumerate(zip("abab", rows, strict=True)):
         with torch.no_grad():
             q = models_[task](full[None]).logits[0].log_softmax(-1)[:-1].topk(2, -1)
         torch.testing.assert_close(batch[row].get(TOP)[1:], q.values)
         assert torch.equal(batch[row].get(IDS)[1:], q.indices)
         assert not batch[row].get(TOP)[0].any()  # the first token: no prediction
-    assert batch[0].get(("next", "teacher_log_probs", "full")).shape == rows[0].shape
+    assert batch[0].get(("next", "teacher_lp")).shape == rows[0].shape
 
 
 @pytest.mark.parametrize("pad_output", [False, True])

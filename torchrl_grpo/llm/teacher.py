@@ -181,8 +181,9 @@ class TeacherLogProbs(Transform):
         for row, task in enumerate(tasks):
             by_task.setdefault(task, []).append(row)
         entries = [written]
-        if self.top_k is not None:
-            entries += [(*written[:-2], *TEACHER_TOP_LOG_PROBS), (*written[:-2], *TEACHER_TOP_IDS)]
+        if self.top_k is not None:  # where _score writes them
+            root = ("next",) if "next" in tensordict.keys() else ()
+            entries += [(*root, *TEACHER_TOP_LOG_PROBS), (*root, *TEACHER_TOP_IDS)]
         scored = {entry: [None] * len(rows) for entry in entries}
         for task, members in by_task.items():  # each teacher once
             part = lazy_stack([rows[row].copy() for row in members])
