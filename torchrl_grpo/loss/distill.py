@@ -51,7 +51,7 @@ class TopKDistillationLossOutput(TensorClass["nocast"]):
 class TopKDistillationLoss(LossModule):
     """The student's reverse KL to a teacher over the teacher's ``K`` most likely tokens at each
     response position, on the student's own samples (on-policy distillation as a loss, GKD's
-    form with the teacher's top tokens, as verl's and TRL's top-k distillation store them).
+    form with the teacher's top tokens, as verl's top-k distillation stores them).
 
     .. math:: \\mathcal{L} = \\mathrm{coeff} \\cdot \\frac{1}{|M|} \\sum_{(b, t) \\in M}
         \\mathrm{KL}_{K+1}\\big(\\pi_\\theta(\\cdot \\mid y_{<t}) \\,\\|\\,
