@@ -23,6 +23,7 @@ import torch
 from tensordict import NestedKey, TensorClass, TensorDictBase
 from torchrl.objectives import LossModule
 
+from torchrl_grpo import ragged
 from torchrl_grpo.loss.inputs import MASKING_STRATEGIES, llm_masked_dist
 from torchrl_grpo.loss_terms import top_k_reverse_kl
 
@@ -203,16 +204,15 @@ class TopKDistillationLoss(LossModule):
 
 
 def _read(tensordict: TensorDictBase, key: NestedKey, padding) -> torch.Tensor:
-    """An entry as one tensor: rows of a lazy stack padded on the left, as the tokens."""
+    """An entry as one tensor: rows of a lazy stack padded on the left, as the tokens, with a
+    fixed number of operators (:func:`~torchrl_grpo.ragged.padded`)."""
     rows = tensordict.get(key, None, as_list=True)
     if rows is None:
         raise KeyError(
             f"TopKDistillationLoss needs {key!r} in the batch (TeacherLogProbs(..., top_k=K) "
             f"writes it); found keys {sorted(map(str, tensordict.keys(True, True)))}."
         )
-    if isinstance(rows, torch.Tensor):
-        return rows
-    return tensordict.get(key, as_padded_tensor=True, padding_side="left", padding_value=padding)
+    return rows if isinstance(rows, torch.Tensor) else ragged.padded(rows, padding, "left")
 
 
 def _check_teacher(teacher: torch.Tensor, mask: torch.Tensor, key: NestedKey) -> None:
